@@ -1,0 +1,34 @@
+# Quickstart: `make demo` and `make test`. Both create .venv when missing.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# torch 2.14.1 / torchvision 0.29.1 lie on this machine's disk; torchvision is needed by open_clip (HPSv2.1).
+TORCH_PIN ?= torch==2.14.1 torchvision==0.29.1
+
+.PHONY: demo test lint docs bench clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH_PIN)
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+demo: $(VENV)/.installed
+	HF_HUB_OFFLINE=1 $(VENV)/bin/trl-jagg demo --output_dir runs/demo
+
+test: $(VENV)/.installed
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check trl_jagg tests examples benchmarks docs
+	$(VENV)/bin/ruff format --check trl_jagg tests examples benchmarks docs
+
+docs: $(VENV)/.installed
+	$(PY) docs/generate_config_reference.py
+
+bench: $(VENV)/.installed
+	HF_HUB_OFFLINE=1 $(VENV)/bin/trl-jagg bench --output_dir runs/bench
+
+clean:
+	rm -rf runs .pytest_cache

@@ -1,0 +1,142 @@
+"""GRPO pieces shared by every model: group advantages, the PPO-clipped step loss, the KL term (pure torch)."""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+def group_advantages(
+    rewards: torch.Tensor,
+    num_generations: int,
+    *,
+    scale_by: str = "group",
+    clip: float | None = 5.0,
+    eps: float = 1e-4,
+) -> torch.Tensor:
+    """Advantages of consecutive groups of ``num_generations`` samples of the same prompt.
+
+    ``A = (r - mean of the group) / (std + eps)``, then clipped to ``[-clip, clip]``.
+
+    Args:
+        rewards: ``(num_groups * num_generations,)``, each prompt's samples consecutive.
+        num_generations: the GRPO group size G.
+        scale_by: ``"group"`` (the group's std), ``"batch"`` (the std of the whole batch, a global std) or
+            ``"none"`` (no scaling, as in Dr. GRPO).
+        clip: the advantage clip ``A_max``; ``None`` disables clipping.
+        eps: added to the std.
+    """
+    if num_generations < 1 or rewards.numel() % num_generations != 0:
+        raise ValueError(
+            f"`num_generations` ({num_generations}) must divide the number of rewards ({rewards.numel()})."
+        )
+    grouped = rewards.float().view(-1, num_generations)
+    centered = grouped - grouped.mean(dim=1, keepdim=True)
+    if scale_by == "group":
+        std = grouped.std(dim=1, keepdim=True)
+    elif scale_by == "batch":
+        std = grouped.std()
+    elif scale_by == "none":
+        std = torch.ones(())
+    else:
+        raise ValueError(f"`scale_by` must be 'group', 'batch' or 'none', got {scale_by!r}.")
+    advantages = (centered / (std + eps) if scale_by != "none" else centered).view(-1)
+    return advantages.clamp(-clip, clip) if clip is not None else advantages
+
+
+class PerPromptStatTracker:
+    """Advantages from a running per-prompt history of rewards (Flow-GRPO's ``per_prompt_stat_tracking``).
+
+    Each prompt keeps its last ``buffer_size`` rewards across steps, so small groups get stabler statistics.
+    ``buffer_size=None`` keeps only the current batch (then it equals :func:`group_advantages` up to the
+    grouping).
+    """
+
+    def __init__(self, buffer_size: int | None = None, *, global_std: bool = False, eps: float = 1e-4):
+        self.buffer_size = buffer_size
+        self.global_std = global_std
+        self.eps = eps
+        self.history: dict[str, deque[float]] = defaultdict(lambda: deque(maxlen=buffer_size))
+
+    def update(self, prompts: Sequence[str], rewards: torch.Tensor, clip: float | None = 5.0) -> torch.Tensor:
+        """Record ``rewards`` for ``prompts`` and return their advantages."""
+        if len(prompts) != rewards.numel():
+            raise ValueError(f"Got {len(prompts)} prompts for {rewards.numel()} rewards.")
+        rewards = rewards.float().flatten()
+        current: dict[str, list[float]] = defaultdict(list)
+        for prompt, reward in zip(prompts, rewards.tolist()):
+            current[prompt].append(reward)
+        stats = {}
+        for prompt, values in current.items():
+            if self.buffer_size is None:
+                self.history[prompt].clear()
+            self.history[prompt].extend(values)
+            stats[prompt] = torch.tensor(list(self.history[prompt]))
+        batch_std = rewards.std()
+        advantages = torch.empty_like(rewards)
+        for i, (prompt, reward) in enumerate(zip(prompts, rewards)):
+            values = stats[prompt]
+            std = batch_std if self.global_std else values.std(unbiased=values.numel() > 1)
+            advantages[i] = (reward - values.mean()) / (std + self.eps)
+        return advantages.clamp(-clip, clip) if clip is not None else advantages
+
+
+def kl_to_reference(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """Per-sample KL between the policy's and the reference's step Gaussians of equal std.
+
+    ``KL = mean over latent dims of (mu - mu_ref)^2 / (2 std^2)``; returns ``(batch,)``.
+    """
+    kl = (mean.float() - ref_mean.float()) ** 2 / (2 * std.float() ** 2)
+    return kl.mean(dim=tuple(range(1, kl.ndim)))
+
+
+@dataclass
+class StepLoss:
+    """The PPO loss of one denoising step and its diagnostics (floats, detached)."""
+
+    loss: torch.Tensor
+    policy_loss: float
+    kl: float
+    ratio_mean: float
+    clip_fraction: float
+    approx_kl: float
+
+
+def ppo_step_loss(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_range: float,
+    *,
+    kl: torch.Tensor | None = None,
+    beta: float = 0.0,
+) -> StepLoss:
+    """PPO-clipped loss of one step: ``mean(max(-A r, -A clip(r, 1-eps, 1+eps))) + beta * mean(KL)``.
+
+    Args:
+        log_prob: ``(batch,)`` log-probs of the rollout's next latents under the current policy.
+        old_log_prob: ``(batch,)`` the same, recorded at rollout time.
+        advantages: ``(batch,)``.
+        clip_range: PPO's epsilon.
+        kl: optional ``(batch,)`` KL to the reference (see :func:`kl_to_reference`).
+        beta: weight of the KL term.
+    """
+    log_ratio = log_prob - old_log_prob
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
+    policy_loss = torch.maximum(unclipped, clipped).mean()
+    kl_mean = kl.mean() if kl is not None else torch.zeros((), device=log_prob.device)
+    loss = policy_loss + beta * kl_mean if beta else policy_loss
+    with torch.no_grad():
+        return StepLoss(
+            loss=loss,
+            policy_loss=policy_loss.item(),
+            kl=kl_mean.item(),
+            ratio_mean=ratio.mean().item(),
+            clip_fraction=((ratio - 1.0).abs() > clip_range).float().mean().item(),
+            approx_kl=(0.5 * log_ratio**2).mean().item(),
+        )
