@@ -1,0 +1,54 @@
+"""Model registry: the diffusers pipeline class decides which adapter serves a model.
+
+Adding a model family means one adapter file and one line in ``MODEL_ADAPTERS``.
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers import DiffusionPipeline
+
+from .base import Conditioning, FlowMatchingAdapter, classifier_free_guidance
+from .flux import FluxAdapter
+
+MODEL_ADAPTERS: dict[str, type[FlowMatchingAdapter]] = {
+    "FluxPipeline": FluxAdapter,
+}
+
+
+def adapter_class(pipeline_class_name: str) -> type[FlowMatchingAdapter]:
+    """The adapter serving a pipeline class name; an unsupported one raises a ``ValueError`` listing the others."""
+    try:
+        return MODEL_ADAPTERS[pipeline_class_name]
+    except KeyError:
+        raise ValueError(
+            f"Unsupported pipeline class {pipeline_class_name!r}. trl_jagg supports {sorted(MODEL_ADAPTERS)}; "
+            "see CONTRIBUTING.md to add a model family (one adapter file and one registry line)."
+        ) from None
+
+
+def load_adapter(
+    model: str | DiffusionPipeline, *, dtype: torch.dtype = torch.float32, revision: str | None = None
+) -> FlowMatchingAdapter:
+    """Wrap a pipeline, or load one from a Hub id / local directory, in its adapter.
+
+    The pipeline class is read from ``model_index.json`` first, so an unsupported model fails before any
+    weights are downloaded or loaded.
+    """
+    if isinstance(model, DiffusionPipeline):
+        return adapter_class(type(model).__name__)(model)
+    class_name = DiffusionPipeline.load_config(model, revision=revision)["_class_name"]
+    adapter_cls = adapter_class(class_name)
+    pipeline = adapter_cls.pipeline_class.from_pretrained(model, dtype=dtype, revision=revision)
+    return adapter_cls(pipeline)
+
+
+__all__ = [
+    "MODEL_ADAPTERS",
+    "Conditioning",
+    "FlowMatchingAdapter",
+    "FluxAdapter",
+    "adapter_class",
+    "classifier_free_guidance",
+    "load_adapter",
+]

@@ -1,0 +1,259 @@
+"""DDPOJaggTrainer end to end on a tiny Flux pipeline built from config (offline)."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+from datasets import Dataset
+from diffusers import FluxPipeline
+from peft import LoraConfig
+from transformers import TrainerCallback
+
+from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
+from trl_jagg.models import load_adapter
+from trl_jagg.rollout import sample_trajectories
+
+PROMPTS = ["a red circle", "a green square", "a blue circle", "a red square"]
+
+
+def redness(prompts, images, **kwargs):
+    """An independent reward: mean red minus mean of the other channels."""
+    out = []
+    for image in images:
+        a = np.asarray(image, dtype=np.float32) / 255.0
+        out.append(float(a[..., 0].mean() - a[..., 1:].mean()))
+    return out
+
+
+def make_config(tmp_path, **overrides) -> GRPOJaggConfig:
+    kwargs = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        num_generations=2,
+        num_inference_steps=4,
+        height=32,
+        width=32,
+        max_steps=2,
+        learning_rate=1e-2,
+        clip_range=1e-1,
+        noise_level=0.9,
+        jagg_group_size=3,
+        jagg_frac=1.0,
+        max_sequence_length=16,
+        report_to="none",
+        save_strategy="no",
+        seed=0,
+        disable_tqdm=True,
+    )
+    kwargs.update(overrides)
+    return GRPOJaggConfig(**kwargs)
+
+
+def make_trainer(path, tmp_path, *, lora: bool = True, reward=redness, dataset=None, **overrides) -> DDPOJaggTrainer:
+    torch.manual_seed(0)
+    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_k", "to_v"], init_lora_weights="gaussian")
+    return DDPOJaggTrainer(
+        model=path,
+        reward_funcs=reward,
+        args=make_config(tmp_path, **overrides),
+        train_dataset=dataset if dataset is not None else Dataset.from_dict({"prompt": PROMPTS}),
+        peft_config=peft_config if lora else None,
+    )
+
+
+def trainable_state(trainer) -> dict[str, torch.Tensor]:
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_manual_sampling_reproduces_flux_pipeline(tiny_flux_path):
+    pipe = FluxPipeline.from_pretrained(tiny_flux_path)
+    prompts = ["a red circle", "a blue square"]
+    expected = pipe(
+        prompts,
+        height=32,
+        width=32,
+        num_inference_steps=4,
+        guidance_scale=3.5,
+        max_sequence_length=16,
+        generator=torch.Generator().manual_seed(0),
+        output_type="latent",
+    ).images
+    adapter = load_adapter(pipe)
+    cond = adapter.condition(prompts, height=32, width=32, max_sequence_length=16)
+    noise = adapter.prepare_latents(2, 32, 32, torch.Generator().manual_seed(0))
+    sigmas, timesteps = adapter.schedule(4, 32, 32)
+    trajectory = sample_trajectories(
+        adapter, cond, noise, sigmas, timesteps, sampler="sde", noise_level=0.0, guidance_scale=3.5, true_cfg_scale=1
+    )
+    torch.testing.assert_close(trajectory.latents[:, -1], expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+@pytest.mark.parametrize("use_jagg", [True, False], ids=["jagg", "exact"])
+def test_two_training_steps(tiny_flux_path, tmp_path, lora, use_jagg):
+    trainer = make_trainer(tiny_flux_path, tmp_path, lora=lora, use_jagg=use_jagg)
+    before = trainable_state(trainer)
+    trainer.train()
+    after = trainable_state(trainer)
+    assert any(not torch.equal(before[n], after[n]) for n in before), "no parameter changed"
+    if lora:
+        assert all("lora" in n for n in before)
+    logs = [entry for entry in trainer.state.log_history if "reward" in entry]
+    assert len(logs) == 2
+    for entry in logs:
+        assert math.isfinite(entry["loss"])
+        for key in ("reward_std", "rewards/redness/mean", "ratio", "clip_fraction", "approx_kl", "grad_norm",
+                    "learning_rate", "time/rollout_s", "time/update_s", "jagg/backward_calls"):  # fmt: skip
+            assert key in entry, key
+    # 3 trained steps (all but the last of 4) in one group of W=3: one backward with JAGG, three without.
+    assert logs[0]["jagg/backward_calls"] == (1 if use_jagg else 3)
+
+
+def test_first_ratio_on_fresh_rollout_is_exactly_one(tiny_flux_path, tmp_path):
+    trainer = make_trainer(tiny_flux_path, tmp_path, max_steps=1)
+    trainer.train()
+    entry = next(e for e in trainer.state.log_history if "ratio" in e)
+    assert entry["ratio"] == 1.0
+    assert entry["clip_fraction"] == 0.0
+    assert entry["approx_kl"] == 0.0
+
+
+def test_jagg_frac_zero_equals_exact(tiny_flux_path, tmp_path):
+    exact = make_trainer(tiny_flux_path, tmp_path / "a", use_jagg=False, max_steps=1)
+    exact.train()
+    routed = make_trainer(tiny_flux_path, tmp_path / "b", use_jagg=True, jagg_frac=0.0, max_steps=1)
+    routed.train()
+    a, b = trainable_state(exact), trainable_state(routed)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=0, rtol=0)
+
+
+def test_saved_lora_reloads_into_fresh_pipeline(tiny_flux_path, tmp_path):
+    trainer = make_trainer(tiny_flux_path, tmp_path, max_steps=1)
+    trainer.train()
+    trainer.save_model()
+    out = trainer.args.output_dir
+    assert os.path.isfile(os.path.join(out, "pytorch_lora_weights.safetensors"))
+    in_memory = trainer.sample_images(["a red circle"], seed=3)
+    fresh = FluxPipeline.from_pretrained(tiny_flux_path)
+    fresh.load_lora_weights(out)
+    reloaded = fresh(
+        "a red circle",
+        height=32,
+        width=32,
+        num_inference_steps=4,
+        guidance_scale=3.5,
+        max_sequence_length=16,
+        generator=torch.Generator().manual_seed(3),
+    ).images[0]
+    diff = np.abs(np.asarray(in_memory[0], dtype=np.int16) - np.asarray(reloaded, dtype=np.int16))
+    assert diff.max() <= 1  # uint8 rounding only
+    # And the base pipeline without the LoRA differs: the test would catch a LoRA that did not load.
+    base = FluxPipeline.from_pretrained(tiny_flux_path)(
+        "a red circle", height=32, width=32, num_inference_steps=4, max_sequence_length=16,
+        generator=torch.Generator().manual_seed(3), output_type="latent",
+    ).images  # fmt: skip
+    lora_latents = fresh(
+        "a red circle", height=32, width=32, num_inference_steps=4, max_sequence_length=16,
+        generator=torch.Generator().manual_seed(3), output_type="latent",
+    ).images  # fmt: skip
+    assert not torch.allclose(base, lora_latents)
+
+
+class StopAt(TrainerCallback):
+    """Simulates an interruption after ``step`` optimizer steps."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_training_stop = True
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_resume_reproduces_uninterrupted_run(tiny_flux_path, tmp_path, lora):
+    straight = make_trainer(tiny_flux_path, tmp_path / "straight", lora=lora, max_steps=4)
+    straight.train()
+    first = make_trainer(tiny_flux_path, tmp_path / "resumed", lora=lora, max_steps=4, save_strategy="steps", save_steps=2)
+    first.add_callback(StopAt(2))
+    first.train()
+    assert first.state.global_step == 2
+    checkpoint = os.path.join(first.args.output_dir, "checkpoint-2")
+    assert os.path.isdir(checkpoint) and not os.path.exists(checkpoint.replace("checkpoint-2", "tmp-checkpoint-2"))
+    second = make_trainer(tiny_flux_path, tmp_path / "resumed", lora=lora, max_steps=4, save_strategy="no")
+    second.train(resume_from_checkpoint=checkpoint)
+    a, b = trainable_state(straight), trainable_state(second)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0)
+
+
+def test_push_to_hub_folder_has_weights_and_card(tiny_flux_path, tmp_path, monkeypatch):
+    trainer = make_trainer(tiny_flux_path, tmp_path, max_steps=1)
+    trainer.train()
+    uploaded = {}
+
+    class FakeApi:
+        def upload_folder(self, repo_id, folder_path, **kwargs):
+            uploaded["repo_id"] = repo_id
+            uploaded["files"] = sorted(os.listdir(folder_path))
+            uploaded["card"] = open(os.path.join(folder_path, "README.md")).read()
+
+    import transformers.trainer
+
+    monkeypatch.setattr(transformers.trainer, "hf_api", lambda: FakeApi())
+    trainer.hub_model_id = "me/flux-grpo"
+    trainer.push_to_hub()
+    assert uploaded["repo_id"] == "me/flux-grpo"
+    assert "pytorch_lora_weights.safetensors" in uploaded["files"]
+    card = uploaded["card"]
+    assert f"base_model: {tiny_flux_path}" in card
+    for tag in ("trl", "trl-jagg", "grpo", "diffusers", "lora"):
+        assert f"- {tag}" in card
+    assert 'pipe.load_lora_weights("me/flux-grpo")' in card
+    assert "2607.17572" in card
+
+
+# ---------------------------------------------------------------- bad input fails early and clearly
+def test_missing_prompt_column(tiny_flux_path, tmp_path):
+    with pytest.raises(ValueError, match="no 'prompt' column.*rename_column"):
+        make_trainer(tiny_flux_path, tmp_path, dataset=Dataset.from_dict({"text": PROMPTS}))
+
+
+@pytest.mark.parametrize(
+    ("reward", "match"),
+    [
+        (lambda prompts, images, **kw: [float("nan")] * len(images), "NaN|nan|finite"),
+        (lambda prompts, images, **kw: [0.0] * (len(images) - 1), "3|4|count|length"),
+    ],
+    ids=["nan", "wrong-length"],
+)
+def test_bad_reward_stops_the_step(tiny_flux_path, tmp_path, reward, match):
+    reward.__name__ = "bad_reward"
+    trainer = make_trainer(tiny_flux_path, tmp_path, reward=reward, max_steps=1)
+    with pytest.raises(ValueError, match="bad_reward"):
+        trainer.train()
+
+
+def test_unsupported_pipeline_class(tmp_path):
+    (tmp_path / "model_index.json").write_text('{"_class_name": "StableDiffusionPipeline"}')
+    with pytest.raises(ValueError, match="Unsupported pipeline class 'StableDiffusionPipeline'.*FluxPipeline"):
+        make_trainer(str(tmp_path), tmp_path)
+
+
+def test_config_errors_name_the_field(tmp_path):
+    with pytest.raises(ValueError, match="num_generations"):
+        make_config(tmp_path, num_generations=1)
+    with pytest.raises(ValueError, match="per_device_train_batch_size.*num_generations"):
+        make_config(tmp_path, per_device_train_batch_size=3, num_generations=2)
+    with pytest.raises(ValueError, match="jagg_group_size"):
+        make_config(tmp_path, jagg_group_size=0)
+    with pytest.raises(ValueError, match="jagg_frac"):
+        make_config(tmp_path, jagg_frac=1.5)
+    with pytest.raises(ValueError, match="sampler"):
+        make_config(tmp_path, sampler="euler")

@@ -1,0 +1,569 @@
+"""DDPOJaggTrainer: GRPO for text-to-image flow models on the TRL trainer API, with JAGG group gradients.
+
+Each optimizer step: rollout (SDE sampling under ``no_grad``, log-probs recorded) -> decode -> rewards ->
+per-prompt group advantages -> update over the trained denoising steps through the JAGG engine, whose backward
+is ``accelerator.backward``. Everything else (optimizer, scheduler, logging, ``report_to``, checkpoints, resume,
+``push_to_hub``) is ``transformers.Trainer``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import glob
+import os
+import random
+import shutil
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from accelerate.utils import gather_object
+from datasets import Dataset
+from diffusers import DiffusionPipeline
+from diffusers.training_utils import cast_training_params
+from peft import LoraConfig, get_peft_model_state_dict, set_peft_model_state_dict
+from safetensors.torch import load_file
+from torch.utils.data import Sampler
+from transformers import TrainerCallback
+from transformers.trainer import TRAINER_STATE_NAME, TRAINING_ARGS_NAME
+from transformers.trainer_callback import ExportableState
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+from trl.trainer.base_trainer import _BaseTrainer
+from trl.trainer.utils import RepeatSampler
+
+from .grpo import PerPromptStatTracker, group_advantages, kl_to_reference, ppo_step_loss
+from .grpo_jagg_config import GRPOJaggConfig
+from .jagg import EngineResult, JaggEngine, plan_groups
+from .model_card import write_model_card
+from .models import FlowMatchingAdapter, load_adapter
+from .rewards import check_rewards, load_reward_funcs
+from .rollout import Trajectory, generate_images, sample_trajectories
+from .sampling import sampler_step
+
+LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
+RewardFunc = Callable[..., list[float]]
+
+
+class DDPOJaggTrainer(_BaseTrainer):
+    """GRPO trainer for flow-matching text-to-image pipelines (Flux, SD3/SD3.5, Qwen-Image), with JAGG.
+
+    Args:
+        model: a Hub id, a local directory, or a loaded :class:`~diffusers.DiffusionPipeline`. Its transformer
+            backbone is trained; the VAE and text encoders are frozen and stay in the pipeline's dtype.
+        reward_funcs: a reward name (see :mod:`trl_jagg.rewards`), a callable
+            ``(prompts, images, **columns) -> list[float]``, or a list mixing both.
+        args: the configuration; defaults to ``GRPOJaggConfig("grpo-jagg")``.
+        train_dataset: a dataset with a ``prompt`` column; other columns reach the reward functions as kwargs.
+        peft_config: a :class:`~peft.LoraConfig` for LoRA training; ``None`` trains the full backbone.
+        callbacks, optimizers: as in :class:`~transformers.Trainer`.
+    """
+
+    _tag_names = ["trl", "trl-jagg", "grpo", "diffusers", "text-to-image"]
+    _name = "GRPO-JAGG"
+
+    def __init__(
+        self,
+        model: str | DiffusionPipeline,
+        reward_funcs: str | RewardFunc | Sequence[str | RewardFunc],
+        args: GRPOJaggConfig | None = None,
+        train_dataset: Dataset | None = None,
+        peft_config: LoraConfig | None = None,
+        callbacks: list[TrainerCallback] | None = None,
+        optimizers: tuple = (None, None),
+    ):
+        args = args if args is not None else GRPOJaggConfig("grpo-jagg")
+        if not isinstance(args, GRPOJaggConfig):
+            raise TypeError(f"`args` must be a GRPOJaggConfig, got {type(args).__name__}.")
+        # Cheap checks first: nothing is loaded before the inputs are known to be usable.
+        if train_dataset is None:
+            raise ValueError("`train_dataset` is required: a datasets.Dataset with a 'prompt' column.")
+        if "prompt" not in (train_dataset.column_names or []):
+            raise ValueError(
+                f"`train_dataset` has no 'prompt' column (columns: {train_dataset.column_names}). "
+                "Rename the text column, e.g. `dataset.rename_column('text', 'prompt')`."
+            )
+        self.reward_funcs = load_reward_funcs(reward_funcs)
+        weights = args.reward_weights if args.reward_weights is not None else [1.0] * len(self.reward_funcs)
+        if len(weights) != len(self.reward_funcs):
+            raise ValueError(
+                f"GRPOJaggConfig.reward_weights has {len(weights)} values for {len(self.reward_funcs)} reward "
+                "functions. Give one weight per reward function."
+            )
+        self.reward_weights = torch.tensor(weights, dtype=torch.float32)
+        self.reward_names = [getattr(f, "__name__", type(f).__name__) for f in self.reward_funcs]
+
+        self.base_model_id = model if isinstance(model, str) else (model.name_or_path or None)
+        self.adapter: FlowMatchingAdapter = load_adapter(
+            model, dtype=getattr(torch, args.dtype), revision=args.model_revision
+        )
+        pipeline = self.adapter.pipeline
+        pipeline.set_progress_bar_config(disable=True)
+        for component in pipeline.components.values():
+            if isinstance(component, torch.nn.Module):
+                component.requires_grad_(False).eval()
+
+        transformer = self.adapter.transformer
+        self.peft_config = peft_config
+        if peft_config is not None:
+            transformer.add_adapter(peft_config)
+            # Trainable LoRA weights live in float32 even when the backbone runs in bf16.
+            cast_training_params(transformer, dtype=torch.float32)
+        else:
+            transformer.requires_grad_(True)
+        self.ref_transformer = None
+        if args.beta > 0 and peft_config is None:
+            self.ref_transformer = copy.deepcopy(transformer).requires_grad_(False).eval()
+        if args.gradient_checkpointing:
+            # transformers' own switch calls a transformers-only method; diffusers has its own.
+            transformer.enable_gradient_checkpointing()
+            args.gradient_checkpointing = False
+
+        self.stat_tracker = (
+            PerPromptStatTracker(args.stat_tracking_buffer_size) if args.per_prompt_stat_tracking else None
+        )
+        self._metrics: dict[str, list[float]] = defaultdict(list)
+        self._step = 0
+        self._buffered_inputs: list[dict[str, Any]] | None = None
+
+        super().__init__(
+            model=transformer,
+            args=args,
+            data_collator=_identity_collator,
+            train_dataset=train_dataset,
+            processing_class=None,
+            callbacks=callbacks,
+            optimizers=optimizers,
+        )
+        for component in pipeline.components.values():
+            if isinstance(component, torch.nn.Module) and component is not transformer:
+                component.to(self.accelerator.device)
+        if self.ref_transformer is not None:
+            self.ref_transformer.to(self.accelerator.device)
+        if args.image_log_steps and args.eval_prompts:
+            self.add_callback(SampleImagesCallback(self))
+
+    # ------------------------------------------------------------------ data
+    def _send_telemetry(self) -> None:
+        """No telemetry: this trainer is not TRL's, and runs offline."""
+
+    def _set_signature_columns_if_needed(self) -> None:
+        self._signature_columns = ["prompt"]
+
+    def get_train_dataloader(self):
+        # One dataloader batch is a whole rollout (steps_per_generation micro-batches), as in TRL's GRPOTrainer.
+        return self._get_dataloader(
+            dataset=self.train_dataset,
+            description="Training",
+            batch_size=self._train_batch_size * self.args.steps_per_generation,
+            sampler_fn=self._get_train_sampler,
+            is_training=True,
+        )
+
+    def _get_train_sampler(self, dataset: Dataset | None = None) -> Sampler:
+        # Each prompt appears num_generations times in a row; the batch is repeated for every micro-batch and
+        # inner iteration it feeds, so the dataloader stays aligned with the rollout buffer.
+        return EpochSeededRepeatSampler(
+            data_source=dataset if dataset is not None else self.train_dataset,
+            mini_repeat_count=self.args.num_generations,
+            batch_size=self.args.generation_batch_size // self.args.num_generations,
+            repeat_count=self.args.num_iterations * self.args.steps_per_generation,
+            shuffle=True,
+            seed=self.args.seed,
+        )
+
+    # ------------------------------------------------------------------ training step
+    def training_step(
+        self, model: torch.nn.Module, inputs: list[dict[str, Any]], num_items_in_batch: Any = None
+    ) -> torch.Tensor:
+        model.train()
+        batch = self._prepare_inputs(inputs)
+        start = time.perf_counter()
+        result = self._update(model, batch)
+        self._metrics["time/update_s"].append(time.perf_counter() - start)
+        return torch.tensor(result.loss / self.current_gradient_accumulation_steps, device=self.accelerator.device)
+
+    def _prepare_inputs(self, generation_batch: list[dict[str, Any]]) -> dict[str, Any]:
+        generate_every = self.args.steps_per_generation * self.args.num_iterations
+        if self._step % generate_every == 0 or self._buffered_inputs is None:
+            rollout = self._generate_and_score(generation_batch)
+            self._buffered_inputs = _split_rollout(rollout, self.args.steps_per_generation)
+        inputs = self._buffered_inputs[self._step % self.args.steps_per_generation]
+        self._step += 1
+        return inputs
+
+    def _rng_seed(self, *parts: int) -> int:
+        """A seed that depends on the run seed, the optimizer step and ``parts``: resuming replays the same noise."""
+        return hash((self.args.seed, self.state.global_step, *parts)) % (2**63)
+
+    @torch.no_grad()
+    def _generate_and_score(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        args = self.args
+        start = time.perf_counter()
+        prompts = [str(x["prompt"]) for x in inputs]
+        columns = {k: [x[k] for x in inputs] for k in inputs[0] if k != "prompt"}
+        transformer = self.accelerator.unwrap_model(self.model)
+        was_training = transformer.training
+        transformer.eval()
+
+        sigmas, timesteps = self.adapter.schedule(args.num_inference_steps, args.height, args.width)
+        stochastic_steps = self._sde_window()
+        # Encode every distinct prompt once; samples index into it.
+        unique = list(dict.fromkeys(prompts))
+        negative = args.negative_prompt if (args.true_cfg_scale > 1 or self._uses_cfg()) else None
+        cond = self.adapter.condition(
+            unique, height=args.height, width=args.width, negative_prompt=negative,
+            max_sequence_length=args.max_sequence_length,
+        ).select(torch.tensor([unique.index(p) for p in prompts], device=self.accelerator.device))
+
+        generator = torch.Generator(self.accelerator.device).manual_seed(self._rng_seed(self.accelerator.process_index))
+        chunk = args.sample_batch_size or args.per_device_train_batch_size
+        trajectories: list[Trajectory] = []
+        images = []
+        for begin in range(0, len(prompts), chunk):
+            index = slice(begin, begin + chunk)
+            noise = self.adapter.prepare_latents(len(prompts[index]), args.height, args.width, generator)
+            trajectory = sample_trajectories(
+                self.adapter, cond.select(index), noise, sigmas, timesteps,
+                sampler=args.sampler, noise_level=args.noise_level, guidance_scale=args.guidance_scale,
+                true_cfg_scale=args.true_cfg_scale, stochastic_steps=stochastic_steps, generator=generator,
+                transformer=transformer,
+            )  # fmt: skip
+            trajectories.append(trajectory)
+            images.extend(self.adapter.decode(trajectory.latents[:, -1], args.height, args.width))
+        transformer.train(was_training)
+        rollout_seconds = time.perf_counter() - start
+
+        start = time.perf_counter()
+        per_func = torch.stack(
+            [
+                check_rewards(name, func(prompts=prompts, images=images, **columns), len(images))
+                for name, func in zip(self.reward_names, self.reward_funcs)
+            ],
+            dim=1,
+        ).to(self.accelerator.device)
+        rewards = (per_func * self.reward_weights.to(per_func.device)).sum(dim=1)
+        all_per_func = self.accelerator.gather(per_func)
+        all_rewards = self.accelerator.gather(rewards)
+        if self.stat_tracker is not None:
+            all_prompts = gather_object(prompts)
+            advantages = self.stat_tracker.update(all_prompts, all_rewards.cpu(), clip=args.adv_clip_max)
+        else:
+            advantages = group_advantages(
+                all_rewards, args.num_generations, scale_by=args.scale_rewards, clip=args.adv_clip_max
+            )
+        rank = self.accelerator.process_index
+        local = slice(rank * len(prompts), (rank + 1) * len(prompts))
+
+        grouped = all_rewards.view(-1, args.num_generations)
+        self._metrics["reward"].append(all_rewards.mean().item())
+        self._metrics["reward_std"].append(all_rewards.std().item())
+        self._metrics["frac_reward_zero_std"].append((grouped.std(dim=1) < 1e-6).float().mean().item())
+        for i, name in enumerate(self.reward_names):
+            self._metrics[f"rewards/{name}/mean"].append(all_per_func[:, i].mean().item())
+            self._metrics[f"rewards/{name}/std"].append(all_per_func[:, i].std().item())
+        self._metrics["advantages/mean"].append(advantages.mean().item())
+        self._metrics["advantages/abs_mean"].append(advantages.abs().mean().item())
+        latents = torch.cat([t.latents for t in trajectories])
+        self._metrics["latents/final_std"].append(latents[:, -1].std().item())
+        self._metrics["time/rollout_s"].append(rollout_seconds)
+        self._metrics["time/reward_s"].append(time.perf_counter() - start)
+        return {
+            "latents": latents,
+            "log_probs": torch.cat([t.log_probs for t in trajectories]),
+            "advantages": advantages[local].to(self.accelerator.device),
+            "cond": cond,
+            "sigmas": sigmas,
+            "timesteps": timesteps,
+            "stochastic_steps": stochastic_steps,
+        }
+
+    def _uses_cfg(self) -> bool:
+        """Whether the model family applies classifier-free guidance through ``guidance_scale`` (SD3)."""
+        return getattr(self.adapter, "guidance_is_cfg", False) and self.args.guidance_scale > 1
+
+    def _sde_window(self) -> list[int] | None:
+        """Flow-GRPO-Fast: the stochastic steps of this rollout (``None``: all)."""
+        args = self.args
+        if args.sde_window_size == 0:
+            return None
+        max_start = args.sde_window_max_start
+        if max_start is None:
+            max_start = max(0, min(args.num_inference_steps // 2, args.num_inference_steps - args.sde_window_size))
+        start = random.Random(self._rng_seed(-1)).randint(0, max_start)
+        return list(range(start, start + args.sde_window_size))
+
+    def _trained_steps(self, batch: dict[str, Any]) -> list[int]:
+        """Which denoising steps this update trains, identical on every process."""
+        args = self.args
+        num_steps = args.num_inference_steps
+        if args.train_timesteps == "all":
+            return list(range(num_steps))
+        if args.train_timesteps == "all_but_last":
+            return list(range(num_steps - 1))
+        if args.train_timesteps == "sde_window":
+            return list(batch["stochastic_steps"])
+        count = max(1, round(args.train_timestep_fraction * num_steps))
+        return sorted(random.Random(self._rng_seed(-2, self._step)).sample(range(num_steps), count))
+
+    # ------------------------------------------------------------------ update
+    def _update(self, model: torch.nn.Module, batch: dict[str, Any]) -> EngineResult:
+        args = self.args
+        trained = self._trained_steps(batch)
+        latents, old_log_probs, advantages = batch["latents"], batch["log_probs"], batch["advantages"]
+        sigmas, timesteps, cond = batch["sigmas"], batch["timesteps"], batch["cond"]
+        size = latents.shape[0]
+        guidance = {"guidance_scale": args.guidance_scale, "true_cfg_scale": args.true_cfg_scale}
+
+        def velocity(transformer: torch.nn.Module, k: int) -> torch.Tensor:
+            return self.adapter.predict_velocity(
+                transformer, latents[:, k], timesteps[k].expand(size), cond, **guidance
+            )
+
+        ref_means = self._reference_means(batch, trained, velocity) if args.beta > 0 else {}
+        step_stats: dict[str, list[float]] = defaultdict(list)
+
+        def loss_fn(i: int, v: torch.Tensor) -> torch.Tensor:
+            k = trained[i]
+            step = sampler_step(
+                v, latents[:, k], sigmas[k], sigmas[k + 1], sampler=args.sampler, noise_level=args.noise_level,
+                sigma_max=sigmas[1], prev_sample=latents[:, k + 1],
+            )  # fmt: skip
+            kl = kl_to_reference(step.mean, ref_means[k], step.std) if k in ref_means else None
+            out = ppo_step_loss(step.log_prob, old_log_probs[:, k], advantages, args.clip_range, kl=kl, beta=args.beta)
+            for key in ("policy_loss", "kl", "ratio_mean", "clip_fraction", "approx_kl"):
+                step_stats[key].append(getattr(out, key))
+            return out.loss
+
+        groups = plan_groups(
+            [float(sigmas[k]) for k in trained],
+            args.jagg_group_size if args.use_jagg else 1,
+            args.jagg_frac if args.use_jagg else 0.0,
+            args.jagg_mode if args.use_jagg else "exact",
+        )
+        engine = JaggEngine(
+            lambda i: velocity(model, trained[i]),
+            loss_fn,
+            self.accelerator.backward,
+            sync_context=lambda is_last: contextlib.nullcontext() if is_last else self.accelerator.no_sync(model),
+            loss_weight=1.0 / (len(trained) * self.current_gradient_accumulation_steps),
+        )
+        result = engine.run(groups)
+
+        self._metrics["loss"].append(result.loss)
+        for key, values in step_stats.items():
+            self._metrics[key if key != "ratio_mean" else "ratio"].append(sum(values) / len(values))
+        self._metrics["jagg/groups_jagg"].append(result.num_jagg_groups)
+        self._metrics["jagg/groups_exact"].append(result.num_exact_groups)
+        self._metrics["jagg/backward_calls"].append(result.num_backward)
+        return result
+
+    @torch.no_grad()
+    def _reference_means(
+        self, batch: dict[str, Any], trained: list[int], velocity: Callable[[torch.nn.Module, int], torch.Tensor]
+    ) -> dict[int, torch.Tensor]:
+        """Means of the reference model's step Gaussians (base weights) for the KL term."""
+        args = self.args
+        transformer = self.accelerator.unwrap_model(self.model)
+        context = contextlib.nullcontext()
+        if self.ref_transformer is not None:
+            transformer = self.ref_transformer
+        else:
+            context = _adapters_disabled(transformer)
+        means = {}
+        with context:
+            for k in trained:
+                means[k] = sampler_step(
+                    velocity(transformer, k), batch["latents"][:, k], batch["sigmas"][k], batch["sigmas"][k + 1],
+                    sampler=args.sampler, noise_level=args.noise_level, sigma_max=batch["sigmas"][1],
+                ).mean  # fmt: skip
+        return means
+
+    # ------------------------------------------------------------------ logging
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        logs.update({key: sum(values) / len(values) for key, values in self._metrics.items() if values})
+        super().log(logs, start_time)
+        self._metrics.clear()
+
+    def sample_images(self, prompts: Sequence[str] | None = None, seed: int | None = None) -> list:
+        """Render prompts (default: ``eval_prompts``) with deterministic ODE sampling and the current weights."""
+        args = self.args
+        transformer = self.accelerator.unwrap_model(self.model)
+        was_training = transformer.training
+        transformer.eval()
+        images = generate_images(
+            self.adapter,
+            list(prompts if prompts is not None else args.eval_prompts),
+            num_steps=args.eval_num_inference_steps or args.num_inference_steps,
+            height=args.height,
+            width=args.width,
+            guidance_scale=args.guidance_scale,
+            true_cfg_scale=args.true_cfg_scale,
+            negative_prompt=args.negative_prompt if (args.true_cfg_scale > 1 or self._uses_cfg()) else None,
+            max_sequence_length=args.max_sequence_length,
+            seed=args.eval_seed if seed is None else seed,
+        )
+        transformer.train(was_training)
+        return images
+
+    # ------------------------------------------------------------------ saving
+    @property
+    def is_lora(self) -> bool:
+        return self.peft_config is not None
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """LoRA in the diffusers format ``pipe.load_lora_weights`` reads; full fine-tuning as ``save_pretrained``."""
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if not self.args.should_save:
+            return
+        os.makedirs(output_dir, exist_ok=True)
+        transformer = self.accelerator.unwrap_model(self.model)
+        if self.is_lora:
+            self.adapter.pipeline_class.save_lora_weights(
+                output_dir,
+                transformer_lora_layers=get_peft_model_state_dict(transformer),
+                # Without the metadata a lora_alpha != r adapter reloads with the wrong scale.
+                transformer_lora_adapter_metadata=self.peft_config.to_dict(),
+            )
+        else:
+            transformer.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
+        transformer = self.accelerator.unwrap_model(model if model is not None else self.model)
+        if self.is_lora:
+            path = os.path.join(resume_from_checkpoint, LORA_WEIGHTS_NAME)
+            if not os.path.isfile(path):
+                raise ValueError(f"No {LORA_WEIGHTS_NAME} in {resume_from_checkpoint}: not a LoRA checkpoint.")
+            prefix = f"{self.adapter.pipeline_class.transformer_name}."
+            state = {k.removeprefix(prefix): v for k, v in load_file(path).items()}
+            result = set_peft_model_state_dict(transformer, state)
+            if getattr(result, "unexpected_keys", None):
+                raise ValueError(f"Checkpoint {path} has keys the adapter lacks: {result.unexpected_keys[:5]}")
+        else:
+            files = sorted(glob.glob(os.path.join(resume_from_checkpoint, "diffusion_pytorch_model*.safetensors")))
+            if not files:
+                raise ValueError(f"No diffusion_pytorch_model*.safetensors in {resume_from_checkpoint}.")
+            state = {}
+            for file in files:
+                state.update(load_file(file))
+            transformer.load_state_dict(state, strict=True)
+
+    def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
+        """Write ``checkpoint-N`` atomically: into a staging folder, renamed once complete."""
+        run_dir = self._get_output_dir(trial=trial)
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        final_dir, staging_dir = os.path.join(run_dir, name), os.path.join(run_dir, f"tmp-{name}")
+        if self.args.should_save and os.path.isdir(staging_dir):
+            shutil.rmtree(staging_dir)  # left by an interrupted save
+        self.accelerator.wait_for_everyone()
+        self.save_model(staging_dir, _internal_call=True)
+        if not self.args.save_only_model:
+            self._save_optimizer_and_scheduler(staging_dir)
+            self._save_scaler(staging_dir)
+            self._save_rng_state(staging_dir)
+        if self.args.should_save:
+            for callback in [*self.callback_handler.callbacks, self.control]:
+                if isinstance(callback, ExportableState):
+                    self.state.stateful_callbacks[callback.__class__.__name__] = callback.state()
+            self.state.save_to_json(os.path.join(staging_dir, TRAINER_STATE_NAME))
+        self.accelerator.wait_for_everyone()
+        if self.args.should_save:
+            if os.path.isdir(final_dir):
+                shutil.rmtree(final_dir)
+            os.replace(staging_dir, final_dir)
+        self.accelerator.wait_for_everyone()
+        if self.args.push_to_hub:
+            self._push_from_checkpoint(final_dir)
+        if self.args.should_save:
+            rotate_checkpoints(
+                output_dir=run_dir,
+                save_total_limit=self.args.save_total_limit,
+                best_model_checkpoint=self.state.best_model_checkpoint,
+                use_mtime=True,
+            )
+
+    def create_model_card(
+        self,
+        model_name: str | None = None,
+        dataset_name: str | None = None,
+        tags: str | list[str] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """Write ``README.md`` in ``output_dir``: a diffusers model card naming the base model and the recipe."""
+        if not self.is_world_process_zero():
+            return
+        extra_tags = [tags] if isinstance(tags, str) else list(tags or [])
+        write_model_card(
+            self.args.output_dir,
+            base_model=self.base_model_id,
+            pipeline_class=self.adapter.pipeline_class.__name__,
+            is_lora=self.is_lora,
+            args=self.args,
+            reward_names=self.reward_names,
+            tags=[*self._tag_names, *(["lora"] if self.is_lora else []), *extra_tags],
+            model_name=model_name,
+            dataset_name=dataset_name,
+            hub_model_id=self.hub_model_id,
+        )
+
+
+class SampleImagesCallback(TrainerCallback):
+    """Renders ``eval_prompts`` every ``image_log_steps`` optimizer steps; saves a PNG grid and sends it to the
+    TensorBoard / W&B / trackio trackers enabled in ``report_to``."""
+
+    def __init__(self, trainer: DDPOJaggTrainer):
+        self.trainer = trainer
+
+    def on_step_end(self, args: GRPOJaggConfig, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step % args.image_log_steps == 0 or state.global_step == state.max_steps:
+            self.log_samples(state.global_step)
+
+    def log_samples(self, step: int) -> None:
+        from .image_logging import log_image_grid
+
+        images = self.trainer.sample_images()
+        if self.trainer.is_world_process_zero():
+            log_image_grid(self.trainer, images, list(self.trainer.args.eval_prompts), step)
+
+
+class EpochSeededRepeatSampler(RepeatSampler):
+    """TRL's ``RepeatSampler`` whose shuffle depends only on ``(seed, epoch)``, so a resumed run sees the order an
+    uninterrupted run would (the parent draws every epoch from one generator, which a restart resets)."""
+
+    def set_epoch(self, epoch: int) -> None:
+        if self.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.seed + epoch)
+
+
+def _identity_collator(features: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return features
+
+
+def _split_rollout(rollout: dict[str, Any], num_chunks: int) -> list[dict[str, Any]]:
+    """Split a rollout along the batch into ``num_chunks`` micro-batches (shared entries are kept as is)."""
+    size = rollout["latents"].shape[0] // num_chunks
+    chunks = []
+    for c in range(num_chunks):
+        index = slice(c * size, (c + 1) * size)
+        chunk = dict(rollout)
+        for key in ("latents", "log_probs", "advantages"):
+            chunk[key] = rollout[key][index]
+        chunk["cond"] = rollout["cond"].select(index)
+        chunks.append(chunk)
+    return chunks
+
+
+@contextlib.contextmanager
+def _adapters_disabled(transformer: torch.nn.Module):
+    """The base weights of a LoRA-adapted diffusers backbone: the reference policy for the KL term."""
+    transformer.disable_adapters()
+    try:
+        yield
+    finally:
+        transformer.enable_adapters()
+
+
+__all__ = ["DDPOJaggTrainer", "SampleImagesCallback"]

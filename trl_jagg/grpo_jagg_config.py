@@ -1,0 +1,292 @@
+"""Configuration of :class:`~trl_jagg.DDPOJaggTrainer`: GRPO for flow models with JAGG group gradients."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from transformers import TrainingArguments
+
+from .jagg import JAGG_MODES
+from .sampling import SAMPLERS
+
+TRAIN_SAMPLERS = tuple(s for s in SAMPLERS if s != "ode")
+TRAIN_TIMESTEPS = ("all_but_last", "all", "random", "sde_window")
+SCALE_REWARDS = ("group", "batch", "none")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class GRPOJaggConfig(TrainingArguments):
+    r"""
+    Configuration class for [`DDPOJaggTrainer`].
+
+    Only the parameters specific to GRPO on flow models and to JAGG are listed here; see
+    [`~transformers.TrainingArguments`] for the rest (optimizer, logging, saving, `report_to`, `push_to_hub`, ...).
+    Some defaults differ from `TrainingArguments`: `logging_steps=1`, `remove_unused_columns=False`,
+    `learning_rate=1e-4`, `per_device_train_batch_size=8`.
+
+    Parameters:
+        > Model loading
+
+        dtype (`str`, defaults to `"float32"`): dtype the pipeline is loaded in when `model` is a Hub id or a path.
+        model_revision (`str`, *optional*): revision of the model to load.
+        gradient_checkpointing (inherited): uses diffusers' `enable_gradient_checkpointing()` on the backbone.
+
+        > Sampling (rollouts)
+
+        num_generations, num_inference_steps, height, width, guidance_scale, true_cfg_scale, negative_prompt,
+        sampler, noise_level, sample_batch_size, max_sequence_length, steps_per_generation.
+
+        > Training (which steps, which loss)
+
+        train_timesteps, train_timestep_fraction, sde_window_size, sde_window_max_start, clip_range, adv_clip_max,
+        beta, num_iterations, scale_rewards, per_prompt_stat_tracking, stat_tracking_buffer_size, reward_weights.
+
+        > JAGG
+
+        use_jagg, jagg_group_size, jagg_frac, jagg_mode.
+
+        > Evaluation images
+
+        eval_prompts, eval_num_inference_steps, eval_seed, image_log_steps.
+
+    Every field's `help` text is the reference (see `docs/config.md`, generated from it).
+    """
+
+    # ---- TrainingArguments defaults that differ ----
+    learning_rate: float = field(default=1e-4, metadata={"help": "Initial learning rate of the optimizer."})
+    logging_steps: float = field(default=1, metadata={"help": "Log every X optimizer steps."})
+    per_device_train_batch_size: int = field(
+        default=8,
+        metadata={
+            "help": "Images (not prompts) per device per micro-batch. `per_device_train_batch_size * num_processes * "
+            "steps_per_generation` must be a multiple of `num_generations`."
+        },
+    )
+    remove_unused_columns: bool = field(
+        default=False,
+        metadata={"help": "Keep every dataset column: extra columns are passed to the reward functions as kwargs."},
+    )
+
+    # ---- Model loading ----
+    dtype: str = field(
+        default="float32",
+        metadata={"help": f"dtype of the pipeline when `model` is a Hub id or a path, one of {DTYPES}."},
+    )
+    model_revision: str | None = field(default=None, metadata={"help": "Revision (branch, tag or commit) to load."})
+
+    # ---- Sampling ----
+    num_generations: int = field(default=8, metadata={"help": "Images sampled per prompt: the GRPO group size G."})
+    num_inference_steps: int = field(default=10, metadata={"help": "Denoising steps of each rollout."})
+    height: int = field(default=512, metadata={"help": "Image height in pixels (a multiple of 16)."})
+    width: int = field(default=512, metadata={"help": "Image width in pixels (a multiple of 16)."})
+    guidance_scale: float = field(
+        default=3.5,
+        metadata={
+            "help": "As in the diffusers pipeline: the embedded guidance of guidance-distilled models (Flux.1-dev), "
+            "the classifier-free guidance scale of SD3 (1 disables it)."
+        },
+    )
+    true_cfg_scale: float = field(
+        default=1.0,
+        metadata={
+            "help": "True classifier-free guidance with `negative_prompt` for Flux and Qwen-Image (two backbone "
+            "calls per step; 1 disables it)."
+        },
+    )
+    negative_prompt: str = field(default="", metadata={"help": "Negative prompt for classifier-free guidance."})
+    sampler: str = field(
+        default="sde",
+        metadata={
+            "help": f"Rollout sampler, one of {TRAIN_SAMPLERS}: `sde` (Flow-GRPO), `cps` (coefficient-preserving), "
+            "`dance` (DanceGRPO, constant eta)."
+        },
+    )
+    noise_level: float = field(
+        default=0.7,
+        metadata={"help": "SDE noise level `a` (0.7 for SD3.5, 0.9 for Flux in Flow-GRPO); eta for `dance`."},
+    )
+    sample_batch_size: int | None = field(
+        default=None,
+        metadata={"help": "Images per backbone call during rollouts (defaults to `per_device_train_batch_size`)."},
+    )
+    max_sequence_length: int | None = field(
+        default=None, metadata={"help": "Maximum prompt length in tokens passed to `encode_prompt` (model default)."}
+    )
+    steps_per_generation: int | None = field(
+        default=None,
+        metadata={
+            "help": "Micro-batches per rollout: one rollout of `per_device_train_batch_size * steps_per_generation` "
+            "images per device feeds that many micro-batches. Defaults to `gradient_accumulation_steps`."
+        },
+    )
+
+    # ---- Training ----
+    train_timesteps: str = field(
+        default="all_but_last",
+        metadata={
+            "help": f"Which denoising steps are trained, one of {TRAIN_TIMESTEPS}: `all_but_last` (Flow-GRPO), `all`, "
+            "`random` (DanceGRPO: a random `train_timestep_fraction` of the steps at every update) or `sde_window` "
+            "(Flow-GRPO-Fast: only the steps inside the SDE window)."
+        },
+    )
+    train_timestep_fraction: float = field(
+        default=0.6, metadata={"help": "Fraction of the steps trained when `train_timesteps='random'`."}
+    )
+    sde_window_size: int = field(
+        default=0,
+        metadata={
+            "help": "Flow-GRPO-Fast: number of consecutive SDE steps; the other steps are deterministic ODE steps. "
+            "0 makes every step stochastic."
+        },
+    )
+    sde_window_max_start: int | None = field(
+        default=None,
+        metadata={
+            "help": "Latest first step of the SDE window; the window start is drawn uniformly in "
+            "[0, sde_window_max_start] at every rollout. Defaults to the first half of the schedule."
+        },
+    )
+    clip_range: float = field(
+        default=1e-4,
+        metadata={"help": "PPO clip range epsilon (tiny because log-probs are averaged over latent dims)."},
+    )
+    adv_clip_max: float = field(default=5.0, metadata={"help": "Advantages are clipped to [-adv_clip_max, adv_clip_max]."})
+    beta: float = field(
+        default=0.0,
+        metadata={
+            "help": "KL coefficient against the reference model (the base weights: adapter disabled for LoRA, a "
+            "frozen copy for full fine-tuning). 0 skips the reference forward."
+        },
+    )
+    num_iterations: int = field(
+        default=1, metadata={"help": "Inner PPO epochs: optimisation passes over each rollout before sampling anew."}
+    )
+    scale_rewards: str = field(
+        default="group",
+        metadata={"help": f"Advantage scaling, one of {SCALE_REWARDS}: per-group std, batch std, or none."},
+    )
+    per_prompt_stat_tracking: bool = field(
+        default=False,
+        metadata={"help": "Normalise rewards with a per-prompt history across steps (Flow-GRPO's stat tracking)."},
+    )
+    stat_tracking_buffer_size: int | None = field(
+        default=None, metadata={"help": "Rewards kept per prompt by the stat tracker (None: current batch only)."}
+    )
+    reward_weights: list[float] | None = field(
+        default=None,
+        metadata={"help": "Weight of each reward function in the total reward (defaults to 1 for each)."},
+    )
+
+    # ---- JAGG ----
+    use_jagg: bool = field(
+        default=True, metadata={"help": "Use JAGG group gradients in the update; False runs exact per-step backward."}
+    )
+    jagg_group_size: int = field(
+        default=4,
+        metadata={"help": "JAGG group size W: consecutive trained steps sharing one joint backward (>= 1)."},
+    )
+    jagg_frac: float = field(
+        default=0.6,
+        metadata={
+            "help": "Fraction of groups, highest noise first, routed to JAGG; the rest use exact backward. In [0, 1]."
+        },
+    )
+    jagg_mode: str = field(
+        default="jagg",
+        metadata={
+            "help": f"One of {JAGG_MODES}: `jagg`, `endpoints` (ablation without interpolation) or `exact`."
+        },
+    )
+
+    # ---- Evaluation images ----
+    eval_prompts: list[str] | None = field(
+        default=None, metadata={"help": "Prompts rendered (deterministic ODE sampling) and logged as sample images."}
+    )
+    eval_num_inference_steps: int | None = field(
+        default=None, metadata={"help": "Denoising steps for sample images (defaults to `num_inference_steps`)."}
+    )
+    eval_seed: int = field(default=0, metadata={"help": "Seed of the sample images' noise."})
+    image_log_steps: int = field(
+        default=0,
+        metadata={"help": "Render `eval_prompts` every N optimizer steps (and at the end); 0 disables it."},
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.steps_per_generation is None:
+            self.steps_per_generation = self.gradient_accumulation_steps
+        self._check()
+
+    def _check(self) -> None:
+        def fail(name: str, problem: str, fix: str) -> None:
+            raise ValueError(f"GRPOJaggConfig.{name} {problem}. {fix}")
+
+        if self.dtype not in DTYPES:
+            fail("dtype", f"is {self.dtype!r}", f"Use one of {DTYPES}.")
+        if self.num_generations < 2:
+            fail("num_generations", f"is {self.num_generations}", "GRPO needs at least 2 images per prompt.")
+        generation_batch = self.per_device_train_batch_size * self.world_size * self.steps_per_generation
+        if generation_batch % self.num_generations:
+            fail(
+                "per_device_train_batch_size",
+                f"({self.per_device_train_batch_size}) x processes ({self.world_size}) x steps_per_generation "
+                f"({self.steps_per_generation}) = {generation_batch} is not a multiple of num_generations "
+                f"({self.num_generations})",
+                "Choose sizes that make whole prompt groups.",
+            )
+        if self.num_inference_steps < 2:
+            fail("num_inference_steps", f"is {self.num_inference_steps}", "Use at least 2 steps.")
+        for name in ("height", "width"):
+            if getattr(self, name) <= 0 or getattr(self, name) % 16:
+                fail(name, f"is {getattr(self, name)}", "Use a positive multiple of 16 (8x VAE and 2x2 packing).")
+        if self.sampler not in TRAIN_SAMPLERS:
+            fail("sampler", f"is {self.sampler!r}", f"Use one of {TRAIN_SAMPLERS} (the ODE step has no log-prob).")
+        if self.noise_level < 0:
+            fail("noise_level", f"is {self.noise_level}", "Use a value >= 0.")
+        if self.train_timesteps not in TRAIN_TIMESTEPS:
+            fail("train_timesteps", f"is {self.train_timesteps!r}", f"Use one of {TRAIN_TIMESTEPS}.")
+        if not 0 < self.train_timestep_fraction <= 1:
+            fail("train_timestep_fraction", f"is {self.train_timestep_fraction}", "Use a value in (0, 1].")
+        if (self.train_timesteps == "sde_window") != (self.sde_window_size > 0):
+            fail(
+                "train_timesteps",
+                f"is {self.train_timesteps!r} with sde_window_size={self.sde_window_size}",
+                "Flow-GRPO-Fast trains exactly its SDE window: set both train_timesteps='sde_window' and "
+                "sde_window_size >= 1, or neither.",
+            )
+        if not 0 <= self.sde_window_size < self.num_inference_steps:
+            fail("sde_window_size", f"is {self.sde_window_size}", "Use 0 (off) or fewer than num_inference_steps.")
+        if self.sde_window_max_start is not None and not (
+            0 <= self.sde_window_max_start <= self.num_inference_steps - self.sde_window_size
+        ):
+            fail(
+                "sde_window_max_start",
+                f"is {self.sde_window_max_start}",
+                f"Use a value in [0, {self.num_inference_steps - self.sde_window_size}].",
+            )
+        if self.clip_range <= 0:
+            fail("clip_range", f"is {self.clip_range}", "Use a positive value (1e-4 for SDE, 1e-5 for CPS).")
+        if self.adv_clip_max <= 0:
+            fail("adv_clip_max", f"is {self.adv_clip_max}", "Use a positive value (5 in Flow-GRPO).")
+        if self.beta < 0:
+            fail("beta", f"is {self.beta}", "Use 0 (no KL) or a positive weight.")
+        if self.num_iterations < 1:
+            fail("num_iterations", f"is {self.num_iterations}", "Use 1 or more.")
+        if self.scale_rewards not in SCALE_REWARDS:
+            fail("scale_rewards", f"is {self.scale_rewards!r}", f"Use one of {SCALE_REWARDS}.")
+        if not isinstance(self.jagg_group_size, int) or self.jagg_group_size < 1:
+            fail("jagg_group_size", f"is {self.jagg_group_size!r}", "Use an integer >= 1 (4 or 8 are typical).")
+        if not 0 <= self.jagg_frac <= 1:
+            fail("jagg_frac", f"is {self.jagg_frac}", "Use a fraction in [0, 1] (0.6 in the paper).")
+        if self.jagg_mode not in JAGG_MODES:
+            fail("jagg_mode", f"is {self.jagg_mode!r}", f"Use one of {JAGG_MODES}.")
+        if self.sample_batch_size is not None and self.sample_batch_size < 1:
+            fail("sample_batch_size", f"is {self.sample_batch_size}", "Use a positive batch size or None.")
+        if self.image_log_steps < 0:
+            fail("image_log_steps", f"is {self.image_log_steps}", "Use 0 (off) or a positive interval.")
+
+    @property
+    def generation_batch_size(self) -> int:
+        """Images sampled per rollout on all processes together."""
+        return self.per_device_train_batch_size * self.world_size * self.steps_per_generation
