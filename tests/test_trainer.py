@@ -180,7 +180,9 @@ class StopAt(TrainerCallback):
 def test_resume_reproduces_uninterrupted_run(tiny_flux_path, tmp_path, lora):
     straight = make_trainer(tiny_flux_path, tmp_path / "straight", lora=lora, max_steps=4)
     straight.train()
-    first = make_trainer(tiny_flux_path, tmp_path / "resumed", lora=lora, max_steps=4, save_strategy="steps", save_steps=2)
+    first = make_trainer(
+        tiny_flux_path, tmp_path / "resumed", lora=lora, max_steps=4, save_strategy="steps", save_steps=2
+    )
     first.add_callback(StopAt(2))
     first.train()
     assert first.state.global_step == 2

@@ -1,8 +1,30 @@
-"""trl_jagg: GRPO for text-to-image flow models on the TRL trainer API, with JAGG group gradients."""
+"""trl_jagg: GRPO for text-to-image flow models on the TRL trainer API, with JAGG group gradients.
 
-from .ddpo_jagg_trainer import DDPOJaggTrainer
-from .grpo_jagg_config import GRPOJaggConfig
+The trainer and its config are imported lazily, so ``import trl_jagg.jagg`` (the pure-torch engine) and the CLI's
+``--help`` do not pay for importing diffusers and transformers.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+_LAZY = {
+    "DDPOJaggTrainer": "trl_jagg.ddpo_jagg_trainer",
+    "GRPOJaggConfig": "trl_jagg.grpo_jagg_config",
+}
+
+if TYPE_CHECKING:
+    from .ddpo_jagg_trainer import DDPOJaggTrainer
+    from .grpo_jagg_config import GRPOJaggConfig
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'trl_jagg' has no attribute {name!r}")
+
 
 __all__ = ["DDPOJaggTrainer", "GRPOJaggConfig", "__version__"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import glob
+import math
 import os
 import random
 import shutil
@@ -36,7 +37,7 @@ from trl.trainer.utils import RepeatSampler
 
 from .grpo import PerPromptStatTracker, group_advantages, kl_to_reference, ppo_step_loss
 from .grpo_jagg_config import GRPOJaggConfig
-from .jagg import EngineResult, JaggEngine, plan_groups
+from .jagg import EngineResult, JaggEngine, StepGroup, gradient_diagnostic, plan_groups
 from .model_card import write_model_card
 from .models import FlowMatchingAdapter, load_adapter
 from .rewards import check_rewards, load_reward_funcs
@@ -214,11 +215,16 @@ class DDPOJaggTrainer(_BaseTrainer):
         unique = list(dict.fromkeys(prompts))
         negative = args.negative_prompt if (args.true_cfg_scale > 1 or self._uses_cfg()) else None
         cond = self.adapter.condition(
-            unique, height=args.height, width=args.width, negative_prompt=negative,
+            unique,
+            height=args.height,
+            width=args.width,
+            negative_prompt=negative,
             max_sequence_length=args.max_sequence_length,
         ).select(torch.tensor([unique.index(p) for p in prompts], device=self.accelerator.device))
 
-        generator = torch.Generator(self.accelerator.device).manual_seed(self._rng_seed(self.accelerator.process_index))
+        generator = torch.Generator(self.accelerator.device).manual_seed(
+            self._rng_seed(self.accelerator.process_index)
+        )
         chunk = args.sample_batch_size or args.per_device_train_batch_size
         trajectories: list[Trajectory] = []
         images = []
@@ -309,7 +315,11 @@ class DDPOJaggTrainer(_BaseTrainer):
         return sorted(random.Random(self._rng_seed(-2, self._step)).sample(range(num_steps), count))
 
     # ------------------------------------------------------------------ update
-    def _update(self, model: torch.nn.Module, batch: dict[str, Any]) -> EngineResult:
+    def _step_functions(
+        self, model: torch.nn.Module, batch: dict[str, Any]
+    ) -> tuple[list[int], Callable[[int], torch.Tensor], Callable[[int, torch.Tensor], torch.Tensor], dict]:
+        """The engine's inputs for one micro-batch: the trained steps, the backbone call and the per-step loss of
+        the ``i``-th trained step, and the dict the loss fills with per-step diagnostics."""
         args = self.args
         trained = self._trained_steps(batch)
         latents, old_log_probs, advantages = batch["latents"], batch["log_probs"], batch["advantages"]
@@ -337,20 +347,27 @@ class DDPOJaggTrainer(_BaseTrainer):
                 step_stats[key].append(getattr(out, key))
             return out.loss
 
-        groups = plan_groups(
-            [float(sigmas[k]) for k in trained],
-            args.jagg_group_size if args.use_jagg else 1,
-            args.jagg_frac if args.use_jagg else 0.0,
-            args.jagg_mode if args.use_jagg else "exact",
+        return trained, lambda i: velocity(model, trained[i]), loss_fn, step_stats
+
+    def _plan(self, batch: dict[str, Any], trained: list[int], *, use_jagg: bool) -> list[StepGroup]:
+        args = self.args
+        return plan_groups(
+            [float(batch["sigmas"][k]) for k in trained],
+            args.jagg_group_size if use_jagg else 1,
+            args.jagg_frac if use_jagg else 0.0,
+            args.jagg_mode if use_jagg else "exact",
         )
+
+    def _update(self, model: torch.nn.Module, batch: dict[str, Any]) -> EngineResult:
+        trained, velocity_fn, loss_fn, step_stats = self._step_functions(model, batch)
         engine = JaggEngine(
-            lambda i: velocity(model, trained[i]),
+            velocity_fn,
             loss_fn,
             self.accelerator.backward,
             sync_context=lambda is_last: contextlib.nullcontext() if is_last else self.accelerator.no_sync(model),
             loss_weight=1.0 / (len(trained) * self.current_gradient_accumulation_steps),
         )
-        result = engine.run(groups)
+        result = engine.run(self._plan(batch, trained, use_jagg=self.args.use_jagg))
 
         self._metrics["loss"].append(result.loss)
         for key, values in step_stats.items():
@@ -359,6 +376,37 @@ class DDPOJaggTrainer(_BaseTrainer):
         self._metrics["jagg/groups_exact"].append(result.num_exact_groups)
         self._metrics["jagg/backward_calls"].append(result.num_backward)
         return result
+
+    def calibrate_jagg(self, threshold: float = 0.7, num_batches: int = 1) -> dict[str, Any]:
+        """Measure, on fresh rollouts, the cosine between the JAGG and the exact gradient of every group, and the
+        ``jagg_frac`` of the paper's rule: the share of leading (high-noise) groups whose cosine is >= ``threshold``.
+
+        Every full group is evaluated as if routed to JAGG; the parameters are not updated.
+        """
+        model = self.accelerator.unwrap_model(self.model)
+        params = [p for p in model.parameters() if p.requires_grad]
+        per_group: list[list[float]] = []
+        norm_ratios: list[list[float]] = []
+        batches = iter(self.get_train_dataloader())
+        for _ in range(num_batches):
+            batch = self._generate_and_score(next(batches))
+            trained, velocity_fn, loss_fn, _ = self._step_functions(model, batch)
+            groups = [g for g in plan_groups([float(batch["sigmas"][k]) for k in trained], self.args.jagg_group_size,
+                                             1.0, self.args.jagg_mode) if g.is_joint]  # fmt: skip
+            diagnostics = gradient_diagnostic(groups, velocity_fn, loss_fn, params, mode=self.args.jagg_mode)
+            per_group.append([d.cosine for d in diagnostics])
+            norm_ratios.append([d.norm_ratio for d in diagnostics])
+        cosines = torch.tensor(per_group).mean(dim=0).tolist()
+        leading = next((i for i, c in enumerate(cosines) if c < threshold), len(cosines))
+        num_groups = math.ceil(len(trained) / self.args.jagg_group_size)
+        self._metrics.clear()  # the calibration rollouts are not training steps
+        return {
+            "group_cosine": cosines,
+            "group_norm_ratio": torch.tensor(norm_ratios).mean(dim=0).tolist(),
+            "threshold": threshold,
+            "jagg_frac": leading / num_groups,
+            "jagg_group_size": self.args.jagg_group_size,
+        }
 
     @torch.no_grad()
     def _reference_means(

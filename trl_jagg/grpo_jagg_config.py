@@ -151,7 +151,9 @@ class GRPOJaggConfig(TrainingArguments):
         default=1e-4,
         metadata={"help": "PPO clip range epsilon (tiny because log-probs are averaged over latent dims)."},
     )
-    adv_clip_max: float = field(default=5.0, metadata={"help": "Advantages are clipped to [-adv_clip_max, adv_clip_max]."})
+    adv_clip_max: float = field(
+        default=5.0, metadata={"help": "Advantages are clipped to [-adv_clip_max, adv_clip_max]."}
+    )
     beta: float = field(
         default=0.0,
         metadata={
@@ -194,9 +196,7 @@ class GRPOJaggConfig(TrainingArguments):
     )
     jagg_mode: str = field(
         default="jagg",
-        metadata={
-            "help": f"One of {JAGG_MODES}: `jagg`, `endpoints` (ablation without interpolation) or `exact`."
-        },
+        metadata={"help": f"One of {JAGG_MODES}: `jagg`, `endpoints` (ablation without interpolation) or `exact`."},
     )
 
     # ---- Evaluation images ----

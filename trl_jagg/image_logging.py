@@ -9,7 +9,9 @@ from typing import Any
 from PIL import Image, ImageDraw
 
 
-def image_grid(images: list[Image.Image], captions: list[str] | None = None, columns: int | None = None) -> Image.Image:
+def image_grid(
+    images: list[Image.Image], captions: list[str] | None = None, columns: int | None = None
+) -> Image.Image:
     """Tile images in a grid, each with an optional caption strip under it."""
     columns = columns or min(len(images), 8)
     rows = math.ceil(len(images) / columns)

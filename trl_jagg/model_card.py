@@ -52,11 +52,16 @@ def _usage(base_model: str, pipeline_class: str, is_lora: bool, repo: str) -> st
     if is_lora:
         lines.append(f'pipe.load_lora_weights("{repo}")')
     else:
-        transformer_class = {"FluxPipeline": "FluxTransformer2DModel", "StableDiffusion3Pipeline": "SD3Transformer2DModel"}
+        transformer_class = {
+            "FluxPipeline": "FluxTransformer2DModel",
+            "StableDiffusion3Pipeline": "SD3Transformer2DModel",
+        }
         cls = transformer_class.get(pipeline_class, "QwenImageTransformer2DModel")
         lines[1] = f"from diffusers import {pipeline_class}, {cls}"
         lines.insert(3, f'transformer = {cls}.from_pretrained("{repo}", torch_dtype=torch.bfloat16)')
-        lines[4] = lines[4].replace('torch_dtype=torch.bfloat16)', "transformer=transformer, torch_dtype=torch.bfloat16)")
+        lines[4] = lines[4].replace(
+            "torch_dtype=torch.bfloat16)", "transformer=transformer, torch_dtype=torch.bfloat16)"
+        )
     lines.append('image = pipe("a photo of a red fox in the snow").images[0]')
     return "\n".join(lines)
 

@@ -70,7 +70,9 @@ class FlowMatchingAdapter:
 
     def __init__(self, pipeline: DiffusionPipeline):
         if not isinstance(pipeline, self.pipeline_class):
-            raise TypeError(f"{type(self).__name__} serves {self.pipeline_class.__name__}, got {type(pipeline).__name__}.")
+            raise TypeError(
+                f"{type(self).__name__} serves {self.pipeline_class.__name__}, got {type(pipeline).__name__}."
+            )
         self.pipeline = pipeline
 
     @property

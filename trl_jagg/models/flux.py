@@ -25,12 +25,16 @@ class FluxAdapter(FlowMatchingAdapter):
         max_sequence_length: int | None = None,
     ) -> Conditioning:
         pipe = self.pipeline
-        kwargs = {"device": self.device} | ({"max_sequence_length": max_sequence_length} if max_sequence_length else {})
+        kwargs = {"device": self.device} | (
+            {"max_sequence_length": max_sequence_length} if max_sequence_length else {}
+        )
         with torch.no_grad():
             embeds, pooled, txt_ids = pipe.encode_prompt(prompt=list(prompts), prompt_2=None, **kwargs)
             per_sample = {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
             if negative_prompt is not None:
-                neg, neg_pooled, _ = pipe.encode_prompt(prompt=[negative_prompt] * len(prompts), prompt_2=None, **kwargs)
+                neg, neg_pooled, _ = pipe.encode_prompt(
+                    prompt=[negative_prompt] * len(prompts), prompt_2=None, **kwargs
+                )
                 per_sample |= {"negative_prompt_embeds": neg, "negative_pooled_prompt_embeds": neg_pooled}
         # Image token ids depend only on the resolution (packed latent grid), text ids on nothing but length.
         grid_h = height // (pipe.vae_scale_factor * 2)
