@@ -259,3 +259,37 @@ def test_config_errors_name_the_field(tmp_path):
         make_config(tmp_path, jagg_frac=1.5)
     with pytest.raises(ValueError, match="sampler"):
         make_config(tmp_path, sampler="euler")
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_kl_to_reference_starts_at_zero_then_grows(tiny_flux_path, tmp_path, lora):
+    trainer = make_trainer(tiny_flux_path, tmp_path, lora=lora, beta=0.5, max_steps=2)
+    trainer.train()
+    kls = [e["kl"] for e in trainer.state.log_history if "kl" in e]
+    assert kls[0] == 0.0  # the policy starts as the reference (LoRA B = 0 / an identical frozen copy)
+    assert kls[1] > 0.0
+
+
+def test_sample_images_are_logged(tiny_flux_path, tmp_path):
+    trainer = make_trainer(
+        tiny_flux_path, tmp_path, max_steps=2, image_log_steps=1, eval_prompts=["a red circle", "a blue square"],
+        report_to="tensorboard",
+    )  # fmt: skip
+    trainer.train()
+    samples = tmp_path / "out" / "samples"
+    assert sorted(os.listdir(samples)) == ["step-000001.png", "step-000002.png"]
+    events = [f for _, _, files in os.walk(tmp_path) for f in files if f.startswith("events.out.tfevents")]
+    assert events
+
+
+def test_calibrate_jagg_reports_group_cosines(tiny_flux_path, tmp_path):
+    trainer = make_trainer(tiny_flux_path, tmp_path, num_inference_steps=5, jagg_group_size=2)
+    exact_limit = trainer.calibrate_jagg(threshold=0.99)
+    # W = 2 is exact: every group's cosine is 1, so every group qualifies.
+    assert len(exact_limit["group_cosine"]) == 2
+    assert all(abs(c - 1) < 1e-5 for c in exact_limit["group_cosine"])
+    assert exact_limit["jagg_frac"] == 1.0
+    trainer.args.jagg_group_size = 4
+    approx = trainer.calibrate_jagg(threshold=0.0)
+    assert len(approx["group_cosine"]) == 1 and -1 <= approx["group_cosine"][0] <= 1
+    assert 0 <= approx["jagg_frac"] <= 1

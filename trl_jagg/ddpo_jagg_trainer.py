@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import glob
+import json
 import math
 import os
 import random
@@ -24,6 +25,7 @@ import torch
 from accelerate.utils import gather_object
 from datasets import Dataset
 from diffusers import DiffusionPipeline
+from diffusers.configuration_utils import FrozenDict
 from diffusers.training_utils import cast_training_params
 from peft import LoraConfig, get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import load_file
@@ -107,6 +109,8 @@ class DDPOJaggTrainer(_BaseTrainer):
                 component.requires_grad_(False).eval()
 
         transformer = self.adapter.transformer
+        # transformers' tracker integrations read `model.config.to_json_string()` / `.to_dict()`.
+        transformer._internal_dict = _TrackableConfig(transformer._internal_dict)
         self.peft_config = peft_config
         if peft_config is not None:
             transformer.add_adapter(peft_config)
@@ -584,6 +588,16 @@ class EpochSeededRepeatSampler(RepeatSampler):
     def set_epoch(self, epoch: int) -> None:
         if self.seed is not None:
             self.generator = torch.Generator().manual_seed(self.seed + epoch)
+
+
+class _TrackableConfig(FrozenDict):
+    """A diffusers config that also answers the transformers config API the tracker callbacks call."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self)
+
+    def to_json_string(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True, default=str)
 
 
 def _identity_collator(features: list[dict[str, Any]]) -> list[dict[str, Any]]:
