@@ -217,12 +217,11 @@ class DDPOJaggTrainer(_BaseTrainer):
         stochastic_steps = self._sde_window()
         # Encode every distinct prompt once; samples index into it.
         unique = list(dict.fromkeys(prompts))
-        negative = args.negative_prompt if (args.true_cfg_scale > 1 or self._uses_cfg()) else None
         cond = self.adapter.condition(
             unique,
             height=args.height,
             width=args.width,
-            negative_prompt=negative,
+            negative_prompt=self._negative_prompt,
             max_sequence_length=args.max_sequence_length,
         ).select(torch.tensor([unique.index(p) for p in prompts], device=self.accelerator.device))
 
@@ -290,9 +289,15 @@ class DDPOJaggTrainer(_BaseTrainer):
             "stochastic_steps": stochastic_steps,
         }
 
-    def _uses_cfg(self) -> bool:
-        """Whether the model family applies classifier-free guidance through ``guidance_scale`` (SD3)."""
-        return getattr(self.adapter, "guidance_is_cfg", False) and self.args.guidance_scale > 1
+    @property
+    def _negative_prompt(self) -> str | None:
+        """The negative prompt to encode, when the guidance settings use an unconditional branch."""
+        args = self.args
+        return (
+            args.negative_prompt
+            if self.adapter.needs_negative_prompt(args.guidance_scale, args.true_cfg_scale)
+            else None
+        )
 
     def _sde_window(self) -> list[int] | None:
         """Flow-GRPO-Fast: the stochastic steps of this rollout (``None``: all)."""
@@ -453,7 +458,7 @@ class DDPOJaggTrainer(_BaseTrainer):
             width=args.width,
             guidance_scale=args.guidance_scale,
             true_cfg_scale=args.true_cfg_scale,
-            negative_prompt=args.negative_prompt if (args.true_cfg_scale > 1 or self._uses_cfg()) else None,
+            negative_prompt=self._negative_prompt,
             max_sequence_length=args.max_sequence_length,
             seed=args.eval_seed if seed is None else seed,
         )

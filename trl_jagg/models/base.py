@@ -61,11 +61,14 @@ class FlowMatchingAdapter:
         pipeline_class: the diffusers pipeline class this adapter serves (the registry key).
         linspace_sigmas: whether the pipeline passes ``sigmas = linspace(1, 1/N, N)`` to the scheduler (Flux,
             Qwen-Image) rather than letting it build its own (SD3).
+        guidance_is_cfg: whether ``guidance_scale`` is a classifier-free guidance scale (SD3) rather than an
+            embedded guidance value (Flux); ``true_cfg_scale`` is always true CFG.
         lora_target_modules: sensible default LoRA targets (the attention projections).
     """
 
     pipeline_class: ClassVar[type[DiffusionPipeline]]
     linspace_sigmas: ClassVar[bool] = True
+    guidance_is_cfg: ClassVar[bool] = False
     lora_target_modules: ClassVar[tuple[str, ...]] = ("to_q", "to_k", "to_v", "to_out.0")
 
     def __init__(self, pipeline: DiffusionPipeline):
@@ -125,6 +128,11 @@ class FlowMatchingAdapter:
         raise NotImplementedError
 
     # ---- shared ----
+    def needs_negative_prompt(self, guidance_scale: float, true_cfg_scale: float) -> bool:
+        """Whether these guidance settings run an unconditional branch, so ``condition`` must encode the negative
+        prompt."""
+        return true_cfg_scale > 1 or (self.guidance_is_cfg and guidance_scale > 1)
+
     def image_seq_len(self, height: int, width: int) -> int:
         """Tokens of the packed latent image: the input of the dynamic schedule shift."""
         scale = self.pipeline.vae_scale_factor * 2

@@ -1,0 +1,40 @@
+"""Shared pytest setup: offline Hugging Face Hub, few CPU threads, and tiny pipelines saved once per session."""
+
+from __future__ import annotations
+
+import os
+
+# Must be set before huggingface_hub is imported (it reads the variable at import time): nothing may be downloaded.
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+# The tiny models run tens of microsecond-sized kernels; on a shared 2-core machine extra intra-op threads spin and
+# wait on each other and make them 10-50x slower, so tests run single-threaded.
+torch.set_num_threads(1)
+
+
+def _save_tiny(family: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    # Imported here so that test modules that do not need diffusers do not pay for importing it at collection.
+    from trl_jagg.tiny_models import save_tiny_pipeline
+
+    return save_tiny_pipeline(family, tmp_path_factory.mktemp(f"tiny-{family}"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_flux_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Directory of a tiny ``FluxPipeline`` (seed 0, default vocabulary); load with ``from_pretrained``."""
+    return _save_tiny("flux", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def tiny_sd3_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Directory of a tiny ``StableDiffusion3Pipeline`` (seed 0, default vocabulary)."""
+    return _save_tiny("sd3", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwenimage_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Directory of a tiny ``QwenImagePipeline`` (seed 0, default vocabulary)."""
+    return _save_tiny("qwenimage", tmp_path_factory)

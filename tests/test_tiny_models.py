@@ -1,0 +1,313 @@
+"""Tests of the tiny offline pipelines, and the manual sampling recipe that reproduces each pipeline's latents."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from diffusers import (
+    DiffusionPipeline,
+    FluxPipeline,
+    QwenImagePipeline,
+    StableDiffusion3Pipeline,
+)
+from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+from trl_jagg.tiny_models import (
+    DEFAULT_VOCAB_WORDS,
+    FAMILIES,
+    build_clip_tokenizer,
+    build_qwen2_tokenizer,
+    build_t5_tokenizer,
+    build_tiny_pipeline,
+)
+
+PIPELINE_CLASSES = {"flux": FluxPipeline, "sd3": StableDiffusion3Pipeline, "qwenimage": QwenImagePipeline}
+PROMPTS = ["a red circle", "a small blue square on a dark background"]  # different lengths on purpose
+EXTRA_WORDS = ["crimson", "teal", "hexagon", "Zebra"]
+
+
+def _call_kwargs(family: str) -> dict:
+    """Keyword arguments that switch guidance on the way each family is used: Flux's distilled guidance, SD3's
+    CFG, and Qwen-Image's true CFG (which needs a negative prompt)."""
+    return {
+        "flux": {"guidance_scale": 3.5},
+        "sd3": {"guidance_scale": 4.5},
+        "qwenimage": {"true_cfg_scale": 4.0, "negative_prompt": " "},
+    }[family]
+
+
+def _state_dicts(pipe: DiffusionPipeline) -> dict[str, dict[str, torch.Tensor]]:
+    return {
+        name: module.state_dict() for name, module in pipe.components.items() if isinstance(module, torch.nn.Module)
+    }
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def saved(request: pytest.FixtureRequest) -> tuple[str, str, DiffusionPipeline]:
+    """``(family, path, pipeline reloaded with DiffusionPipeline.from_pretrained)`` for each family."""
+    path = request.getfixturevalue(f"tiny_{request.param}_path")
+    pipe = DiffusionPipeline.from_pretrained(path)
+    pipe.set_progress_bar_config(disable=True)
+    return request.param, path, pipe
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Building, saving, reloading
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_reload_has_identical_weights(saved):
+    family, path, loaded = saved
+    assert type(loaded) is PIPELINE_CLASSES[family]
+    via_class = PIPELINE_CLASSES[family].from_pretrained(path)
+    built = build_tiny_pipeline(family, seed=0)  # building is deterministic, so this is what was saved
+    expected = _state_dicts(built)
+    for other in (loaded, via_class):
+        actual = _state_dicts(other)
+        assert actual.keys() == expected.keys()
+        for name, state in expected.items():
+            assert actual[name].keys() == state.keys(), name
+            for key, tensor in state.items():
+                assert actual[name][key].dtype == torch.float32, (name, key)
+                assert torch.equal(actual[name][key], tensor), (name, key)
+            assert not other.components[name].training, name
+    for name, component in built.components.items():
+        assert type(loaded.components[name]) is type(component), name
+
+
+def test_build_is_deterministic_and_leaves_global_rng_alone():
+    rng_state = torch.get_rng_state()
+    first, second = build_tiny_pipeline("flux", seed=0), build_tiny_pipeline("flux", seed=0)
+    other_seed = build_tiny_pipeline("flux", seed=1)
+    assert torch.equal(torch.get_rng_state(), rng_state)
+    a, b, c = _state_dicts(first), _state_dicts(second), _state_dicts(other_seed)
+    for name in a:
+        assert all(torch.equal(a[name][key], b[name][key]) for key in a[name]), name
+        assert not all(torch.equal(a[name][key], c[name][key]) for key in a[name]), name
+
+
+@pytest.mark.parametrize("size", [32, 64])
+def test_pipeline_call_is_finite_sized_and_deterministic(saved, size):
+    family, _, pipe = saved
+
+    def generate() -> np.ndarray:
+        return pipe(
+            PROMPTS[0],
+            height=size,
+            width=size,
+            num_inference_steps=2,
+            generator=torch.Generator().manual_seed(0),
+            output_type="np",
+            **_call_kwargs(family),
+        ).images
+
+    images = generate()
+    assert images.shape == (1, size, size, 3)
+    assert np.isfinite(images).all()
+    np.testing.assert_array_equal(images, generate())
+
+
+def test_default_vocabulary_survives_save_and_reload(saved):
+    family, _, pipe = saved
+    tokenizers = [
+        pipe.components[name] for name in ("tokenizer", "tokenizer_2", "tokenizer_3") if name in pipe.components
+    ]
+    for tokenizer in tokenizers:
+        for word in DEFAULT_VOCAB_WORDS:
+            assert len(tokenizer(word, add_special_tokens=False).input_ids) == 1, (family, type(tokenizer), word)
+    if family == "qwenimage":
+        # QwenImagePipeline drops the hidden states of the template prefix by count: it must be exactly 34 tokens.
+        prefix = pipe.prompt_template_encode.split("{}")[0]
+        assert len(pipe.tokenizer(prefix).input_ids) == pipe.prompt_template_encode_start_idx == 34
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Vocabulary
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_vocab_words_are_single_tokens_with_own_embeddings(family):
+    pipe = build_tiny_pipeline(family, vocab_words=EXTRA_WORDS)
+    pairs = [
+        (pipe.components[name], pipe.components[name.replace("tokenizer", "text_encoder")])
+        for name in ("tokenizer", "tokenizer_2", "tokenizer_3")
+        if name in pipe.components
+    ]
+    for tokenizer, encoder in pairs:
+        assert encoder.get_input_embeddings().num_embeddings == len(tokenizer)
+        for word in EXTRA_WORDS:
+            # Qwen's byte-level BPE attaches the preceding space to a word; CLIP lower-cases.
+            texts = [word, " " + word] if family == "qwenimage" else [word]
+            for text in texts:
+                ids = tokenizer(text, add_special_tokens=False).input_ids
+                assert len(ids) == 1, (type(tokenizer).__name__, text, tokenizer.convert_ids_to_tokens(ids))
+            in_prompt = tokenizer(f"a {word} circle", add_special_tokens=False).input_ids
+            assert len(in_prompt) == 3, (type(tokenizer).__name__, word)
+    distinct_ids = {pipe.components["tokenizer"](word, add_special_tokens=False).input_ids[0] for word in EXTRA_WORDS}
+    assert len(distinct_ids) == len(EXTRA_WORDS)
+
+
+def test_tokenizers_still_encode_unknown_text():
+    text = "an unseen word: xylophone 42!"
+    for tokenizer in (build_clip_tokenizer(), build_t5_tokenizer(), build_qwen2_tokenizer()):
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        assert len(ids) > 5
+        assert tokenizer.unk_token_id not in ids  # byte-level BPE covers every byte; T5 has every ASCII character
+
+
+def test_invalid_arguments():
+    with pytest.raises(ValueError, match="Unknown family"):
+        build_tiny_pipeline("sdxl")
+    with pytest.raises(ValueError, match="letters only"):
+        build_clip_tokenizer(["red-ish"])
+    with pytest.raises(TypeError):
+        build_t5_tokenizer("red")
+    with pytest.raises(ValueError, match="axes_dims_rope"):
+        build_tiny_pipeline("flux", transformer={"axes_dims_rope": (4, 4, 4)})
+    with pytest.raises(ValueError, match="d_model"):
+        build_tiny_pipeline("sd3", text_encoder_3={"d_model": 48})
+    with pytest.raises(TypeError, match="hiden_size"):  # transformers configs would silently keep the typo
+        build_tiny_pipeline("flux", text_encoder={"hiden_size": 64})
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Manual sampling: the loop the model adapters implement, checked against the pipelines' own latents
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _euler(pipe: DiffusionPipeline, step: int, latents: torch.Tensor, velocity: torch.Tensor) -> torch.Tensor:
+    """``FlowMatchEulerDiscreteScheduler.step`` without its internal step counter."""
+    sigmas = pipe.scheduler.sigmas
+    return latents + (sigmas[step + 1] - sigmas[step]) * velocity
+
+
+def _dynamic_shift(pipe: DiffusionPipeline, image_seq_len: int) -> float:
+    config = pipe.scheduler.config
+    return calculate_shift(
+        image_seq_len, config.base_image_seq_len, config.max_image_seq_len, config.base_shift, config.max_shift
+    )
+
+
+@torch.no_grad()
+def _flux_by_hand(pipe: FluxPipeline, *, height: int, width: int, steps: int, seed: int) -> torch.Tensor:
+    batch = len(PROMPTS)
+    prompt_embeds, pooled_embeds, text_ids = pipe.encode_prompt(PROMPTS, prompt_2=None, max_sequence_length=512)
+    latents, image_ids = pipe.prepare_latents(
+        batch,
+        pipe.transformer.config.in_channels // 4,
+        height,
+        width,
+        prompt_embeds.dtype,
+        torch.device("cpu"),
+        torch.Generator().manual_seed(seed),
+    )
+    # Unshifted sigmas linspace(1, 1/N, N); the scheduler applies the dynamic shift mu of the packed sequence length.
+    pipe.scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), mu=_dynamic_shift(pipe, latents.shape[1]))
+    guidance = torch.full((batch,), _call_kwargs("flux")["guidance_scale"], dtype=torch.float32)
+    for step, t in enumerate(pipe.scheduler.timesteps):
+        velocity = pipe.transformer(
+            hidden_states=latents,
+            timestep=t.expand(batch).to(latents.dtype) / 1000,  # the transformer multiplies by 1000 again
+            guidance=guidance,  # as is (3.5): also multiplied by 1000 inside
+            pooled_projections=pooled_embeds,
+            encoder_hidden_states=prompt_embeds,
+            txt_ids=text_ids,
+            img_ids=image_ids,
+            return_dict=False,
+        )[0]
+        latents = _euler(pipe, step, latents, velocity)
+    return latents
+
+
+@torch.no_grad()
+def _sd3_by_hand(pipe: StableDiffusion3Pipeline, *, height: int, width: int, steps: int, seed: int) -> torch.Tensor:
+    batch = len(PROMPTS)
+    scale = _call_kwargs("sd3")["guidance_scale"]
+    prompt_embeds, negative_embeds, pooled_embeds, negative_pooled = pipe.encode_prompt(
+        PROMPTS, prompt_2=None, prompt_3=None, do_classifier_free_guidance=True, max_sequence_length=256
+    )  # negative_prompt=None encodes "" for every prompt
+    latents = pipe.prepare_latents(
+        batch,
+        pipe.transformer.config.in_channels,
+        height,
+        width,
+        prompt_embeds.dtype,
+        torch.device("cpu"),
+        torch.Generator().manual_seed(seed),
+    )
+    # Static shift: no sigmas, no mu (the scheduler spaces timesteps between its own shifted sigma_max/sigma_min).
+    pipe.scheduler.set_timesteps(steps)
+    encoder_states = torch.cat([negative_embeds, prompt_embeds])  # unconditional half first
+    pooled = torch.cat([negative_pooled, pooled_embeds])
+    for step, t in enumerate(pipe.scheduler.timesteps):
+        velocity = pipe.transformer(
+            hidden_states=torch.cat([latents, latents]),
+            timestep=t.expand(2 * batch),  # in [0, 1000]: SD3 takes the timestep unscaled
+            encoder_hidden_states=encoder_states,
+            pooled_projections=pooled,
+            return_dict=False,
+        )[0]
+        uncond, cond = velocity.chunk(2)
+        latents = _euler(pipe, step, latents, uncond + scale * (cond - uncond))
+    return latents
+
+
+@torch.no_grad()
+def _qwenimage_by_hand(pipe: QwenImagePipeline, *, height: int, width: int, steps: int, seed: int) -> torch.Tensor:
+    batch = len(PROMPTS)
+    kwargs = _call_kwargs("qwenimage")
+    prompt_embeds, prompt_mask = pipe.encode_prompt(PROMPTS, max_sequence_length=512)
+    negative_embeds, negative_mask = pipe.encode_prompt([kwargs["negative_prompt"]] * batch, max_sequence_length=512)
+    latents = pipe.prepare_latents(
+        batch,
+        pipe.transformer.config.in_channels // 4,
+        height,
+        width,
+        prompt_embeds.dtype,
+        torch.device("cpu"),
+        torch.Generator().manual_seed(seed),
+    )
+    packed_height, packed_width = height // pipe.vae_scale_factor // 2, width // pipe.vae_scale_factor // 2
+    img_shapes = [[(1, packed_height, packed_width)]] * batch
+    pipe.scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), mu=_dynamic_shift(pipe, latents.shape[1]))
+    for step, t in enumerate(pipe.scheduler.timesteps):
+        timestep = t.expand(batch).to(latents.dtype) / 1000
+        cond, uncond = (
+            pipe.transformer(
+                hidden_states=latents,
+                timestep=timestep,
+                guidance=None,
+                encoder_hidden_states=embeds,
+                encoder_hidden_states_mask=mask,  # None when no prompt in the batch is padded
+                img_shapes=img_shapes,
+                return_dict=False,
+            )[0]
+            for embeds, mask in ((prompt_embeds, prompt_mask), (negative_embeds, negative_mask))
+        )
+        combined = uncond + kwargs["true_cfg_scale"] * (cond - uncond)
+        # Rescale each token's guided velocity to the conditional velocity's norm.
+        velocity = combined * (cond.norm(dim=-1, keepdim=True) / combined.norm(dim=-1, keepdim=True))
+        latents = _euler(pipe, step, latents, velocity)
+    return latents
+
+
+MANUAL_SAMPLERS = {"flux": _flux_by_hand, "sd3": _sd3_by_hand, "qwenimage": _qwenimage_by_hand}
+
+
+def test_manual_sampling_reproduces_pipeline_latents(saved):
+    family, _, pipe = saved
+    height, width, steps, seed = 32, 32, 2, 7
+    expected = pipe(
+        PROMPTS,
+        height=height,
+        width=width,
+        num_inference_steps=steps,
+        generator=torch.Generator().manual_seed(seed),
+        output_type="latent",
+        **_call_kwargs(family),
+    ).images
+    actual = MANUAL_SAMPLERS[family](pipe, height=height, width=width, steps=steps, seed=seed)
+    assert actual.shape == expected.shape
+    assert (actual - expected).abs().max().item() < 1e-5

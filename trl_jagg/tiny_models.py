@@ -1,0 +1,809 @@
+"""Tiny, randomly initialised but fully functional diffusers pipelines, built offline from configs.
+
+The pipelines are real ``FluxPipeline``, ``StableDiffusion3Pipeline`` and ``QwenImagePipeline`` objects whose
+components have the same classes and wiring as the released checkpoints (FLUX.1-dev, SD3.5, Qwen-Image), only with
+widths of a few dozen channels. They serve the test suite, the examples' ``--tiny`` flag and the demo:
+
+    >>> pipe = build_tiny_pipeline("flux", seed=0)
+    >>> image = pipe("a red circle", height=32, width=32, num_inference_steps=2).images[0]
+    >>> path = save_tiny_pipeline("sd3", "/tmp/tiny-sd3")  # reloads with DiffusionPipeline.from_pretrained(path)
+
+Nothing is downloaded: the tokenizers are built in code from a small vocabulary (:data:`DEFAULT_VOCAB_WORDS` plus
+the caller's ``vocab_words``), every one of whose words is a single token with its own embedding in every tokenizer
+of the pipeline. Words outside the vocabulary still encode (byte-level BPE for CLIP and Qwen, single characters for
+T5), only into several tokens.
+
+All components are float32 and in eval mode, and their weights depend only on ``seed``, the component's name and its
+config, so the same call always returns the same pipeline. Height and width must be multiples of 16 (8x VAE
+downsampling, then 2x2 patches); 32 and 64 are the sizes used by tests and the demo.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import string
+import unicodedata
+import zlib
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from diffusers import (
+    AutoencoderKL,
+    AutoencoderKLQwenImage,
+    DiffusionPipeline,
+    FlowMatchEulerDiscreteScheduler,
+    FluxPipeline,
+    FluxTransformer2DModel,
+    QwenImagePipeline,
+    QwenImageTransformer2DModel,
+    SD3Transformer2DModel,
+    StableDiffusion3Pipeline,
+)
+from transformers import (
+    CLIPTextConfig,
+    CLIPTextModel,
+    CLIPTextModelWithProjection,
+    CLIPTokenizer,
+    PreTrainedTokenizerBase,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2_5_VLTextConfig,
+    Qwen2Tokenizer,
+    T5Config,
+    T5EncoderModel,
+    T5Tokenizer,
+)
+
+__all__ = [
+    "DEFAULT_VOCAB_WORDS",
+    "FAMILIES",
+    "FLUX_SCHEDULER_CONFIG",
+    "QWENIMAGE_SCHEDULER_CONFIG",
+    "SD3_SCHEDULER_CONFIG",
+    "build_clip_tokenizer",
+    "build_qwen2_tokenizer",
+    "build_t5_tokenizer",
+    "build_tiny_flux_pipeline",
+    "build_tiny_pipeline",
+    "build_tiny_qwenimage_pipeline",
+    "build_tiny_sd3_pipeline",
+    "save_tiny_pipeline",
+]
+
+FAMILIES: tuple[str, ...] = ("flux", "sd3", "qwenimage")
+
+# Words that are single tokens in every tiny tokenizer: the vocabulary of the prompts used by tests, examples and the
+# demo (colours, shapes, simple scene words). Callers add their own with `vocab_words`.
+DEFAULT_VOCAB_WORDS: tuple[str, ...] = (
+    # function words
+    "a", "an", "the", "of", "on", "in", "with", "and", "at", "to", "is", "no",
+    # colours
+    "red", "green", "blue", "yellow", "orange", "purple", "pink", "white", "black", "gray", "grey", "brown",
+    "cyan", "magenta", "colour", "color", "colored", "coloured",
+    # shapes and sizes
+    "circle", "square", "triangle", "star", "heart", "cross", "ring", "disk", "dot", "rectangle", "shape",
+    "small", "large", "big", "tiny", "one", "two", "three",
+    # scenes
+    "photo", "picture", "image", "painting", "drawing", "background", "dark", "light", "bright", "plain",
+    "centered", "left", "right", "top", "bottom", "middle", "cat", "dog", "car", "tree", "house", "sign",
+    "text", "says", "hello", "world",
+)  # fmt: skip
+
+# Scheduler configs of the released checkpoints. The pipelines read `use_dynamic_shifting` and the
+# `base/max_shift`, `base/max_image_seq_len` entries to compute the resolution-dependent shift `mu`.
+FLUX_SCHEDULER_CONFIG: dict[str, Any] = {  # black-forest-labs/FLUX.1-dev
+    "num_train_timesteps": 1000,
+    "shift": 3.0,
+    "use_dynamic_shifting": True,
+    "base_shift": 0.5,
+    "max_shift": 1.15,
+    "base_image_seq_len": 256,
+    "max_image_seq_len": 4096,
+}
+SD3_SCHEDULER_CONFIG: dict[str, Any] = {  # stabilityai/stable-diffusion-3.5-large: a static shift of 3
+    "num_train_timesteps": 1000,
+    "shift": 3.0,
+}
+QWENIMAGE_SCHEDULER_CONFIG: dict[str, Any] = {  # Qwen/Qwen-Image: dynamic shift, sigmas stretched to end at 0.02
+    "num_train_timesteps": 1000,
+    "shift": 1.0,
+    "use_dynamic_shifting": True,
+    "base_shift": 0.5,
+    "max_shift": 0.9,
+    "base_image_seq_len": 256,
+    "max_image_seq_len": 8192,
+    "shift_terminal": 0.02,
+    "time_shift_type": "exponential",
+}
+
+# Words of QwenImagePipeline's prompt template. The pipeline encodes `template.format(prompt)` and drops the first
+# `prompt_template_encode_start_idx` (34) hidden states, which is the length of the template prefix with the real
+# Qwen2.5 tokenizer. Making each of these words one token reproduces that count; `build_tiny_qwenimage_pipeline`
+# checks it against the pipeline it builds.
+_QWEN_TEMPLATE_WORDS: tuple[str, ...] = (
+    "system", "Describe", "the", "image", "by", "detailing", "color", "shape", "size", "texture", "quantity",
+    "text", "spatial", "relationships", "of", "objects", "and", "background", "user", "assistant",
+)  # fmt: skip
+
+_CLIP_BOS, _CLIP_EOS = "<|startoftext|>", "<|endoftext|>"
+_QWEN_SPECIAL_TOKENS: tuple[str, ...] = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+_T5_PIECE_CHARACTERS = string.ascii_letters + string.digits + string.punctuation
+
+ConfigOverrides = Mapping[str, Any] | None
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Shared helpers: seeding, vocabulary, tokenizers
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _seeded(seed: int, component: str) -> Iterator[None]:
+    """Seed torch's CPU RNG from ``(seed, component)`` inside a forked RNG state.
+
+    Each component gets its own stream, so its weights do not depend on the order in which components are built or
+    on the configs of the others, and the caller's global RNG state is left untouched.
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(zlib.crc32(f"{seed}/{component}".encode()))
+        yield
+
+
+def _merged(defaults: Mapping[str, Any], overrides: ConfigOverrides) -> dict[str, Any]:
+    """Return ``defaults`` updated with the caller's config ``overrides``."""
+    config = dict(defaults)
+    config.update(overrides or {})
+    return config
+
+
+def _checked(overrides: ConfigOverrides, config_class: type, component: str) -> ConfigOverrides:
+    """Reject override keys that are not fields of a transformers config class.
+
+    transformers configs store unknown keyword arguments as attributes without complaint, so a typo would silently
+    leave the default in place (diffusers models and schedulers already raise ``TypeError`` for unknown keys).
+    """
+    unknown = set(overrides or {}) - set(config_class().to_dict())
+    if unknown:
+        raise TypeError(f"Unknown {config_class.__name__} fields in the `{component}` overrides: {sorted(unknown)}.")
+    return overrides
+
+
+def _vocabulary(vocab_words: Sequence[str] | None) -> list[str]:
+    """Default words followed by the caller's, NFC-normalised and deduplicated, in a stable order."""
+    if isinstance(vocab_words, str):
+        raise TypeError("`vocab_words` must be a sequence of words, not a single string.")
+    words: list[str] = []
+    for word in (*DEFAULT_VOCAB_WORDS, *(vocab_words or ())):
+        word = unicodedata.normalize("NFC", word)
+        # Every tokenizer's pre-tokenizer splits on spaces, digits and punctuation, so only letter runs can be
+        # guaranteed to stay one token.
+        if not word.isalpha():
+            raise ValueError(f"Vocabulary words must consist of letters only, got {word!r}.")
+        if word not in words:
+            words.append(word)
+    return words
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """The byte-level BPE alphabet: each byte maps to a printable character (GPT-2/CLIP/Qwen convention).
+
+    Printable Latin-1 bytes map to themselves; the others (control characters, space, ...) are shifted to code
+    points from 256 on, in byte order, so a space becomes ``"Ġ"`` and a newline ``"Ċ"``.
+    """
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    mapping: dict[int, str] = {}
+    shifted = 0
+    for byte in range(256):
+        if byte in printable:
+            mapping[byte] = chr(byte)
+        else:
+            mapping[byte] = chr(256 + shifted)
+            shifted += 1
+    return mapping
+
+
+def _apply_merges(symbols: list[str], ranks: Mapping[tuple[str, str], int]) -> list[str]:
+    """Segment a word the way a BPE model does: repeatedly merge the adjacent pair of lowest rank (leftmost first)."""
+    symbols = list(symbols)
+    while len(symbols) > 1:
+        candidates = [
+            (ranks[pair], position) for position, pair in enumerate(zip(symbols[:-1], symbols[1:])) if pair in ranks
+        ]
+        if not candidates:
+            break
+        _, position = min(candidates)
+        symbols[position : position + 2] = [symbols[position] + symbols[position + 1]]
+    return symbols
+
+
+def _byte_level_bpe(
+    words: Sequence[str], *, end_of_word_suffix: str = ""
+) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """Build a byte-level BPE vocabulary and merge list in which each of ``words`` is a single token.
+
+    The base vocabulary is the 256 byte symbols (and, for CLIP, the same symbols carrying the end-of-word suffix), so
+    any text encodes. Words are then processed in order: while a word still splits into several tokens under the
+    merges so far, the merge of its first two tokens is appended with the lowest priority. A merge appended later can
+    never touch a word that is already one token (it has no adjacent pair left), so every word ends as one token.
+
+    Returns:
+        ``(vocab, merges)`` in the form taken by ``CLIPTokenizer``/``Qwen2Tokenizer`` (merges as ``(left, right)``).
+    """
+    byte_symbols = _bytes_to_unicode()
+    vocab: dict[str, int] = {}
+    for symbol in byte_symbols.values():
+        vocab.setdefault(symbol, len(vocab))
+    if end_of_word_suffix:
+        for symbol in byte_symbols.values():
+            vocab.setdefault(symbol + end_of_word_suffix, len(vocab))
+    ranks: dict[tuple[str, str], int] = {}
+    for word in words:
+        symbols = [byte_symbols[byte] for byte in word.encode("utf-8")]
+        symbols[-1] += end_of_word_suffix
+        while len(segments := _apply_merges(symbols, ranks)) > 1:
+            ranks[(segments[0], segments[1])] = len(ranks)
+            vocab.setdefault(segments[0] + segments[1], len(vocab))
+    return vocab, list(ranks)
+
+
+def _check_single_tokens(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str]) -> None:
+    """Raise if one of ``texts`` does not encode to exactly one token (guards the BPE construction above)."""
+    for text in texts:
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        if len(ids) != 1:
+            pieces = tokenizer.convert_ids_to_tokens(ids)
+            raise RuntimeError(f"{type(tokenizer).__name__}: {text!r} encodes to {pieces}, expected one token.")
+
+
+def build_clip_tokenizer(vocab_words: Sequence[str] | None = None, *, model_max_length: int = 77) -> CLIPTokenizer:
+    """A CLIP tokenizer (lower-cased byte-level BPE with ``</w>`` word ends) in which :data:`DEFAULT_VOCAB_WORDS`
+    and ``vocab_words`` are single tokens.
+
+    ``model_max_length`` must be set explicitly: the pipelines pad to it, and the class default (a huge integer)
+    makes them fail with ``OverflowError``. It must not exceed the text model's ``max_position_embeddings``.
+    The special tokens come last, as in the real tokenizer; padding uses the end-of-text token, like CLIP-L's.
+    """
+    # CLIP lower-cases its input, so the vocabulary is built from the lower-cased words.
+    lowered = list(dict.fromkeys(word.lower() for word in _vocabulary(vocab_words)))
+    vocab, merges = _byte_level_bpe(lowered, end_of_word_suffix="</w>")
+    for special in (_CLIP_BOS, _CLIP_EOS):
+        vocab[special] = len(vocab)
+    tokenizer = CLIPTokenizer(
+        vocab=vocab,
+        merges=merges,
+        bos_token=_CLIP_BOS,
+        eos_token=_CLIP_EOS,
+        unk_token=_CLIP_EOS,
+        pad_token=_CLIP_EOS,
+        model_max_length=model_max_length,
+    )
+    _check_single_tokens(tokenizer, lowered)
+    return tokenizer
+
+
+def build_t5_tokenizer(vocab_words: Sequence[str] | None = None, *, model_max_length: int = 512) -> T5Tokenizer:
+    """A T5 tokenizer (Unigram over ``"▁"``-prefixed words) in which :data:`DEFAULT_VOCAB_WORDS` and
+    ``vocab_words`` are single tokens.
+
+    The pieces are ``<pad>``/``</s>``/``<unk>`` (ids 0/1/2, as in T5), ``"▁"``, single ASCII characters and the
+    whole words ``"▁word"``. A word piece scores far better than its characters, so the Viterbi segmentation keeps
+    each vocabulary word whole; other text falls back to characters (non-ASCII characters outside the vocabulary
+    become ``<unk>``). No sentinel ``<extra_id_*>`` tokens: an encoder-only T5 never uses them.
+    """
+    words = _vocabulary(vocab_words)
+    pieces: list[tuple[str, float]] = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
+    pieces += [(character, -10.0) for character in _T5_PIECE_CHARACTERS]
+    pieces += [(f"▁{word}", -1.0) for word in words]
+    tokenizer = T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=model_max_length)
+    _check_single_tokens(tokenizer, words)
+    return tokenizer
+
+
+def build_qwen2_tokenizer(vocab_words: Sequence[str] | None = None) -> Qwen2Tokenizer:
+    """A byte-level ``Qwen2Tokenizer`` in which :data:`DEFAULT_VOCAB_WORDS`, ``vocab_words`` and the words of
+    ``QwenImagePipeline``'s prompt template are single tokens.
+
+    Qwen's pre-tokenizer attaches a leading space to the following word (``" red"`` is one chunk, ``"Ġred"``), so
+    every word is added both with and without it. The chat special tokens (``<|im_start|>``, ``<|im_end|>``, the
+    vision placeholders) come last, as in the real tokenizer.
+    """
+    texts = list(
+        dict.fromkeys(
+            form for word in (*_QWEN_TEMPLATE_WORDS, *_vocabulary(vocab_words)) for form in (word, " " + word)
+        )
+    )
+    vocab, merges = _byte_level_bpe(texts)
+    for special in _QWEN_SPECIAL_TOKENS:
+        vocab[special] = len(vocab)
+    tokenizer = Qwen2Tokenizer(
+        vocab=vocab,
+        merges=merges,
+        unk_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=list(_QWEN_SPECIAL_TOKENS[1:]),
+        model_max_length=32768,
+    )
+    _check_single_tokens(tokenizer, texts)
+    return tokenizer
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Shared helpers: text encoders, VAEs, schedulers
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _clip_text_encoder(
+    tokenizer: CLIPTokenizer, *, seed: int, component: str, with_projection: bool, overrides: ConfigOverrides
+) -> CLIPTextModel | CLIPTextModelWithProjection:
+    """A 2-layer CLIP text model (``CLIPTextModelWithProjection`` for SD3, whose pooled output is projected).
+
+    Two layers, because SD3 reads the penultimate hidden state (``hidden_states[-2]``): with one layer that would be
+    the bare token embeddings. ``eos_token_id`` is the tokenizer's, so the pooled output is read at the first
+    end-of-text token.
+    """
+    config = _merged(
+        {
+            "vocab_size": len(tokenizer),
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "max_position_embeddings": tokenizer.model_max_length,
+            "projection_dim": 32,
+            "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id,
+        },
+        _checked(overrides, CLIPTextConfig, component),
+    )
+    if config["max_position_embeddings"] < tokenizer.model_max_length:
+        raise ValueError(
+            f"{component}: max_position_embeddings={config['max_position_embeddings']} is smaller than the CLIP "
+            f"tokenizer's model_max_length={tokenizer.model_max_length}, which the pipeline pads every prompt to."
+        )
+    model_class = CLIPTextModelWithProjection if with_projection else CLIPTextModel
+    with _seeded(seed, component):
+        return model_class(CLIPTextConfig(**config))
+
+
+def _t5_encoder(tokenizer: T5Tokenizer, *, seed: int, component: str, overrides: ConfigOverrides) -> T5EncoderModel:
+    """A 2-layer T5 v1.1-style encoder (gated GELU feed-forward, relative position buckets)."""
+    config = _merged(
+        {
+            "vocab_size": len(tokenizer),
+            "d_model": 32,
+            "d_kv": 8,
+            "d_ff": 64,
+            "num_layers": 2,
+            "num_heads": 4,
+            "feed_forward_proj": "gated-gelu",
+            "pad_token_id": tokenizer.pad_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+            "decoder_start_token_id": tokenizer.pad_token_id,
+        },
+        _checked(overrides, T5Config, component),
+    )
+    with _seeded(seed, component):
+        return T5EncoderModel(T5Config(**config))
+
+
+def _mrope_section(head_dim: int) -> list[int]:
+    """Split the rotary half-dimension into Qwen2.5-VL's (time, height, width) sections, in the real 2:3:3 ratio.
+
+    Multimodal RoPE rotates ``head_dim // 2`` frequency pairs, taken in three sections from the temporal, height and
+    width position ids; the sections must sum to ``head_dim // 2`` (the 7B model: 16 + 24 + 24 = 128 // 2).
+    """
+    half = head_dim // 2
+    temporal = half // 4
+    height = (half - temporal) // 2
+    return [temporal, height, half - temporal - height]
+
+
+def _qwen25vl_text_encoder(
+    tokenizer: Qwen2Tokenizer, *, seed: int, overrides: ConfigOverrides
+) -> Qwen2_5_VLForConditionalGeneration:
+    """A tiny Qwen2.5-VL (2 text layers with grouped-query attention, a 1-block vision tower that text-only prompts
+    never use). ``overrides`` apply to the text config; the vision tower follows the text width.
+    """
+    text_config = _merged(
+        {
+            "vocab_size": len(tokenizer),
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "max_position_embeddings": 4096,
+            "rms_norm_eps": 1e-6,
+            "bos_token_id": tokenizer.pad_token_id,  # <|endoftext|>, as in Qwen2.5-VL
+            "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id,
+        },
+        _checked(overrides, Qwen2_5_VLTextConfig, "text_encoder"),
+    )
+    if "rope_parameters" not in text_config:
+        head_dim = text_config["hidden_size"] // text_config["num_attention_heads"]
+        text_config["rope_parameters"] = {
+            "rope_type": "default",
+            "rope_theta": 1_000_000.0,
+            "mrope_section": _mrope_section(head_dim),
+        }
+    vision_config = {
+        "depth": 1,
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_heads": 2,
+        "out_hidden_size": text_config["hidden_size"],  # the merger writes image features into the text stream
+        "fullatt_block_indexes": [0],
+    }
+    config = Qwen2_5_VLConfig(
+        text_config=text_config,
+        vision_config=vision_config,
+        image_token_id=tokenizer.convert_tokens_to_ids("<|image_pad|>"),
+        video_token_id=tokenizer.convert_tokens_to_ids("<|video_pad|>"),
+        vision_start_token_id=tokenizer.convert_tokens_to_ids("<|vision_start|>"),
+        vision_end_token_id=tokenizer.convert_tokens_to_ids("<|vision_end|>"),
+    )
+    with _seeded(seed, "text_encoder"):
+        return Qwen2_5_VLForConditionalGeneration(config)
+
+
+def _autoencoder_kl(
+    *, seed: int, scaling_factor: float, shift_factor: float, overrides: ConfigOverrides
+) -> AutoencoderKL:
+    """A 16-channel ``AutoencoderKL`` with 4 blocks, i.e. 8x spatial downsampling like the Flux/SD3 VAEs.
+
+    The pipelines derive ``vae_scale_factor = 2 ** (len(block_out_channels) - 1)``; the block types follow the
+    number of blocks. Like the real Flux/SD3 VAEs it has no quant convs and uses a scaling and a shift factor.
+    """
+    config = _merged(
+        {
+            "in_channels": 3,
+            "out_channels": 3,
+            "block_out_channels": (8, 16, 16, 16),
+            "layers_per_block": 1,
+            "latent_channels": 16,
+            "norm_num_groups": 4,  # GroupNorm: must divide every entry of block_out_channels
+            "sample_size": 32,
+            "scaling_factor": scaling_factor,
+            "shift_factor": shift_factor,
+            "use_quant_conv": False,
+            "use_post_quant_conv": False,
+        },
+        overrides,
+    )
+    num_blocks = len(config["block_out_channels"])
+    config.setdefault("down_block_types", ("DownEncoderBlock2D",) * num_blocks)
+    config.setdefault("up_block_types", ("UpDecoderBlock2D",) * num_blocks)
+    with _seeded(seed, "vae"):
+        return AutoencoderKL(**config)
+
+
+def _autoencoder_qwenimage(*, seed: int, overrides: ConfigOverrides) -> AutoencoderKLQwenImage:
+    """A tiny Qwen-Image (Wan-style causal 3D) VAE: 16 latent channels, 8x spatial downsampling.
+
+    The pipeline derives ``vae_scale_factor = 2 ** len(temperal_downsample)``, so ``temperal_downsample`` has one
+    entry per downsampling stage (``len(dim_mult) - 1``). The per-channel ``latents_mean``/``latents_std`` keep the
+    released values when ``z_dim`` is 16 and become 0/1 otherwise.
+    """
+    config = _merged(
+        {
+            "base_dim": 8,
+            "z_dim": 16,
+            "dim_mult": [1, 2, 2, 2],
+            "num_res_blocks": 1,
+            "attn_scales": [],
+            "temperal_downsample": [False, True, True],
+        },
+        overrides,
+    )
+    if config["z_dim"] != 16:
+        config.setdefault("latents_mean", [0.0] * config["z_dim"])
+        config.setdefault("latents_std", [1.0] * config["z_dim"])
+    with _seeded(seed, "vae"):
+        return AutoencoderKLQwenImage(**config)
+
+
+def _flow_match_scheduler(defaults: Mapping[str, Any], overrides: ConfigOverrides) -> FlowMatchEulerDiscreteScheduler:
+    return FlowMatchEulerDiscreteScheduler(**_merged(defaults, overrides))
+
+
+def _check_rope_axes(axes_dims_rope: Sequence[int], attention_head_dim: int) -> None:
+    # RoPE rotates every channel pair of a query/key head; the rotary frequencies of the axes (text index / frame,
+    # height, width) are concatenated, so together they must cover exactly one head, and each axis an even number.
+    if sum(axes_dims_rope) != attention_head_dim or any(dim % 2 for dim in axes_dims_rope):
+        raise ValueError(
+            f"axes_dims_rope={tuple(axes_dims_rope)} must be even and sum to attention_head_dim={attention_head_dim}."
+        )
+
+
+def _finalize(pipe: DiffusionPipeline) -> DiffusionPipeline:
+    """Cast every model to float32 and put it in eval mode (models built from configs start in train mode, where
+    T5's dropout would make the prompt embeddings random)."""
+    for component in pipe.components.values():
+        if isinstance(component, torch.nn.Module):
+            # Cast only when needed (a non-float32 default dtype): diffusers warns on every `.to(dtype)` call.
+            if any(parameter.dtype != torch.float32 for parameter in component.parameters()):
+                component.to(dtype=torch.float32)
+            component.eval()
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# One builder per family
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def build_tiny_flux_pipeline(
+    *,
+    seed: int = 0,
+    vocab_words: Sequence[str] | None = None,
+    clip_max_length: int = 77,
+    transformer: ConfigOverrides = None,
+    vae: ConfigOverrides = None,
+    text_encoder: ConfigOverrides = None,
+    text_encoder_2: ConfigOverrides = None,
+    scheduler: ConfigOverrides = None,
+) -> FluxPipeline:
+    """A tiny FLUX.1-dev-like ``FluxPipeline`` (guidance-distilled: ``guidance_embeds=True``).
+
+    Components: ``FluxTransformer2DModel`` (1 double-stream + 1 single-stream block, 2 heads of 16), a 16-channel
+    8x ``AutoencoderKL``, a CLIP text model (pooled prompt embedding) and a T5 encoder (token embeddings), and a
+    ``FlowMatchEulerDiscreteScheduler`` with Flux's resolution-dependent shift.
+
+    Args:
+        seed: seed of the random weights.
+        vocab_words: extra words that must be single tokens in both tokenizers.
+        clip_max_length: the CLIP tokenizer's ``model_max_length`` (and the CLIP position table's size).
+        transformer, vae, text_encoder, text_encoder_2, scheduler: config overrides for that component. The
+            transformer's ``joint_attention_dim`` and ``pooled_projection_dim`` follow the T5 and CLIP widths and
+            its ``in_channels`` the VAE's latent channels unless overridden.
+    """
+    tokenizer = build_clip_tokenizer(vocab_words, model_max_length=clip_max_length)
+    tokenizer_2 = build_t5_tokenizer(vocab_words)
+    clip = _clip_text_encoder(
+        tokenizer, seed=seed, component="text_encoder", with_projection=False, overrides=text_encoder
+    )
+    t5 = _t5_encoder(tokenizer_2, seed=seed, component="text_encoder_2", overrides=text_encoder_2)
+    autoencoder = _autoencoder_kl(seed=seed, scaling_factor=0.3611, shift_factor=0.1159, overrides=vae)
+
+    transformer_config = _merged(
+        {
+            "patch_size": 1,
+            # Latents are packed 2x2 before the transformer: 16 VAE channels become 64 features per token.
+            "in_channels": 4 * autoencoder.config.latent_channels,
+            "num_layers": 1,
+            "num_single_layers": 1,
+            "attention_head_dim": 16,
+            "num_attention_heads": 2,
+            "joint_attention_dim": t5.config.d_model,  # T5 token embeddings are the text stream
+            "pooled_projection_dim": clip.config.hidden_size,  # CLIP's pooled output (no projection) conditions
+            "guidance_embeds": True,  # like FLUX.1-dev; FLUX.1-schnell has none
+            "axes_dims_rope": (4, 6, 6),  # (text/position index, height, width)
+        },
+        transformer,
+    )
+    _check_rope_axes(transformer_config["axes_dims_rope"], transformer_config["attention_head_dim"])
+    if transformer_config["in_channels"] != 4 * autoencoder.config.latent_channels:
+        raise ValueError("Flux's transformer in_channels must be 4x the VAE latent channels (2x2 packing).")
+    with _seeded(seed, "transformer"):
+        flux_transformer = FluxTransformer2DModel(**transformer_config)
+
+    pipe = FluxPipeline(
+        scheduler=_flow_match_scheduler(FLUX_SCHEDULER_CONFIG, scheduler),
+        vae=autoencoder,
+        text_encoder=clip,
+        tokenizer=tokenizer,
+        text_encoder_2=t5,
+        tokenizer_2=tokenizer_2,
+        transformer=flux_transformer,
+    )
+    return _finalize(pipe)
+
+
+def build_tiny_sd3_pipeline(
+    *,
+    seed: int = 0,
+    vocab_words: Sequence[str] | None = None,
+    clip_max_length: int = 77,
+    transformer: ConfigOverrides = None,
+    vae: ConfigOverrides = None,
+    text_encoder: ConfigOverrides = None,
+    text_encoder_2: ConfigOverrides = None,
+    text_encoder_3: ConfigOverrides = None,
+    scheduler: ConfigOverrides = None,
+) -> StableDiffusion3Pipeline:
+    """A tiny SD3.5-like ``StableDiffusion3Pipeline`` (true classifier-free guidance, static shift 3).
+
+    Components: ``SD3Transformer2DModel`` (2 joint blocks, 2 heads of 16, RMS q/k norm as in SD3.5), a 16-channel
+    8x ``AutoencoderKL``, two ``CLIPTextModelWithProjection`` (CLIP-L and CLIP-G roles) and a T5 encoder, and a
+    ``FlowMatchEulerDiscreteScheduler`` with ``shift=3.0`` and no dynamic shifting.
+
+    Args:
+        seed: seed of the random weights.
+        vocab_words: extra words that must be single tokens in all three tokenizers.
+        clip_max_length: ``model_max_length`` of both CLIP tokenizers (the pipeline uses the first one's for both).
+        transformer, vae, text_encoder, text_encoder_2, text_encoder_3, scheduler: config overrides for that
+            component. The transformer's ``joint_attention_dim`` follows T5's ``d_model`` and its
+            ``pooled_projection_dim`` the two CLIP projection dims unless overridden.
+    """
+    tokenizer = build_clip_tokenizer(vocab_words, model_max_length=clip_max_length)
+    tokenizer_2 = build_clip_tokenizer(vocab_words, model_max_length=clip_max_length)
+    tokenizer_3 = build_t5_tokenizer(vocab_words)
+    clip_l = _clip_text_encoder(
+        tokenizer, seed=seed, component="text_encoder", with_projection=True, overrides=text_encoder
+    )
+    clip_g = _clip_text_encoder(
+        tokenizer_2, seed=seed, component="text_encoder_2", with_projection=True, overrides=text_encoder_2
+    )
+    # SD3 concatenates the two CLIP token embeddings along the feature axis (penultimate hidden states, so the
+    # CLIP *hidden* sizes) and zero-pads them to T5's width before stacking them with the T5 tokens. T5 must be at
+    # least as wide (4096 >= 768 + 1280 in SD3): `F.pad` with a negative amount would silently crop instead.
+    t5 = _t5_encoder(
+        tokenizer_3, seed=seed, component="text_encoder_3", overrides=_merged({"d_model": 96}, text_encoder_3)
+    )
+    clip_width = clip_l.config.hidden_size + clip_g.config.hidden_size
+    if t5.config.d_model < clip_width:
+        raise ValueError(
+            f"SD3 needs T5 d_model >= the CLIP hidden sizes together ({clip_width}), got {t5.config.d_model}."
+        )
+    autoencoder = _autoencoder_kl(seed=seed, scaling_factor=1.5305, shift_factor=0.0609, overrides=vae)
+
+    transformer_config = _merged(
+        {
+            # Only sets the pipeline's default size (sample_size * 8 = 32 px); any multiple of 16 works.
+            "sample_size": 4,
+            "patch_size": 2,
+            "in_channels": autoencoder.config.latent_channels,
+            "out_channels": autoencoder.config.latent_channels,
+            "num_layers": 2,
+            "attention_head_dim": 16,
+            "num_attention_heads": 2,
+            "joint_attention_dim": t5.config.d_model,
+            # The pooled conditioning is the two CLIP *projected* embeddings concatenated.
+            "pooled_projection_dim": clip_l.config.projection_dim + clip_g.config.projection_dim,
+            "pos_embed_max_size": 32,  # 2D sin-cos table cropped to the image: up to 32 patches a side (512 px)
+            "qk_norm": "rms_norm",
+            "dual_attention_layers": (),
+        },
+        transformer,
+    )
+    # The text stream's width inside the joint blocks must equal the image stream's (heads * head dim).
+    transformer_config.setdefault(
+        "caption_projection_dim", transformer_config["num_attention_heads"] * transformer_config["attention_head_dim"]
+    )
+    with _seeded(seed, "transformer"):
+        sd3_transformer = SD3Transformer2DModel(**transformer_config)
+
+    pipe = StableDiffusion3Pipeline(
+        scheduler=_flow_match_scheduler(SD3_SCHEDULER_CONFIG, scheduler),
+        vae=autoencoder,
+        text_encoder=clip_l,
+        tokenizer=tokenizer,
+        text_encoder_2=clip_g,
+        tokenizer_2=tokenizer_2,
+        text_encoder_3=t5,
+        tokenizer_3=tokenizer_3,
+        transformer=sd3_transformer,
+    )
+    return _finalize(pipe)
+
+
+def build_tiny_qwenimage_pipeline(
+    *,
+    seed: int = 0,
+    vocab_words: Sequence[str] | None = None,
+    transformer: ConfigOverrides = None,
+    vae: ConfigOverrides = None,
+    text_encoder: ConfigOverrides = None,
+    scheduler: ConfigOverrides = None,
+) -> QwenImagePipeline:
+    """A tiny Qwen-Image-like ``QwenImagePipeline`` (true CFG with norm rescaling, dynamic shift).
+
+    Components: ``QwenImageTransformer2DModel`` (2 blocks, 2 heads of 16), a tiny ``AutoencoderKLQwenImage``
+    (16 latent channels, 8x), a tiny ``Qwen2_5_VLForConditionalGeneration`` whose last hidden state is the prompt
+    embedding, a byte-level ``Qwen2Tokenizer`` and the real Qwen-Image scheduler config.
+
+    Args:
+        seed: seed of the random weights.
+        vocab_words: extra words that must be single tokens (with and without a leading space).
+        transformer, vae, text_encoder, scheduler: config overrides (``text_encoder`` overrides the Qwen2.5-VL
+            *text* config). The transformer's ``joint_attention_dim`` follows the text width unless overridden.
+
+    Note: with the real scheduler config, ``num_inference_steps=1`` gives NaN sigmas (``shift_terminal``'s stretch
+    divides 0 by 0 for a single sigma of 1), as with the released model: sample with at least 2 steps.
+
+    Raises:
+        RuntimeError: if the tokenizer does not encode the pipeline's prompt-template prefix to exactly
+            ``prompt_template_encode_start_idx`` tokens (the pipeline would then cut into the prompt).
+    """
+    tokenizer = build_qwen2_tokenizer(vocab_words)
+    qwen = _qwen25vl_text_encoder(tokenizer, seed=seed, overrides=text_encoder)
+    autoencoder = _autoencoder_qwenimage(seed=seed, overrides=vae)
+    transformer_config = _merged(
+        {
+            "patch_size": 2,
+            "in_channels": 4 * autoencoder.config.z_dim,  # 2x2-packed latents, as in Flux
+            "out_channels": autoencoder.config.z_dim,
+            "num_layers": 2,
+            "attention_head_dim": 16,
+            "num_attention_heads": 2,
+            "joint_attention_dim": qwen.config.text_config.hidden_size,
+            "guidance_embeds": False,
+            "axes_dims_rope": (4, 6, 6),  # (frame, height, width)
+        },
+        transformer,
+    )
+    _check_rope_axes(transformer_config["axes_dims_rope"], transformer_config["attention_head_dim"])
+    with _seeded(seed, "transformer"):
+        qwen_transformer = QwenImageTransformer2DModel(**transformer_config)
+
+    pipe = QwenImagePipeline(
+        scheduler=_flow_match_scheduler(QWENIMAGE_SCHEDULER_CONFIG, scheduler),
+        vae=autoencoder,
+        text_encoder=qwen,
+        tokenizer=tokenizer,
+        transformer=qwen_transformer,
+    )
+    prefix = pipe.prompt_template_encode.split("{}")[0]
+    prefix_length = len(tokenizer(prefix).input_ids)
+    if prefix_length != pipe.prompt_template_encode_start_idx:
+        raise RuntimeError(
+            f"The tiny Qwen2 tokenizer encodes the prompt-template prefix to {prefix_length} tokens, but "
+            f"QwenImagePipeline drops the first {pipe.prompt_template_encode_start_idx}; update _QWEN_TEMPLATE_WORDS."
+        )
+    return _finalize(pipe)
+
+
+_BUILDERS = {
+    "flux": build_tiny_flux_pipeline,
+    "sd3": build_tiny_sd3_pipeline,
+    "qwenimage": build_tiny_qwenimage_pipeline,
+}
+
+
+def build_tiny_pipeline(
+    family: str, *, seed: int = 0, vocab_words: Sequence[str] | None = None, **overrides: Any
+) -> DiffusionPipeline:
+    """Build a tiny, randomly initialised pipeline of ``family`` (``"flux"``, ``"sd3"`` or ``"qwenimage"``).
+
+    Args:
+        family: which pipeline: ``FluxPipeline``, ``StableDiffusion3Pipeline`` or ``QwenImagePipeline``.
+        seed: seed of the random weights; the same arguments always give the same weights.
+        vocab_words: words (letters only) that must be single tokens with their own embeddings in every tokenizer
+            of the pipeline, in addition to :data:`DEFAULT_VOCAB_WORDS`.
+        **overrides: keyword arguments of the family's builder (``build_tiny_<family>_pipeline``): per-component
+            config overrides such as ``transformer={"num_layers": 2}``, and ``clip_max_length`` for Flux/SD3.
+
+    Returns:
+        The pipeline, float32, eval mode, on CPU, with the progress bar disabled.
+    """
+    if family not in _BUILDERS:
+        raise ValueError(f"Unknown family {family!r}; expected one of {FAMILIES}.")
+    return _BUILDERS[family](seed=seed, vocab_words=vocab_words, **overrides)
+
+
+def save_tiny_pipeline(family: str, path: str | os.PathLike[str], **kwargs: Any) -> str:
+    """Build a tiny pipeline with :func:`build_tiny_pipeline` and ``save_pretrained`` it to ``path``.
+
+    The directory has the layout of a Hub repository (``model_index.json`` and one folder per component), so it
+    loads with ``DiffusionPipeline.from_pretrained(path)`` or the family's pipeline class, exactly like a Hub id.
+
+    Returns:
+        ``path`` as a string.
+    """
+    pipe = build_tiny_pipeline(family, **kwargs)
+    pipe.save_pretrained(os.fspath(path))
+    return os.fspath(path)
