@@ -89,6 +89,8 @@ def kl_to_reference(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tenso
 
     ``KL = mean over latent dims of (mu - mu_ref)^2 / (2 std^2)``; returns ``(batch,)``.
     """
+    if ref_mean.shape != mean.shape:
+        raise ValueError(f"`ref_mean` must have the shape of `mean` {tuple(mean.shape)}, got {tuple(ref_mean.shape)}.")
     kl = (mean.float() - ref_mean.float()) ** 2 / (2 * std.float() ** 2)
     return kl.mean(dim=tuple(range(1, kl.ndim)))
 
@@ -124,6 +126,14 @@ def ppo_step_loss(
         kl: optional ``(batch,)`` KL to the reference (see :func:`kl_to_reference`).
         beta: weight of the KL term.
     """
+    if log_prob.ndim != 1:
+        raise ValueError(f"`log_prob` must have shape (batch,), got {tuple(log_prob.shape)}.")
+    # Mismatched (batch,) and (batch, 1) tensors would broadcast to (batch, batch) and silently average nonsense.
+    for name, value in (("old_log_prob", old_log_prob), ("advantages", advantages), ("kl", kl)):
+        if value is not None and value.shape != log_prob.shape:
+            raise ValueError(
+                f"`{name}` must have the shape of `log_prob` {tuple(log_prob.shape)}, got {tuple(value.shape)}."
+            )
     log_ratio = log_prob - old_log_prob
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio

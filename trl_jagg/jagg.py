@@ -77,7 +77,7 @@ def plan_groups(times: Sequence[float], group_size: int, jagg_frac: float, mode:
     """Split the trained steps into groups of ``group_size`` and route the first ``jagg_frac`` of them to JAGG.
 
     Groups are consecutive chunks of the trained steps, high noise first; the last one may be shorter (the
-    remainder) and is always exact. ``round(jagg_frac * number_of_groups)`` of the full groups, the
+    remainder) and is always exact. ``jagg_frac * number_of_groups`` (rounded half up) of the full groups, the
     highest-noise ones, use JAGG (or the ``endpoints`` ablation); the rest use exact per-step backward.
 
     Args:
@@ -191,10 +191,19 @@ class JaggEngine:
         v_first = self.velocity_fn(first)
         with torch.no_grad():
             v_inner = [self.velocity_fn(k) for k in group.steps[1:-1]]
-        v_last = self.velocity_fn(last)
-        s_base = torch.zeros_like(v_first, dtype=torch.float32)
-        s_corr = torch.zeros_like(v_first, dtype=torch.float32)
-        for j, (step, velocity) in enumerate(zip(group.steps, [v_first, *v_inner, v_last])):
+        v_last = self.velocity_fn(last) if last != first else v_first
+        velocities = [v_first, *v_inner, v_last] if last != first else [v_first]
+        for step, velocity in zip(group.steps, velocities):
+            if velocity.shape != v_first.shape:
+                raise ValueError(
+                    f"`velocity_fn` returned shape {tuple(velocity.shape)} for step {step} but "
+                    f"{tuple(v_first.shape)} for step {first}: a joint group needs one latent shape."
+                )
+        # Aggregate in at least float32 (bf16 models) but never below the model's precision (float64 models).
+        dtype = torch.promote_types(v_first.dtype, torch.float32)
+        s_base = torch.zeros_like(v_first, dtype=dtype)
+        s_corr = torch.zeros_like(v_first, dtype=dtype)
+        for j, (step, velocity) in enumerate(zip(group.steps, velocities)):
             loss, signal = upstream_signal(self.loss_fn, step, velocity)
             result.step_losses[step] = loss.item()
             alpha = group.alphas[j]
@@ -208,7 +217,7 @@ class JaggEngine:
                 s_base += (1 - alpha) * signal
                 s_corr += alpha * signal
         # One joint backward through both endpoint graphs; a scalar surrogate so any backward_fn works.
-        surrogate = (v_first.float() * s_base).sum() + (v_last.float() * s_corr).sum()
+        surrogate = (v_first.to(dtype) * s_base).sum() + (v_last.to(dtype) * s_corr).sum()
         self.backward_fn(surrogate * self.loss_weight)
         result.num_backward += 1
 

@@ -1,0 +1,268 @@
+"""GRPO pieces (`trl_jagg.grpo`): advantages, the PPO-clipped step loss and the KL term, against hand computations."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import pytest
+import torch
+from torch.distributions import Normal, kl_divergence
+
+from trl_jagg.grpo import PerPromptStatTracker, group_advantages, kl_to_reference, ppo_step_loss
+from trl_jagg.jagg import upstream_signal
+from trl_jagg.sampling import sampler_step
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    """Tiny tensors: one intra-op thread is faster and immune to spin-waiting on a shared, busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+REWARDS = [0.1, 0.7, 0.3, 0.9, 2.0, 2.5, 1.0, 4.5]  # two prompts, G = 4
+
+
+def _hand_advantages(rewards, group_size, scale_by="group", clip=5.0, eps=1e-4):
+    """Advantages with the statistics module: (r - group mean) / (sample std + eps), clipped."""
+    out = []
+    for start in range(0, len(rewards), group_size):
+        group = rewards[start : start + group_size]
+        mean = statistics.fmean(group)
+        if scale_by == "group":
+            scale = statistics.stdev(group) + eps
+        elif scale_by == "batch":
+            scale = statistics.stdev(rewards) + eps
+        else:
+            scale = 1.0
+        out.extend((r - mean) / scale for r in group)
+    return [max(-clip, min(clip, a)) for a in out] if clip is not None else out
+
+
+# --- advantages --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scale_by", ["group", "batch", "none"])
+def test_group_advantages_match_hand_computation(scale_by):
+    got = group_advantages(torch.tensor(REWARDS), 4, scale_by=scale_by, clip=None)
+    expected = _hand_advantages(REWARDS, 4, scale_by=scale_by, clip=None)
+    torch.testing.assert_close(got, torch.tensor(expected), rtol=1e-5, atol=1e-6)
+
+
+def test_group_advantages_of_a_group_sum_to_zero_and_use_group_std_plus_eps():
+    got = group_advantages(torch.tensor(REWARDS), 4)
+    assert got.view(2, 4).sum(dim=1).abs().max() < 1e-5
+    # A constant group has zero std: the 1e-4 keeps it finite (and zero).
+    flat = group_advantages(torch.tensor([3.0, 3.0, 3.0, 3.0]), 4)
+    assert torch.all(flat == 0)
+    # Two samples differing by 2e-4: sample std = sqrt(2) * 1e-4, so |A| = 1e-4 / (sqrt(2) * 1e-4 + 1e-4).
+    tiny = group_advantages(torch.tensor([0.0, 2e-4], dtype=torch.float64), 2)
+    assert tiny[1].item() == pytest.approx(1 / (math.sqrt(2) + 1), rel=1e-4)
+
+
+@pytest.mark.parametrize("clip", [0.8, 1.2, 5.0])
+def test_group_advantages_are_clipped_to_plus_minus_clip(clip):
+    got = group_advantages(torch.tensor(REWARDS), 4, clip=clip)
+    expected = _hand_advantages(REWARDS, 4, clip=clip)
+    torch.testing.assert_close(got, torch.tensor(expected), rtol=1e-5, atol=1e-6)
+    assert got.abs().max() <= clip
+
+
+def test_default_clip_is_five():
+    rewards = torch.tensor([0.0] * 3 + [100.0])
+    got = group_advantages(rewards, 4, scale_by="none")
+    assert got.tolist() == [-5.0, -5.0, -5.0, 5.0]
+
+
+def test_group_advantages_bad_input():
+    with pytest.raises(ValueError, match="`num_generations`"):
+        group_advantages(torch.tensor(REWARDS), 3)
+    with pytest.raises(ValueError, match="`num_generations`"):
+        group_advantages(torch.tensor(REWARDS), 0)
+    with pytest.raises(ValueError, match="`scale_by`"):
+        group_advantages(torch.tensor(REWARDS), 4, scale_by="prompt")
+
+
+def test_stat_tracker_without_buffer_equals_group_advantages_and_with_buffer_uses_history():
+    prompts = ["a"] * 4 + ["b"] * 4
+    tracker = PerPromptStatTracker(buffer_size=None)
+    torch.testing.assert_close(
+        tracker.update(prompts, torch.tensor(REWARDS)), group_advantages(torch.tensor(REWARDS), 4)
+    )
+    # Interleaved prompts are grouped by prompt, not by position.
+    shuffled = [0, 4, 1, 5, 2, 6, 3, 7]
+    got = PerPromptStatTracker().update([prompts[i] for i in shuffled], torch.tensor([REWARDS[i] for i in shuffled]))
+    expected = _hand_advantages(REWARDS, 4)
+    torch.testing.assert_close(got, torch.tensor([expected[i] for i in shuffled]), rtol=1e-5, atol=1e-6)
+    # With a buffer, the second batch is normalised by the statistics of both batches of its prompt.
+    tracker = PerPromptStatTracker(buffer_size=16)
+    tracker.update(["a"] * 4, torch.tensor(REWARDS[:4]))
+    second = [1.0, 0.0, 0.5, 0.2]
+    got = tracker.update(["a"] * 4, torch.tensor(second))
+    history = REWARDS[:4] + second
+    expected = [(r - statistics.fmean(history)) / (statistics.stdev(history) + 1e-4) for r in second]
+    torch.testing.assert_close(got, torch.tensor(expected), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError):
+        tracker.update(["a"], torch.tensor([1.0, 2.0]))
+
+
+# --- PPO loss ----------------------------------------------------------------------------------------------------
+
+# (advantage, log ratio) pairs covering every branch of max(-A r, -A clip(r)) with eps = 0.1:
+CASES = [
+    (1.0, 0.3),  # A > 0, r > 1 + eps: clipped (flat)
+    (1.0, -0.3),  # A > 0, r < 1 - eps: unclipped
+    (-1.5, -0.3),  # A < 0, r < 1 - eps: clipped (flat)
+    (-1.5, 0.3),  # A < 0, r > 1 + eps: unclipped
+    (0.7, 0.05),  # inside the range
+    (-0.4, -0.02),  # inside the range
+]
+EPS = 0.1
+
+
+def _hand_ppo(cases, eps, kl=None, beta=0.0):
+    losses, grads = [], []
+    for adv, log_ratio in cases:
+        r = math.exp(log_ratio)
+        unclipped, clipped = -adv * r, -adv * min(max(r, 1 - eps), 1 + eps)
+        losses.append(max(unclipped, clipped))
+        flat = clipped > unclipped  # the clipped branch is active and constant in r
+        grads.append(0.0 if flat else -adv * r / len(cases))  # d loss / d log_prob
+    policy = sum(losses) / len(losses)
+    kl_mean = sum(kl) / len(kl) if kl is not None else 0.0
+    ratios = [math.exp(lr) for _, lr in cases]
+    return {
+        "loss": policy + beta * kl_mean,
+        "policy_loss": policy,
+        "kl": kl_mean,
+        "ratio_mean": sum(ratios) / len(ratios),
+        "clip_fraction": sum(abs(r - 1) > eps for r in ratios) / len(ratios),
+        "approx_kl": sum(0.5 * lr**2 for _, lr in cases) / len(cases),
+        "grad": grads,
+    }
+
+
+def test_ppo_loss_matches_hand_computation_with_clipping_on_both_sides():
+    adv = torch.tensor([a for a, _ in CASES], dtype=torch.float64)
+    old = torch.tensor([-1.3, 0.2, -0.7, 1.1, 0.0, -2.0], dtype=torch.float64)
+    log_prob = (old + torch.tensor([lr for _, lr in CASES], dtype=torch.float64)).requires_grad_(True)
+    out = ppo_step_loss(log_prob, old, adv, EPS)
+    hand = _hand_ppo(CASES, EPS)
+    assert out.loss.item() == pytest.approx(hand["loss"], rel=1e-12)
+    for key in ("policy_loss", "kl", "ratio_mean", "approx_kl"):
+        assert getattr(out, key) == pytest.approx(hand[key], rel=1e-12, abs=1e-15), key
+    assert out.clip_fraction == pytest.approx(hand["clip_fraction"], rel=1e-7)
+    assert hand["clip_fraction"] == 4 / 6  # the cases do clip on both sides
+    (grad,) = torch.autograd.grad(out.loss, log_prob)
+    torch.testing.assert_close(grad, torch.tensor(hand["grad"], dtype=torch.float64), rtol=1e-12, atol=1e-15)
+    assert grad[0] == 0 and grad[2] == 0 and grad[1] != 0 and grad[3] != 0
+
+
+def test_ppo_loss_with_kl_adds_beta_times_mean_kl():
+    adv = torch.tensor([a for a, _ in CASES])
+    old = torch.zeros(len(CASES))
+    log_prob = torch.tensor([lr for _, lr in CASES])
+    kl = torch.tensor([0.5, 0.1, 0.0, 0.3, 0.2, 0.9])
+    out = ppo_step_loss(log_prob, old, adv, EPS, kl=kl, beta=0.04)
+    hand = _hand_ppo(CASES, EPS, kl=kl.tolist(), beta=0.04)
+    assert out.loss.item() == pytest.approx(hand["loss"], rel=1e-6)
+    assert out.kl == pytest.approx(hand["kl"], rel=1e-6)
+    assert out.policy_loss == pytest.approx(hand["policy_loss"], rel=1e-6)
+    # beta = 0 ignores the KL in the loss but still reports it.
+    plain = ppo_step_loss(log_prob, old, adv, EPS, kl=kl)
+    assert plain.loss.item() == pytest.approx(hand["policy_loss"], rel=1e-6)
+    assert plain.kl == pytest.approx(hand["kl"], rel=1e-6)
+
+
+def test_kl_to_reference_by_hand_and_equals_gaussian_kl():
+    gen = torch.Generator().manual_seed(3)
+    mean = torch.randn(3, 4, 5, generator=gen, dtype=torch.float64)
+    ref = torch.randn(3, 4, 5, generator=gen, dtype=torch.float64)
+    std = torch.tensor([0.3, 0.7, 1.1], dtype=torch.float64).view(3, 1, 1)
+    got = kl_to_reference(mean, ref, std)
+    hand = [
+        sum((m - r) ** 2 for m, r in zip(mean[b].flatten().tolist(), ref[b].flatten().tolist()))
+        / 20
+        / (2 * std[b].item() ** 2)
+        for b in range(3)
+    ]
+    torch.testing.assert_close(got.double(), torch.tensor(hand, dtype=torch.float64), rtol=1e-6, atol=1e-7)
+    exact_kl = kl_divergence(Normal(mean, std.expand_as(mean)), Normal(ref, std.expand_as(ref))).mean(dim=(1, 2))
+    torch.testing.assert_close(got.double(), exact_kl, rtol=1e-6, atol=1e-7)
+
+
+def test_fresh_rollout_ratios_are_exactly_one():
+    """Re-scoring a rollout with the same parameters gives log_prob == old_log_prob bit for bit."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(9, 32), torch.nn.SiLU(), torch.nn.Linear(32, 8)).to(torch.bfloat16)
+    sigmas = [1.0, 0.8, 0.55, 0.3, 0.0]
+    advantages = group_advantages(torch.randn(4), 4)
+    for sampler in ("sde", "dance", "cps"):
+        x = torch.randn(4, 6, 8).to(torch.bfloat16)
+        rollout = []
+        gen = torch.Generator().manual_seed(11)
+        for sigma, sigma_next in zip(sigmas, sigmas[1:]):
+            with torch.no_grad():
+                v = net(torch.cat([x, torch.full((4, 6, 1), sigma, dtype=x.dtype)], dim=-1))
+            out = sampler_step(v, x, sigma, sigma_next, sampler=sampler, noise_level=0.7, generator=gen)
+            rollout.append((x, sigma, sigma_next, out.prev_sample, out.log_prob))
+            x = out.prev_sample.bfloat16()
+        for x_k, sigma, sigma_next, next_k, old in rollout:
+            v = net(torch.cat([x_k, torch.full((4, 6, 1), sigma, dtype=x_k.dtype)], dim=-1))
+            new = sampler_step(v, x_k, sigma, sigma_next, sampler=sampler, noise_level=0.7, prev_sample=next_k)
+            assert torch.equal(new.log_prob, old)
+            stats = ppo_step_loss(new.log_prob, old, advantages, 1e-5 if sampler == "cps" else 1e-4)
+            assert stats.ratio_mean == 1.0 and stats.clip_fraction == 0.0 and stats.approx_kl == 0.0
+            assert stats.policy_loss == pytest.approx(-advantages.mean().item(), abs=1e-7)
+
+
+def _sde_step_loss(x, nxt, advantages, old_log_prob, clip_range):
+    def loss_fn(_step: int, velocity: torch.Tensor) -> torch.Tensor:
+        out = sampler_step(velocity, x, 0.7, 0.5, noise_level=0.7, prev_sample=nxt)
+        return ppo_step_loss(out.log_prob, old_log_prob, advantages, clip_range).loss
+
+    return loss_fn
+
+
+def test_clipped_samples_contribute_a_zero_upstream_signal():
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 3, 8, generator=gen, dtype=torch.float64)
+    v = torch.randn(4, 3, 8, generator=gen, dtype=torch.float64)
+    nxt = sampler_step(v, x, 0.7, 0.5, noise_level=0.7, generator=gen).prev_sample.double()
+    log_prob = sampler_step(v, x, 0.7, 0.5, noise_level=0.7, prev_sample=nxt).log_prob
+    eps = 1e-4
+    # Samples 0 and 1 sit outside the range in the clipped direction; samples 2 and 3 in the unclipped one.
+    advantages = torch.tensor([1.0, -1.0, 1.0, -1.0], dtype=torch.float32)
+    shift = torch.tensor([-1e-2, 1e-2, 1e-2, -1e-2])  # log r = log_prob - old = -shift
+    loss_fn = _sde_step_loss(x, nxt, advantages, log_prob + shift, eps)
+    loss, signal = upstream_signal(loss_fn, 0, v)
+    assert torch.all(signal[:2] == 0)
+    assert torch.all(signal[2:].flatten(1).abs().sum(dim=1) > 0)
+    # Independent check of the unclipped rows: dL/dv = -A r / B * d log_prob / dv.
+    proxy = v.detach().requires_grad_(True)
+    lp = sampler_step(proxy, x, 0.7, 0.5, noise_level=0.7, prev_sample=nxt).log_prob
+    ratio = torch.exp(lp.detach() - (log_prob + shift))
+    (dlp,) = torch.autograd.grad((lp * (-advantages * ratio / 4)).sum(), proxy)
+    torch.testing.assert_close(signal[2:], dlp[2:], rtol=1e-5, atol=1e-12)
+    # A fully clipped step has no upstream signal at all, so it adds nothing to any gradient.
+    all_clipped = _sde_step_loss(x, nxt, torch.tensor([1.0, -1.0, -1.0, 1.0]), log_prob + shift, eps)
+    _, signal = upstream_signal(all_clipped, 0, v)
+    assert torch.all(signal == 0)
+    assert loss.item() == pytest.approx(ppo_step_loss(log_prob, log_prob + shift, advantages, eps).loss.item())
+
+
+def test_ppo_and_kl_shape_mismatch_raises():
+    lp = torch.zeros(4)
+    with pytest.raises(ValueError, match="`old_log_prob`"):
+        ppo_step_loss(lp, torch.zeros(4, 1), torch.ones(4), 0.1)
+    with pytest.raises(ValueError, match="`advantages`"):
+        ppo_step_loss(lp, torch.zeros(4), torch.ones(4, 1), 0.1)
+    with pytest.raises(ValueError, match="`kl`"):
+        ppo_step_loss(lp, torch.zeros(4), torch.ones(4), 0.1, kl=torch.zeros(3), beta=0.1)
+    with pytest.raises(ValueError, match="`log_prob`"):
+        ppo_step_loss(torch.zeros(4, 2), torch.zeros(4, 2), torch.ones(4, 2), 0.1)
+    with pytest.raises(ValueError, match="`ref_mean`"):
+        kl_to_reference(torch.zeros(2, 3), torch.zeros(2, 1), torch.ones(2, 1))

@@ -1,0 +1,524 @@
+"""The JAGG engine (`trl_jagg.jagg`): Theorem 1, the exact limits, the diagnostic, routing and bookkeeping.
+
+Every gradient is compared with one computed here without the engine: the exact gradient is the autograd gradient
+of ``sum_k L_k`` and the reference JAGG gradient is the spec's ``autograd.grad([v_0, v_{W-1}], [s_base, s_corr])``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch import nn
+
+from trl_jagg.grpo import group_advantages, kl_to_reference, ppo_step_loss
+from trl_jagg.jagg import (
+    EngineResult,
+    JaggEngine,
+    StepGroup,
+    gradient_diagnostic,
+    interpolation_weights,
+    plan_groups,
+    upstream_signal,
+)
+from trl_jagg.sampling import sampler_step
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    """Tiny tensors: one intra-op thread is faster and immune to spin-waiting on a shared, busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+DTYPE = torch.float64
+BATCH, TOKENS, DIM = 4, 3, 5
+NOISE_LEVEL = 0.7
+
+
+def shifted_sigmas(num_steps: int, shift: float = 3.0) -> list[float]:
+    """SD3-style shifted schedule from 1 to 0: non-uniform, so alphas from times differ from alphas from indices."""
+    s = torch.linspace(1, 0, num_steps + 1, dtype=DTYPE)
+    return (shift * s / (1 + (shift - 1) * s)).tolist()
+
+
+class LinearVelocity(nn.Module):
+    """``v = A z + b t + c``: linear in ``(z, t)``, the hypothesis of Theorem 1."""
+
+    def __init__(self, dim: int = DIM):
+        super().__init__()
+        self.A = nn.Parameter(torch.randn(dim, dim, dtype=DTYPE) / math.sqrt(dim))
+        self.b = nn.Parameter(torch.randn(dim, dtype=DTYPE))
+        self.c = nn.Parameter(torch.randn(dim, dtype=DTYPE))
+
+    def forward(self, z: torch.Tensor, t: float) -> torch.Tensor:
+        return z @ self.A.T + t * self.b + self.c
+
+
+class TinyVelocity(nn.Module):
+    """A small nonlinear token MLP with time conditioning (a DiT stand-in)."""
+
+    def __init__(self, dim: int = DIM, hidden: int = 24):
+        super().__init__()
+        self.inp = nn.Linear(dim, hidden, dtype=DTYPE)
+        self.time = nn.Linear(2, hidden, dtype=DTYPE)
+        self.mid = nn.Linear(hidden, hidden, dtype=DTYPE)
+        self.out = nn.Linear(hidden, dim, dtype=DTYPE)
+
+    def forward(self, z: torch.Tensor, t: float) -> torch.Tensor:
+        temb = self.time(torch.tensor([math.sin(3 * t), math.cos(3 * t)], dtype=DTYPE))
+        h = torch.tanh(self.inp(z) + temb)
+        h = h + torch.tanh(self.mid(h)) * torch.sigmoid(temb)
+        return self.out(h)
+
+
+@dataclass
+class Rollout:
+    """Fixed rollout data of the trained steps and the per-step loss built from the real sampler and PPO loss."""
+
+    model: nn.Module
+    sigmas: list[float]
+    latents: list[torch.Tensor]
+    next_latents: list[torch.Tensor]
+    old_log_probs: list[torch.Tensor]
+    ref_means: list[torch.Tensor]
+    advantages: torch.Tensor
+    clip_range: float
+    beta: float
+
+    @property
+    def times(self) -> list[float]:
+        return self.sigmas[: len(self.latents)]
+
+    def velocity_fn(self, k: int) -> torch.Tensor:
+        return self.model(self.latents[k], self.sigmas[k])
+
+    def step_output(self, k: int, velocity: torch.Tensor):
+        return sampler_step(
+            velocity, self.latents[k], self.sigmas[k], self.sigmas[k + 1], noise_level=NOISE_LEVEL,
+            sigma_max=self.sigmas[1], prev_sample=self.next_latents[k],
+        )  # fmt: skip
+
+    def loss_fn(self, k: int, velocity: torch.Tensor) -> torch.Tensor:
+        out = self.step_output(k, velocity)
+        kl = kl_to_reference(out.mean, self.ref_means[k], out.std) if self.beta else None
+        return ppo_step_loss(
+            out.log_prob, self.old_log_probs[k], self.advantages, self.clip_range, kl=kl, beta=self.beta
+        ).loss
+
+
+def make_rollout(
+    model: nn.Module,
+    num_steps: int,
+    *,
+    linear_trajectory: bool,
+    beta: float = 0.04,
+    clip_range: float = 0.05,
+    log_ratio_scale: float = 0.02,
+    seed: int = 0,
+) -> Rollout:
+    """A rollout whose ratios are not 1 but inside the clip range, so every step loss is nonlinear in ``v``.
+
+    ``linear_trajectory`` puts the latents on a line in time (Theorem 1's hypothesis); otherwise they come from
+    sampling the SDE with the model.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    sigmas = shifted_sigmas(num_steps)
+    shape = (BATCH, TOKENS, DIM)
+    z0 = torch.randn(shape, generator=gen, dtype=DTYPE)
+    direction = torch.randn(shape, generator=gen, dtype=DTYPE)
+    latents, next_latents, old, ref_means = [], [], [], []
+    reference = [p.detach() + 0.05 * torch.randn(p.shape, generator=gen, dtype=DTYPE) for p in model.parameters()]
+    z = z0
+    for k in range(num_steps):
+        if linear_trajectory:
+            z = z0 + (sigmas[k] - sigmas[0]) * direction
+        with torch.no_grad():
+            v = model(z, sigmas[k])
+            out = sampler_step(
+                v, z, sigmas[k], sigmas[k + 1], noise_level=NOISE_LEVEL, sigma_max=sigmas[1], generator=gen
+            )
+            v_ref = torch.func.functional_call(
+                model, dict(zip([n for n, _ in model.named_parameters()], reference)), (z, sigmas[k])
+            )
+            ref_mean = sampler_step(
+                v_ref, z, sigmas[k], sigmas[k + 1], noise_level=NOISE_LEVEL, sigma_max=sigmas[1]
+            ).mean
+        # |log ratio| in [scale / 2, scale], random sign: never 0, never clipped for a clip range above e^scale - 1.
+        signs = torch.randint(0, 2, (BATCH,), generator=gen) * 2 - 1
+        offsets = log_ratio_scale * signs * (1 + torch.rand(BATCH, generator=gen)) / 2
+        latents.append(z)
+        next_latents.append(out.prev_sample.to(DTYPE))
+        old.append(out.log_prob + offsets)
+        ref_means.append(ref_mean)
+        z = out.prev_sample.to(DTYPE)
+    advantages = group_advantages(torch.randn(BATCH, generator=gen), BATCH)
+    return Rollout(model, sigmas, latents, next_latents, old, ref_means, advantages, clip_range, beta)
+
+
+def params_of(model: nn.Module) -> list[torch.Tensor]:
+    return list(model.parameters())
+
+
+def flat(grads: Sequence[torch.Tensor | None], params: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([(torch.zeros_like(p) if g is None else g).flatten() for g, p in zip(grads, params)])
+
+
+def exact_gradient(rollout: Rollout, steps: Sequence[int]) -> torch.Tensor:
+    """The exact gradient: autograd of the sum of the true per-step losses."""
+    params = params_of(rollout.model)
+    total = sum(rollout.loss_fn(k, rollout.velocity_fn(k)) for k in steps)
+    return flat(torch.autograd.grad(total, params, allow_unused=True), params)
+
+
+def reference_jagg_gradient(rollout: Rollout, steps: Sequence[int], *, endpoints: bool = False) -> torch.Tensor:
+    """The spec's JAGG gradient of one group, written independently of the engine."""
+    params = params_of(rollout.model)
+    times = [rollout.sigmas[k] for k in steps]
+    alphas = [(times[0] - t) / (times[0] - times[-1]) for t in times] if len(times) > 1 else [0.0]
+    signals = []
+    for k in steps:
+        proxy = rollout.velocity_fn(k).detach().requires_grad_(True)
+        (signal,) = torch.autograd.grad(rollout.loss_fn(k, proxy), proxy)
+        signals.append(signal)
+    if endpoints:
+        s_base, s_corr = signals[0], signals[-1]
+    else:
+        s_base = sum((1 - a) * s for a, s in zip(alphas, signals))
+        s_corr = sum(a * s for a, s in zip(alphas, signals))
+    v_first, v_last = rollout.velocity_fn(steps[0]), rollout.velocity_fn(steps[-1])
+    grads = torch.autograd.grad([v_first, v_last], params, grad_outputs=[s_base, s_corr], allow_unused=True)
+    return flat(grads, params)
+
+
+def engine_gradient(
+    rollout: Rollout, groups: Sequence[StepGroup], **engine_kwargs
+) -> tuple[torch.Tensor, EngineResult]:
+    model = rollout.model
+    model.zero_grad(set_to_none=True)
+    result = JaggEngine(rollout.velocity_fn, rollout.loss_fn, **engine_kwargs).run(groups)
+    grad = flat([p.grad for p in model.parameters()], params_of(model))
+    model.zero_grad(set_to_none=True)
+    return grad, result
+
+
+def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a @ b / (a.norm() * b.norm())).item()
+
+
+# --- Theorem 1 ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("group_size", [3, 4, 8])
+def test_theorem1_linear_velocity_and_trajectory_make_jagg_exact(group_size, beta):
+    torch.manual_seed(group_size)
+    num_steps = 2 * group_size + 1  # two JAGG groups and an exact remainder step
+    rollout = make_rollout(LinearVelocity(), num_steps, linear_trajectory=True, beta=beta)
+    # The per-step losses are genuinely nonlinear in v: the ratios are not 1, yet none is clipped.
+    for k in range(num_steps):
+        log_ratio = rollout.step_output(k, rollout.velocity_fn(k).detach()).log_prob - rollout.old_log_probs[k]
+        assert log_ratio.abs().min() > 1e-4 and log_ratio.exp().sub(1).abs().max() < rollout.clip_range
+    groups = plan_groups(rollout.times, group_size, 1.0)
+    assert [g.method for g in groups] == ["jagg", "jagg", "exact"]
+    jagg, result = engine_gradient(rollout, groups)
+    exact = exact_gradient(rollout, range(num_steps))
+    assert result.num_backward == 3
+    assert exact.norm() > 1e-2
+    torch.testing.assert_close(jagg, exact, rtol=0, atol=1e-10)
+    # The endpoints ablation drops the intermediate signals and is not exact, even here.
+    ablation, _ = engine_gradient(rollout, plan_groups(rollout.times, group_size, 1.0, mode="endpoints"))
+    assert relative_difference(ablation, exact) > 1e-3
+
+
+def test_theorem1_needs_the_linear_trajectory():
+    """The same linear velocity on a curved (sampled) trajectory: JAGG is an approximation again."""
+    rollout = make_rollout(LinearVelocity(), 4, linear_trajectory=False)
+    jagg, _ = engine_gradient(rollout, plan_groups(rollout.times, 4, 1.0))
+    assert relative_difference(jagg, exact_gradient(rollout, range(4))) > 1e-4
+
+
+# --- exact limits and the approximation on a nonlinear network ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("group_size", "jagg_frac", "mode"),
+    [(1, 1.0, "jagg"), (2, 1.0, "jagg"), (2, 1.0, "endpoints"), (4, 0.0, "jagg"), (8, 0.0, "jagg"), (4, 1.0, "exact")],
+)
+def test_exact_limits_on_a_nonlinear_network(group_size, jagg_frac, mode):
+    torch.manual_seed(1)
+    rollout = make_rollout(TinyVelocity(), 8, linear_trajectory=False)
+    grad, result = engine_gradient(rollout, plan_groups(rollout.times, group_size, jagg_frac, mode=mode))
+    torch.testing.assert_close(grad, exact_gradient(rollout, range(8)), rtol=1e-12, atol=1e-12)
+    expected_joint = 8 // group_size if (group_size == 2 and mode != "exact") else 0
+    assert result.num_jagg_groups == expected_joint
+
+
+@pytest.mark.parametrize("group_size", [3, 4, 5])
+def test_engine_is_the_spec_formula_and_differs_from_exact_on_a_nonlinear_network(group_size):
+    torch.manual_seed(2)
+    rollout = make_rollout(TinyVelocity(), group_size, linear_trajectory=False)
+    steps = list(range(group_size))
+    jagg, _ = engine_gradient(rollout, plan_groups(rollout.times, group_size, 1.0))
+    endpoints, _ = engine_gradient(rollout, plan_groups(rollout.times, group_size, 1.0, mode="endpoints"))
+    exact = exact_gradient(rollout, steps)
+    torch.testing.assert_close(jagg, reference_jagg_gradient(rollout, steps), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        endpoints, reference_jagg_gradient(rollout, steps, endpoints=True), rtol=1e-12, atol=1e-12
+    )
+    assert relative_difference(jagg, exact) > 1e-4  # the approximation is real
+    assert relative_difference(endpoints, jagg) > 1e-3  # the ablation is a different estimator
+    # Alphas come from the actual (non-uniform) times: index-based alphas would give another gradient.
+    uniform = StepGroup(tuple(steps), "jagg", tuple(j / (group_size - 1) for j in steps))
+    by_index, _ = engine_gradient(rollout, [uniform])
+    assert relative_difference(by_index, jagg) > 1e-6
+
+
+# --- gradient diagnostic -----------------------------------------------------------------------------------------
+
+
+def test_gradient_diagnostic_cosine_and_norm_ratio_match_an_independent_computation():
+    torch.manual_seed(3)
+    rollout = make_rollout(TinyVelocity(), 9, linear_trajectory=False)
+    groups = plan_groups(rollout.times, 4, 1.0)
+    report = gradient_diagnostic(groups, rollout.velocity_fn, rollout.loss_fn, params_of(rollout.model))
+    assert [d.group for d in report] == [0, 1, 2] and [d.steps for d in report] == [g.steps for g in groups]
+    for diag, group in zip(report, groups):
+        exact = exact_gradient(rollout, group.steps)
+        jagg = reference_jagg_gradient(rollout, group.steps)
+        assert 0 < diag.cosine <= 1
+        assert diag.cosine == pytest.approx(cosine(jagg, exact), abs=1e-9)
+        assert diag.norm_ratio == pytest.approx((jagg.norm() / exact.norm()).item(), rel=1e-9)
+    assert report[0].cosine < 1 - 1e-6 and report[1].cosine < 1 - 1e-6
+    assert report[2].cosine == pytest.approx(1, abs=1e-12)  # the one-step remainder is exact
+    assert all(p.grad is None for p in rollout.model.parameters())  # .grad untouched
+    endpoints = gradient_diagnostic(
+        groups, rollout.velocity_fn, rollout.loss_fn, params_of(rollout.model), "endpoints"
+    )
+    exact0 = exact_gradient(rollout, groups[0].steps)
+    assert endpoints[0].cosine == pytest.approx(
+        cosine(reference_jagg_gradient(rollout, (0, 1, 2, 3), endpoints=True), exact0)
+    )
+
+
+@pytest.mark.parametrize("group_size", [1, 2])
+def test_gradient_diagnostic_is_one_in_the_exact_limits(group_size):
+    torch.manual_seed(4)
+    rollout = make_rollout(TinyVelocity(), 6, linear_trajectory=False)
+    groups = plan_groups(rollout.times, group_size, 1.0)
+    report = gradient_diagnostic(groups, rollout.velocity_fn, rollout.loss_fn, params_of(rollout.model))
+    assert len(report) == 6 // group_size
+    for diag in report:
+        assert diag.cosine == pytest.approx(1.0, abs=1e-6)
+        assert diag.norm_ratio == pytest.approx(1.0, abs=1e-6)
+
+
+def test_gradient_diagnostic_is_one_under_theorem1():
+    rollout = make_rollout(LinearVelocity(), 8, linear_trajectory=True)
+    groups = plan_groups(rollout.times, 8, 1.0)
+    (diag,) = gradient_diagnostic(groups, rollout.velocity_fn, rollout.loss_fn, params_of(rollout.model))
+    assert diag.cosine == pytest.approx(1.0, abs=1e-12) and diag.norm_ratio == pytest.approx(1.0, abs=1e-10)
+
+
+# --- engine bookkeeping ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["jagg", "endpoints", "exact"])
+def test_reported_losses_are_the_true_step_losses_not_the_surrogate(mode):
+    torch.manual_seed(5)
+    rollout = make_rollout(TinyVelocity(), 10, linear_trajectory=False)
+    surrogates: list[float] = []
+
+    def backward(loss: torch.Tensor) -> None:
+        surrogates.append(loss.item())
+        loss.backward()
+
+    _, result = engine_gradient(rollout, plan_groups(rollout.times, 4, 1.0, mode=mode), backward_fn=backward)
+    with torch.no_grad():
+        true_losses = {k: rollout.loss_fn(k, rollout.velocity_fn(k)).item() for k in range(10)}
+    assert result.step_losses.keys() == true_losses.keys()
+    for k, value in true_losses.items():
+        assert result.step_losses[k] == pytest.approx(value, rel=1e-12, abs=1e-15)
+    assert result.loss == pytest.approx(sum(true_losses.values()) / 10, rel=1e-12)
+    if mode != "exact":
+        # The first backward is group 0's surrogate <v_0, s_base> + <v_3, s_corr>, not a loss.
+        group_loss = sum(true_losses[k] for k in range(4))
+        assert abs(surrogates[0] - group_loss) > 1e-6
+
+
+@pytest.mark.parametrize(
+    ("num_steps", "group_size", "jagg_frac", "mode", "backward_calls", "joint_groups"),
+    [
+        (8, 4, 0.0, "jagg", 8, 0),  # W exact steps = W backward calls
+        (8, 4, 1.0, "jagg", 2, 2),  # a JAGG group = 1 backward call
+        (8, 4, 1.0, "exact", 8, 0),
+        (10, 4, 1.0, "jagg", 4, 2),  # 2 JAGG groups + a 2-step exact remainder
+        (10, 4, 0.6, "endpoints", 4, 2),  # round(0.6 * 3) = 2 joint groups
+        (12, 4, 0.6, "jagg", 6, 2),  # round(0.6 * 3) = 2 joint groups + 4 exact steps
+        (12, 3, 0.5, "jagg", 8, 2),  # round(0.5 * 4) = 2 joint groups + 6 exact steps
+        (6, 1, 1.0, "jagg", 6, 0),
+    ],
+)
+def test_backward_calls_are_counted(num_steps, group_size, jagg_frac, mode, backward_calls, joint_groups):
+    rollout = make_rollout(TinyVelocity(), num_steps, linear_trajectory=False)
+    calls: list[torch.Tensor] = []
+
+    def backward(loss: torch.Tensor) -> None:
+        calls.append(loss)
+        loss.backward()
+
+    groups = plan_groups(rollout.times, group_size, jagg_frac, mode=mode)
+    _, result = engine_gradient(rollout, groups, backward_fn=backward)
+    assert len(calls) == result.num_backward == backward_calls
+    assert result.num_jagg_groups == joint_groups
+    assert result.num_exact_groups == len(groups) - joint_groups
+    assert all(c.ndim == 0 for c in calls)  # a scalar, so accelerator.backward works
+
+
+def test_loss_weight_scales_the_gradient_and_gradients_accumulate():
+    torch.manual_seed(6)
+    rollout = make_rollout(TinyVelocity(), 10, linear_trajectory=False)
+    groups = plan_groups(rollout.times, 4, 1.0)
+    plain, plain_result = engine_gradient(rollout, groups)
+    weighted, weighted_result = engine_gradient(rollout, groups, loss_weight=0.25)
+    torch.testing.assert_close(weighted, 0.25 * plain, rtol=1e-12, atol=1e-15)
+    assert weighted_result.step_losses == plain_result.step_losses  # reported losses are unweighted
+    # Two passes without zeroing add up (gradient accumulation).
+    engine = JaggEngine(rollout.velocity_fn, rollout.loss_fn)
+    rollout.model.zero_grad(set_to_none=True)
+    engine.run(groups)
+    engine.run(groups)
+    twice = flat([p.grad for p in rollout.model.parameters()], params_of(rollout.model))
+    torch.testing.assert_close(twice, 2 * plain, rtol=1e-12, atol=1e-15)
+
+
+def test_sync_context_marks_only_the_last_unit():
+    rollout = make_rollout(TinyVelocity(), 10, linear_trajectory=False)
+    entered: list[bool] = []
+    active: list[bool] = []
+    backward_flags: list[bool] = []
+
+    @contextlib.contextmanager
+    def sync_context(is_last: bool):
+        entered.append(is_last)
+        active.append(is_last)
+        try:
+            yield
+        finally:
+            active.pop()
+
+    def backward(loss: torch.Tensor) -> None:
+        assert len(active) == 1, "every backward runs inside exactly one sync context"
+        backward_flags.append(active[-1])
+        loss.backward()
+
+    groups = plan_groups(rollout.times, 4, 1.0)  # jagg, jagg, exact(2): four units
+    _, result = engine_gradient(rollout, groups, backward_fn=backward, sync_context=sync_context)
+    assert entered == [False, False, False, True]
+    assert backward_flags == [False, False, False, True]
+    assert result.num_backward == 4
+
+
+# --- routing -----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("num_steps", "group_size", "jagg_frac", "expected"),
+    [
+        (10, 4, 1.0, ["jagg", "jagg", "exact"]),  # the remainder is always exact
+        (10, 4, 0.6, ["jagg", "jagg", "exact"]),  # round(1.8) = 2
+        (10, 4, 0.3, ["jagg", "exact", "exact"]),  # round(0.9) = 1
+        (10, 4, 0.1, ["exact", "exact", "exact"]),  # round(0.3) = 0
+        (12, 4, 0.6, ["jagg", "jagg", "exact"]),  # high noise first
+        (12, 4, 0.2, ["jagg", "exact", "exact"]),  # round(0.6) = 1
+        (15, 3, 0.6, ["jagg", "jagg", "jagg", "exact", "exact"]),
+        (8, 2, 0.0, ["exact"] * 4),
+        (3, 1, 1.0, ["exact"] * 3),  # one-step groups are exact
+        (3, 8, 1.0, ["exact"]),  # a short group of all steps is a remainder
+    ],
+)
+def test_plan_groups_routing(num_steps, group_size, jagg_frac, expected):
+    times = shifted_sigmas(num_steps)[:num_steps]
+    groups = plan_groups(times, group_size, jagg_frac)
+    assert [g.method for g in groups] == expected
+    assert [list(g.steps) for g in groups] == [
+        list(range(i, min(i + group_size, num_steps))) for i in range(0, num_steps, group_size)
+    ]
+    for g in groups:
+        assert g.is_joint == (g.method != "exact")
+        ts = [times[k] for k in g.steps]
+        expected_alphas = [(ts[0] - t) / (ts[0] - ts[-1]) for t in ts] if len(ts) > 1 else [0.0]
+        assert g.alphas == pytest.approx(expected_alphas, abs=1e-15)
+    endpoints = plan_groups(times, group_size, jagg_frac, mode="endpoints")
+    assert [g.method for g in endpoints] == [m.replace("jagg", "endpoints") for m in expected]
+    assert all(g.method == "exact" for g in plan_groups(times, group_size, jagg_frac, mode="exact"))
+
+
+def test_interpolation_weights_by_hand():
+    assert interpolation_weights([1.0, 0.9, 0.6, 0.5]) == pytest.approx((0.0, 0.2, 0.8, 1.0))
+    assert interpolation_weights([0.7]) == (0.0,)
+    assert interpolation_weights([0.7, 0.2]) == (0.0, 1.0)
+
+
+# --- bad input ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("group_size", [0, -1, 2.0, "4", None])
+def test_bad_group_size_raises(group_size):
+    with pytest.raises(ValueError, match="group_size"):
+        plan_groups([0.9, 0.5], group_size, 1.0)
+
+
+@pytest.mark.parametrize("jagg_frac", [-0.1, 1.01, float("nan")])
+def test_bad_jagg_frac_raises(jagg_frac):
+    with pytest.raises(ValueError, match="jagg_frac"):
+        plan_groups([0.9, 0.5], 2, jagg_frac)
+
+
+def test_bad_mode_raises():
+    with pytest.raises(ValueError, match="mode"):
+        plan_groups([0.9, 0.5], 2, 1.0, mode="fast")
+
+
+@pytest.mark.parametrize("times", [[0.9, 0.9, 0.5], [0.3, 0.6], [1.0, 0.5, 0.7], [1.0, float("nan")]])
+def test_times_that_do_not_strictly_decrease_raise(times):
+    with pytest.raises(ValueError, match="`times`"):
+        plan_groups(times, 2, 1.0)
+    with pytest.raises(ValueError, match="`times`"):
+        interpolation_weights(times)
+
+
+def test_mismatched_velocity_shapes_in_a_joint_group_raise():
+    shapes = {0: (2, 3), 1: (2, 4), 2: (2, 3)}
+    weight = torch.ones((), dtype=DTYPE, requires_grad=True)
+
+    def velocity_fn(k: int) -> torch.Tensor:
+        return weight * torch.ones(shapes[k], dtype=DTYPE)
+
+    def loss_fn(_k: int, v: torch.Tensor) -> torch.Tensor:
+        return (v**2).sum()
+
+    with pytest.raises(ValueError, match="`velocity_fn`"):
+        JaggEngine(velocity_fn, loss_fn).run(plan_groups([0.9, 0.6, 0.3], 3, 1.0))
+
+
+def test_upstream_signal_is_the_loss_gradient_at_the_velocity():
+    v = torch.randn(3, 4, dtype=DTYPE, requires_grad=True)
+
+    def loss_fn(_k: int, u: torch.Tensor) -> torch.Tensor:
+        return (u**3).sum()
+
+    loss, signal = upstream_signal(loss_fn, 0, v * 2)
+    torch.testing.assert_close(signal, 3 * (2 * v.detach()) ** 2)
+    assert loss.item() == pytest.approx(((2 * v.detach()) ** 3).sum().item())
+    assert v.grad is None and not loss.requires_grad
