@@ -121,16 +121,18 @@ class DDPOJaggTrainer(_BaseTrainer):
         self.ref_transformer = None
         if args.beta > 0 and peft_config is None:
             self.ref_transformer = copy.deepcopy(transformer).requires_grad_(False).eval()
-        if args.gradient_checkpointing:
+        if args.gradient_checkpointing or getattr(args, "activation_checkpointing", False):
             # transformers' own switch calls a transformers-only method; diffusers has its own.
             transformer.enable_gradient_checkpointing()
-            args.gradient_checkpointing = False
+            args.gradient_checkpointing = args.activation_checkpointing = False
 
         self.stat_tracker = (
             PerPromptStatTracker(args.stat_tracking_buffer_size) if args.per_prompt_stat_tracking else None
         )
         self._metrics: dict[str, list[float]] = defaultdict(list)
         self._step = 0
+        # Set by Trainer's loop for each accumulation window; defined here for updates run outside `train()`.
+        self.current_gradient_accumulation_steps = args.gradient_accumulation_steps
         self._buffered_inputs: list[dict[str, Any]] | None = None
 
         super().__init__(
