@@ -27,6 +27,7 @@ from datasets import Dataset
 from diffusers import DiffusionPipeline
 from diffusers.configuration_utils import FrozenDict
 from diffusers.training_utils import cast_training_params
+from huggingface_hub import save_torch_state_dict
 from peft import LoraConfig, get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import load_file
 from torch.utils.data import Sampler
@@ -42,7 +43,7 @@ from .grpo_jagg_config import GRPOJaggConfig
 from .jagg import EngineResult, JaggEngine, StepGroup, gradient_diagnostic, plan_groups
 from .model_card import write_model_card
 from .models import FlowMatchingAdapter, load_adapter
-from .rewards import check_rewards, load_reward_funcs
+from .rewards import compute_rewards, load_reward_funcs, reward_name
 from .rollout import Trajectory, generate_images, sample_trajectories
 from .sampling import sampler_step
 
@@ -88,15 +89,12 @@ class DDPOJaggTrainer(_BaseTrainer):
                 f"`train_dataset` has no 'prompt' column (columns: {train_dataset.column_names}). "
                 "Rename the text column, e.g. `dataset.rename_column('text', 'prompt')`."
             )
-        self.reward_funcs = load_reward_funcs(reward_funcs)
-        weights = args.reward_weights if args.reward_weights is not None else [1.0] * len(self.reward_funcs)
-        if len(weights) != len(self.reward_funcs):
+        self.reward_funcs = load_reward_funcs(reward_funcs, device=args.device)
+        if args.reward_weights is not None and len(args.reward_weights) != len(self.reward_funcs):
             raise ValueError(
-                f"GRPOJaggConfig.reward_weights has {len(weights)} values for {len(self.reward_funcs)} reward "
-                "functions. Give one weight per reward function."
+                f"GRPOJaggConfig.reward_weights has {len(args.reward_weights)} values for {len(self.reward_funcs)} "
+                "reward functions. Give one weight per reward function."
             )
-        self.reward_weights = torch.tensor(weights, dtype=torch.float32)
-        self.reward_names = [getattr(f, "__name__", type(f).__name__) for f in self.reward_funcs]
 
         self.base_model_id = model if isinstance(model, str) else (model.name_or_path or None)
         self.adapter: FlowMatchingAdapter = load_adapter(
@@ -248,14 +246,9 @@ class DDPOJaggTrainer(_BaseTrainer):
         rollout_seconds = time.perf_counter() - start
 
         start = time.perf_counter()
-        per_func = torch.stack(
-            [
-                check_rewards(name, func(prompts=prompts, images=images, **columns), len(images))
-                for name, func in zip(self.reward_names, self.reward_funcs)
-            ],
-            dim=1,
-        ).to(self.accelerator.device)
-        rewards = (per_func * self.reward_weights.to(per_func.device)).sum(dim=1)
+        rewards, per_reward = compute_rewards(self.reward_funcs, prompts, images, args.reward_weights, **columns)
+        rewards = rewards.to(self.accelerator.device)
+        per_func = torch.stack(list(per_reward.values()), dim=1).to(self.accelerator.device)
         all_per_func = self.accelerator.gather(per_func)
         all_rewards = self.accelerator.gather(rewards)
         if self.stat_tracker is not None:
@@ -272,7 +265,7 @@ class DDPOJaggTrainer(_BaseTrainer):
         self._metrics["reward"].append(all_rewards.mean().item())
         self._metrics["reward_std"].append(all_rewards.std().item())
         self._metrics["frac_reward_zero_std"].append((grouped.std(dim=1) < 1e-6).float().mean().item())
-        for i, name in enumerate(self.reward_names):
+        for i, name in enumerate(per_reward):
             self._metrics[f"rewards/{name}/mean"].append(all_per_func[:, i].mean().item())
             self._metrics[f"rewards/{name}/std"].append(all_per_func[:, i].std().item())
         self._metrics["advantages/mean"].append(advantages.mean().item())
@@ -478,16 +471,22 @@ class DDPOJaggTrainer(_BaseTrainer):
         if not self.args.should_save:
             return
         os.makedirs(output_dir, exist_ok=True)
+        # `state_dict` is the gathered full state dict under FSDP / DeepSpeed (Trainer.save_model passes it).
         transformer = self.accelerator.unwrap_model(self.model)
         if self.is_lora:
             self.adapter.pipeline_class.save_lora_weights(
                 output_dir,
-                transformer_lora_layers=get_peft_model_state_dict(transformer),
+                transformer_lora_layers=get_peft_model_state_dict(transformer, state_dict=state_dict),
                 # Without the metadata a lora_alpha != r adapter reloads with the wrong scale.
                 transformer_lora_adapter_metadata=self.peft_config.to_dict(),
             )
-        else:
+        elif state_dict is None:
             transformer.save_pretrained(output_dir)
+        else:
+            transformer.save_config(output_dir)
+            save_torch_state_dict(
+                state_dict, output_dir, filename_pattern="diffusion_pytorch_model{suffix}.safetensors"
+            )
         torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
@@ -561,7 +560,7 @@ class DDPOJaggTrainer(_BaseTrainer):
             pipeline_class=self.adapter.pipeline_class.__name__,
             is_lora=self.is_lora,
             args=self.args,
-            reward_names=self.reward_names,
+            reward_names=[reward_name(f) for f in self.reward_funcs],
             tags=[*self._tag_names, *(["lora"] if self.is_lora else []), *extra_tags],
             model_name=model_name,
             dataset_name=dataset_name,

@@ -1,0 +1,50 @@
+"""Reward functions for text-to-image GRPO: the rewards the papers report, usable in one line.
+
+Every reward is a callable ``(prompts: list[str], images: list[PIL.Image.Image], **kwargs) -> list[float]``
+with a ``__name__`` used as its metric name. Build them by factory (``pickscore(device="cuda")``) or by name
+(``load_reward_funcs(["pickscore", "hpsv2.1"])``). Model weights load on the first call. See docs/rewards.md.
+"""
+
+from trl_jagg.rewards.aesthetic import aesthetic
+from trl_jagg.rewards.base import (
+    REWARD_REGISTRY,
+    RewardFunc,
+    RewardSpec,
+    available_rewards,
+    check_rewards,
+    compute_rewards,
+    load_reward_funcs,
+    register_reward,
+    reward_name,
+)
+from trl_jagg.rewards.clip_based import clip_score, hpsv2, pickscore
+from trl_jagg.rewards.compression import jpeg_compressibility, jpeg_incompressibility
+from trl_jagg.rewards.image_reward import image_reward
+from trl_jagg.rewards.lazy import LazyModelReward
+from trl_jagg.rewards.ocr import ocr
+from trl_jagg.rewards.programmatic import brightness, prompt_color
+from trl_jagg.rewards.remote import remote
+
+__all__ = [
+    "REWARD_REGISTRY",
+    "LazyModelReward",
+    "RewardFunc",
+    "RewardSpec",
+    "aesthetic",
+    "available_rewards",
+    "brightness",
+    "check_rewards",
+    "clip_score",
+    "compute_rewards",
+    "hpsv2",
+    "image_reward",
+    "jpeg_compressibility",
+    "jpeg_incompressibility",
+    "load_reward_funcs",
+    "ocr",
+    "pickscore",
+    "prompt_color",
+    "register_reward",
+    "remote",
+    "reward_name",
+]

@@ -1,0 +1,188 @@
+"""The reward-function contract, the name registry, and the checks applied to every reward's output.
+
+A reward function is any callable ``(prompts, images, **kwargs) -> list[float]``: one score per (prompt, image)
+pair, where ``kwargs`` are extra dataset columns that a reward may use and must otherwise ignore. Rewards that
+ship with trl_jagg are built by small factories registered here under a name, so a config can say
+``reward_funcs=["pickscore", "hpsv2.1"]``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+import torch
+from PIL import Image
+
+RewardFunc = Callable[..., Sequence[float]]
+"""``(prompts: list[str], images: list[PIL.Image.Image], **kwargs) -> list[float]``."""
+
+RewardSpec = str | RewardFunc | Sequence[str | RewardFunc]
+"""What :func:`load_reward_funcs` accepts: a registry name, a callable, or a list mixing both."""
+
+_Factory = TypeVar("_Factory", bound=Callable[..., RewardFunc])
+
+REWARD_REGISTRY: dict[str, Callable[..., RewardFunc]] = {}
+"""Registry name -> factory building the reward. Filled by the ``@register_reward`` decorators."""
+
+# Other spellings users are likely to type; they resolve to the canonical registry names.
+_ALIASES = {"hpsv2": "hpsv2.1", "hps": "hpsv2.1", "clip_score": "clipscore", "image_reward": "imagereward"}
+
+_URL_PREFIXES = ("http://", "https://")
+
+
+def register_reward(name: str) -> Callable[[_Factory], _Factory]:
+    """Decorator registering a reward factory under ``name`` (lower case) for :func:`load_reward_funcs`."""
+
+    def decorator(factory: _Factory) -> _Factory:
+        key = name.lower()
+        if key in REWARD_REGISTRY and REWARD_REGISTRY[key] is not factory:
+            raise ValueError(f"A reward is already registered as {key!r}.")
+        REWARD_REGISTRY[key] = factory
+        return factory
+
+    return decorator
+
+
+def available_rewards() -> list[str]:
+    """Sorted registry names accepted by :func:`load_reward_funcs` (a URL selects the remote reward)."""
+    return sorted(REWARD_REGISTRY)
+
+
+def reward_name(func: RewardFunc) -> str:
+    """The metric name of a reward function: its ``__name__``, else its class name (e.g. for a partial)."""
+    name = getattr(func, "__name__", None)
+    if isinstance(name, str) and name:
+        return name
+    inner = getattr(func, "func", None)  # functools.partial
+    if inner is not None:
+        return reward_name(inner)
+    return type(func).__name__
+
+
+def _accepted_kwargs(factory: Callable[..., Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The subset of ``kwargs`` that ``factory`` accepts, so ``device=...`` can be passed to a list that mixes
+    model rewards with weight-free ones (which take no device)."""
+    parameters = inspect.signature(factory).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return dict(kwargs)
+    return {key: value for key, value in kwargs.items() if key in parameters}
+
+
+def _build_from_name(name: str, factory_kwargs: Mapping[str, Any]) -> RewardFunc:
+    if name.startswith(_URL_PREFIXES):
+        from trl_jagg.rewards.remote import remote
+
+        return remote(name, **_accepted_kwargs(remote, factory_kwargs))
+    key = name.strip().lower()
+    key = _ALIASES.get(key, key)
+    if key not in REWARD_REGISTRY:
+        valid = available_rewards()
+        close = difflib.get_close_matches(key, valid + list(_ALIASES), n=1)
+        hint = f" Did you mean {_ALIASES.get(close[0], close[0])!r}?" if close else ""
+        raise ValueError(
+            f"Unknown reward {name!r}.{hint} Valid names: {', '.join(valid)}; "
+            "or an http(s):// URL of a reward server, or a callable (prompts, images, **kwargs) -> list[float]."
+        )
+    factory = REWARD_REGISTRY[key]
+    return factory(**_accepted_kwargs(factory, factory_kwargs))
+
+
+def load_reward_funcs(spec: RewardSpec, **factory_kwargs: Any) -> list[RewardFunc]:
+    """Build reward functions from names, callables, or a list mixing both.
+
+    Args:
+        spec: A registry name (see :func:`available_rewards`), an ``http(s)://`` URL of a reward server
+            (see :func:`trl_jagg.rewards.remote`), a callable, or a list of these.
+        **factory_kwargs: Passed to every factory that accepts them (e.g. ``device``, ``dtype``,
+            ``batch_size``); factories that do not take an argument simply do not receive it.
+
+    Returns:
+        One callable per entry of ``spec``, in order. Model weights are not loaded yet: each model reward
+        loads on its first call.
+
+    Raises:
+        ValueError: for an unknown name (listing the valid ones) or an entry that is neither a string nor
+            a callable.
+    """
+    items = [spec] if isinstance(spec, str) or callable(spec) else list(spec)
+    if not items:
+        raise ValueError("No reward function given: pass at least one name or callable.")
+    funcs: list[RewardFunc] = []
+    for item in items:
+        if isinstance(item, str):
+            funcs.append(_build_from_name(item, factory_kwargs))
+        elif callable(item):
+            funcs.append(item)
+        else:
+            raise ValueError(f"A reward must be a name or a callable, got {type(item).__name__}: {item!r}.")
+    return funcs
+
+
+def check_rewards(name: str, values: Any, expected: int) -> torch.Tensor:
+    """Validate one reward function's output and return it as a float32 tensor of shape ``(expected,)``.
+
+    A wrong count or a NaN/inf score stops training with an error that names the reward: a silently
+    replaced value would bias the group advantages without anyone noticing.
+
+    Raises:
+        ValueError: if ``values`` is not a flat sequence of ``expected`` finite numbers.
+    """
+    try:
+        if isinstance(values, torch.Tensor):
+            scores = values.detach().to(torch.float32)
+        else:
+            scores = torch.as_tensor(list(values), dtype=torch.float32)
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise ValueError(f"Reward {name!r} returned values that are not numbers: {error}") from error
+    if scores.ndim != 1 or scores.numel() != expected:
+        raise ValueError(
+            f"Reward {name!r} returned {tuple(scores.shape)} values; expected a flat list of {expected} "
+            "(one per prompt/image pair)."
+        )
+    bad = ~torch.isfinite(scores)
+    if bad.any():
+        positions = bad.nonzero().flatten().tolist()
+        raise ValueError(
+            f"Reward {name!r} returned non-finite values at positions {positions[:10]}: {scores[bad][:10].tolist()}."
+        )
+    return scores
+
+
+def compute_rewards(
+    reward_funcs: Sequence[RewardFunc],
+    prompts: Sequence[str],
+    images: Sequence[Image.Image],
+    reward_weights: Sequence[float] | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Run every reward, check its output, and return the weighted sum and the per-reward scores.
+
+    Args:
+        reward_funcs: The reward callables (e.g. from :func:`load_reward_funcs`).
+        prompts, images: One prompt per image.
+        reward_weights: One weight per reward; ``None`` means all 1.0.
+        **kwargs: Extra dataset columns passed to every reward.
+
+    Returns:
+        ``(total, per_reward)``: ``total`` has shape ``(len(images),)``; ``per_reward`` maps each reward's
+        metric name (made unique with a ``_2``, ``_3`` suffix if repeated) to its checked scores.
+    """
+    weights = [1.0] * len(reward_funcs) if reward_weights is None else [float(w) for w in reward_weights]
+    if len(weights) != len(reward_funcs):
+        raise ValueError(f"Got {len(weights)} reward weights for {len(reward_funcs)} reward functions.")
+    if len(prompts) != len(images):
+        raise ValueError(f"Got {len(prompts)} prompts for {len(images)} images.")
+    total = torch.zeros(len(images), dtype=torch.float32)
+    per_reward: dict[str, torch.Tensor] = {}
+    for func, weight in zip(reward_funcs, weights):
+        name = unique = reward_name(func)
+        suffix = 2
+        while unique in per_reward:
+            unique, suffix = f"{name}_{suffix}", suffix + 1
+        scores = check_rewards(unique, func(list(prompts), list(images), **kwargs), len(images)).cpu()
+        per_reward[unique] = scores
+        total += weight * scores
+    return total, per_reward

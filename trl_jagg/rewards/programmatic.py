@@ -1,0 +1,71 @@
+"""Rewards computed from pixels and prompt text alone: no weights, exact, instant. For demos and tests."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from trl_jagg.rewards.base import RewardFunc, register_reward
+from trl_jagg.rewards.lazy import check_pairs, to_rgb
+
+COLOR_CHANNELS = {"red": 0, "green": 1, "blue": 2}
+_COLOR_WORD = re.compile(r"\b(red|green|blue)\b", re.IGNORECASE)
+# ITU-R BT.601 luma weights, the ones PIL uses for its "L" conversion.
+_LUMA_WEIGHTS = np.array([0.299, 0.587, 0.114])
+
+
+def _pixels(image: Image.Image) -> np.ndarray:
+    """``(H, W, 3)`` float64 array with channels in [0, 1]."""
+    return np.asarray(to_rgb(image), dtype=np.float64) / 255.0
+
+
+def named_color(prompt: str) -> str | None:
+    """The first of "red", "green", "blue" that ``prompt`` names as a whole word (any case), else ``None``."""
+    match = _COLOR_WORD.search(prompt)
+    return match.group(1).lower() if match else None
+
+
+def color_margin(image: Image.Image, color: str) -> float:
+    """Mean over pixels of ``target channel - max(other two channels)``, in [-1, 1].
+
+    Using the max of the others (not their mean) gives no credit to mixed colours: yellow scores 0 for red.
+    """
+    pixels = _pixels(image)
+    channel = COLOR_CHANNELS[color]
+    others = np.delete(pixels, channel, axis=-1).max(axis=-1)
+    return float((pixels[..., channel] - others).mean())
+
+
+@register_reward("prompt_color")
+def prompt_color() -> RewardFunc:
+    """The demo's reward: how much the image is dominated by the colour its prompt names.
+
+    For a prompt naming "red", "green" or "blue" (whole word, case-insensitive; the first one if several), the
+    score is :func:`color_margin` for that colour; a prompt naming none scores 0.0. A policy that ignores the
+    prompt scores zero on average over the three colours, so a rising reward means the model reads the prompt.
+    """
+
+    def prompt_color(prompts: Sequence[str], images: Sequence[Image.Image], **kwargs: Any) -> list[float]:
+        check_pairs(prompts, images)
+        scores = []
+        for prompt, image in zip(prompts, images):
+            color = named_color(prompt)
+            scores.append(0.0 if color is None else color_margin(image, color))
+        return scores
+
+    return prompt_color
+
+
+@register_reward("brightness")
+def brightness() -> RewardFunc:
+    """Mean luminance of the image in [0, 1] (BT.601 luma); the prompt is ignored. A sanity-check reward."""
+
+    def brightness(prompts: Sequence[str], images: Sequence[Image.Image], **kwargs: Any) -> list[float]:
+        check_pairs(prompts, images)
+        return [float((_pixels(image) @ _LUMA_WEIGHTS).mean()) for image in images]
+
+    return brightness
