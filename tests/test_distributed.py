@@ -94,3 +94,50 @@ def test_ddp_engine_matches_single_process():
     ddp = [torch.from_numpy(g) for g in queue.get(timeout=60)]
     for a, b in zip(reference, ddp):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+TRAIN_SCRIPT = """
+import json, sys, torch
+torch.set_num_threads(1)
+from datasets import Dataset
+from peft import LoraConfig
+from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
+
+model_path, out = sys.argv[1], sys.argv[2]
+args = GRPOJaggConfig(
+    output_dir=out, per_device_train_batch_size=2, num_generations=2, num_inference_steps=4, height=32, width=32,
+    max_steps=2, learning_rate=1e-2, clip_range=0.1, jagg_group_size=3, jagg_frac=1.0, max_sequence_length=16,
+    report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True,
+)
+trainer = DDPOJaggTrainer(
+    model=model_path, reward_funcs="prompt_color", args=args,
+    train_dataset=Dataset.from_dict({"prompt": ["a red circle", "a green square", "a blue circle", "a red square"]}),
+    peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_k"], init_lora_weights="gaussian"),
+)
+trainer.train()
+model = trainer.accelerator.unwrap_model(trainer.model)
+params = {n: p.detach().double().sum().item() for n, p in model.named_parameters() if p.requires_grad}
+logs = [e for e in trainer.state.log_history if "reward" in e]
+rank = trainer.accelerator.process_index
+json.dump({"world": trainer.accelerator.num_processes, "params": params, "logs": logs}, open(f"{out}/rank{rank}.json", "w"))
+"""
+
+
+def test_trainer_under_two_process_ddp(tiny_flux_path, tmp_path):
+    """torchrun with 2 CPU processes (gloo): the world really has 2 ranks, rewards are gathered across them
+    (one global group normalisation), and the DDP-reduced update keeps both ranks' weights identical."""
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN_SCRIPT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+           str(script), tiny_flux_path, str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["world"] for r in ranks] == [2, 2]
+    assert ranks[0]["params"] == ranks[1]["params"]
+    assert ranks[0]["logs"][0]["reward"] == ranks[1]["logs"][0]["reward"]  # gathered over both ranks
+    assert len(ranks[0]["logs"]) == 2

@@ -63,6 +63,12 @@ class GRPOJaggConfig(TrainingArguments):
             "steps_per_generation` must be a multiple of `num_generations`."
         },
     )
+    ddp_find_unused_parameters: bool | None = field(
+        default=False,
+        metadata={
+            "help": "Every trainable backbone parameter takes part in each velocity call, so DDP skips the search."
+        },
+    )
     remove_unused_columns: bool = field(
         default=False,
         metadata={"help": "Keep every dataset column: extra columns are passed to the reward functions as kwargs."},
