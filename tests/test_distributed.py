@@ -1,4 +1,4 @@
-"""The JAGG engine under 2-process DDP (gloo, CPU) gives the gradient of one process on the whole batch.
+"""The JAGG engine under 2-process DDP and FSDP2 (gloo, CPU) gives the gradient of one process on the whole batch.
 
 This pins the distributed contract of the engine: several backward units per micro-batch (exact steps and joint
 JAGG groups) with ``no_sync`` on all but the last, as the trainer runs them through ``accelerator.no_sync``.
@@ -10,6 +10,7 @@ import contextlib
 import os
 import socket
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -61,18 +62,25 @@ def _gradients(model: torch.nn.Module, rows: slice, sync) -> list[torch.Tensor]:
     return [p.grad.detach().clone() for p in model.parameters()]
 
 
-def _worker(rank: int, port: int, queue) -> None:
+def _worker(rank: int, port: int, wrap: str, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
     torch.manual_seed(0)
-    model = DistributedDataParallel(Velocity())
     half = BATCH // 2
-    grads = _gradients(
-        model,
-        slice(rank * half, (rank + 1) * half),
-        lambda last: contextlib.nullcontext() if last else model.no_sync(),
-    )
+    rows = slice(rank * half, (rank + 1) * half)
+    if wrap == "ddp":
+        model = DistributedDataParallel(Velocity())
+        grads = _gradients(model, rows, lambda last: contextlib.nullcontext() if last else model.no_sync())
+    else:  # FSDP2: shard each layer, then the root; gradients come back as sharded DTensors
+        from torch.distributed.fsdp import fully_shard
+
+        model = Velocity()
+        for layer in model.net:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+        grads = [g.full_tensor() for g in _gradients(model, rows, None)]
     if rank == 0:
         queue.put([g.numpy() for g in grads])
     dist.barrier()
@@ -85,12 +93,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_ddp_engine_matches_single_process():
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp2"])
+def test_engine_under_two_processes_matches_single_process(wrap):
     torch.manual_seed(0)
     reference = _gradients(Velocity(), slice(0, BATCH), None)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    mp.start_processes(_worker, args=(_free_port(), queue), nprocs=2, join=True, start_method="spawn")
+    mp.start_processes(_worker, args=(_free_port(), wrap, queue), nprocs=2, join=True, start_method="spawn")
     ddp = [torch.from_numpy(g) for g in queue.get(timeout=60)]
     for a, b in zip(reference, ddp):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
