@@ -26,6 +26,7 @@ lint: $(VENV)/.installed
 
 docs: $(VENV)/.installed
 	$(PY) docs/generate_config_reference.py
+	$(PY) docs/make_jagg_figure.py
 
 bench: $(VENV)/.installed
 	HF_HUB_OFFLINE=1 $(VENV)/bin/trl-jagg bench --output_dir runs/bench

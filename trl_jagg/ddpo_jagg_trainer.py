@@ -31,7 +31,7 @@ from huggingface_hub import save_torch_state_dict
 from peft import LoraConfig, get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import load_file
 from torch.utils.data import Sampler
-from transformers import TrainerCallback
+from transformers import TrainerCallback, set_seed
 from transformers.trainer import TRAINER_STATE_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
@@ -81,6 +81,8 @@ class DDPOJaggTrainer(_BaseTrainer):
         args = args if args is not None else GRPOJaggConfig("grpo-jagg")
         if not isinstance(args, GRPOJaggConfig):
             raise TypeError(f"`args` must be a GRPOJaggConfig, got {type(args).__name__}.")
+        # Seed before the adapter is created: Trainer seeds only in its own __init__, after LoRA init.
+        set_seed(args.seed)
         # Cheap checks first: nothing is loaded before the inputs are known to be usable.
         if train_dataset is None:
             raise ValueError("`train_dataset` is required: a datasets.Dataset with a 'prompt' column.")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from transformers import TrainingArguments
 
@@ -217,6 +218,19 @@ class GRPOJaggConfig(TrainingArguments):
         default=0,
         metadata={"help": "Render `eval_prompts` every N optimizer steps (and at the end); 0 disables it."},
     )
+
+    @classmethod
+    def from_recipe(cls, name: str, **overrides: Any) -> GRPOJaggConfig:
+        """A preset reproducing a public recipe (see :mod:`trl_jagg.recipes`, ``docs/models.md``), with
+        ``overrides`` on top; ``output_dir`` is required.
+
+        Example: ``GRPOJaggConfig.from_recipe("flow-grpo-sd35", output_dir="runs/sd35", max_steps=500)``.
+        Names: ``flow-grpo-sd35``, ``flow-grpo-flux``, ``flow-grpo-qwenimage``, ``flow-grpo-fast-flux``,
+        ``dancegrpo-flux`` (``trl_jagg.recipes.list_recipes()``).
+        """
+        from .recipes import _build, get_recipe
+
+        return _build(get_recipe(name), cls, overrides)
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -10,9 +10,13 @@ from diffusers import DiffusionPipeline
 
 from .base import Conditioning, FlowMatchingAdapter, classifier_free_guidance
 from .flux import FluxAdapter
+from .qwenimage import QwenImageAdapter
+from .sd3 import SD3Adapter
 
 MODEL_ADAPTERS: dict[str, type[FlowMatchingAdapter]] = {
     "FluxPipeline": FluxAdapter,
+    "StableDiffusion3Pipeline": SD3Adapter,  # SD3 and SD3.5
+    "QwenImagePipeline": QwenImageAdapter,
 }
 
 
@@ -48,6 +52,8 @@ __all__ = [
     "Conditioning",
     "FlowMatchingAdapter",
     "FluxAdapter",
+    "QwenImageAdapter",
+    "SD3Adapter",
     "adapter_class",
     "classifier_free_guidance",
     "load_adapter",

@@ -3,6 +3,10 @@
 An adapter wraps a diffusers pipeline and answers four questions for the shared sampler and trainer:
 how to turn prompts into backbone conditioning, how to draw initial latents, what the noise schedule is, and how
 one backbone call (with guidance) maps latents to a velocity. Decoding latents to images is the fifth.
+
+A family implements ``encode_prompts`` and ``predict_velocity`` (plus ``shared_inputs`` for position ids or image
+shapes) and sets the class flags below; it overrides ``decode_latents`` only when its VAE is not an
+``AutoencoderKL`` with a scaling and a shift factor. Everything else is here, once.
 """
 
 from __future__ import annotations
@@ -35,6 +39,10 @@ class Conditioning:
     def __contains__(self, key: str) -> bool:
         return key in self.per_sample or key in self.shared
 
+    def get(self, key: str, default: Any = None) -> Any:
+        """The input ``key``, or ``default`` when absent (an optional input such as Qwen-Image's text mask)."""
+        return self[key] if key in self else default
+
     def select(self, index: torch.Tensor | slice | Sequence[int]) -> Conditioning:
         """The conditioning of a subset of the batch."""
         return Conditioning({k: v[index] for k, v in self.per_sample.items()}, self.shared)
@@ -57,18 +65,26 @@ class FlowMatchingAdapter:
     Latents handed between sampler steps are float32 (log-probabilities are exact there); the adapter casts them
     to the backbone's dtype for each call.
 
+    What every family shares lives here: prompt conditioning around the family's ``encode_prompts`` (the negative
+    prompt encoded once per setting and cached, expanded to the batch), initial noise through the pipeline's own
+    ``prepare_latents``, the schedule, the guidance bookkeeping (:meth:`cfg_scale`, :meth:`embedded_guidance`), and
+    the ``AutoencoderKL`` decode (``latents / scaling_factor + shift_factor``) after the optional 2x2 unpacking.
+
     Class attributes:
         pipeline_class: the diffusers pipeline class this adapter serves (the registry key).
         linspace_sigmas: whether the pipeline passes ``sigmas = linspace(1, 1/N, N)`` to the scheduler (Flux,
             Qwen-Image) rather than letting it build its own (SD3).
         guidance_is_cfg: whether ``guidance_scale`` is a classifier-free guidance scale (SD3) rather than an
-            embedded guidance value (Flux); ``true_cfg_scale`` is always true CFG.
+            embedded guidance value (Flux); ``true_cfg_scale`` is true CFG for the others.
+        packed_latents: whether the backbone takes 2x2-packed latent tokens ``(batch, tokens, 4 * channels)``
+            (Flux, Qwen-Image) rather than latent images ``(batch, channels, h, w)`` (SD3).
         lora_target_modules: sensible default LoRA targets (the attention projections).
     """
 
     pipeline_class: ClassVar[type[DiffusionPipeline]]
     linspace_sigmas: ClassVar[bool] = True
     guidance_is_cfg: ClassVar[bool] = False
+    packed_latents: ClassVar[bool] = True
     lora_target_modules: ClassVar[tuple[str, ...]] = ("to_q", "to_k", "to_v", "to_out.0")
 
     def __init__(self, pipeline: DiffusionPipeline):
@@ -77,6 +93,7 @@ class FlowMatchingAdapter:
                 f"{type(self).__name__} serves {self.pipeline_class.__name__}, got {type(pipeline).__name__}."
             )
         self.pipeline = pipeline
+        self._negative_cache: dict[tuple[Any, ...], dict[str, torch.Tensor]] = {}
 
     @property
     def transformer(self) -> torch.nn.Module:
@@ -91,20 +108,13 @@ class FlowMatchingAdapter:
         return self.transformer.dtype
 
     # ---- per family ----
-    def condition(
-        self,
-        prompts: Sequence[str],
-        *,
-        height: int,
-        width: int,
-        negative_prompt: str | None = None,
-        max_sequence_length: int | None = None,
-    ) -> Conditioning:
-        """Encode ``prompts`` (and the negative prompt when given) and add the resolution's spatial inputs."""
-        raise NotImplementedError
+    def encode_prompts(self, prompts: list[str], max_sequence_length: int | None) -> dict[str, torch.Tensor | None]:
+        """The pipeline's ``encode_prompt`` for ``prompts``: text inputs of the backbone, batch first, keyed by
+        their name in :class:`Conditioning` (``prompt_embeds``, ...). A ``None`` value (Qwen-Image's mask when no
+        prompt is padded) is left out of the conditioning, and reads back as ``None`` through ``cond.get``.
 
-    def prepare_latents(self, batch_size: int, height: int, width: int, generator: torch.Generator) -> torch.Tensor:
-        """Initial noise in the backbone's latent layout, drawn as the pipeline draws it, in float32."""
+        ``max_sequence_length=None`` means the pipeline's own default. Runs under ``no_grad``.
+        """
         raise NotImplementedError
 
     def predict_velocity(
@@ -119,19 +129,91 @@ class FlowMatchingAdapter:
     ) -> torch.Tensor:
         """One guided backbone evaluation: the velocity at ``latents`` and scheduler ``timestep`` (``(batch,)``).
 
-        ``transformer`` is passed explicitly because the trainer calls the DDP/FSDP-wrapped module.
+        ``transformer`` is passed explicitly because the trainer calls the DDP/FSDP-wrapped module. Differentiable
+        through every branch (conditional and unconditional): the JAGG endpoints backpropagate through it.
         """
         raise NotImplementedError
 
-    def decode_latents(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        """VAE-decode to pixel space in [-1, 1], ``(batch, 3, height, width)``."""
-        raise NotImplementedError
+    def shared_inputs(self, per_sample: dict[str, torch.Tensor], height: int, width: int) -> dict[str, Any]:
+        """Backbone inputs common to the whole batch at this resolution (position ids, image shapes)."""
+        return {}
 
     # ---- shared ----
+    def condition(
+        self,
+        prompts: Sequence[str],
+        *,
+        height: int,
+        width: int,
+        negative_prompt: str | None = None,
+        max_sequence_length: int | None = None,
+    ) -> Conditioning:
+        """Encode ``prompts`` (and the negative prompt when given) and add the resolution's spatial inputs.
+
+        The negative prompt is the same for every sample: it is encoded once per (prompt, length, device) and
+        cached (the text encoders are frozen), then expanded to the batch, so every entry of ``per_sample`` has
+        the batch first and :meth:`Conditioning.select` can index it.
+        """
+        with torch.no_grad():
+            per_sample = _present(self.encode_prompts(list(prompts), max_sequence_length))
+            if negative_prompt is not None:
+                negative = self._encoded_negative(negative_prompt, max_sequence_length)
+                per_sample |= {
+                    f"negative_{key}": value.expand(len(prompts), *value.shape[1:]) for key, value in negative.items()
+                }
+        return Conditioning(per_sample, self.shared_inputs(per_sample, height, width))
+
+    def _encoded_negative(self, negative_prompt: str, max_sequence_length: int | None) -> dict[str, torch.Tensor]:
+        key = (negative_prompt, max_sequence_length, str(self.device))
+        if key not in self._negative_cache:
+            self._negative_cache[key] = _present(self.encode_prompts([negative_prompt], max_sequence_length))
+        return self._negative_cache[key]
+
+    def prepare_latents(self, batch_size: int, height: int, width: int, generator: torch.Generator) -> torch.Tensor:
+        """Initial noise in the backbone's latent layout, drawn as the pipeline draws it, in float32."""
+        channels = self.transformer.config.in_channels // (4 if self.packed_latents else 1)
+        latents = self.pipeline.prepare_latents(
+            batch_size, channels, height, width, torch.float32, self.device, generator
+        )
+        # Flux's returns (latents, image ids); the others the latents alone.
+        return latents[0] if isinstance(latents, tuple) else latents
+
+    def cfg_scale(self, guidance_scale: float, true_cfg_scale: float) -> float:
+        """The classifier-free guidance scale these settings mean for this family (``<= 1``: no unconditional
+        branch): ``guidance_scale`` where it is CFG (SD3), ``true_cfg_scale`` otherwise."""
+        if not self.guidance_is_cfg:
+            return true_cfg_scale
+        if true_cfg_scale > 1:
+            raise ValueError(
+                f"true_cfg_scale={true_cfg_scale} has no meaning for {self.pipeline_class.__name__}: its "
+                "classifier-free guidance scale is guidance_scale. Set true_cfg_scale=1 and guidance_scale instead."
+            )
+        return guidance_scale
+
     def needs_negative_prompt(self, guidance_scale: float, true_cfg_scale: float) -> bool:
         """Whether these guidance settings run an unconditional branch, so ``condition`` must encode the negative
         prompt."""
-        return true_cfg_scale > 1 or (self.guidance_is_cfg and guidance_scale > 1)
+        return self.cfg_scale(guidance_scale, true_cfg_scale) > 1
+
+    def guidance_branches(self, cond: Conditioning, guidance_scale: float, true_cfg_scale: float) -> float | None:
+        """The CFG scale when the unconditional branch runs, else ``None``; raises if it should run but ``cond``
+        has no negative prompt (``condition`` was called without one)."""
+        scale = self.cfg_scale(guidance_scale, true_cfg_scale)
+        if scale <= 1:
+            return None
+        if "negative_prompt_embeds" not in cond:
+            raise ValueError(
+                f"Classifier-free guidance at scale {scale} needs the negative prompt's embeddings: pass "
+                '`negative_prompt` ("" for the empty prompt) to `condition`.'
+            )
+        return scale
+
+    def embedded_guidance(self, batch_size: int, guidance_scale: float) -> torch.Tensor | None:
+        """The guidance value of guidance-distilled backbones (``guidance_embeds``), as the pipelines pass it
+        (float32, unscaled: the transformer multiplies it by 1000); ``None`` for the others."""
+        if not self.transformer.config.get("guidance_embeds", False):
+            return None
+        return torch.full((batch_size,), guidance_scale, device=self.device, dtype=torch.float32)
 
     def image_seq_len(self, height: int, width: int) -> int:
         """Tokens of the packed latent image: the input of the dynamic schedule shift."""
@@ -159,8 +241,27 @@ class FlowMatchingAdapter:
             scheduler.set_timesteps(num_steps, device=self.device, **kwargs)
         return scheduler.sigmas.float().clone(), scheduler.timesteps.clone()
 
+    def unpack_latents(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        """Backbone latents to the VAE's layout: the pipeline's ``_unpack_latents`` for packed families."""
+        if not self.packed_latents:
+            return latents
+        return self.pipeline._unpack_latents(latents, height, width, self.pipeline.vae_scale_factor)
+
+    def decode_latents(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        """VAE-decode to pixel space in [-1, 1], ``(batch, 3, height, width)``: the ``AutoencoderKL`` families'
+        ``latents / scaling_factor + shift_factor`` (Flux, SD3)."""
+        vae = self.pipeline.vae
+        latents = self.unpack_latents(latents, height, width)
+        latents = latents / vae.config.scaling_factor + vae.config.shift_factor
+        return vae.decode(latents.to(vae.dtype), return_dict=False)[0]
+
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, height: int, width: int) -> list[Image.Image]:
         """Latents to PIL images, through the pipeline's own image processor."""
         pixels = self.decode_latents(latents, height, width)
         return self.pipeline.image_processor.postprocess(pixels.float(), output_type="pil")
+
+
+def _present(inputs: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
+    """Drop the optional inputs that are ``None``: only tensors can be indexed per sample."""
+    return {key: value for key, value in inputs.items() if value is not None}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from typing import Any
 
 import torch
 from diffusers import FluxPipeline
@@ -15,39 +15,19 @@ class FluxAdapter(FlowMatchingAdapter):
 
     pipeline_class = FluxPipeline
 
-    def condition(
-        self,
-        prompts: Sequence[str],
-        *,
-        height: int,
-        width: int,
-        negative_prompt: str | None = None,
-        max_sequence_length: int | None = None,
-    ) -> Conditioning:
-        pipe = self.pipeline
-        kwargs = {"device": self.device} | (
-            {"max_sequence_length": max_sequence_length} if max_sequence_length else {}
-        )
-        with torch.no_grad():
-            embeds, pooled, txt_ids = pipe.encode_prompt(prompt=list(prompts), prompt_2=None, **kwargs)
-            per_sample = {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
-            if negative_prompt is not None:
-                neg, neg_pooled, _ = pipe.encode_prompt(
-                    prompt=[negative_prompt] * len(prompts), prompt_2=None, **kwargs
-                )
-                per_sample |= {"negative_prompt_embeds": neg, "negative_pooled_prompt_embeds": neg_pooled}
-        # Image token ids depend only on the resolution (packed latent grid), text ids on nothing but length.
+    def encode_prompts(self, prompts: list[str], max_sequence_length: int | None) -> dict[str, torch.Tensor | None]:
+        kwargs = {"max_sequence_length": max_sequence_length} if max_sequence_length else {}
+        embeds, pooled, _ = self.pipeline.encode_prompt(prompt=prompts, prompt_2=None, device=self.device, **kwargs)
+        return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
+
+    def shared_inputs(self, per_sample: dict[str, torch.Tensor], height: int, width: int) -> dict[str, Any]:
+        # Image token ids depend only on the resolution (packed latent grid), text ids (zeros) only on the length.
+        pipe, embeds = self.pipeline, per_sample["prompt_embeds"]
         grid_h = height // (pipe.vae_scale_factor * 2)
         grid_w = width // (pipe.vae_scale_factor * 2)
         img_ids = pipe._prepare_latent_image_ids(1, grid_h, grid_w, self.device, embeds.dtype)
-        return Conditioning(per_sample, {"txt_ids": txt_ids, "img_ids": img_ids})
-
-    def prepare_latents(self, batch_size: int, height: int, width: int, generator: torch.Generator) -> torch.Tensor:
-        channels = self.transformer.config.in_channels // 4
-        latents, _ = self.pipeline.prepare_latents(
-            batch_size, channels, height, width, torch.float32, self.device, generator
-        )
-        return latents
+        txt_ids = torch.zeros(embeds.shape[1], 3, device=self.device, dtype=embeds.dtype)
+        return {"txt_ids": txt_ids, "img_ids": img_ids}
 
     def predict_velocity(
         self,
@@ -60,10 +40,7 @@ class FluxAdapter(FlowMatchingAdapter):
         true_cfg_scale: float,
     ) -> torch.Tensor:
         hidden = latents.to(self.dtype)
-        guidance = None
-        if self.transformer.config.guidance_embeds:
-            # The pipeline passes the guidance value as is; the transformer scales it by 1000 inside.
-            guidance = torch.full((latents.shape[0],), guidance_scale, device=latents.device, dtype=torch.float32)
+        guidance = self.embedded_guidance(latents.shape[0], guidance_scale)
 
         def call(prefix: str) -> torch.Tensor:
             return transformer(
@@ -78,12 +55,7 @@ class FluxAdapter(FlowMatchingAdapter):
             )[0]
 
         velocity = call("")
-        if true_cfg_scale > 1 and "negative_prompt_embeds" in cond:
-            velocity = classifier_free_guidance(velocity, call("negative_"), true_cfg_scale)
+        scale = self.guidance_branches(cond, guidance_scale, true_cfg_scale)
+        if scale is not None:
+            velocity = classifier_free_guidance(velocity, call("negative_"), scale)
         return velocity
-
-    def decode_latents(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        pipe = self.pipeline
-        latents = pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor)
-        latents = latents / pipe.vae.config.scaling_factor + pipe.vae.config.shift_factor
-        return pipe.vae.decode(latents.to(pipe.vae.dtype), return_dict=False)[0]

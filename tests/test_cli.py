@@ -1,0 +1,364 @@
+"""The ``trl-jagg`` command line: help, errors that name the field, YAML + flag precedence, a tiny train run."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+import yaml
+
+from trl_jagg import cli
+
+
+def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    code = cli.main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def write_yaml(path, **values) -> str:
+    path.write_text(yaml.safe_dump(values))
+    return str(path)
+
+
+TINY = dict(
+    per_device_train_batch_size=4,
+    num_generations=2,
+    num_inference_steps=5,
+    height=32,
+    width=32,
+    max_steps=1,
+    max_sequence_length=16,
+    jagg_group_size=4,
+    jagg_frac=1.0,
+    learning_rate=1e-3,
+    report_to="none",
+    save_strategy="no",
+    disable_tqdm=True,
+)
+
+
+# ---------------------------------------------------------------- help
+def test_top_level_help_lists_commands(capsys):
+    code, out, _ = run(["--help"], capsys)
+    assert code == 0
+    for command in ("train", "demo", "bench", "calibrate"):
+        assert f"  {command} " in out
+    code, _, err = run([], capsys)
+    assert code == 2 and "usage: trl-jagg" in err
+
+
+def test_unknown_command_suggests(capsys):
+    code, _, err = run(["trian"], capsys)
+    assert code == 2
+    assert "Did you mean 'train'?" in err
+
+
+def test_train_help_lists_every_field_with_its_help(capsys):
+    from trl_jagg import GRPOJaggConfig
+
+    code, out, _ = run(["train", "--help"], capsys)
+    assert code == 0
+    squashed = "".join(out.split())  # argparse wraps lines (also at hyphens)
+    for dataclass in (cli.ScriptArguments, GRPOJaggConfig):
+        for item in dataclasses.fields(dataclass):
+            if not item.init:
+                continue
+            assert f"--{item.name}" in out, item.name
+            text = item.metadata.get("help")
+            if text and item.name in cli._own_fields(dataclass):
+                assert "".join(text.split()) in squashed, item.name
+    # GRPO/JAGG fields come in their own group, before the inherited TrainingArguments.
+    assert out.index("GRPO and JAGG (GRPOJaggConfig)") < out.index("Trainer (transformers.TrainingArguments")
+
+
+def test_module_entry_point_for_accelerate_launch():
+    # `accelerate launch -m trl_jagg.cli train ...` runs the module as __main__.
+    result = subprocess.run(
+        [sys.executable, "-m", "trl_jagg.cli", "--help"], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert "commands:" in result.stdout
+
+
+# ---------------------------------------------------------------- errors name the field
+def test_misspelt_flag_suggests_the_nearest_field(capsys):
+    code, _, err = run(["train", "--model_name_or_path", "x", "--jagg_grop_size", "4"], capsys)
+    assert code == 2
+    assert "unknown field 'jagg_grop_size'" in err
+    assert "Did you mean 'jagg_group_size'?" in err
+    code, _, err = run(["train", "--learning-rat=1e-4"], capsys)
+    assert code == 2 and "Did you mean 'learning_rate'?" in err
+
+
+def test_misspelt_yaml_key_suggests_the_nearest_field(tmp_path, capsys):
+    config = write_yaml(tmp_path / "recipe.yaml", model_name_or_path="x", reward_funcs=["prompt_color"], jagg_fracc=1)
+    code, _, err = run(["train", "--config", config], capsys)
+    assert code == 2
+    assert f"unknown field 'jagg_fracc' in {config}" in err
+    assert "Did you mean 'jagg_frac'?" in err
+
+
+def test_missing_required_fields_are_named(tmp_path, capsys):
+    code, _, err = run(["train"], capsys)
+    assert code == 2
+    assert "model_name_or_path" in err and "reward_funcs" in err
+    code, _, err = run(["train", "--model_name_or_path", "x", "--reward_funcs", "prompt_color"], capsys)
+    assert code == 2
+    assert "dataset_name" in err and "prompts" in err
+    code, _, err = run(["train", "--config", str(tmp_path / "missing.yaml")], capsys)
+    assert code == 2 and "no such file" in err
+
+
+@pytest.mark.parametrize(
+    ("flags", "field"),
+    [
+        (["--jagg_frac", "1.5"], "jagg_frac"),
+        (["--jagg_group_size", "four"], "jagg_group_size"),
+        (["--num_generations", "3"], "num_generations"),
+        (["--sampler", "euler"], "sampler"),
+    ],
+    ids=["range", "type", "batch", "choice"],
+)
+def test_invalid_values_name_the_field(capsys, flags, field):
+    base = ["train", "--model_name_or_path", "x", "--reward_funcs", "prompt_color", "--prompts", "a red circle"]
+    code, _, err = run([*base, *flags], capsys)
+    assert code == 2
+    assert field in err
+
+
+def test_unknown_reward_is_a_usage_error(tiny_flux_path, tmp_path, capsys):
+    flags = ["--model_name_or_path", tiny_flux_path, "--prompts", "a red circle", "--output_dir", str(tmp_path)]
+    code, _, err = run(["train", *flags, "--reward_funcs", "pickscor"], capsys)
+    assert code == 2
+    assert "reward_funcs" in err and "pickscore" in err
+
+
+# ---------------------------------------------------------------- precedence and datasets
+def test_flags_override_yaml_and_yaml_overrides_defaults(tmp_path):
+    config = write_yaml(
+        tmp_path / "recipe.yaml",
+        model_name_or_path="some/model",
+        reward_funcs="prompt_color",  # a scalar where a list is expected
+        prompts=["a red circle"],
+        jagg_group_size=8,
+        learning_rate="1e-4",
+        env={"TRL_JAGG_TEST_ENV": "set"},
+    )
+    script_args, args = cli.parse_train_args(["--config", config, "--learning_rate", "3e-4"])
+    assert script_args.reward_funcs == ["prompt_color"]
+    assert args.jagg_group_size == 8  # from the YAML
+    assert args.learning_rate == pytest.approx(3e-4)  # the flag wins
+    assert args.jagg_frac == 0.6  # the default
+    assert os.environ.pop("TRL_JAGG_TEST_ENV") == "set"
+
+
+def test_recipe_values_sit_between_defaults_and_yaml(tmp_path):
+    config = write_yaml(tmp_path / "r.yaml", prompts=["p"], noise_level=0.5, output_dir=str(tmp_path))
+    script_args, args = cli.parse_train_args(
+        ["--config", config, "--recipe", "flow-grpo-flux", "--num_inference_steps", "8"]
+    )
+    # From the preset: the model, its reward, its LoRA and its config values.
+    assert script_args.model_name_or_path == "black-forest-labs/FLUX.1-dev"
+    assert script_args.reward_funcs == ["pickscore"]
+    assert (script_args.use_peft, script_args.lora_r, script_args.lora_alpha) == (True, 64, 128)
+    assert (args.jagg_group_size, args.jagg_frac, args.num_generations) == (4, 0.6, 24)
+    assert args.noise_level == 0.5  # the YAML overrides the preset
+    assert args.num_inference_steps == 8  # the flag overrides both
+
+
+def test_unknown_recipe_suggests(tmp_path, capsys):
+    code, _, err = run(["train", "--recipe", "flow-grpo-flx", "--prompts", "p"], capsys)
+    assert code == 2
+    assert "recipe: Unknown recipe 'flow-grpo-flx'. Did you mean 'flow-grpo-flux'?" in err
+
+
+RECIPES = ["flow-grpo-sd35", "flow-grpo-flux", "flow-grpo-qwenimage", "flow-grpo-fast-flux", "dancegrpo-flux"]
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_every_preset_parses(name, tmp_path):
+    from trl_jagg.recipes import get_recipe
+
+    recipe = get_recipe(name)
+    _, args = cli.parse_train_args(["--recipe", name, "--prompts", "p", "--output_dir", str(tmp_path)])
+    for key, value in recipe.config.items():
+        assert getattr(args, key) == value, key
+
+
+def test_recipe_scheduler_override_is_applied(tiny_flux_path, tmp_path):
+    flags = ["--recipe", "dancegrpo-flux", "--model_name_or_path", tiny_flux_path, "--prompts", "a red circle"]
+    flags += ["--reward_funcs", "prompt_color", "--output_dir", str(tmp_path)]
+    for key, value in TINY.items():
+        flags += [f"--{key}", str(value)]
+    script_args, args = cli.parse_train_args(flags)
+    assert args.sampler == "dance" and args.train_timesteps == "random"
+    trainer = cli.build_trainer(script_args, args)
+    config = trainer.adapter.pipeline.scheduler.config
+    assert config.shift == 3.0 and not config.use_dynamic_shifting
+    assert trainer.peft_config is None  # DanceGRPO fine-tunes the whole backbone
+
+
+def test_local_prompt_files(tmp_path):
+    (tmp_path / "p.txt").write_text("a red circle\n\na blue square\n")
+    (tmp_path / "p.json").write_text(json.dumps(["a red circle", "a blue square"]))
+    (tmp_path / "r.json").write_text(json.dumps([{"text": "a red circle", "color": "red"}]))
+    (tmp_path / "r.jsonl").write_text('{"text": "a red circle"}\n{"text": "a green circle"}\n')
+
+    def load(name: str, column: str = "prompt"):
+        return cli.load_prompt_dataset(
+            cli.ScriptArguments(dataset_name=str(tmp_path / name), dataset_prompt_column=column)
+        )
+
+    assert load("p.txt")["prompt"] == ["a red circle", "a blue square"]
+    assert load("p.json")["prompt"] == ["a red circle", "a blue square"]
+    records = load("r.json", "text")
+    assert records["prompt"] == ["a red circle"] and records["color"] == ["red"]  # extra columns reach the rewards
+    assert load("r.jsonl", "text")["prompt"] == ["a red circle", "a green circle"]
+    with pytest.raises(cli.UsageError, match="dataset_prompt_column.*'caption'"):
+        load("r.jsonl", "caption")
+
+
+# ---------------------------------------------------------------- a real (tiny) run
+def test_tiny_train_run_from_yaml(tiny_flux_path, tmp_path, capsys):
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(["a red circle", "a green square", "a blue circle", "a red square"]))
+    output_dir = tmp_path / "out"
+    config = write_yaml(
+        tmp_path / "recipe.yaml",
+        model_name_or_path=tiny_flux_path,
+        dataset_name=str(prompts),
+        reward_funcs=["prompt_color"],
+        use_peft=True,
+        lora_r=4,
+        lora_alpha=8,
+        output_dir=str(output_dir),
+        **TINY,
+    )
+    code, out, err = run(["train", "--config", config, "--max_steps", "2"], capsys)
+    assert code == 0, err
+    assert os.path.isfile(output_dir / "pytorch_lora_weights.safetensors")
+    assert f"Saved the trained weights to {output_dir}" in out
+    # The flag overrode the YAML's max_steps=1; JAGG ran on the single group of 4 trained steps.
+    logged = [ast.literal_eval(line) for line in out.splitlines() if line.startswith("{'loss'")]
+    assert len(logged) == 2
+    assert all(float(entry["jagg/groups_jagg"]) == 1 for entry in logged)
+
+
+def test_calibrate_suggests_jagg_frac(tiny_flux_path, tmp_path, capsys):
+    config = write_yaml(
+        tmp_path / "recipe.yaml",
+        model_name_or_path=tiny_flux_path,
+        prompts=["a red circle", "a green square"],
+        reward_funcs=["prompt_color"],
+        use_peft=True,
+        output_dir=str(tmp_path / "out"),
+        **{**TINY, "jagg_group_size": 2},
+    )
+    code, out, _ = run(["calibrate", "--help"], capsys)
+    assert code == 0 and "--threshold" in out and "--num_batches" in out and "--jagg_group_size" in out
+    code, out, err = run(["calibrate", "--config", config, "--threshold", "0.99"], capsys)
+    assert code == 0, err
+    report = json.loads((tmp_path / "out" / cli.CALIBRATION_FILE).read_text())
+    # 5 steps, 4 trained, W = 2: two groups, and W = 2 is exact, so both qualify.
+    assert len(report["group_cosine"]) == 2 and all(abs(c - 1) < 1e-5 for c in report["group_cosine"])
+    assert report["jagg_frac"] == 1.0
+    assert "Suggested jagg_frac: 1.00" in out
+    code, _, err = run(["calibrate", "--config", config, "--treshold", "0.5"], capsys)
+    assert code == 2 and "Did you mean 'threshold'?" in err
+
+
+def test_lora_init_follows_the_seed(tiny_flux_path, tmp_path):
+    flags = ["--model_name_or_path", tiny_flux_path, "--prompts", "a red circle", "--reward_funcs", "prompt_color"]
+    flags += [
+        "--use_peft",
+        "--output_dir",
+        str(tmp_path),
+        "--per_device_train_batch_size",
+        "2",
+        "--num_generations",
+        "2",
+    ]
+
+    def lora_weights(seed: int) -> dict:
+        trainer = cli.build_trainer(*cli.parse_train_args([*flags, "--seed", str(seed)]))
+        return {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+
+    first, again, other = lora_weights(0), lora_weights(0), lora_weights(1)
+    assert all(torch.equal(first[n], again[n]) for n in first)
+    assert any(not torch.equal(first[n], other[n]) for n in first)
+
+
+def test_lora_targets_default_to_the_family_attention(tiny_flux_path):
+    lora = cli.build_lora_config(cli.ScriptArguments(model_name_or_path=tiny_flux_path, use_peft=True))
+    assert sorted(lora.target_modules) == ["to_k", "to_out.0", "to_q", "to_v"]
+    assert (lora.r, lora.lora_alpha) == (32, 64)
+    assert cli.build_lora_config(cli.ScriptArguments(model_name_or_path=tiny_flux_path)) is None
+
+
+# ---------------------------------------------------------------- demo and bench
+def fake_module(monkeypatch, name: str, function_name: str, calls: list) -> None:
+    def function(output_dir: str, compare: bool = False, num_steps: int = 8, sizes: tuple[int, ...] = (2, 4)):
+        """A stand-in.
+
+        Args:
+            output_dir: where the files go.
+            num_steps: how many steps.
+        """
+        calls.append(dict(output_dir=output_dir, compare=compare, num_steps=num_steps, sizes=sizes))
+        return {"output_dir": output_dir}
+
+    module = types.ModuleType(name)
+    setattr(module, function_name, function)
+    monkeypatch.setitem(sys.modules, name, module)
+
+
+@pytest.mark.parametrize(
+    ("command", "module", "function", "default_dir"),
+    [
+        ("demo", "trl_jagg.demo", "run_demo", "runs/demo"),
+        ("bench", "trl_jagg.benchmark", "run_engine_benchmark", "runs/bench"),
+    ],
+)
+def test_demo_and_bench_flags_follow_the_function(monkeypatch, capsys, command, module, function, default_dir):
+    calls: list = []
+    fake_module(monkeypatch, module, function, calls)
+    code, out, _ = run([command, "--help"], capsys)
+    assert code == 0
+    assert "--output_dir" in out and "--compare" in out and "how many steps" in out
+    code, out, _ = run([command], capsys)
+    assert code == 0 and calls[-1]["output_dir"] == default_dir
+    code, out, _ = run([command, "--output_dir", "x", "--compare", "--num_steps", "3", "--sizes", "8", "16"], capsys)
+    assert code == 0
+    assert calls[-1] == dict(output_dir="x", compare=True, num_steps=3, sizes=(8, 16))
+    assert ('"output_dir": "x"' in out) == (command == "bench")  # the demo prints its own summary
+    code, _, err = run([command, "--num_step", "3"], capsys)
+    assert code == 2 and "--num_step" in err
+
+
+def test_bench_runs_the_engine_benchmark(tmp_path, capsys):
+    pytest.importorskip("trl_jagg.benchmark")
+    code, out, _ = run(["bench", "--help"], capsys)
+    assert code == 0 and "--group_sizes" in out and "--output_dir" in out
+    flags = ["--group_sizes", "2", "--num_steps", "2", "--repeats", "1", "--width", "16", "--depth", "1"]
+    flags += ["--tokens", "4", "--channels", "4", "--heads", "2", "--batch", "2", "--no_plot"]
+    code, _, err = run(["bench", "--output_dir", str(tmp_path), *flags], capsys)
+    assert code == 0, err
+    report = json.loads((tmp_path / "engine_benchmark.json").read_text())
+    assert [r["group_size"] for r in report["results"]] == [2]
+    code, _, err = run(["bench", "--group_size", "2"], capsys)
+    assert code == 2 and "Did you mean 'group_sizes'?" in err
+
+
+def test_missing_demo_module_is_explained(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "trl_jagg.demo", None)
+    code, _, err = run(["demo"], capsys)
+    assert code == 2
+    assert "trl_jagg.demo is not part of this install" in err

@@ -1,0 +1,78 @@
+"""Qwen-Image: a Qwen2.5-VL text encoder behind a prompt template, a text mask, 2x2-packed latents described by
+``img_shapes``, true CFG with norm rescaling, and a 5-D (video) VAE normalised by per-channel mean and std."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from diffusers import QwenImagePipeline
+
+from .base import Conditioning, FlowMatchingAdapter, classifier_free_guidance
+
+
+class QwenImageAdapter(FlowMatchingAdapter):
+    """Adapter for :class:`~diffusers.QwenImagePipeline`.
+
+    The two CFG branches are separate backbone calls, as in the pipeline: the negative prompt's embedding need not
+    have the prompts' length. The guided velocity is rescaled per token to the conditional one's norm. The text
+    mask (``prompt_embeds_mask``) is present only when some prompt of the batch is padded; without it the backbone
+    attends to every text token, exactly as the pipeline passes ``None``. Qwen-Image's schedule needs at least 2
+    steps (``shift_terminal`` turns a single sigma into NaN).
+    """
+
+    pipeline_class = QwenImagePipeline
+
+    def encode_prompts(self, prompts: list[str], max_sequence_length: int | None) -> dict[str, torch.Tensor | None]:
+        embeds, mask = self.pipeline.encode_prompt(
+            prompts,
+            device=self.device,
+            max_sequence_length=max_sequence_length or 512,  # the pipeline's default
+        )
+        return {"prompt_embeds": embeds, "prompt_embeds_mask": mask}
+
+    def shared_inputs(self, per_sample: dict[str, torch.Tensor], height: int, width: int) -> dict[str, Any]:
+        # One (frames, rows, columns) grid of packed latent tokens; the per-batch list is built at each call.
+        scale = self.pipeline.vae_scale_factor * 2
+        return {"img_shape": (1, height // scale, width // scale)}
+
+    def predict_velocity(
+        self,
+        transformer: torch.nn.Module,
+        latents: torch.Tensor,
+        timestep: torch.Tensor,
+        cond: Conditioning,
+        *,
+        guidance_scale: float,
+        true_cfg_scale: float,
+    ) -> torch.Tensor:
+        hidden = latents.to(self.dtype)
+        batch_size = latents.shape[0]
+        guidance = self.embedded_guidance(batch_size, guidance_scale)
+
+        def call(prefix: str) -> torch.Tensor:
+            return transformer(
+                hidden_states=hidden,
+                timestep=timestep.to(self.dtype) / 1000,
+                guidance=guidance,
+                encoder_hidden_states=cond[f"{prefix}prompt_embeds"],
+                encoder_hidden_states_mask=cond.get(f"{prefix}prompt_embeds_mask"),
+                img_shapes=[[cond["img_shape"]]] * batch_size,
+                return_dict=False,
+            )[0]
+
+        velocity = call("")
+        scale = self.guidance_branches(cond, guidance_scale, true_cfg_scale)
+        if scale is not None:
+            velocity = classifier_free_guidance(velocity, call("negative_"), scale, rescale_to_cond_norm=True)
+        return velocity
+
+    def decode_latents(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        # The VAE is a causal video VAE: latents (batch, channels, 1 frame, h, w), normalised per channel.
+        vae = self.pipeline.vae
+        latents = self.unpack_latents(latents, height, width).to(vae.dtype)
+        shape = (1, vae.config.z_dim, 1, 1, 1)
+        mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents)
+        inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(latents)
+        # Divided by the reciprocal, as the pipeline does, for identical rounding.
+        return vae.decode(latents / inverse_std + mean, return_dict=False)[0][:, :, 0]
