@@ -323,28 +323,27 @@ def fake_module(monkeypatch, name: str, function_name: str, calls: list) -> None
 @pytest.mark.parametrize(
     ("command", "module", "function", "default_dir"),
     [
-        ("demo", "trl_jagg.demo", "run_demo", "runs/demo"),
-        ("bench", "trl_jagg.benchmark", "run_engine_benchmark", "runs/bench"),
+        (["demo"], "trl_jagg.demo", "run_demo", "runs/demo"),
+        (["bench", "trainer"], "trl_jagg.trainer_benchmark", "run_trainer_benchmark", "runs/bench"),
     ],
+    ids=["demo", "bench-trainer"],
 )
 def test_demo_and_bench_flags_follow_the_function(monkeypatch, capsys, command, module, function, default_dir):
     calls: list = []
     fake_module(monkeypatch, module, function, calls)
-    code, out, _ = run([command, "--help"], capsys)
+    code, out, _ = run([*command, "--help"], capsys)
     assert code == 0
     assert "--output_dir" in out and "--compare" in out and "how many steps" in out
-    code, out, _ = run([command], capsys)
+    code, out, _ = run(command, capsys)
     assert code == 0 and calls[-1]["output_dir"] == default_dir
-    code, out, _ = run([command, "--output_dir", "x", "--compare", "--num_steps", "3", "--sizes", "8", "16"], capsys)
+    code, out, _ = run([*command, "--output_dir", "x", "--compare", "--num_steps", "3", "--sizes", "8", "16"], capsys)
     assert code == 0
     assert calls[-1] == dict(output_dir="x", compare=True, num_steps=3, sizes=(8, 16))
-    assert ('"output_dir": "x"' in out) == (command == "bench")  # the demo prints its own summary
-    code, _, err = run([command, "--num_step", "3"], capsys)
+    code, _, err = run([*command, "--num_step", "3"], capsys)
     assert code == 2 and "--num_step" in err
 
 
 def test_bench_runs_the_engine_benchmark(tmp_path, capsys):
-    pytest.importorskip("trl_jagg.benchmark")
     code, out, _ = run(["bench", "--help"], capsys)
     assert code == 0 and "--group_sizes" in out and "--output_dir" in out
     flags = ["--group_sizes", "2", "--num_steps", "2", "--repeats", "1", "--width", "16", "--depth", "1"]
@@ -355,10 +354,3 @@ def test_bench_runs_the_engine_benchmark(tmp_path, capsys):
     assert [r["group_size"] for r in report["results"]] == [2]
     code, _, err = run(["bench", "--group_size", "2"], capsys)
     assert code == 2 and "Did you mean 'group_sizes'?" in err
-
-
-def test_missing_demo_module_is_explained(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "trl_jagg.demo", None)
-    code, _, err = run(["demo"], capsys)
-    assert code == 2
-    assert "trl_jagg.demo is not part of this install" in err

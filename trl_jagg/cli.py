@@ -21,6 +21,7 @@ import argparse
 import copy
 import dataclasses
 import difflib
+import importlib
 import inspect
 import json
 import os
@@ -576,17 +577,6 @@ def _function_parser(
     return parser
 
 
-def _import_command_module(module_name: str, command: str) -> types.ModuleType:
-    import importlib
-
-    try:
-        return importlib.import_module(module_name)
-    except ModuleNotFoundError as error:
-        if error.name != module_name:
-            raise
-        raise UsageError(f"{module_name} is not part of this install, so `{PROG} {command}` is unavailable.") from None
-
-
 def _parse_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
     """``parser.parse_args`` whose unknown options are errors that suggest the nearest valid one."""
     namespace, unknown = parser.parse_known_args(list(argv))
@@ -606,13 +596,9 @@ def _call_with_flags(
     defaults: dict[str, Any],
     print_result: bool = True,
 ) -> dict[str, Any] | None:
-    """Import ``module_name`` (not yet there: a usage error), expose ``function_name``'s parameters as flags, call it
-    and print what it returns (unless ``print_result`` is false: the function reports itself); ``None`` after
-    ``--help``."""
-    module = _import_command_module(module_name, command)
-    func = getattr(module, function_name, None)
-    if func is None:
-        raise UsageError(f"{module_name} has no {function_name}() yet, so `{PROG} {command}` is unavailable.")
+    """Import ``module_name``, expose ``function_name``'s parameters as flags, call it and print what it returns
+    (unless ``print_result`` is false: the function reports itself); ``None`` after ``--help``."""
+    func = getattr(importlib.import_module(module_name), function_name)
     parser = _function_parser(func, f"{PROG} {command}", description, defaults)
     if "-h" in argv or "--help" in argv:
         parser.print_help()
@@ -640,6 +626,12 @@ BENCH_DESCRIPTION = (
 )
 
 
+TRAINER_BENCH_DESCRIPTION = (
+    "Time the update stage of DDPOJaggTrainer itself (adapter, SDE log-prob, PPO loss, accelerator.backward) with "
+    "JAGG and with exact backward on a small Flux pipeline built from config; write trainer_benchmark.json and .png."
+)
+
+
 def _demo_command(argv: Sequence[str]) -> int:
     # run_demo prints where its files are and the reward it reached.
     _call_with_flags(
@@ -649,29 +641,31 @@ def _demo_command(argv: Sequence[str]) -> int:
 
 
 def _bench_command(argv: Sequence[str]) -> int:
-    module = _import_command_module("trl_jagg.benchmark", "bench")
-    add_arguments, run_from_args = (getattr(module, n, None) for n in ("add_benchmark_arguments", "run_from_args"))
-    if add_arguments is None or run_from_args is None:  # only the function: flags from its signature
+    if argv and argv[0] == "trainer":
         _call_with_flags(
-            "bench",
-            "trl_jagg.benchmark",
-            "run_engine_benchmark",
-            argv,
-            BENCH_DESCRIPTION,
+            "bench trainer",
+            "trl_jagg.trainer_benchmark",
+            "run_trainer_benchmark",
+            argv[1:],
+            TRAINER_BENCH_DESCRIPTION,
             {"output_dir": "runs/bench"},
+            print_result=False,
         )
         return 0
+    from . import benchmark
+
     parser = _ArgumentParser(
         prog=f"{PROG} bench",
         description=BENCH_DESCRIPTION,
+        epilog=f"`{PROG} bench trainer --help`: the same comparison through DDPOJaggTrainer on a tiny Flux pipeline.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         allow_abbrev=False,
     )
-    add_arguments(parser)
+    benchmark.add_benchmark_arguments(parser)
     if "-h" in argv or "--help" in argv:
         parser.print_help()
         return 0
-    run_from_args(_parse_flags(parser, argv))
+    benchmark.run_from_args(_parse_flags(parser, argv))
     return 0
 
 

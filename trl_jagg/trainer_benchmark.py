@@ -46,6 +46,18 @@ def run_trainer_benchmark(
 
     Returns (and writes as JSON + PNG) per group size: median update seconds of both, their ratio, the whole-step
     speedup including the rollout, the backward calls, and the per-group gradient cosine (calibration).
+
+    Args:
+        output_dir: where ``trainer_benchmark.json`` and ``trainer_benchmark.png`` go.
+        group_sizes: the JAGG group sizes W to compare with exact backward.
+        num_inference_steps: denoising steps; all but the last are trained.
+        resolution: image height and width in pixels (a multiple of 16).
+        batch: images per micro-batch (2 prompts x 2 generations for the default 4).
+        num_layers: double-stream blocks of the Flux transformer.
+        num_single_layers: single-stream blocks of the Flux transformer.
+        repeats: timed exact/JAGG pairs per group size (after one warm-up pair); the median is reported.
+        lora: train a LoRA adapter instead of the full backbone.
+        seed: seed of the model weights and the rollout.
     """
     from peft import LoraConfig
 
