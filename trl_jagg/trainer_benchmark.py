@@ -41,6 +41,7 @@ def run_trainer_benchmark(
     repeats: int = 5,
     lora: bool = False,
     seed: int = 0,
+    num_threads: int = 1,
 ) -> dict[str, Any]:
     """Time the update stage of the real trainer, exact vs JAGG (``jagg_frac=1``), on a tiny Flux pipeline.
 
@@ -58,6 +59,8 @@ def run_trainer_benchmark(
         repeats: timed exact/JAGG pairs per group size (after one warm-up pair); the median is reported.
         lora: train a LoRA adapter instead of the full backbone.
         seed: seed of the model weights and the rollout.
+        num_threads: torch CPU threads while timing (1: on a shared machine more threads mostly time the
+            scheduler); restored afterwards.
     """
     from peft import LoraConfig
 
@@ -68,6 +71,8 @@ def run_trainer_benchmark(
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     results = []
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = save_tiny_pipeline(
             "flux",
@@ -133,6 +138,7 @@ def run_trainer_benchmark(
                     "theory": 3 * group_size / (group_size + 4),
                 }
             )
+    torch.set_num_threads(previous_threads)
     report = {
         "config": {
             "num_inference_steps": num_inference_steps,
@@ -143,7 +149,7 @@ def run_trainer_benchmark(
             "num_single_layers": num_single_layers,
             "repeats": repeats,
             "lora": lora,
-            "torch_threads": torch.get_num_threads(),
+            "torch_threads": num_threads,
         },
         "results": results,
     }
