@@ -14,21 +14,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
 
 import torch
-from datasets import Dataset, load_dataset
+from datasets import load_dataset
 from diffusers import FluxPipeline
 
 from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
 from trl_jagg.recipes import get_recipe
+from trl_jagg.tiny_models import tiny_run
 
 FSDP_CONFIG = {"version": 2, "transformer_layer_cls_to_wrap": ["FluxTransformerBlock", "FluxSingleTransformerBlock"]}
-# --tiny: the FLUX.1-dev architecture built small from config, a programmatic reward, seconds on a CPU.
-TINY_PROMPTS = ["a red circle", "a green square", "a blue circle", "a red square"]
-TINY = dict(height=32, width=32, num_inference_steps=8, num_generations=2, per_device_train_batch_size=4,
-            gradient_accumulation_steps=1, max_steps=2, max_sequence_length=16, bf16=False, report_to="none",
-            save_strategy="no")  # fmt: skip
 
 
 def main() -> None:
@@ -46,12 +41,10 @@ def main() -> None:
     if distributed:  # FSDP2, one shard unit per transformer block
         config.update(fsdp=True, fsdp_config=FSDP_CONFIG)
     model, reward = "black-forest-labs/FLUX.1-dev", "hpsv2.1"
-    if args.tiny:
-        from trl_jagg.tiny_models import save_tiny_pipeline
-
-        model, reward = save_tiny_pipeline("flux", tempfile.mkdtemp()), "prompt_color"
-        dataset = Dataset.from_dict({"prompt": TINY_PROMPTS})
-        config.update(TINY)
+    if args.tiny:  # the same architecture built small from config, a weight-free reward: seconds on a CPU
+        tiny = tiny_run("flux", num_inference_steps=8)
+        model, reward, dataset = tiny.model, tiny.reward, tiny.dataset
+        config.update(tiny.config)
     else:
         dataset = load_dataset(args.dataset, split="train").rename_column(args.prompt_column, "prompt")
 

@@ -11,19 +11,12 @@ in the paper, W = 4 and jagg_frac = 0.6 (the 5 trained steps make one JAGG group
 from __future__ import annotations
 
 import argparse
-import tempfile
 
-from datasets import Dataset, load_dataset
+from datasets import load_dataset
 
 from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
 from trl_jagg.recipes import get_recipe
-
-# --tiny: the FLUX.1-dev architecture built small from config, a programmatic reward, seconds on a CPU. 5 steps make
-# 4 trained steps: one JAGG group of W = 4.
-TINY_PROMPTS = ["a red circle", "a green square", "a blue circle", "a red square"]
-TINY = dict(height=32, width=32, num_inference_steps=5, num_generations=2, per_device_train_batch_size=4,
-            gradient_accumulation_steps=1, max_steps=2, max_sequence_length=16, dtype="float32", bf16=False,
-            report_to="none", save_strategy="no")  # fmt: skip
+from trl_jagg.tiny_models import tiny_run
 
 
 def main() -> None:
@@ -39,12 +32,10 @@ def main() -> None:
     config = dict(output_dir=args.output_dir, bf16=True, max_steps=1000, save_steps=100, report_to="tensorboard",
                   push_to_hub=args.push_to_hub)  # fmt: skip
     model, reward = "black-forest-labs/FLUX.1-dev", "pickscore"
-    if args.tiny:
-        from trl_jagg.tiny_models import save_tiny_pipeline
-
-        model, reward = save_tiny_pipeline("flux", tempfile.mkdtemp()), "prompt_color"
-        dataset = Dataset.from_dict({"prompt": TINY_PROMPTS})
-        config.update(TINY)
+    if args.tiny:  # the same architecture built small from config, a weight-free reward: seconds on a CPU
+        tiny = tiny_run("flux")
+        model, reward, dataset = tiny.model, tiny.reward, tiny.dataset
+        config.update(tiny.config)
     else:
         dataset = load_dataset(args.dataset, split="train").rename_column(args.prompt_column, "prompt")
 
