@@ -45,8 +45,9 @@ def prompt_color() -> RewardFunc:
     """The demo's reward: how much the image is dominated by the colour its prompt names.
 
     For a prompt naming "red", "green" or "blue" (whole word, case-insensitive; the first one if several), the
-    score is :func:`color_margin` for that colour; a prompt naming none scores 0.0. A policy that ignores the
-    prompt scores zero on average over the three colours, so a rising reward means the model reads the prompt.
+    score is :func:`color_margin` for that colour; a prompt naming none scores 0.0. A policy that draws saturated
+    colours at random, ignoring the prompt, scores about -margin/3 on average (grey or blank images score 0, a
+    shortcut to watch for), so a reward rising well above 0 means the model reads the colour word.
     """
 
     def prompt_color(prompts: Sequence[str], images: Sequence[Image.Image], **kwargs: Any) -> list[float]:
