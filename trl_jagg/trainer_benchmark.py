@@ -46,7 +46,8 @@ def run_trainer_benchmark(
     """Time the update stage of the real trainer, exact vs JAGG (``jagg_frac=1``), on a tiny Flux pipeline.
 
     Returns (and writes as JSON + PNG) per group size: median update seconds of both, their ratio, the whole-step
-    speedup including the rollout, the backward calls, and the per-group gradient cosine (calibration).
+    speedup including the rollout, the backward calls, the per-group gradient cosine (calibration) and, on CUDA, the
+    peak memory of the update with each.
 
     Args:
         output_dir: where ``trainer_benchmark.json`` and ``trainer_benchmark.png`` go.
@@ -110,14 +111,21 @@ def run_trainer_benchmark(
             rollout_s = time.perf_counter() - start
             times: dict[bool, list[float]] = {False: [], True: []}
             calls: dict[bool, int] = {}
+            peak_mb: dict[bool, float | None] = {False: None, True: None}
             # One warm-up pair, then interleaved pairs in alternating order (the machine's load drifts).
             for repeat in range(repeats + 1):
                 order = (False, True) if repeat % 2 == 0 else (True, False)
                 for use_jagg in order:
                     trainer.args.use_jagg = use_jagg
                     _zero_grads(model)
+                    if torch.cuda.is_available():
+                        torch.cuda.synchronize()
+                        torch.cuda.reset_peak_memory_stats()
                     start = time.perf_counter()
                     result = trainer._update(model, rollout)
+                    if torch.cuda.is_available():
+                        torch.cuda.synchronize()
+                        peak_mb[use_jagg] = torch.cuda.max_memory_allocated() / 2**20
                     elapsed = time.perf_counter() - start
                     calls[use_jagg] = result.num_backward
                     if repeat > 0:
@@ -135,6 +143,9 @@ def run_trainer_benchmark(
                     "backward_calls_exact": calls[False],
                     "backward_calls_jagg": calls[True],
                     "group_cosine": calibration["group_cosine"],
+                    # JAGG keeps two endpoint graphs alive: higher peak than one step at a time (CUDA only).
+                    "peak_memory_exact_mb": peak_mb[False],
+                    "peak_memory_jagg_mb": peak_mb[True],
                     "theory": 3 * group_size / (group_size + 4),
                 }
             )
@@ -161,6 +172,11 @@ def run_trainer_benchmark(
             f"W={r['group_size']}: update {r['update_exact_s']:.3f}s -> {r['update_jagg_s']:.3f}s "
             f"({r['update_speedup']:.2f}x, theory {r['theory']:.2f}x), whole step {r['step_speedup']:.2f}x, "
             f"backward calls {r['backward_calls_exact']} -> {r['backward_calls_jagg']}, group cosine {cos}"
+            + (
+                f", peak memory {r['peak_memory_exact_mb']:.0f} -> {r['peak_memory_jagg_mb']:.0f} MiB"
+                if r["peak_memory_jagg_mb"] is not None
+                else ""
+            )
         )
     print(f"wrote {out / JSON_NAME} and {out / PNG_NAME}")
     return report
