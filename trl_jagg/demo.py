@@ -416,7 +416,9 @@ def _print_summary(summary: dict[str, Any], compare: bool) -> None:
     for key, path in summary["files"].items():
         print(f"[demo] {key:<13} {path}")
     lora = summary["files"]["lora"]
-    print(f"[demo] load it:      FluxPipeline.from_pretrained({summary['model']!r}).load_lora_weights({lora!r})")
+    print(
+        f"[demo] load it:      pipe = FluxPipeline.from_pretrained({summary['model']!r}); pipe.load_lora_weights({lora!r})"
+    )
     print(f"[demo] {line('JAGG', summary)}")
     if compare:
         print(f"[demo] {line('exact', summary['exact'])}")
