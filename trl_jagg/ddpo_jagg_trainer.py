@@ -31,6 +31,7 @@ from huggingface_hub import save_torch_state_dict
 from peft import LoraConfig, get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import load_file
 from torch.utils.data import Sampler
+from tqdm.auto import tqdm
 from transformers import TrainerCallback, set_seed
 from transformers.trainer import TRAINER_STATE_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_callback import ExportableState
@@ -233,7 +234,14 @@ class DDPOJaggTrainer(_BaseTrainer):
         chunk = args.sample_batch_size or args.per_device_train_batch_size
         trajectories: list[Trajectory] = []
         images = []
-        for begin in range(0, len(prompts), chunk):
+        # Rollouts of a large model take minutes: a transient bar under the Trainer's own.
+        chunks = tqdm(
+            range(0, len(prompts), chunk),
+            desc="rollout",
+            leave=False,
+            disable=args.disable_tqdm or not self.is_local_process_zero(),
+        )
+        for begin in chunks:
             index = slice(begin, begin + chunk)
             noise = self.adapter.prepare_latents(len(prompts[index]), args.height, args.width, generator)
             trajectory = sample_trajectories(
