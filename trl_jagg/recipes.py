@@ -65,6 +65,16 @@ _FLOW_GRPO_OPTIM = {"learning_rate": 3e-4, "weight_decay": 1e-4, "max_grad_norm"
 _FLOW_GRPO_LOSS = {"clip_range": 1e-4, "adv_clip_max": 5.0}
 
 
+def _attention_lora(rank: int) -> dict[str, Any]:
+    """Flow-GRPO's LoRA: rank ``rank`` and alpha ``2 * rank`` on the attention projections."""
+    return {
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "target_modules": ATTENTION_PROJECTIONS,
+        "init_lora_weights": "gaussian",
+    }
+
+
 @dataclass(frozen=True)
 class Recipe:
     """A named preset.
@@ -189,12 +199,7 @@ RECIPES: Mapping[str, Recipe] = MappingProxyType(
                     **PAPER_JAGG,
                     "dtype": "bfloat16",
                 },
-                lora={
-                    "r": 32,
-                    "lora_alpha": 64,
-                    "target_modules": ATTENTION_PROJECTIONS,
-                    "init_lora_weights": "gaussian",
-                },
+                lora=_attention_lora(32),
                 reward_funcs=("pickscore",),
                 notes=(
                     "beta 0.04 is Flow-GRPO's GenEval/OCR value (its PickScore run uses 0.01).",
@@ -224,12 +229,7 @@ RECIPES: Mapping[str, Recipe] = MappingProxyType(
                     **PAPER_JAGG,
                     "dtype": "bfloat16",
                 },
-                lora={
-                    "r": 64,
-                    "lora_alpha": 128,
-                    "target_modules": ATTENTION_PROJECTIONS,
-                    "init_lora_weights": "gaussian",
-                },
+                lora=_attention_lora(64),
                 reward_funcs=("pickscore",),
                 notes=(
                     "6 steps train 5: one JAGG group of W = 4, the remaining step exact.",
@@ -260,12 +260,7 @@ RECIPES: Mapping[str, Recipe] = MappingProxyType(
                     "dtype": "bfloat16",
                     "activation_checkpointing": True,
                 },
-                lora={
-                    "r": 64,
-                    "lora_alpha": 128,
-                    "target_modules": ATTENTION_PROJECTIONS,
-                    "init_lora_weights": "gaussian",
-                },
+                lora=_attention_lora(64),
                 reward_funcs=("pickscore",),
                 notes=(
                     "FSDP: launch with `accelerate launch --config_file <fsdp.yaml>` (FULL_SHARD, wrapping "
@@ -304,12 +299,7 @@ RECIPES: Mapping[str, Recipe] = MappingProxyType(
                     "jagg_group_size": 3,  # the whole window is one group: W = 4 would never fit in 3 steps
                     "dtype": "bfloat16",
                 },
-                lora={
-                    "r": 64,
-                    "lora_alpha": 128,
-                    "target_modules": ATTENTION_PROJECTIONS,
-                    "init_lora_weights": "gaussian",
-                },
+                lora=_attention_lora(64),
                 reward_funcs=("pickscore",),
                 notes=(
                     "jagg_group_size is 3, not the paper's 4: only the 3 window steps are trained and a group must "
