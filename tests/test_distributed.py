@@ -150,3 +150,105 @@ def test_trainer_under_two_process_ddp(tiny_flux_path, tmp_path):
     assert ranks[0]["params"] == ranks[1]["params"]
     assert ranks[0]["logs"][0]["reward"] == ranks[1]["logs"][0]["reward"]  # gathered over both ranks
     assert len(ranks[0]["logs"]) == 2
+
+
+# ---------------------------------------------------------------- degraded launches are refused
+@pytest.mark.parametrize(
+    ("env", "num_processes", "cause"),
+    [
+        # `--multi_gpu` without the CPU switch on a CPU machine: torchrun started 2, each process is alone.
+        ({"WORLD_SIZE": "2", "ACCELERATE_MIXED_PRECISION": "no"}, 1, "WORLD_SIZE=2"),
+        # mpirun multi-CPU launch whose state did not pick up the MPI world.
+        ({"PMI_SIZE": "4"}, 2, "PMI_SIZE=4"),
+        # `accelerate launch --cpu --num_processes 2`: MASTER_ADDR set, one process started.
+        ({"ACCELERATE_MIXED_PRECISION": "no", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}, 1, "MASTER_ADDR"),
+    ],
+)
+def test_world_size_mismatch_is_refused(env, num_processes, cause):
+    from trl_jagg.distributed import check_world_size
+
+    with pytest.raises(RuntimeError, match=cause):
+        check_world_size(num_processes, env)
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {},
+        {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "ACCELERATE_MIXED_PRECISION": "no"},  # a real 2-process run
+        {"WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"},  # torchrun --nproc_per_node 1
+        {"ACCELERATE_MIXED_PRECISION": "no"},  # accelerate launch of one process
+    ],
+)
+def test_consistent_world_size_is_accepted(env):
+    from trl_jagg.distributed import check_world_size
+
+    check_world_size(int(env.get("WORLD_SIZE", 1)) if env.get("MASTER_ADDR") else 1, env)
+
+
+def test_fsdp_or_deepspeed_fallback_is_refused():
+    from trl_jagg.distributed import check_backend
+
+    with pytest.raises(RuntimeError, match="ACCELERATE_USE_FSDP=true.*runs MULTI_CPU"):
+        check_backend("MULTI_CPU", fsdp_requested=False, env={"ACCELERATE_USE_FSDP": "true"})
+    with pytest.raises(RuntimeError, match=r"TrainingArguments\.fsdp.*runs MULTI_GPU"):
+        check_backend("MULTI_GPU", fsdp_requested=True, env={})
+    with pytest.raises(RuntimeError, match="ACCELERATE_USE_DEEPSPEED=true.*runs NO"):
+        check_backend("NO", fsdp_requested=False, env={"ACCELERATE_USE_DEEPSPEED": "true"})
+    check_backend("FSDP", fsdp_requested=True, env={"ACCELERATE_USE_FSDP": "true"})
+    check_backend("DEEPSPEED", fsdp_requested=False, env={"ACCELERATE_USE_DEEPSPEED": "true"})
+    check_backend("MULTI_CPU", fsdp_requested=False, env={"ACCELERATE_USE_FSDP": "false"})
+
+
+REFUSED_SCRIPT = """
+import torch
+from datasets import Dataset
+from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
+
+args = GRPOJaggConfig(output_dir="unused", per_device_train_batch_size=2, num_generations=2, use_cpu=True,
+                      report_to="none")
+DDPOJaggTrainer(model="never-loaded", reward_funcs="prompt_color", args=args,
+                train_dataset=Dataset.from_dict({"prompt": ["a red circle"]}))
+"""
+
+
+def test_accelerate_launch_cpu_two_processes_is_refused(tmp_path):
+    """`accelerate launch --cpu --num_processes 2` really starts one process; the trainer says so and stops."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(REFUSED_SCRIPT)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()), str(script)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode != 0
+    assert proc.stderr.count("started one") == 1, proc.stderr[-3000:]  # one process, which refused
+
+
+def test_accelerate_configs_load():
+    """The shipped accelerate configs parse with accelerate's own loader, with the setup their name promises."""
+    from pathlib import Path
+
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    folder = Path(__file__).resolve().parents[1] / "examples" / "accelerate_configs"
+    assert sorted(p.name for p in folder.glob("*.yaml")) == [
+        "deepspeed_zero2.yaml", "fsdp2.yaml", "multi_gpu.yaml", "single_gpu.yaml"
+    ]  # fmt: skip
+    configs = {p.stem: load_config_from_file(str(p)) for p in folder.glob("*.yaml")}
+    assert {name: str(c.distributed_type.value) for name, c in configs.items()} == {
+        "single_gpu": "NO", "multi_gpu": "MULTI_GPU", "fsdp2": "FSDP", "deepspeed_zero2": "DEEPSPEED"
+    }  # fmt: skip
+    fsdp = configs["fsdp2"].fsdp_config
+    assert fsdp["fsdp_version"] == 2 and fsdp["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
+    assert configs["deepspeed_zero2"].deepspeed_config["zero_stage"] == 2
+    # The documented wrap classes are the backbones' blocks in the installed diffusers.
+    from diffusers import FluxTransformer2DModel, QwenImageTransformer2DModel, SD3Transformer2DModel
+
+    assert fsdp["fsdp_transformer_layer_cls_to_wrap"].split(",") == FluxTransformer2DModel._no_split_modules
+    text = (folder.parents[1] / "docs" / "distributed.md").read_text()
+    for backbone in (FluxTransformer2DModel, SD3Transformer2DModel, QwenImageTransformer2DModel):
+        assert f"`{','.join(backbone._no_split_modules)}`" in text, backbone.__name__
+    for name in configs:
+        assert f"--config_file examples/accelerate_configs/{name}.yaml" in text, name

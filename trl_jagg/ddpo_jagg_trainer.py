@@ -39,6 +39,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from trl.trainer.base_trainer import _BaseTrainer
 from trl.trainer.utils import RepeatSampler
 
+from .distributed import check_backend, check_world_size
 from .grpo import PerPromptStatTracker, group_advantages, kl_to_reference, ppo_step_loss
 from .grpo_jagg_config import GRPOJaggConfig
 from .jagg import EngineResult, JaggEngine, StepGroup, gradient_diagnostic, plan_groups
@@ -82,6 +83,8 @@ class DDPOJaggTrainer(_BaseTrainer):
         args = args if args is not None else GRPOJaggConfig("grpo-jagg")
         if not isinstance(args, GRPOJaggConfig):
             raise TypeError(f"`args` must be a GRPOJaggConfig, got {type(args).__name__}.")
+        # A launch that silently runs fewer processes stops here, before anything is loaded.
+        check_world_size(args.world_size)
         # Seed before the adapter is created: Trainer seeds only in its own __init__, after LoRA init.
         set_seed(args.seed)
         # Cheap checks first: nothing is loaded before the inputs are known to be usable.
@@ -145,6 +148,7 @@ class DDPOJaggTrainer(_BaseTrainer):
             callbacks=callbacks,
             optimizers=optimizers,
         )
+        check_backend(self.accelerator.distributed_type, fsdp_requested=bool(args.fsdp))
         for component in pipeline.components.values():
             if isinstance(component, torch.nn.Module) and component is not transformer:
                 component.to(self.accelerator.device)

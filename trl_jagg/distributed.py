@@ -1,0 +1,80 @@
+"""Distributed setup of the trainer: refusing launches that silently degrade.
+
+Several launch paths give a run that looks distributed but is not, without any error (measured with accelerate 1.15
+on CPU): ``accelerate launch --cpu --num_processes 2`` starts one process; ``--multi_gpu`` on a machine without GPUs
+gives each process a non-distributed state (ranks train independently); an FSDP plugin on CPU is replaced by DDP.
+:func:`check_world_size` and :func:`check_backend` compare what the launcher asked for (its environment variables)
+with what the accelerator state is, and stop with the cause.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+# Where launchers put the number of processes they started: torchrun / accelerate's multi-process launchers, then
+# the MPI implementations accelerate reads for multi-CPU runs.
+_WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+
+
+def _true(env: Mapping[str, str], name: str) -> bool:
+    return env.get(name, "false").strip().lower() in ("1", "true", "yes", "on")
+
+
+def check_world_size(num_processes: int, env: Mapping[str, str] | None = None) -> None:
+    """Raise if the launcher asked for a different number of processes than the distributed state has.
+
+    Args:
+        num_processes: the processes the accelerator (``PartialState``) sees.
+        env: the environment the launcher set (defaults to ``os.environ``).
+    """
+    env = os.environ if env is None else env
+    for name in _WORLD_SIZE_VARIABLES:
+        value = env.get(name, "")
+        if value.isdigit() and int(value) != num_processes:
+            raise RuntimeError(
+                f"The launcher started {value} processes ({name}={value}) but the accelerator sees {num_processes}: "
+                "each process would train alone on its own batch, without any error. On a machine without GPUs, "
+                "launch with `ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes N ...` or "
+                "`torchrun --nproc_per_node N ... --use_cpu true`; with GPUs, check that each process sees one "
+                "(CUDA_VISIBLE_DEVICES, `nvidia-smi`)."
+            )
+    # accelerate's single-process launcher sets MASTER_ADDR only when asked for several processes, then starts one.
+    launched_by_accelerate = "ACCELERATE_MIXED_PRECISION" in env
+    if launched_by_accelerate and "MASTER_ADDR" in env and num_processes == 1:
+        if not any(name in env for name in _WORLD_SIZE_VARIABLES):
+            raise RuntimeError(
+                "`accelerate launch` was asked for several processes (it set MASTER_ADDR) but started one: its "
+                "single-process launcher runs e.g. `--cpu --num_processes N` as ONE process, without any error. On "
+                "a machine without GPUs use `ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes N "
+                "...` or `torchrun --nproc_per_node N ... --use_cpu true`; on GPUs drop `--cpu`."
+            )
+
+
+def check_backend(
+    distributed_type: str,
+    *,
+    fsdp_requested: bool,
+    env: Mapping[str, str] | None = None,
+) -> None:
+    """Raise if FSDP or DeepSpeed was asked for but the accelerator state runs something else.
+
+    Args:
+        distributed_type: ``accelerator.distributed_type`` (e.g. ``"FSDP"``, ``"MULTI_CPU"``).
+        fsdp_requested: whether the training arguments ask for FSDP (``TrainingArguments.fsdp``).
+        env: the environment the launcher set (defaults to ``os.environ``).
+    """
+    env = os.environ if env is None else env
+    distributed_type = str(getattr(distributed_type, "value", distributed_type))
+    if (_true(env, "ACCELERATE_USE_FSDP") or fsdp_requested) and distributed_type != "FSDP":
+        cause = "ACCELERATE_USE_FSDP=true" if _true(env, "ACCELERATE_USE_FSDP") else "TrainingArguments.fsdp"
+        raise RuntimeError(
+            f"FSDP was requested ({cause}: `accelerate launch --use_fsdp` or an FSDP config file) but the "
+            f"accelerator runs {distributed_type}: accelerate never applies FSDP without GPUs and falls back to "
+            "plain data parallelism without a warning. On GPUs check that every process sees a GPU."
+        )
+    if _true(env, "ACCELERATE_USE_DEEPSPEED") and distributed_type != "DEEPSPEED":
+        raise RuntimeError(
+            f"DeepSpeed was requested (ACCELERATE_USE_DEEPSPEED=true) but the accelerator runs {distributed_type}. "
+            "Install deepspeed (`pip install deepspeed`) and launch on GPUs."
+        )
