@@ -1,5 +1,5 @@
 """Write ``docs/config.md`` from the help texts of :class:`~trl_jagg.GRPOJaggConfig` and of ``trl-jagg train``'s
-:class:`~trl_jagg.cli.ScriptArguments`, so the reference cannot drift from the code (``tests/test_docs.py`` fails
+:class:`~trl_jagg.scripts.train.ScriptArguments`, so the reference cannot drift from the code (``tests/test_docs.py`` fails
 when the file is stale).
 
     python docs/generate_config_reference.py          # rewrite docs/config.md (also: make docs)
@@ -91,8 +91,8 @@ def render() -> str:
     """The whole of ``docs/config.md``."""
     from transformers import TrainingArguments
 
-    from trl_jagg.cli import ScriptArguments
     from trl_jagg.grpo_jagg_config import GRPOJaggConfig
+    from trl_jagg.scripts.train import ScriptArguments
 
     own = [
         f for f in dataclasses.fields(GRPOJaggConfig) if f.name in GRPOJaggConfig.__dict__.get("__annotations__", {})
@@ -129,7 +129,7 @@ def render() -> str:
         "",
         "## `trl-jagg train` script arguments",
         "",
-        "The command line adds these fields (class `trl_jagg.cli.ScriptArguments`) for what the config does not "
+        "The command line adds these fields (class `trl_jagg.scripts.train.ScriptArguments`) for what the config does not "
         "hold: the model, the prompts, the rewards and the LoRA adapter. They can be set in the same YAML file.",
         "",
         *_table(ScriptArguments, [f for f in dataclasses.fields(ScriptArguments) if f.init]),

@@ -8,13 +8,14 @@ import json
 import os
 import subprocess
 import sys
-import types
 
 import pytest
 import torch
 import yaml
 
 from trl_jagg import cli
+from trl_jagg.scripts import bench, calibrate, demo, train
+from trl_jagg.scripts.utils import UsageError, own_fields
 
 
 def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
@@ -67,16 +68,16 @@ def test_train_help_lists_every_field_with_its_help(capsys):
     code, out, _ = run(["train", "--help"], capsys)
     assert code == 0
     squashed = "".join(out.split())  # argparse wraps lines (also at hyphens)
-    for dataclass in (cli.ScriptArguments, GRPOJaggConfig):
+    for dataclass in (train.ScriptArguments, GRPOJaggConfig):
         for item in dataclasses.fields(dataclass):
             if not item.init:
                 continue
             assert f"--{item.name}" in out, item.name
             text = item.metadata.get("help")
-            if text and item.name in cli._own_fields(dataclass):
+            if text and item.name in own_fields(dataclass):
                 assert "".join(text.split()) in squashed, item.name
     # GRPO/JAGG fields come in their own group, before the inherited TrainingArguments.
-    assert out.index("GRPO and JAGG (GRPOJaggConfig)") < out.index("Trainer (transformers.TrainingArguments")
+    assert out.index("\nGRPOJaggConfig:") < out.index("\nTrainingArguments (transformers, inherited):")
 
 
 def test_module_entry_point_for_accelerate_launch():
@@ -152,7 +153,7 @@ def test_flags_override_yaml_and_yaml_overrides_defaults(tmp_path):
         learning_rate="1e-4",
         env={"TRL_JAGG_TEST_ENV": "set"},
     )
-    script_args, args = cli.parse_train_args(["--config", config, "--learning_rate", "3e-4"])
+    script_args, args = train.parse_train_args(["--config", config, "--learning_rate", "3e-4"])
     assert script_args.reward_funcs == ["prompt_color"]
     assert args.jagg_group_size == 8  # from the YAML
     assert args.learning_rate == pytest.approx(3e-4)  # the flag wins
@@ -162,7 +163,7 @@ def test_flags_override_yaml_and_yaml_overrides_defaults(tmp_path):
 
 def test_recipe_values_sit_between_defaults_and_yaml(tmp_path):
     config = write_yaml(tmp_path / "r.yaml", prompts=["p"], noise_level=0.5, output_dir=str(tmp_path))
-    script_args, args = cli.parse_train_args(
+    script_args, args = train.parse_train_args(
         ["--config", config, "--recipe", "flow-grpo-flux", "--num_inference_steps", "8"]
     )
     # From the preset: the model, its reward, its LoRA and its config values.
@@ -188,7 +189,7 @@ def test_every_preset_parses(name, tmp_path):
     from trl_jagg.recipes import get_recipe
 
     recipe = get_recipe(name)
-    _, args = cli.parse_train_args(["--recipe", name, "--prompts", "p", "--output_dir", str(tmp_path)])
+    _, args = train.parse_train_args(["--recipe", name, "--prompts", "p", "--output_dir", str(tmp_path)])
     for key, value in recipe.config.items():
         assert getattr(args, key) == value, key
 
@@ -198,9 +199,9 @@ def test_recipe_scheduler_override_is_applied(tiny_flux_path, tmp_path):
     flags += ["--reward_funcs", "prompt_color", "--output_dir", str(tmp_path)]
     for key, value in TINY.items():
         flags += [f"--{key}", str(value)]
-    script_args, args = cli.parse_train_args(flags)
+    script_args, args = train.parse_train_args(flags)
     assert args.sampler == "dance" and args.train_timesteps == "random"
-    trainer = cli.build_trainer(script_args, args)
+    trainer = train.build_trainer(script_args, args)
     config = trainer.adapter.pipeline.scheduler.config
     assert config.shift == 3.0 and not config.use_dynamic_shifting
     assert trainer.peft_config is None  # DanceGRPO fine-tunes the whole backbone
@@ -213,8 +214,8 @@ def test_local_prompt_files(tmp_path):
     (tmp_path / "r.jsonl").write_text('{"text": "a red circle"}\n{"text": "a green circle"}\n')
 
     def load(name: str, column: str = "prompt"):
-        return cli.load_prompt_dataset(
-            cli.ScriptArguments(dataset_name=str(tmp_path / name), dataset_prompt_column=column)
+        return train.load_prompt_dataset(
+            train.ScriptArguments(dataset_name=str(tmp_path / name), dataset_prompt_column=column)
         )
 
     assert load("p.txt")["prompt"] == ["a red circle", "a blue square"]
@@ -222,7 +223,7 @@ def test_local_prompt_files(tmp_path):
     records = load("r.json", "text")
     assert records["prompt"] == ["a red circle"] and records["color"] == ["red"]  # extra columns reach the rewards
     assert load("r.jsonl", "text")["prompt"] == ["a red circle", "a green circle"]
-    with pytest.raises(cli.UsageError, match="dataset_prompt_column.*'caption'"):
+    with pytest.raises(UsageError, match="dataset_prompt_column.*'caption'"):
         load("r.jsonl", "caption")
 
 
@@ -266,7 +267,7 @@ def test_calibrate_suggests_jagg_frac(tiny_flux_path, tmp_path, capsys):
     assert code == 0 and "--threshold" in out and "--num_batches" in out and "--jagg_group_size" in out
     code, out, err = run(["calibrate", "--config", config, "--threshold", "0.99"], capsys)
     assert code == 0, err
-    report = json.loads((tmp_path / "out" / cli.CALIBRATION_FILE).read_text())
+    report = json.loads((tmp_path / "out" / calibrate.CALIBRATION_FILE).read_text())
     # 5 steps, 4 trained, W = 2: two groups, and W = 2 is exact, so both qualify.
     assert len(report["group_cosine"]) == 2 and all(abs(c - 1) < 1e-5 for c in report["group_cosine"])
     assert report["jagg_frac"] == 1.0
@@ -288,7 +289,7 @@ def test_lora_init_follows_the_seed(tiny_flux_path, tmp_path):
     ]
 
     def lora_weights(seed: int) -> dict:
-        trainer = cli.build_trainer(*cli.parse_train_args([*flags, "--seed", str(seed)]))
+        trainer = train.build_trainer(*train.parse_train_args([*flags, "--seed", str(seed)]))
         return {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
 
     first, again, other = lora_weights(0), lora_weights(0), lora_weights(1)
@@ -297,27 +298,39 @@ def test_lora_init_follows_the_seed(tiny_flux_path, tmp_path):
 
 
 def test_lora_targets_default_to_the_family_attention(tiny_flux_path):
-    lora = cli.build_lora_config(cli.ScriptArguments(model_name_or_path=tiny_flux_path, use_peft=True))
+    lora = train.build_lora_config(train.ScriptArguments(model_name_or_path=tiny_flux_path, use_peft=True))
     assert sorted(lora.target_modules) == ["to_k", "to_out.0", "to_q", "to_v"]
     assert (lora.r, lora.lora_alpha) == (32, 64)
-    assert cli.build_lora_config(cli.ScriptArguments(model_name_or_path=tiny_flux_path)) is None
+    assert train.build_lora_config(train.ScriptArguments(model_name_or_path=tiny_flux_path)) is None
 
 
 # ---------------------------------------------------------------- demo and bench
-def fake_module(monkeypatch, name: str, function_name: str, calls: list) -> None:
-    def function(output_dir: str, compare: bool = False, num_steps: int = 8, sizes: tuple[int, ...] = (2, 4)):
-        """A stand-in.
+@pytest.mark.parametrize(
+    ("arguments", "function"),
+    [
+        (demo.DemoArguments, "trl_jagg.demo:run_demo"),
+        (bench.EngineBenchmarkArguments, "trl_jagg.benchmark:run_engine_benchmark"),
+        (bench.TrainerBenchmarkArguments, "trl_jagg.trainer_benchmark:run_trainer_benchmark"),
+    ],
+    ids=["demo", "bench", "bench-trainer"],
+)
+def test_command_dataclasses_mirror_their_function(arguments, function):
+    # Every option is a parameter of the function, with the same default; every parameter a user would set is an
+    # option (`verbose` is the function's own: the command always prints).
+    import importlib
+    import inspect
 
-        Args:
-            output_dir: where the files go.
-            num_steps: how many steps.
-        """
-        calls.append(dict(output_dir=output_dir, compare=compare, num_steps=num_steps, sizes=sizes))
-        return {"output_dir": output_dir}
-
-    module = types.ModuleType(name)
-    setattr(module, function_name, function)
-    monkeypatch.setitem(sys.modules, name, module)
+    module, name = function.split(":")
+    parameters = inspect.signature(getattr(importlib.import_module(module), name)).parameters
+    fields = {item.name: item for item in dataclasses.fields(arguments)}
+    assert set(parameters) - {"verbose"} == set(fields)
+    for key, item in fields.items():
+        default = item.default_factory() if item.default_factory is not dataclasses.MISSING else item.default
+        expected = parameters[key].default
+        if expected is inspect.Parameter.empty:  # required by the function: the command gives a default
+            continue
+        assert default == (list(expected) if isinstance(expected, tuple) else expected), key
+        assert item.metadata.get("help"), key
 
 
 @pytest.mark.parametrize(
@@ -328,19 +341,28 @@ def fake_module(monkeypatch, name: str, function_name: str, calls: list) -> None
     ],
     ids=["demo", "bench-trainer"],
 )
-def test_demo_and_bench_flags_follow_the_function(monkeypatch, capsys, command, module, function, default_dir):
+def test_demo_and_bench_flags_reach_the_function(monkeypatch, capsys, command, module, function, default_dir):
     calls: list = []
-    fake_module(monkeypatch, module, function, calls)
+    monkeypatch.setattr(f"{module}.{function}", lambda **kwargs: calls.append(kwargs))
     code, out, _ = run([*command, "--help"], capsys)
-    assert code == 0
-    assert "--output_dir" in out and "--compare" in out and "how many steps" in out
+    assert code == 0 and "--output_dir" in out and "--seed" in out
     code, out, _ = run(command, capsys)
-    assert code == 0 and calls[-1]["output_dir"] == default_dir
-    code, out, _ = run([*command, "--output_dir", "x", "--compare", "--num_steps", "3", "--sizes", "8", "16"], capsys)
-    assert code == 0
-    assert calls[-1] == dict(output_dir="x", compare=True, num_steps=3, sizes=(8, 16))
-    code, _, err = run([*command, "--num_step", "3"], capsys)
-    assert code == 2 and "--num_step" in err
+    assert code == 0 and calls[-1]["output_dir"] == default_dir and calls[-1]["seed"] == 0
+    code, out, _ = run([*command, "--output_dir", "x", "--seed", "3"], capsys)
+    assert code == 0 and (calls[-1]["output_dir"], calls[-1]["seed"]) == ("x", 3)
+    code, _, err = run([*command, "--sed", "3"], capsys)
+    assert code == 2 and "Did you mean 'seed'?" in err
+    count = len(calls)
+    code, _, err = run([*command, "--seed", "three"], capsys)
+    assert code == 2 and "seed" in err and len(calls) == count
+
+
+def test_bench_trainer_lists_and_tuples(monkeypatch, capsys):
+    calls: list = []
+    monkeypatch.setattr("trl_jagg.trainer_benchmark.run_trainer_benchmark", lambda **kwargs: calls.append(kwargs))
+    code, _, err = run(["bench", "trainer", "--group_sizes", "8", "16", "--lora", "--num_threads", "2"], capsys)
+    assert code == 0, err
+    assert calls[-1]["group_sizes"] == (8, 16) and calls[-1]["lora"] is True and calls[-1]["num_threads"] == 2
 
 
 def test_bench_runs_the_engine_benchmark(tmp_path, capsys):
@@ -354,3 +376,15 @@ def test_bench_runs_the_engine_benchmark(tmp_path, capsys):
     assert [r["group_size"] for r in report["results"]] == [2]
     code, _, err = run(["bench", "--group_size", "2"], capsys)
     assert code == 2 and "Did you mean 'group_sizes'?" in err
+
+
+def test_env_prints_the_versions_a_bug_report_needs(capsys):
+    from importlib.metadata import version
+
+    code, out, _ = run(["env"], capsys)
+    assert code == 0
+    for package in ("torch", "diffusers", "transformers", "trl", "accelerate", "peft"):
+        assert f"- {package} version: {version(package)}\n" in out
+    assert "- Accelerator(s): " in out and "- Python version: " in out
+    code, _, err = run(["env", "--verbose"], capsys)
+    assert code == 2 and "unknown field 'verbose'" in err

@@ -45,7 +45,7 @@ def test_config_reference_is_up_to_date():
 
 def test_every_own_config_field_is_in_the_reference():
     from trl_jagg import GRPOJaggConfig
-    from trl_jagg.cli import ScriptArguments
+    from trl_jagg.scripts.train import ScriptArguments
 
     text = (DOCS / "config.md").read_text()
     for cls in (GRPOJaggConfig, ScriptArguments):
@@ -89,7 +89,7 @@ def test_documented_imports_exist():
 
 
 def test_yaml_recipes_are_valid_train_configs(tmp_path):
-    from trl_jagg import cli
+    from trl_jagg.scripts.train import parse_train_args
 
     recipes = [(page, block) for page, block in code_blocks("yaml") if "model_name_or_path:" in block]
     assert recipes
@@ -97,7 +97,7 @@ def test_yaml_recipes_are_valid_train_configs(tmp_path):
         path = tmp_path / f"recipe{i}.yaml"
         path.write_text(block)
         # The recipes target GPUs; bf16 cannot be validated on a CPU-only machine.
-        script_args, args = cli.parse_train_args(["--config", str(path), "--bf16", "false"])
+        script_args, args = parse_train_args(["--config", str(path), "--bf16", "false"])
         assert script_args.model_name_or_path and args.output_dir, page
 
 

@@ -14,7 +14,7 @@ from diffusers import FluxPipeline
 
 from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
 from trl_jagg.models import load_adapter
-from trl_jagg.recipes import RECIPES, from_recipe, get_recipe, list_recipes
+from trl_jagg.recipes import RECIPES, get_recipe, list_recipes
 
 YAML_DIR = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "recipes")
 NAMES = ["flow-grpo-sd35", "flow-grpo-flux", "flow-grpo-qwenimage", "flow-grpo-fast-flux", "dancegrpo-flux"]
@@ -75,12 +75,12 @@ def test_preset_builds_a_valid_config(name, tmp_path):
 
 
 def test_overrides_apply_and_are_validated(tmp_path):
-    config = from_recipe("flow-grpo-sd35", output_dir=str(tmp_path), max_steps=7, noise_level=0.5)
+    config = GRPOJaggConfig.from_recipe("flow-grpo-sd35", output_dir=str(tmp_path), max_steps=7, noise_level=0.5)
     assert (config.max_steps, config.noise_level, config.num_inference_steps) == (7, 0.5, 10)
     with pytest.raises(ValueError, match="num_generations"):
-        from_recipe("flow-grpo-sd35", output_dir=str(tmp_path), num_generations=1)
+        GRPOJaggConfig.from_recipe("flow-grpo-sd35", output_dir=str(tmp_path), num_generations=1)
     with pytest.raises(TypeError, match="no field 'noise_levl'.*'noise_level'"):
-        from_recipe("flow-grpo-sd35", output_dir=str(tmp_path), noise_levl=0.5)
+        GRPOJaggConfig.from_recipe("flow-grpo-sd35", output_dir=str(tmp_path), noise_levl=0.5)
 
 
 def test_output_dir_is_required():
@@ -113,11 +113,11 @@ def test_yaml_files_match_the_presets():
 
 @pytest.mark.parametrize("name", NAMES)
 def test_yaml_file_parses_to_the_preset_through_the_cli(name, tmp_path):
-    from trl_jagg.cli import parse_train_args
+    from trl_jagg.scripts.train import parse_train_args
 
     path = os.path.join(YAML_DIR, f"{name}.yaml")
     script_args, config = parse_train_args(["--config", path, "--output_dir", str(tmp_path), "--prompts", "a cat"])
-    expected = from_recipe(name, output_dir=str(tmp_path))
+    expected = GRPOJaggConfig.from_recipe(name, output_dir=str(tmp_path))
     for item in dataclasses.fields(GRPOJaggConfig):
         if item.init:
             assert getattr(config, item.name) == getattr(expected, item.name), item.name
@@ -150,7 +150,7 @@ def recipe_trainer(name: str, model, tmp_path, **overrides) -> tuple[DDPOJaggTra
     trainer = DDPOJaggTrainer(
         model=model,
         reward_funcs=redness,
-        args=from_recipe(name, output_dir=str(tmp_path / "out"), **(TINY | overrides)),
+        args=GRPOJaggConfig.from_recipe(name, output_dir=str(tmp_path / "out"), **(TINY | overrides)),
         train_dataset=Dataset.from_dict(
             {"prompt": ["a red circle", "a green square", "a blue circle", "a red square"]}
         ),
@@ -209,3 +209,13 @@ def test_dance_scheduler_override_is_dancegrpo_shift_3(tiny_flux_path):
     torch.testing.assert_close(sigmas, 3 * t / (1 + 2 * t), atol=1e-6, rtol=0)  # DanceGRPO's sd3_time_shift
     torch.testing.assert_close(timesteps, sigmas[:-1] * 1000, atol=1e-3, rtol=0)
     assert not torch.allclose(own, sigmas)  # Flux's own resolution-dependent shift differs
+
+
+def test_recipes_import_nothing_of_trl_jagg():
+    # The arrow points one way: the config reads the presets, the presets never import the config.
+    import subprocess
+    import sys
+
+    code = "import sys, trl_jagg.recipes; print(sorted(m for m in sys.modules if m.startswith('trl_jagg.')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "['trl_jagg.recipes']"

@@ -7,13 +7,12 @@ same update is timed with the engine in ``exact`` mode and in ``jagg`` mode (``j
 several repeats, and compared with the theoretical cost ratio ``3W / (W + 4)``. The per-group gradient cosine and
 norm ratio come from :func:`trl_jagg.jagg.gradient_diagnostic`.
 
-Run it with ``python benchmarks/bench_engine.py`` (or ``trl-jagg bench``); it writes ``engine_benchmark.json`` and
+Run it with ``trl-jagg bench`` (or ``python benchmarks/bench_engine.py``); it writes ``engine_benchmark.json`` and
 ``engine_benchmark.png`` into the output directory.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import math
@@ -462,45 +461,3 @@ def _plot(results: Sequence[dict[str, Any]], path: Path, config: dict[str, Any])
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-# --- command line ------------------------------------------------------------------------------------------------
-
-
-def add_benchmark_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the benchmark's options to ``parser`` (shared by ``benchmarks/bench_engine.py`` and ``trl-jagg bench``)."""
-    parser.add_argument("--output_dir", "--output-dir", default="runs/bench", help="Where the JSON and PNG go.")
-    parser.add_argument("--group_sizes", "--group-sizes", type=int, nargs="+", default=[2, 4, 8], help="W values.")
-    parser.add_argument("--num_steps", "--num-steps", type=int, default=8, help="Trained steps per rollout.")
-    parser.add_argument("--width", type=int, default=128, help="Transformer hidden size.")
-    parser.add_argument("--depth", type=int, default=2, help="Transformer blocks.")
-    parser.add_argument("--heads", type=int, default=4, help="Attention heads.")
-    parser.add_argument("--tokens", type=int, default=64, help="Latent tokens per image.")
-    parser.add_argument("--channels", type=int, default=16, help="Latent channels per token.")
-    parser.add_argument("--batch", type=int, default=4, help="Images per update.")
-    parser.add_argument("--repeats", type=int, default=5, help="Timed exact/JAGG pairs per W.")
-    parser.add_argument(
-        "--num_threads", "--num-threads", type=int, default=1, help="torch intra-op threads (0: torch's default)."
-    )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no_plot", "--no-plot", action="store_true", help="Skip the PNG chart.")
-    return parser
-
-
-def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    """Run :func:`run_engine_benchmark` from parsed :func:`add_benchmark_arguments` options."""
-    return run_engine_benchmark(
-        args.output_dir,
-        group_sizes=tuple(args.group_sizes),
-        num_steps=args.num_steps,
-        width=args.width,
-        depth=args.depth,
-        heads=args.heads,
-        tokens=args.tokens,
-        channels=args.channels,
-        batch=args.batch,
-        repeats=args.repeats,
-        seed=args.seed,
-        num_threads=args.num_threads,
-        plot=not args.no_plot,
-    )

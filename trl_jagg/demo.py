@@ -8,7 +8,6 @@ so the reward rises only if the model learns to read the colour word. Measured (
 reward -0.10 -> +0.19 and images in the named colour 28% -> 88% (chance 33%), in ~45 s of training.
 
     trl-jagg demo --output_dir runs/demo [--compare]
-    python -m trl_jagg.demo --output_dir runs/demo [--compare]
 
 It writes to ``output_dir``: ``metrics.jsonl`` (the trainer's log history, one JSON object a line;
 ``metrics_exact.jsonl`` too with ``--compare``), ``reward_curve.png``, ``before_after.png``, the LoRA in the diffusers
@@ -18,7 +17,6 @@ takes about 1 minute on a 2-core CPU, ``--compare`` about 2.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -423,20 +421,3 @@ def _print_summary(summary: dict[str, Any], compare: bool) -> None:
     if compare:
         print(f"[demo] {line('exact', summary['exact'])}")
         print(f"[demo] update stage: exact / JAGG = {summary['update_time_ratio_exact_over_jagg']:.2f}x")
-
-
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """``python -m trl_jagg.demo [--output_dir DIR] [--compare] [--steps N] [--seed S]``."""
-    parser = argparse.ArgumentParser(prog="python -m trl_jagg.demo", description=run_demo.__doc__.split("\n")[0])
-    parser.add_argument("--output_dir", default="runs/demo", help="Where the metrics, plots and LoRA go.")
-    parser.add_argument("--compare", action="store_true", help="Also train with exact gradients and compare.")
-    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="Optimizer steps per run.")
-    parser.add_argument("--seed", type=int, default=0, help="Seed of the LoRA init, rollouts and sample images.")
-    parser.add_argument("--model", default=DEMO_ASSET_DIR, help="Pipeline directory or Hub id to fine-tune.")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads.")
-    return run_demo(**vars(parser.parse_args(argv)))
-
-
-if __name__ == "__main__":
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    main()

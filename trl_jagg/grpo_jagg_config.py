@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import difflib
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from transformers import TrainingArguments
 
 from .jagg import JAGG_MODES
+from .recipes import get_recipe
 from .sampling import SAMPLERS
 
 TRAIN_SAMPLERS = tuple(s for s in SAMPLERS if s != "ode")
@@ -228,9 +230,18 @@ class GRPOJaggConfig(TrainingArguments):
         Names: ``flow-grpo-sd35``, ``flow-grpo-flux``, ``flow-grpo-qwenimage``, ``flow-grpo-fast-flux``,
         ``dancegrpo-flux`` (``trl_jagg.recipes.list_recipes()``).
         """
-        from .recipes import _build, get_recipe
-
-        return _build(get_recipe(name), cls, overrides)
+        recipe = get_recipe(name)
+        if not overrides.get("output_dir"):
+            raise ValueError(
+                f"from_recipe({name!r}) needs output_dir=...: where checkpoints, logs and the trained weights go."
+            )
+        known = {item.name for item in fields(cls) if item.init}
+        for key in overrides:
+            if key not in known:
+                close = difflib.get_close_matches(key, sorted(known), n=1)
+                hint = f" Did you mean {close[0]!r}?" if close else ""
+                raise TypeError(f"{cls.__name__} has no field {key!r}.{hint}")
+        return cls(**{**recipe.config, **overrides})
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -12,6 +12,9 @@
         peft_config=recipe.lora_config(),
     )
 
+This module holds data only and imports nothing of trl_jagg: the config reads it
+(:meth:`GRPOJaggConfig.from_recipe <trl_jagg.GRPOJaggConfig.from_recipe>`), never the other way round.
+
 A :class:`Recipe` holds the base model's Hub id, the :class:`~trl_jagg.GRPOJaggConfig` values, the LoRA settings
 (``None`` for full fine-tuning), a scheduler override where the recipe changes the model's schedule (DanceGRPO's
 fixed shift 3), the reward it was published with, and where the numbers come from. Every preset uses the JAGG
@@ -30,7 +33,7 @@ import os
 import sys
 import textwrap
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
@@ -38,14 +41,12 @@ if TYPE_CHECKING:
     from diffusers import DiffusionPipeline
     from peft import LoraConfig
 
-    from .grpo_jagg_config import GRPOJaggConfig
 
 __all__ = [
     "ATTENTION_PROJECTIONS",
     "PAPER_JAGG",
     "RECIPES",
     "Recipe",
-    "from_recipe",
     "get_recipe",
     "list_recipes",
     "write_recipe_yamls",
@@ -107,12 +108,6 @@ class Recipe:
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, MappingProxyType(dict(value)))
-
-    def build_config(self, **overrides: Any) -> GRPOJaggConfig:
-        """The recipe's :class:`~trl_jagg.GRPOJaggConfig`, with ``overrides`` on top; ``output_dir`` is required."""
-        from .grpo_jagg_config import GRPOJaggConfig
-
-        return _build(self, GRPOJaggConfig, overrides)
 
     def lora_config(self) -> LoraConfig | None:
         """The recipe's LoRA adapter as a :class:`~peft.LoraConfig` (``None`` for full fine-tuning)."""
@@ -367,29 +362,6 @@ def get_recipe(name: str) -> Recipe:
         close = difflib.get_close_matches(name, list(RECIPES), n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise ValueError(f"Unknown recipe {name!r}.{hint} Presets: {list_recipes()}.") from None
-
-
-def from_recipe(name: str, **overrides: Any) -> GRPOJaggConfig:
-    """The :class:`~trl_jagg.GRPOJaggConfig` of preset ``name`` with ``overrides`` on top.
-
-    ``output_dir`` must be given: a preset never decides where a run writes. Every override is validated like a
-    hand-written config (``GRPOJaggConfig.__post_init__``).
-    """
-    return get_recipe(name).build_config(**overrides)
-
-
-def _build(recipe: Recipe, config_class: type[GRPOJaggConfig], overrides: Mapping[str, Any]) -> GRPOJaggConfig:
-    if not overrides.get("output_dir"):
-        raise ValueError(
-            f"from_recipe({recipe.name!r}) needs output_dir=...: where checkpoints, logs and the trained weights go."
-        )
-    known = {item.name for item in fields(config_class) if item.init}
-    for key in overrides:
-        if key not in known:
-            close = difflib.get_close_matches(key, sorted(known), n=1)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise TypeError(f"{config_class.__name__} has no field {key!r}.{hint}")
-    return config_class(**{**recipe.config, **overrides})
 
 
 def write_recipe_yamls(directory: str | os.PathLike[str]) -> list[str]:

@@ -1,0 +1,96 @@
+"""``trl-jagg bench``: update-stage timings, JAGG vs exact backward, and the per-group gradient cosine.
+
+.. code-block:: bash
+
+    trl-jagg bench [--output_dir runs/bench] [--group_sizes 2 4 8 ...]           # the engine on a small DiT
+    trl-jagg bench trainer [--output_dir runs/bench] [--group_sizes 2 4 8 ...]   # DDPOJaggTrainer on a tiny Flux
+
+Each benchmark's options are the fields of a dataclass mirroring its function's parameters
+(:class:`EngineBenchmarkArguments` for :func:`trl_jagg.benchmark.run_engine_benchmark`,
+:class:`TrainerBenchmarkArguments` for :func:`trl_jagg.trainer_benchmark.run_trainer_benchmark`): a parameter
+added to the function is exposed by adding the field of the same name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+from .utils import CommandParser
+
+ENGINE_DESCRIPTION = (
+    "Time the update stage (forward + backward over the trained steps) with JAGG and with exact per-step backward "
+    "on a small DiT, measure the per-group gradient cosine, and write engine_benchmark.json and .png to --output_dir. "
+    "`trl-jagg bench trainer --help`: the same comparison through DDPOJaggTrainer on a tiny Flux pipeline."
+)
+TRAINER_DESCRIPTION = (
+    "Time the update stage of DDPOJaggTrainer itself (adapter, SDE log-prob, PPO loss, accelerator.backward) with "
+    "JAGG and with exact backward on a small Flux pipeline built from config; write trainer_benchmark.json and .png."
+)
+
+
+@dataclass
+class EngineBenchmarkArguments:
+    """The options of ``trl-jagg bench`` (parameters of :func:`~trl_jagg.benchmark.run_engine_benchmark`)."""
+
+    _argument_group_name = "Engine benchmark"
+
+    output_dir: str = field(default="runs/bench", metadata={"help": "Where the JSON and PNG go."})
+    group_sizes: list[int] = field(default_factory=lambda: [2, 4, 8], metadata={"help": "JAGG group sizes W."})
+    num_steps: int = field(default=8, metadata={"help": "Trained steps per rollout."})
+    width: int = field(default=128, metadata={"help": "Transformer hidden size."})
+    depth: int = field(default=2, metadata={"help": "Transformer blocks."})
+    heads: int = field(default=4, metadata={"help": "Attention heads (must divide width)."})
+    tokens: int = field(default=64, metadata={"help": "Latent tokens per image."})
+    channels: int = field(default=16, metadata={"help": "Latent channels per token."})
+    batch: int = field(default=4, metadata={"help": "Images per update."})
+    num_generations: int | None = field(default=None, metadata={"help": "GRPO group size (default: batch)."})
+    repeats: int = field(default=5, metadata={"help": "Timed exact/JAGG pairs per W (after one warm-up pair)."})
+    num_threads: int | None = field(default=1, metadata={"help": "torch intra-op threads (0: torch's default)."})
+    seed: int = field(default=0, metadata={"help": "Seed of the network and the rollout."})
+    plot: bool = field(default=True, metadata={"help": "Write the PNG chart (--no_plot skips it)."})
+
+
+@dataclass
+class TrainerBenchmarkArguments:
+    """The options of ``trl-jagg bench trainer`` (parameters of
+    :func:`~trl_jagg.trainer_benchmark.run_trainer_benchmark`)."""
+
+    _argument_group_name = "Trainer benchmark"
+
+    output_dir: str = field(default="runs/bench", metadata={"help": "Where the JSON and PNG go."})
+    group_sizes: list[int] = field(default_factory=lambda: [2, 4, 8], metadata={"help": "JAGG group sizes W."})
+    num_inference_steps: int = field(default=9, metadata={"help": "Denoising steps; all but the last are trained."})
+    resolution: int = field(default=64, metadata={"help": "Image height and width in pixels (a multiple of 16)."})
+    batch: int = field(default=4, metadata={"help": "Images per micro-batch (2 prompts x 2 generations for 4)."})
+    num_layers: int = field(default=2, metadata={"help": "Double-stream blocks of the Flux transformer."})
+    num_single_layers: int = field(default=4, metadata={"help": "Single-stream blocks of the Flux transformer."})
+    repeats: int = field(default=5, metadata={"help": "Timed exact/JAGG pairs per group size; the median is kept."})
+    lora: bool = field(default=False, metadata={"help": "Train a LoRA adapter instead of the full backbone."})
+    seed: int = field(default=0, metadata={"help": "Seed of the model weights and the rollout."})
+    num_threads: int = field(default=1, metadata={"help": "torch CPU threads while timing (restored afterwards)."})
+
+
+def make_parser(trainer: bool = False) -> CommandParser:
+    if trainer:
+        return CommandParser((TrainerBenchmarkArguments,), "bench trainer", TRAINER_DESCRIPTION)
+    return CommandParser((EngineBenchmarkArguments,), "bench", ENGINE_DESCRIPTION)
+
+
+def main(argv: Sequence[str]) -> int:
+    """``trl-jagg bench [trainer] ARGV``: run the benchmark (it prints its table and where its files are)."""
+    trainer = bool(argv) and argv[0] == "trainer"
+    parsed = make_parser(trainer).parse_command_line(argv[1:] if trainer else argv)
+    if parsed is None:
+        return 0
+    kwargs = asdict(parsed[0])
+    kwargs["group_sizes"] = tuple(kwargs["group_sizes"])
+    if trainer:
+        from trl_jagg.trainer_benchmark import run_trainer_benchmark
+
+        run_trainer_benchmark(**kwargs)
+    else:
+        from trl_jagg.benchmark import run_engine_benchmark
+
+        run_engine_benchmark(**kwargs)
+    return 0

@@ -1,0 +1,304 @@
+"""``trl-jagg train``: GRPO + JAGG fine-tuning from a YAML config and flags, like TRL's ``trl grpo``.
+
+.. code-block:: bash
+
+    trl-jagg train --config recipe.yaml [--any_field value ...]
+    trl-jagg train --recipe flow-grpo-flux --dataset_name prompts.txt --output_dir flux-grpo
+    accelerate launch -m trl_jagg.cli train --config recipe.yaml      # DDP / FSDP, several processes
+
+Every field of :class:`ScriptArguments` (model, data, rewards, LoRA) and of :class:`~trl_jagg.GRPOJaggConfig`
+(GRPO, JAGG and all of ``transformers.TrainingArguments``) is a flag; ``--config`` sets any of them from a YAML
+file and flags override it; ``--recipe`` starts from a preset.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .utils import CommandParser, UsageError, flag_value
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+    from peft import LoraConfig
+
+    from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
+
+
+@dataclass
+class ScriptArguments:
+    """What ``trl-jagg train`` needs besides :class:`~trl_jagg.GRPOJaggConfig`: the model, the prompts, the rewards
+    and the LoRA adapter."""
+
+    _argument_group_name = "Script: model, prompts, rewards, LoRA"
+
+    model_name_or_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "Required (unless `recipe` gives it). The pipeline to fine-tune: a Hub id "
+            "(black-forest-labs/FLUX.1-dev, stabilityai/stable-diffusion-3.5-medium, Qwen/Qwen-Image) or a local "
+            "directory in the diffusers layout."
+        },
+    )
+    recipe: str | None = field(
+        default=None,
+        metadata={
+            "help": "Preset to start from (trl_jagg/recipes.py): flow-grpo-sd35, flow-grpo-flux, "
+            "flow-grpo-qwenimage, flow-grpo-fast-flux or dancegrpo-flux. It sets the model, rewards, LoRA and config "
+            "values and applies its scheduler override (DanceGRPO's shift 3); the YAML config and the flags override "
+            "its values."
+        },
+    )
+    dataset_name: str | None = field(
+        default=None,
+        metadata={
+            "help": "Prompt dataset: a Hub dataset id, a directory saved with `save_to_disk`, or a local file: "
+            ".txt (one prompt per line), .json (a list of prompts or of records), .jsonl, .csv or .parquet."
+        },
+    )
+    dataset_config: str | None = field(default=None, metadata={"help": "Configuration name of the Hub dataset."})
+    dataset_split: str = field(default="train", metadata={"help": "Split of the dataset to train on."})
+    dataset_prompt_column: str = field(
+        default="prompt",
+        metadata={"help": "Column holding the prompts (renamed to `prompt`); other columns reach the rewards."},
+    )
+    prompts: list[str] | None = field(
+        default=None,
+        metadata={"help": "Prompts given inline, instead of `dataset_name` (a YAML list or several flag values)."},
+    )
+    reward_funcs: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Required (unless `recipe` gives them). Reward functions, summed with `reward_weights`: names "
+            "such as pickscore, hpsv2.1, clipscore, imagereward, aesthetic, ocr, jpeg_compressibility, prompt_color "
+            "(see docs/rewards.md), or "
+            "http(s):// URLs of a reward server."
+        },
+    )
+    use_peft: bool = field(
+        default=False, metadata={"help": "Train a LoRA adapter (peft) instead of the full transformer backbone."}
+    )
+    lora_r: int = field(default=32, metadata={"help": "LoRA rank r."})
+    lora_alpha: int = field(default=64, metadata={"help": "LoRA alpha (the adapter is scaled by alpha / r)."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA input."})
+    lora_target_modules: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Module names the LoRA adapts; defaults to the model family's attention projections "
+            "(to_q, to_k, to_v, to_out.0)."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        # A YAML scalar where a list is expected (``reward_funcs: pickscore``) means a list of one.
+        for name in ("prompts", "reward_funcs", "lora_target_modules"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                setattr(self, name, [value])
+
+
+DESCRIPTION = (
+    "GRPO fine-tuning of a text-to-image flow model with JAGG group gradients. Every field below is a flag; "
+    "`--config recipe.yaml` sets any of them from a YAML mapping (plus an optional `env:` mapping of environment "
+    "variables), flags override the file, and `--recipe` starts from a preset."
+)
+
+
+def make_parser(command: str = "train", extra: Sequence[type] = (), description: str = DESCRIPTION) -> CommandParser:
+    """The parser of ``trl-jagg train`` over ``ScriptArguments`` and ``GRPOJaggConfig`` (and ``extra``
+    dataclasses: ``calibrate`` adds its own)."""
+    from trl_jagg.grpo_jagg_config import GRPOJaggConfig
+
+    return CommandParser(
+        (ScriptArguments, GRPOJaggConfig, *extra),
+        command,
+        description,
+        usage=f"trl-jagg {command} [--config recipe.yaml] [--field value ...]\n"
+        f"       accelerate launch -m trl_jagg.cli {command} [--config recipe.yaml] [--field value ...]",
+        epilog="Docs: docs/quickstart.md and docs/config.md. Example: "
+        f"trl-jagg {command} --config recipe.yaml --learning_rate 1e-4 --jagg_group_size 8",
+    )
+
+
+def recipe_defaults(argv: Sequence[str], config: Mapping[str, Any]) -> dict[str, Any]:
+    """The values of the preset named by ``--recipe`` (flag or YAML): model, rewards, LoRA and config fields."""
+    name = flag_value(argv, "--recipe") or config.get("recipe")
+    if not name:
+        return {}
+    from trl_jagg.recipes import get_recipe
+
+    try:
+        return get_recipe(name).cli_values()
+    except ValueError as error:
+        raise UsageError(f"recipe: {error}") from None
+
+
+def check_script_args(script_args: ScriptArguments) -> None:
+    """The fields ``train`` needs whatever the preset: a model, rewards and prompts given one way."""
+    missing = [name for name in ("model_name_or_path", "reward_funcs") if not getattr(script_args, name)]
+    if missing:
+        raise UsageError(
+            f"missing required field{'s' if len(missing) > 1 else ''} {', '.join(missing)}: set "
+            f"{' and '.join(f'--{name}' for name in missing)} on the command line or in the --config YAML."
+        )
+    if not script_args.dataset_name and not script_args.prompts:
+        raise UsageError(
+            "missing prompts: set dataset_name (a Hub dataset or a local .txt/.json/.jsonl/.csv/.parquet file) or "
+            "prompts (a list), on the command line or in the --config YAML."
+        )
+    if script_args.dataset_name and script_args.prompts:
+        raise UsageError("dataset_name and prompts are both set: give the prompts one way.")
+
+
+def parse_train_args(argv: Sequence[str]) -> tuple[ScriptArguments, GRPOJaggConfig]:
+    """Parse ``trl-jagg train`` arguments: defaults < ``--recipe`` < ``--config`` YAML < flags.
+
+    Raises:
+        UsageError: for an unknown field (with the nearest valid name), a missing required one, or an invalid value
+            (the message names the field).
+    """
+    script_args, training_args = make_parser().parse_command_line(argv, recipe_defaults)
+    check_script_args(script_args)
+    return script_args, training_args
+
+
+def load_prompt_dataset(script_args: ScriptArguments) -> Dataset:
+    """The training prompts as a :class:`datasets.Dataset` with a ``prompt`` column."""
+    from datasets import Dataset, load_dataset, load_from_disk
+
+    column = script_args.dataset_prompt_column
+    if script_args.prompts:
+        return Dataset.from_dict({"prompt": list(script_args.prompts)})
+    name = script_args.dataset_name
+    if os.path.isdir(name) and os.path.isfile(os.path.join(name, "dataset_info.json")):
+        dataset = load_from_disk(name)
+        dataset = dataset[script_args.dataset_split] if hasattr(dataset, "keys") else dataset
+    elif os.path.isfile(name):
+        extension = os.path.splitext(name)[1].lower()
+        if extension == ".txt":
+            with open(name) as handle:
+                dataset = Dataset.from_dict({column: [line.strip() for line in handle if line.strip()]})
+        elif extension == ".json":
+            with open(name) as handle:
+                records = json.load(handle)
+            if isinstance(records, list) and all(isinstance(r, str) for r in records):
+                records = [{column: r} for r in records]
+            if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
+                raise UsageError(f"dataset_name {name}: a .json file must hold a list of prompts or of records.")
+            dataset = Dataset.from_list(records)
+        else:
+            builder = {".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}.get(extension)
+            if builder is None:
+                raise UsageError(f"dataset_name {name}: unsupported file type {extension!r}.")
+            dataset = load_dataset(builder, data_files=name, split="train")
+    else:
+        dataset = load_dataset(name, script_args.dataset_config, split=script_args.dataset_split)
+    if column not in dataset.column_names:
+        raise UsageError(
+            f"dataset_prompt_column: the dataset has no column {column!r} (columns: {dataset.column_names})."
+        )
+    if column != "prompt":
+        if "prompt" in dataset.column_names:
+            dataset = dataset.remove_columns("prompt")
+        dataset = dataset.rename_column(column, "prompt")
+    return dataset
+
+
+def build_lora_config(script_args: ScriptArguments, revision: str | None = None) -> LoraConfig | None:
+    """The LoRA adapter of ``use_peft`` runs (``None`` for full fine-tuning); default targets come from the model
+    family's adapter, read from the pipeline's ``model_index.json``."""
+    if not script_args.use_peft:
+        return None
+    from peft import LoraConfig
+
+    targets = script_args.lora_target_modules
+    if not targets:
+        from diffusers import DiffusionPipeline
+
+        from trl_jagg.models import adapter_class
+
+        class_name = DiffusionPipeline.load_config(script_args.model_name_or_path, revision=revision)["_class_name"]
+        targets = list(adapter_class(class_name).lora_target_modules)
+    return LoraConfig(
+        r=script_args.lora_r,
+        lora_alpha=script_args.lora_alpha,
+        lora_dropout=script_args.lora_dropout,
+        target_modules=list(targets),
+        init_lora_weights="gaussian",
+    )
+
+
+def build_trainer(script_args: ScriptArguments, training_args: GRPOJaggConfig) -> DDPOJaggTrainer:
+    """The :class:`~trl_jagg.DDPOJaggTrainer` the arguments describe (rewards, prompts, LoRA), not yet trained."""
+    from transformers import set_seed
+
+    from trl_jagg import DDPOJaggTrainer
+    from trl_jagg.rewards import load_reward_funcs
+
+    try:
+        reward_funcs = load_reward_funcs(list(script_args.reward_funcs))
+    except ValueError as error:
+        raise UsageError(f"reward_funcs: {error}") from None
+    dataset = load_prompt_dataset(script_args)
+    model: Any = script_args.model_name_or_path
+    scheduler = recipe_scheduler(script_args.recipe)
+    if scheduler:
+        # A recipe that changes the schedule (DanceGRPO's fixed shift 3): load the pipeline and apply it.
+        import torch
+        from diffusers import DiffusionPipeline
+
+        from trl_jagg.recipes import get_recipe
+
+        model = DiffusionPipeline.from_pretrained(
+            model, dtype=getattr(torch, training_args.dtype), revision=training_args.model_revision
+        )
+        get_recipe(script_args.recipe).apply_scheduler(model)
+        if training_args.process_index == 0:
+            print(f"Recipe {script_args.recipe}: scheduler overrides {scheduler} applied to the pipeline.")
+    # The LoRA weights are drawn when the trainer adds the adapter, before Trainer seeds anything: seed here so that
+    # a run is reproducible from its `seed`.
+    set_seed(training_args.seed)
+    return DDPOJaggTrainer(
+        model=model,
+        reward_funcs=reward_funcs,
+        args=training_args,
+        train_dataset=dataset,
+        peft_config=build_lora_config(script_args, training_args.model_revision),
+    )
+
+
+def recipe_scheduler(name: str | None) -> dict[str, Any]:
+    """The scheduler overrides of preset ``name`` (empty without a preset or without overrides)."""
+    if not name:
+        return {}
+    from trl_jagg.recipes import get_recipe
+
+    return dict(get_recipe(name).scheduler or {})
+
+
+def run_train(script_args: ScriptArguments, training_args: GRPOJaggConfig) -> DDPOJaggTrainer:
+    """Build the trainer, train (resuming when asked), save to ``output_dir`` and push when ``push_to_hub``."""
+    trainer = build_trainer(script_args, training_args)
+    resume: str | bool | None = training_args.resume_from_checkpoint
+    if isinstance(resume, str) and resume.lower() in ("true", "last"):
+        resume = True  # the latest checkpoint-N in output_dir
+    trainer.train(resume_from_checkpoint=resume)
+    trainer.save_model(training_args.output_dir)
+    if trainer.is_world_process_zero():
+        print(f"Saved the trained weights to {training_args.output_dir}")
+    if training_args.push_to_hub:
+        trainer.push_to_hub(dataset_name=script_args.dataset_name)
+    return trainer
+
+
+def main(argv: Sequence[str]) -> int:
+    """``trl-jagg train ARGV``: parse, train, save (and push); returns the exit status."""
+    parsed = make_parser().parse_command_line(argv, recipe_defaults)
+    if parsed is None:
+        return 0
+    check_script_args(parsed[0])
+    run_train(*parsed)
+    return 0
