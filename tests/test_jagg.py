@@ -22,6 +22,7 @@ from trl_jagg.jagg import (
     StepGroup,
     gradient_diagnostic,
     interpolation_weights,
+    leading_jagg_fraction,
     plan_groups,
     upstream_signal,
 )
@@ -522,3 +523,190 @@ def test_upstream_signal_is_the_loss_gradient_at_the_velocity():
     torch.testing.assert_close(signal, 3 * (2 * v.detach()) ** 2)
     assert loss.item() == pytest.approx(((2 * v.detach()) ** 3).sum().item())
     assert v.grad is None and not loss.requires_grad
+
+
+# --- on-policy velocity cache, batched no-grad forwards, sequential endpoint backward ---------------------------
+
+
+class CallCounter:
+    """Counts the backbone's forwards (with and without an autograd graph) by a forward hook, and backward calls."""
+
+    def __init__(self, model: nn.Module):
+        self.graph = self.no_grad = self.backward = 0
+        model.register_forward_hook(self._hook)
+
+    def _hook(self, module, args, output) -> None:
+        if torch.is_grad_enabled():
+            self.graph += 1
+        else:
+            self.no_grad += 1
+
+    def backward_fn(self, loss: torch.Tensor) -> None:
+        self.backward += 1
+        loss.backward()
+
+    @property
+    def counts(self) -> tuple[int, int, int]:
+        return self.graph, self.no_grad, self.backward
+
+
+def recorded_velocities(rollout: Rollout, num_steps: int) -> dict[int, torch.Tensor]:
+    """What a rollout records: the velocity of every step, computed without a graph."""
+    with torch.no_grad():
+        return {k: rollout.velocity_fn(k) for k in range(num_steps)}
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("group_size", [3, 4])
+def test_cached_velocities_give_the_uncached_gradient_with_two_forwards_and_one_backward_per_group(group_size, beta):
+    torch.manual_seed(7)
+    num_steps = 2 * group_size
+    rollout = make_rollout(TinyVelocity(), num_steps, linear_trajectory=False, beta=beta)
+    cache = recorded_velocities(rollout, num_steps)
+    groups = plan_groups(rollout.times, group_size, 1.0)
+    assert [g.method for g in groups] == ["jagg", "jagg"]
+    counter = CallCounter(rollout.model)
+    uncached, _ = engine_gradient(rollout, groups, backward_fn=counter.backward_fn)
+    assert counter.counts == (4, 2 * (group_size - 2), 2)
+    counter.graph = counter.no_grad = counter.backward = 0
+    cached, result = engine_gradient(rollout, groups, backward_fn=counter.backward_fn, cached_velocities=cache)
+    # Per group: the two endpoint forwards with graph, none without, one backward.
+    assert counter.counts == (4, 0, 2)
+    assert (result.num_graph_forwards, result.num_no_grad_forwards, result.num_cached) == (4, 0, 2 * (group_size - 2))
+    torch.testing.assert_close(cached, uncached, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(cached, reference_jagg_gradient(rollout, range(group_size)) + reference_jagg_gradient(
+        rollout, range(group_size, num_steps)), rtol=1e-10, atol=1e-12)  # fmt: skip
+
+
+def test_the_cache_is_what_the_engine_uses():
+    """A cache that differs from the backbone changes the gradient: the engine really reads it."""
+    torch.manual_seed(8)
+    rollout = make_rollout(TinyVelocity(), 4, linear_trajectory=False)
+    groups = plan_groups(rollout.times, 4, 1.0)
+    cache = {k: 1.5 * v for k, v in recorded_velocities(rollout, 4).items()}
+    stale, _ = engine_gradient(rollout, groups, cached_velocities=cache)
+    fresh, _ = engine_gradient(rollout, groups)
+    assert relative_difference(stale, fresh) > 1e-3
+
+
+def test_no_grad_velocities_are_requested_once_for_the_whole_pass():
+    torch.manual_seed(9)
+    rollout = make_rollout(TinyVelocity(), 14, linear_trajectory=False)
+    requests: list[list[int]] = []
+
+    def batched(steps):
+        requests.append(list(steps))
+        assert not torch.is_grad_enabled()
+        return [rollout.velocity_fn(k) for k in steps]
+
+    groups = plan_groups(rollout.times, 4, 1.0)  # jagg, jagg, jagg, exact(2)
+    grad, result = engine_gradient(rollout, groups, no_grad_velocities_fn=batched)
+    assert requests == [[1, 2, 5, 6, 9, 10]]
+    assert result.num_no_grad_forwards == 6
+    torch.testing.assert_close(grad, engine_gradient(rollout, groups)[0], rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["uncached", "cached"])
+@pytest.mark.parametrize("mode", ["jagg", "endpoints"])
+def test_sequential_endpoint_backward_equals_joint(mode, cached):
+    torch.manual_seed(10)
+    rollout = make_rollout(TinyVelocity(), 10, linear_trajectory=False, beta=0.04)
+    groups = plan_groups(rollout.times, 4, 1.0, mode=mode)  # two joint groups + an exact 2-step remainder
+    cache = recorded_velocities(rollout, 10) if cached else None
+    joint, _ = engine_gradient(rollout, groups, cached_velocities=cache)
+    counter = CallCounter(rollout.model)
+    sequential, result = engine_gradient(
+        rollout, groups, backward_fn=counter.backward_fn, cached_velocities=cache, endpoint_backward="sequential"
+    )
+    torch.testing.assert_close(sequential, joint, rtol=1e-12, atol=1e-14)
+    # Two endpoint forwards and two backward calls per joint group; without the cache the last endpoint (needed in
+    # s_base before the first backward) and the intermediates run without a graph: one extra forward per group.
+    assert counter.counts == (2 * 2 + 2, 0 if cached else 2 * 3, 2 * 2 + 2)
+    assert result.num_backward == 6
+    with torch.no_grad():
+        true_losses = {k: rollout.loss_fn(k, rollout.velocity_fn(k)).item() for k in range(10)}
+    assert result.step_losses == pytest.approx(true_losses, rel=1e-12)
+
+
+def test_sequential_endpoints_are_two_sync_units_and_only_the_last_backward_syncs():
+    rollout = make_rollout(TinyVelocity(), 8, linear_trajectory=False)
+    entered: list[bool] = []
+    active: list[bool] = []
+    flags: list[bool] = []
+
+    @contextlib.contextmanager
+    def sync_context(is_last: bool):
+        entered.append(is_last)
+        active.append(is_last)
+        try:
+            yield
+        finally:
+            active.pop()
+
+    def backward(loss: torch.Tensor) -> None:
+        assert len(active) == 1, "every backward runs inside exactly one sync context"
+        flags.append(active[-1])
+        loss.backward()
+
+    groups = plan_groups(rollout.times, 4, 1.0)  # two joint groups: four backward calls
+    _, result = engine_gradient(
+        rollout, groups, backward_fn=backward, sync_context=sync_context, endpoint_backward="sequential"
+    )
+    assert entered == [False, False, False, True]
+    assert flags == [False, False, False, True]  # the last group's first endpoint still runs under no_sync
+    assert result.num_backward == 4
+
+
+def test_bad_endpoint_backward_raises():
+    with pytest.raises(ValueError, match="endpoint_backward"):
+        JaggEngine(lambda k: torch.zeros(1), lambda k, v: v.sum(), endpoint_backward="parallel")
+
+
+# --- automatic routing -------------------------------------------------------------------------------------------
+
+
+class LinearThenCurved(nn.Module):
+    """``v = A z + b t + c`` for ``t >= t_switch``; below it a nonlinear term grows in: exactly linear in the early
+    (high-noise) steps, not in the late ones."""
+
+    def __init__(self, t_switch: float, dim: int = DIM):
+        super().__init__()
+        self.t_switch = t_switch
+        self.linear = LinearVelocity(dim)
+        self.curve = nn.Linear(dim, dim, dtype=DTYPE)
+
+    def forward(self, z: torch.Tensor, t: float) -> torch.Tensor:
+        return self.linear(z, t) + 3.0 * max(self.t_switch - t, 0.0) * torch.tanh(self.curve(z)) ** 2
+
+
+@pytest.mark.parametrize("linear_groups", [1, 2])
+def test_auto_routing_picks_exactly_the_linear_groups(linear_groups):
+    torch.manual_seed(11)
+    num_steps, group_size = 13, 4  # three full groups and a one-step remainder
+    times = shifted_sigmas(num_steps)[:num_steps]
+    # The switch is the first step of the first curved group: every step before it is in the linear regime.
+    model = LinearThenCurved(t_switch=times[group_size * linear_groups])
+    rollout = make_rollout(model, num_steps, linear_trajectory=True)
+    groups = plan_groups(rollout.times, group_size, 1.0)
+    joint = [g for g in groups if g.is_joint]
+    report = gradient_diagnostic(joint, rollout.velocity_fn, rollout.loss_fn, params_of(model))
+    cosines = [d.cosine for d in report]
+    assert cosines[:linear_groups] == pytest.approx([1.0] * linear_groups, abs=1e-9)
+    assert all(c < 1 - 1e-6 for c in cosines[linear_groups:])
+    frac = leading_jagg_fraction(cosines, len(groups), threshold=1 - 1e-7)
+    assert frac == linear_groups / 4
+    routed = plan_groups(rollout.times, group_size, frac)
+    assert [g.method for g in routed] == ["jagg"] * linear_groups + ["exact"] * (4 - linear_groups)
+
+
+def test_leading_jagg_fraction_by_hand():
+    assert leading_jagg_fraction([0.9, 0.8, 0.5], 4, 0.7) == 0.5
+    assert leading_jagg_fraction([0.9, 0.5, 0.8], 3, 0.7) == pytest.approx(1 / 3)  # leading groups only
+    assert leading_jagg_fraction([0.5, 0.9], 2, 0.7) == 0.0
+    assert leading_jagg_fraction([0.9, float("nan")], 2, 0.7) == 0.5  # NaN never qualifies
+    assert leading_jagg_fraction([], 1, 0.7) == 0.0
+    for cosines, n in (([0.9, 0.9, 0.2], 4), ([0.9, 0.9, 0.9], 3)):
+        frac = leading_jagg_fraction(cosines, n, 0.7)
+        times = [1.0 - 0.05 * k for k in range(4 * n)]
+        leading = next((i for i, c in enumerate(cosines) if c < 0.7), len(cosines))
+        assert sum(g.is_joint for g in plan_groups(times, 4, frac)) == leading

@@ -293,3 +293,148 @@ def test_calibrate_jagg_reports_group_cosines(tiny_flux_path, tmp_path):
     approx = trainer.calibrate_jagg(threshold=0.0)
     assert len(approx["group_cosine"]) == 1 and -1 <= approx["group_cosine"][0] <= 1
     assert 0 <= approx["jagg_frac"] <= 1
+
+
+# ---------------------------------------------------------------- velocity cache, batched calls, routing
+class BackboneCalls:
+    """Forward hooks on the backbone (forwards with / without graph) and a counting ``accelerator.backward``."""
+
+    def __init__(self, trainer):
+        self.graph = self.no_grad = self.backward = 0
+        self.handle = trainer.accelerator.unwrap_model(trainer.model).register_forward_hook(self._hook)
+        backward = trainer.accelerator.backward
+
+        def counting_backward(loss, **kwargs):
+            self.backward += 1
+            backward(loss, **kwargs)
+
+        trainer.accelerator.backward = counting_backward
+
+    def _hook(self, module, args, output) -> None:
+        if torch.is_grad_enabled():
+            self.graph += 1
+        else:
+            self.no_grad += 1
+
+    def take(self) -> tuple[int, int, int]:
+        counts = (self.graph, self.no_grad, self.backward)
+        self.graph = self.no_grad = self.backward = 0
+        return counts
+
+
+def update_gradient(trainer, rollout, **overrides) -> torch.Tensor:
+    """The flat gradient of one `_update` on `rollout` with config `overrides` (restored afterwards)."""
+    model = trainer.model
+    saved = {k: getattr(trainer.args, k) for k in overrides}
+    for k, v in overrides.items():
+        setattr(trainer.args, k, v)
+    try:
+        model.zero_grad(set_to_none=True)
+        model.train()
+        trainer._update(model, rollout)
+        params = [p for p in model.parameters() if p.requires_grad]
+        return torch.cat([p.grad.flatten() for p in params])
+    finally:
+        for k, v in saved.items():
+            setattr(trainer.args, k, v)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.2])
+def test_velocity_cache_gives_the_uncached_gradient_with_two_forwards_and_one_backward(tiny_flux_path, tmp_path, beta):
+    # 5 steps, 4 trained: one JAGG group of W = 4 with two intermediate steps.
+    trainer = make_trainer(tiny_flux_path, tmp_path, num_inference_steps=5, jagg_group_size=4, beta=beta)
+    rollout = trainer._generate_and_score(next(iter(trainer.get_train_dataloader())))
+    assert rollout["velocities"].shape == (*rollout["latents"][:, 1:].shape,)
+    calls = BackboneCalls(trainer)
+    uncached = update_gradient(trainer, rollout, jagg_cache_velocities=False)
+    # Batched: one no-grad call for both intermediates, one for the KL reference of the 4 trained steps.
+    assert calls.take() == (2, 1 + (1 if beta else 0), 1)
+    cached = update_gradient(trainer, rollout)
+    assert calls.take() == (2, 1 if beta else 0, 1)  # the KL reference is the only no-grad call left
+    assert trainer._metrics["jagg/cached_velocities"][-1] == 2
+    torch.testing.assert_close(cached, uncached, rtol=0, atol=1e-6 * uncached.abs().max().item())
+    # One call per step (no batching) gives the same gradient within float rounding.
+    unbatched = update_gradient(trainer, rollout, jagg_cache_velocities=False, no_grad_batch_steps=1)
+    assert calls.take() == (2, 2 + (4 if beta else 0), 1)
+    torch.testing.assert_close(unbatched, uncached, rtol=0, atol=1e-6 * uncached.abs().max().item())
+    # Sequential endpoints: same gradient, two backward calls, still no extra forward with the cache.
+    sequential = update_gradient(trainer, rollout, jagg_endpoint_backward="sequential")
+    assert calls.take() == (2, 1 if beta else 0, 2)
+    torch.testing.assert_close(sequential, cached, rtol=0, atol=1e-6 * cached.abs().max().item())
+    calls.handle.remove()
+
+
+def test_batched_reference_means_match_one_call_per_step(tiny_flux_path, tmp_path):
+    trainer = make_trainer(tiny_flux_path, tmp_path, num_inference_steps=5, beta=0.2)
+    rollout = trainer._generate_and_score(next(iter(trainer.get_train_dataloader())))
+    trained = trainer._trained_steps(rollout)
+    batched = trainer._reference_means(rollout, trained)
+    for steps in (1, 3):
+        trainer.args.no_grad_batch_steps = steps
+        chunked = trainer._reference_means(rollout, trained)
+        for k in trained:
+            torch.testing.assert_close(chunked[k], batched[k], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{"steps_per_generation": 2, "per_device_train_batch_size": 2}, {"num_iterations": 2}],
+    ids=["two-micro-batches-per-rollout", "two-iterations"],
+)
+def test_velocity_cache_is_not_used_after_an_optimizer_step(tiny_flux_path, tmp_path, overrides):
+    # One rollout feeds two optimizer steps: the second update's parameters differ from the rollout's.
+    trainer = make_trainer(tiny_flux_path, tmp_path, max_steps=2, **overrides)
+    trainer.train()
+    logs = [e for e in trainer.state.log_history if "jagg/cached_velocities" in e]
+    # One group of W = 3 (3 trained steps): one intermediate velocity, cached only before the first step.
+    assert [e["jagg/cached_velocities"] for e in logs] == [1, 0]
+    assert [e["jagg/no_grad_forwards"] for e in logs] == [0, 1]
+
+
+def test_velocity_cache_is_not_used_with_active_dropout(tiny_flux_path, tmp_path):
+    torch.manual_seed(0)
+    trainer = DDPOJaggTrainer(
+        model=tiny_flux_path, reward_funcs=redness, args=make_config(tmp_path, max_steps=1),
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        peft_config=LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["to_q", "to_k", "to_v"]),
+    )  # fmt: skip
+    trainer.train()
+    entry = next(e for e in trainer.state.log_history if "jagg/cached_velocities" in e)
+    assert entry["jagg/cached_velocities"] == 0 and entry["jagg/no_grad_forwards"] == 1
+
+
+def test_auto_routing_probes_and_logs(tiny_flux_path, tmp_path):
+    # 8 trained steps, W = 2: four groups; W = 2 is exact, so every cosine is 1 and all four are routed.
+    trainer = make_trainer(
+        tiny_flux_path, tmp_path, num_inference_steps=9, jagg_group_size=2, jagg_frac="auto", jagg_probe_steps=2,
+        jagg_cos_threshold=0.999, max_steps=3,
+    )  # fmt: skip
+    trainer.train()
+    logs = [e for e in trainer.state.log_history if "reward" in e]
+    probed = [e["step"] for e in logs if "jagg/auto_frac" in e]
+    assert probed == [1, 3]  # optimizer steps 0 and 2 (logged after the step)
+    for entry in logs:
+        assert entry["jagg/groups_jagg"] == 4
+        if "jagg/auto_frac" in entry:
+            assert entry["jagg/auto_frac"] == 1.0
+            assert all(entry[f"jagg/probe_cosine/group_{i}"] == pytest.approx(1.0, abs=1e-4) for i in range(4))
+
+
+def test_auto_routing_with_an_unreachable_threshold_is_exact(tiny_flux_path, tmp_path):
+    exact = make_trainer(tiny_flux_path, tmp_path / "a", use_jagg=False, max_steps=1)
+    exact.train()
+    auto = make_trainer(tiny_flux_path, tmp_path / "b", jagg_frac="auto", jagg_cos_threshold=1.0, max_steps=1)
+    auto.train()
+    entry = next(e for e in auto.state.log_history if "jagg/auto_frac" in e)
+    assert entry["jagg/auto_frac"] == 0.0 and entry["jagg/probe_cosine/group_0"] < 1.0
+    a, b = trainable_state(exact), trainable_state(auto)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=0, rtol=0)
+
+
+def test_jagg_config_errors_name_the_field(tmp_path):
+    assert make_config(tmp_path, jagg_frac="0.5").jagg_frac == 0.5  # the CLI hands numbers over as text
+    for name, value in (("jagg_frac", "half"), ("jagg_probe_steps", 0), ("jagg_cos_threshold", 2.0),
+                        ("jagg_endpoint_backward", "parallel"), ("no_grad_batch_steps", 0)):  # fmt: skip
+        with pytest.raises(ValueError, match=name):
+            make_config(tmp_path, **{name: value})

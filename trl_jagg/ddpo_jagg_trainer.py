@@ -12,13 +12,13 @@ import contextlib
 import copy
 import glob
 import json
-import math
 import os
 import random
 import shutil
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -42,7 +42,7 @@ from trl.trainer.utils import RepeatSampler
 from .distributed import check_backend, check_world_size
 from .grpo import PerPromptStatTracker, group_advantages, kl_to_reference, ppo_step_loss
 from .grpo_jagg_config import GRPOJaggConfig
-from .jagg import EngineResult, JaggEngine, StepGroup, gradient_diagnostic, plan_groups
+from .jagg import EngineResult, JaggEngine, gradient_diagnostic, leading_jagg_fraction, plan_groups
 from .model_card import write_model_card
 from .models import FlowMatchingAdapter, load_adapter
 from .rewards import compute_rewards, load_reward_funcs, reward_name
@@ -154,6 +154,11 @@ class DDPOJaggTrainer(_BaseTrainer):
                 component.to(self.accelerator.device)
         if self.ref_transformer is not None:
             self.ref_transformer.to(self.accelerator.device)
+        self.adapter.refresh_placement()
+        # Dropout active in training mode makes a recomputed velocity differ from the rollout's (eval mode).
+        self._has_dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in transformer.modules())
+        self._routed_frac: float | None = None
+        self._last_probe_step: int | None = None
         if args.image_log_steps and args.eval_prompts:
             self.add_callback(SampleImagesCallback(self))
 
@@ -219,6 +224,8 @@ class DDPOJaggTrainer(_BaseTrainer):
         transformer = self.accelerator.unwrap_model(self.model)
         was_training = transformer.training
         transformer.eval()
+        self.adapter.refresh_placement()  # once per rollout, in case the backbone was moved or cast
+        record_velocities = args.use_jagg and args.jagg_cache_velocities
 
         sigmas, timesteps = self.adapter.schedule(args.num_inference_steps, args.height, args.width)
         stochastic_steps = self._sde_window()
@@ -252,7 +259,7 @@ class DDPOJaggTrainer(_BaseTrainer):
                 self.adapter, cond.select(index), noise, sigmas, timesteps,
                 sampler=args.sampler, noise_level=args.noise_level, guidance_scale=args.guidance_scale,
                 true_cfg_scale=args.true_cfg_scale, stochastic_steps=stochastic_steps, generator=generator,
-                transformer=transformer,
+                transformer=transformer, record_velocities=record_velocities,
             )  # fmt: skip
             trajectories.append(trajectory)
             images.extend(self.adapter.decode(trajectory.latents[:, -1], args.height, args.width))
@@ -288,7 +295,7 @@ class DDPOJaggTrainer(_BaseTrainer):
         self._metrics["latents/final_std"].append(latents[:, -1].std().item())
         self._metrics["time/rollout_s"].append(rollout_seconds)
         self._metrics["time/reward_s"].append(time.perf_counter() - start)
-        return {
+        rollout = {
             "latents": latents,
             "log_probs": torch.cat([t.log_probs for t in trajectories]),
             "advantages": advantages[local].to(self.accelerator.device),
@@ -297,6 +304,32 @@ class DDPOJaggTrainer(_BaseTrainer):
             "timesteps": timesteps,
             "stochastic_steps": stochastic_steps,
         }
+        if record_velocities:
+            rollout["velocities"] = torch.cat([t.velocities for t in trajectories])
+            # What the cached velocities are exact for: these parameters and this forward path.
+            rollout["velocity_key"] = self._velocity_key()
+        return rollout
+
+    def _velocity_key(self) -> tuple[Any, ...]:
+        """Identifies the policy and forward path a velocity was computed with: the optimizer steps taken, the
+        backbone dtype and the autocast state (accelerate's mixed precision wraps the forward in autocast)."""
+        device_type = self.accelerator.device.type
+        autocast = torch.is_autocast_enabled(device_type)
+        return (
+            self.state.global_step,
+            self.adapter.dtype,
+            autocast,
+            torch.get_autocast_dtype(device_type) if autocast else None,
+        )
+
+    def _cached_velocities(self, model: torch.nn.Module, batch: dict[str, Any], trained: list[int]) -> dict:
+        """The rollout's velocities of the trained steps (keyed by trained index) while they are exactly what the
+        backbone would return now; empty otherwise (then the engine recomputes them)."""
+        if not self.args.jagg_cache_velocities or "velocities" not in batch:
+            return {}
+        if batch["velocity_key"] != self._velocity_key() or (model.training and self._has_dropout):
+            return {}
+        return {i: batch["velocities"][:, k] for i, k in enumerate(trained)}
 
     @property
     def _negative_prompt(self) -> str | None:
@@ -333,25 +366,15 @@ class DDPOJaggTrainer(_BaseTrainer):
         return sorted(random.Random(self._rng_seed(-2, self._step)).sample(range(num_steps), count))
 
     # ------------------------------------------------------------------ update
-    def _step_functions(
-        self, model: torch.nn.Module, batch: dict[str, Any]
-    ) -> tuple[list[int], Callable[[int], torch.Tensor], Callable[[int, torch.Tensor], torch.Tensor], dict]:
+    def _step_functions(self, model: torch.nn.Module, batch: dict[str, Any]) -> _StepFunctions:
         """The engine's inputs for one micro-batch: the trained steps, the backbone call and the per-step loss of
-        the ``i``-th trained step, and the dict the loss fills with per-step diagnostics."""
+        the ``i``-th trained step, the batched no-grad backbone call, and the per-step diagnostics the loss fills."""
         args = self.args
         trained = self._trained_steps(batch)
         latents, old_log_probs, advantages = batch["latents"], batch["log_probs"], batch["advantages"]
-        sigmas, timesteps, cond = batch["sigmas"], batch["timesteps"], batch["cond"]
-        size = latents.shape[0]
-        guidance = {"guidance_scale": args.guidance_scale, "true_cfg_scale": args.true_cfg_scale}
-
-        def velocity(transformer: torch.nn.Module, k: int) -> torch.Tensor:
-            return self.adapter.predict_velocity(
-                transformer, latents[:, k], timesteps[k].expand(size), cond, **guidance
-            )
-
-        ref_means = self._reference_means(batch, trained, velocity) if args.beta > 0 else {}
-        step_stats: dict[str, list[float]] = defaultdict(list)
+        sigmas = batch["sigmas"]
+        ref_means = self._reference_means(batch, trained) if args.beta > 0 else {}
+        stats: dict[str, list[torch.Tensor]] = defaultdict(list)
 
         def loss_fn(i: int, v: torch.Tensor) -> torch.Tensor:
             k = trained[i]
@@ -362,38 +385,112 @@ class DDPOJaggTrainer(_BaseTrainer):
             kl = kl_to_reference(step.mean, ref_means[k], step.std) if k in ref_means else None
             out = ppo_step_loss(step.log_prob, old_log_probs[:, k], advantages, args.clip_range, kl=kl, beta=args.beta)
             for key in ("policy_loss", "kl", "ratio_mean", "clip_fraction", "approx_kl"):
-                step_stats[key].append(getattr(out, key))
+                stats[key].append(getattr(out, key))
             return out.loss
 
-        return trained, lambda i: velocity(model, trained[i]), loss_fn, step_stats
+        return _StepFunctions(
+            trained=trained,
+            velocity_fn=lambda i: self._velocities(model, batch, [trained[i]])[0],
+            loss_fn=loss_fn,
+            no_grad_velocities_fn=lambda steps: self._velocities(model, batch, [trained[i] for i in steps]),
+            stats=stats,
+        )
 
-    def _plan(self, batch: dict[str, Any], trained: list[int], *, use_jagg: bool) -> list[StepGroup]:
+    def _velocities(self, transformer: torch.nn.Module, batch: dict[str, Any], steps: Sequence[int]) -> list:
+        """The guided velocities of denoising steps ``steps`` of the micro-batch, under the ambient grad mode.
+
+        Several steps run as one backbone call over their concatenated micro-batches, up to ``no_grad_batch_steps``
+        steps a call (the memory cap); the results are those of one call per step up to float rounding."""
+        args = self.args
+        latents, timesteps, cond = batch["latents"], batch["timesteps"], batch["cond"]
+        size = latents.shape[0]
+        guidance = {"guidance_scale": args.guidance_scale, "true_cfg_scale": args.true_cfg_scale}
+        per_call = args.no_grad_batch_steps or len(steps)
+        velocities = []
+        for begin in range(0, len(steps), per_call):
+            chunk = list(steps[begin : begin + per_call])
+            if len(chunk) == 1:
+                k = chunk[0]
+                x, t, c = latents[:, k], timesteps[k].expand(size), cond
+            else:
+                x = latents[:, chunk].transpose(0, 1).flatten(0, 1)  # step-major: step j is rows j*size..
+                t = timesteps[chunk].repeat_interleave(size)
+                c = cond.select(torch.arange(size, device=latents.device).repeat(len(chunk)))
+            v = self.adapter.predict_velocity(transformer, x, t, c, **guidance)
+            velocities.extend(v.unflatten(0, (len(chunk), size)).unbind(0))
+        return velocities
+
+    def _plan(self, batch: dict[str, Any], trained: list[int], *, use_jagg: bool, jagg_frac: float = 1.0) -> list:
         args = self.args
         return plan_groups(
             [float(batch["sigmas"][k]) for k in trained],
             args.jagg_group_size if use_jagg else 1,
-            args.jagg_frac if use_jagg else 0.0,
+            jagg_frac if use_jagg else 0.0,
             args.jagg_mode if use_jagg else "exact",
         )
 
     def _update(self, model: torch.nn.Module, batch: dict[str, Any]) -> EngineResult:
-        trained, velocity_fn, loss_fn, step_stats = self._step_functions(model, batch)
+        args = self.args
+        fns = self._step_functions(model, batch)
+        jagg_frac = args.jagg_frac
+        if args.use_jagg and jagg_frac == "auto":
+            jagg_frac = self._auto_jagg_frac(batch, fns)
         engine = JaggEngine(
-            velocity_fn,
-            loss_fn,
+            fns.velocity_fn,
+            fns.loss_fn,
             self.accelerator.backward,
             sync_context=lambda is_last: contextlib.nullcontext() if is_last else self.accelerator.no_sync(model),
-            loss_weight=1.0 / (len(trained) * self.current_gradient_accumulation_steps),
+            loss_weight=1.0 / (len(fns.trained) * self.current_gradient_accumulation_steps),
+            cached_velocities=self._cached_velocities(model, batch, fns.trained) if args.use_jagg else None,
+            no_grad_velocities_fn=fns.no_grad_velocities_fn,
+            endpoint_backward=args.jagg_endpoint_backward,
         )
-        result = engine.run(self._plan(batch, trained, use_jagg=self.args.use_jagg))
+        result = engine.run(self._plan(batch, fns.trained, use_jagg=args.use_jagg, jagg_frac=jagg_frac))
 
         self._metrics["loss"].append(result.loss)
-        for key, values in step_stats.items():
-            self._metrics[key if key != "ratio_mean" else "ratio"].append(sum(values) / len(values))
+        # The per-step diagnostics stay on the device until here: one sync per update, not five per step.
+        names = list(fns.stats)
+        means = torch.stack([torch.stack(fns.stats[n]).float().mean() for n in names]).tolist() if names else []
+        for name, value in zip(names, means):
+            self._metrics[name if name != "ratio_mean" else "ratio"].append(value)
         self._metrics["jagg/groups_jagg"].append(result.num_jagg_groups)
         self._metrics["jagg/groups_exact"].append(result.num_exact_groups)
         self._metrics["jagg/backward_calls"].append(result.num_backward)
+        self._metrics["jagg/cached_velocities"].append(result.num_cached)
+        self._metrics["jagg/no_grad_forwards"].append(result.num_no_grad_forwards)
         return result
+
+    def _auto_jagg_frac(self, batch: dict[str, Any], fns: _StepFunctions) -> float:
+        """``jagg_frac="auto"``: every ``jagg_probe_steps`` optimizer steps, the JAGG-vs-exact gradient cosine of
+        every full group on this micro-batch; the leading groups with cosine >= ``jagg_cos_threshold`` are routed
+        to JAGG until the next probe. Cosines are averaged over processes, so every process routes alike."""
+        args = self.args
+        step = self.state.global_step
+        if self._last_probe_step is None or step - self._last_probe_step >= args.jagg_probe_steps:
+            # The unwrapped module: autograd.grad through a DDP wrapper would leave its reducer waiting.
+            unwrapped = self.accelerator.unwrap_model(self.model)
+            params = [p for p in unwrapped.parameters() if p.requires_grad]
+            groups = self._plan(batch, fns.trained, use_jagg=True)
+            joint = [g for g in groups if g.is_joint]
+            diagnostics = gradient_diagnostic(
+                joint,
+                lambda i: self._velocities(unwrapped, batch, [fns.trained[i]])[0],
+                fns.loss_fn,
+                params,
+                mode=args.jagg_mode,
+            )
+            for values in fns.stats.values():
+                values.clear()  # the probe's loss evaluations are not the update's diagnostics
+            cosines = [d.cosine for d in diagnostics]
+            if cosines:
+                device = self.accelerator.device
+                cosines = self.accelerator.reduce(torch.tensor(cosines, device=device), "mean").tolist()
+            self._routed_frac = leading_jagg_fraction(cosines, len(groups), args.jagg_cos_threshold)
+            self._last_probe_step = step
+            for i, c in enumerate(cosines):
+                self._metrics[f"jagg/probe_cosine/group_{i}"].append(c)
+            self._metrics["jagg/auto_frac"].append(self._routed_frac)
+        return self._routed_frac
 
     def calibrate_jagg(self, threshold: float = 0.7, num_batches: int = 1) -> dict[str, Any]:
         """Measure, on fresh rollouts, the cosine between the JAGG and the exact gradient of every group, and the
@@ -408,29 +505,27 @@ class DDPOJaggTrainer(_BaseTrainer):
         batches = iter(self.get_train_dataloader())
         for _ in range(num_batches):
             batch = self._generate_and_score(next(batches))
-            trained, velocity_fn, loss_fn, _ = self._step_functions(model, batch)
-            groups = [g for g in plan_groups([float(batch["sigmas"][k]) for k in trained], self.args.jagg_group_size,
-                                             1.0, self.args.jagg_mode) if g.is_joint]  # fmt: skip
-            diagnostics = gradient_diagnostic(groups, velocity_fn, loss_fn, params, mode=self.args.jagg_mode)
+            fns = self._step_functions(model, batch)
+            groups = self._plan(batch, fns.trained, use_jagg=True)
+            diagnostics = gradient_diagnostic(
+                [g for g in groups if g.is_joint], fns.velocity_fn, fns.loss_fn, params, mode=self.args.jagg_mode
+            )
             per_group.append([d.cosine for d in diagnostics])
             norm_ratios.append([d.norm_ratio for d in diagnostics])
         cosines = torch.tensor(per_group).mean(dim=0).tolist()
-        leading = next((i for i, c in enumerate(cosines) if c < threshold), len(cosines))
-        num_groups = math.ceil(len(trained) / self.args.jagg_group_size)
         self._metrics.clear()  # the calibration rollouts are not training steps
         return {
             "group_cosine": cosines,
             "group_norm_ratio": torch.tensor(norm_ratios).mean(dim=0).tolist(),
             "threshold": threshold,
-            "jagg_frac": leading / num_groups,
+            "jagg_frac": leading_jagg_fraction(cosines, len(groups), threshold),
             "jagg_group_size": self.args.jagg_group_size,
         }
 
     @torch.no_grad()
-    def _reference_means(
-        self, batch: dict[str, Any], trained: list[int], velocity: Callable[[torch.nn.Module, int], torch.Tensor]
-    ) -> dict[int, torch.Tensor]:
-        """Means of the reference model's step Gaussians (base weights) for the KL term."""
+    def _reference_means(self, batch: dict[str, Any], trained: list[int]) -> dict[int, torch.Tensor]:
+        """Means of the reference model's step Gaussians (base weights) for the KL term, the backbone calls of all
+        trained steps batched (see :meth:`_velocities`)."""
         args = self.args
         transformer = self.accelerator.unwrap_model(self.model)
         context = contextlib.nullcontext()
@@ -438,14 +533,21 @@ class DDPOJaggTrainer(_BaseTrainer):
             transformer = self.ref_transformer
         else:
             context = _adapters_disabled(transformer)
-        means = {}
         with context:
-            for k in trained:
-                means[k] = sampler_step(
-                    velocity(transformer, k), batch["latents"][:, k], batch["sigmas"][k], batch["sigmas"][k + 1],
-                    sampler=args.sampler, noise_level=args.noise_level, sigma_max=batch["sigmas"][1],
-                ).mean  # fmt: skip
-        return means
+            velocities = self._velocities(transformer, batch, trained)
+        sigmas = batch["sigmas"]
+        return {
+            k: sampler_step(
+                v,
+                batch["latents"][:, k],
+                sigmas[k],
+                sigmas[k + 1],
+                sampler=args.sampler,
+                noise_level=args.noise_level,
+                sigma_max=sigmas[1],
+            ).mean  # fmt: skip
+            for k, v in zip(trained, velocities)
+        }
 
     # ------------------------------------------------------------------ logging
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
@@ -582,6 +684,17 @@ class DDPOJaggTrainer(_BaseTrainer):
         )
 
 
+@dataclass
+class _StepFunctions:
+    """What the engine needs for one micro-batch (see :meth:`DDPOJaggTrainer._step_functions`)."""
+
+    trained: list[int]
+    velocity_fn: Callable[[int], torch.Tensor]
+    loss_fn: Callable[[int, torch.Tensor], torch.Tensor]
+    no_grad_velocities_fn: Callable[[Sequence[int]], list[torch.Tensor]]
+    stats: dict[str, list[torch.Tensor]]
+
+
 class SampleImagesCallback(TrainerCallback):
     """Renders ``eval_prompts`` every ``image_log_steps`` optimizer steps; saves a PNG grid and sends it to the
     TensorBoard / W&B / trackio trackers enabled in ``report_to``."""
@@ -631,8 +744,9 @@ def _split_rollout(rollout: dict[str, Any], num_chunks: int) -> list[dict[str, A
     for c in range(num_chunks):
         index = slice(c * size, (c + 1) * size)
         chunk = dict(rollout)
-        for key in ("latents", "log_probs", "advantages"):
-            chunk[key] = rollout[key][index]
+        for key in ("latents", "log_probs", "advantages", "velocities"):
+            if key in rollout:
+                chunk[key] = rollout[key][index]
         chunk["cond"] = rollout["cond"].select(index)
         chunks.append(chunk)
     return chunks

@@ -97,14 +97,15 @@ def kl_to_reference(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tenso
 
 @dataclass
 class StepLoss:
-    """The PPO loss of one denoising step and its diagnostics (floats, detached)."""
+    """The PPO loss of one denoising step and its diagnostics (detached 0-dim tensors, left on the device so that a
+    caller reads them once per update instead of one GPU sync each)."""
 
     loss: torch.Tensor
-    policy_loss: float
-    kl: float
-    ratio_mean: float
-    clip_fraction: float
-    approx_kl: float
+    policy_loss: torch.Tensor
+    kl: torch.Tensor
+    ratio_mean: torch.Tensor
+    clip_fraction: torch.Tensor
+    approx_kl: torch.Tensor
 
 
 def ppo_step_loss(
@@ -144,9 +145,9 @@ def ppo_step_loss(
     with torch.no_grad():
         return StepLoss(
             loss=loss,
-            policy_loss=policy_loss.item(),
-            kl=kl_mean.item(),
-            ratio_mean=ratio.mean().item(),
-            clip_fraction=((ratio - 1.0).abs() > clip_range).float().mean().item(),
-            approx_kl=(0.5 * log_ratio**2).mean().item(),
+            policy_loss=policy_loss.detach(),
+            kl=kl_mean.detach(),
+            ratio_mean=ratio.mean(),
+            clip_fraction=((ratio - 1.0).abs() > clip_range).float().mean(),
+            approx_kl=(0.5 * log_ratio**2).mean(),
         )

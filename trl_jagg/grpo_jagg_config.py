@@ -8,7 +8,7 @@ from typing import Any
 
 from transformers import TrainingArguments
 
-from .jagg import JAGG_MODES
+from .jagg import ENDPOINT_BACKWARDS, JAGG_MODES
 from .recipes import get_recipe
 from .sampling import SAMPLERS
 
@@ -47,7 +47,8 @@ class GRPOJaggConfig(TrainingArguments):
 
         > JAGG
 
-        use_jagg, jagg_group_size, jagg_frac, jagg_mode.
+        use_jagg, jagg_group_size, jagg_frac, jagg_probe_steps, jagg_cos_threshold, jagg_mode,
+        jagg_cache_velocities, jagg_endpoint_backward, no_grad_batch_steps.
 
         > Evaluation images
 
@@ -197,15 +198,51 @@ class GRPOJaggConfig(TrainingArguments):
         default=4,
         metadata={"help": "JAGG group size W: consecutive trained steps sharing one joint backward (>= 1)."},
     )
-    jagg_frac: float = field(
+    # `str | None` in the annotation makes HfArgumentParser hand the CLI value over as text ("auto" or "0.6");
+    # __post_init__ turns a number into a float.
+    jagg_frac: float | str | None = field(
         default=0.6,
         metadata={
-            "help": "Fraction of groups, highest noise first, routed to JAGG; the rest use exact backward. In [0, 1]."
+            "help": "Fraction of groups, highest noise first, routed to JAGG; the rest use exact backward. In [0, 1], "
+            "or `auto`: every `jagg_probe_steps` optimizer steps, measure the JAGG-vs-exact gradient cosine of every "
+            "group on one micro-batch and route the leading groups whose cosine is >= `jagg_cos_threshold`."
         },
+    )
+    jagg_probe_steps: int = field(
+        default=50,
+        metadata={"help": "With `jagg_frac=auto`: optimizer steps between two routing probes (the first at step 0)."},
+    )
+    jagg_cos_threshold: float = field(
+        default=0.7,
+        metadata={"help": "With `jagg_frac=auto`: the gradient cosine a group needs to be routed to JAGG."},
     )
     jagg_mode: str = field(
         default="jagg",
         metadata={"help": f"One of {JAGG_MODES}: `jagg`, `endpoints` (ablation without interpolation) or `exact`."},
+    )
+    jagg_cache_velocities: bool = field(
+        default=True,
+        metadata={
+            "help": "Record every step's guided velocity during the rollout and use them for the intermediate steps "
+            "of JAGG groups while they are exact (no optimizer step since the rollout, no active dropout, same "
+            "dtype/autocast): a group then costs 2 endpoint forwards + 1 backward. Logged as `jagg/cached_velocities`."
+        },
+    )
+    jagg_endpoint_backward: str = field(
+        default="joint",
+        metadata={
+            "help": f"One of {ENDPOINT_BACKWARDS}: one backward through both endpoint graphs, or one per endpoint "
+            "so that only one graph is alive (lower peak memory; without the velocity cache one extra no-grad "
+            "forward per group)."
+        },
+    )
+    no_grad_batch_steps: int | None = field(
+        default=None,
+        metadata={
+            "help": "Trained steps whose no-grad backbone forwards (KL reference, uncached JAGG intermediates) run as "
+            "one batched call of `steps x micro-batch` samples: the memory cap of those calls. None: all in one "
+            "call; 1: one call per step."
+        },
     )
 
     # ---- Evaluation images ----
@@ -308,8 +345,23 @@ class GRPOJaggConfig(TrainingArguments):
             fail("scale_rewards", f"is {self.scale_rewards!r}", f"Use one of {SCALE_REWARDS}.")
         if not isinstance(self.jagg_group_size, int) or self.jagg_group_size < 1:
             fail("jagg_group_size", f"is {self.jagg_group_size!r}", "Use an integer >= 1 (4 or 8 are typical).")
-        if not 0 <= self.jagg_frac <= 1:
-            fail("jagg_frac", f"is {self.jagg_frac}", "Use a fraction in [0, 1] (0.6 in the paper).")
+        if isinstance(self.jagg_frac, str) and self.jagg_frac != "auto":
+            try:
+                self.jagg_frac = float(self.jagg_frac)
+            except ValueError:
+                fail("jagg_frac", f"is {self.jagg_frac!r}", "Use a fraction in [0, 1] or 'auto'.")
+        if self.jagg_frac != "auto" and not (isinstance(self.jagg_frac, (int, float)) and 0 <= self.jagg_frac <= 1):
+            fail("jagg_frac", f"is {self.jagg_frac!r}", "Use a fraction in [0, 1] (0.6 in the paper) or 'auto'.")
+        if not isinstance(self.jagg_probe_steps, int) or self.jagg_probe_steps < 1:
+            fail("jagg_probe_steps", f"is {self.jagg_probe_steps!r}", "Use an integer >= 1.")
+        if not -1 <= self.jagg_cos_threshold <= 1:
+            fail("jagg_cos_threshold", f"is {self.jagg_cos_threshold}", "Use a cosine in [-1, 1] (0.7 is typical).")
+        if self.jagg_endpoint_backward not in ENDPOINT_BACKWARDS:
+            fail("jagg_endpoint_backward", f"is {self.jagg_endpoint_backward!r}", f"Use one of {ENDPOINT_BACKWARDS}.")
+        if self.no_grad_batch_steps is not None and (
+            not isinstance(self.no_grad_batch_steps, int) or self.no_grad_batch_steps < 1
+        ):
+            fail("no_grad_batch_steps", f"is {self.no_grad_batch_steps!r}", "Use an integer >= 1 or None.")
         if self.jagg_mode not in JAGG_MODES:
             fail("jagg_mode", f"is {self.jagg_mode!r}", f"Use one of {JAGG_MODES}.")
         if self.sample_batch_size is not None and self.sample_batch_size < 1:

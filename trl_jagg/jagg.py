@@ -10,28 +10,47 @@ endpoints and replaces ``W`` backward passes by one joint backward through the t
 
 The engine receives the backbone call and the backward call, so one engine serves every model and every
 distributed setup (``accelerator.backward`` handles grad scaling, DeepSpeed and accumulation).
+
+Two things make a JAGG group cheaper still (see ``docs/jagg.md``):
+
+- **On-policy velocity cache.** While the parameters are those that produced the rollout, the intermediate
+  velocities ``v_1 .. v_{W-2}`` are exactly the guided velocities the sampler computed; given them
+  (``cached_velocities``) a group costs its two endpoint forwards and one backward (about 6 forward units instead of
+  ``W + 4``).
+- **Batched no-grad forwards.** Velocities that must be recomputed without a graph (uncached intermediates) are
+  requested all at once through ``no_grad_velocities_fn``, which can run them as a few large backbone calls.
+
+``endpoint_backward="sequential"`` back-propagates the two endpoints one at a time, so only one endpoint graph is
+alive (peak memory of an exact step); with the cache this costs nothing, without it one extra no-grad forward of the
+last endpoint per group (its velocity is needed for ``s_base`` before the first endpoint's backward).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 JAGG_MODES = ("exact", "jagg", "endpoints")
+ENDPOINT_BACKWARDS = ("joint", "sequential")
 
 VelocityFn = Callable[[int], torch.Tensor]
 """Returns the backbone velocity of trained step ``k`` (index into the plan's times); runs under the ambient
 grad mode, which the engine sets."""
 LossFn = Callable[[int, torch.Tensor], torch.Tensor]
 """Returns the scalar loss ``L_k`` of step ``k`` as a function of its velocity."""
+NoGradVelocitiesFn = Callable[[Sequence[int]], Sequence[torch.Tensor]]
+"""Returns the velocities of several trained steps, in order, computed without a graph (the engine calls it under
+``torch.no_grad``); free to batch them into fewer backbone calls."""
 BackwardFn = Callable[[torch.Tensor], None]
 SyncContextFn = Callable[[bool], contextlib.AbstractContextManager]
-"""Given ``is_last_backward``, the context to run one forward+backward unit in (``accelerator.no_sync`` for all
-but the last under DDP: two forwards and two backward calls would otherwise reduce only once, silently)."""
+"""Given ``is_last_backward``, the context to run one forward(s)+backward unit in (``accelerator.no_sync`` for all
+but the last under DDP: two forwards and two backward calls would otherwise reduce only once, silently). A unit
+is one backward call: an exact step, a joint group, or one endpoint of a ``sequential`` group."""
 
 
 @dataclass(frozen=True)
@@ -111,15 +130,21 @@ class EngineResult:
     """What one pass of the engine did.
 
     Attributes:
-        step_losses: the true loss ``L_k`` of every trained step (never the JAGG surrogate).
+        step_losses: the true loss ``L_k`` of every trained step (never the JAGG surrogate); read from the device
+            once, at the end of the pass.
         num_jagg_groups / num_exact_groups: how the groups were routed.
         num_backward: backward calls made (the cost JAGG saves).
+        num_graph_forwards / num_no_grad_forwards: velocities computed with and without an autograd graph.
+        num_cached: velocities taken from ``cached_velocities`` instead of a backbone call.
     """
 
     step_losses: dict[int, float] = field(default_factory=dict)
     num_jagg_groups: int = 0
     num_exact_groups: int = 0
     num_backward: int = 0
+    num_graph_forwards: int = 0
+    num_no_grad_forwards: int = 0
+    num_cached: int = 0
 
     @property
     def loss(self) -> float:
@@ -146,6 +171,14 @@ class JaggEngine:
         sync_context: see :data:`SyncContextFn`; defaults to no context.
         loss_weight: multiplies every step's loss in the backward (e.g. ``1 / (num_steps * grad_accum)``);
             reported losses are unweighted.
+        cached_velocities: the on-policy velocity of trained steps (index into the plan's times), as the rollout
+            computed them. Only pass them while they are exactly what ``velocity_fn`` would return (no optimizer
+            step since the rollout, no active dropout, same dtype); joint groups then take their intermediate
+            velocities (and, with ``sequential``, the last endpoint's upstream signal) from them.
+        no_grad_velocities_fn: see :data:`NoGradVelocitiesFn`; defaults to one ``velocity_fn`` call per step. The
+            engine asks once per pass for every velocity it needs without a graph.
+        endpoint_backward: ``"joint"`` (one backward through both endpoint graphs) or ``"sequential"`` (one
+            backward per endpoint, so only one graph is alive; two units for the sync context).
     """
 
     def __init__(
@@ -156,56 +189,106 @@ class JaggEngine:
         *,
         sync_context: SyncContextFn | None = None,
         loss_weight: float = 1.0,
+        cached_velocities: Mapping[int, torch.Tensor] | None = None,
+        no_grad_velocities_fn: NoGradVelocitiesFn | None = None,
+        endpoint_backward: str = "joint",
     ):
+        if endpoint_backward not in ENDPOINT_BACKWARDS:
+            raise ValueError(
+                f"`endpoint_backward` (jagg_endpoint_backward) must be one of {ENDPOINT_BACKWARDS}, "
+                f"got {endpoint_backward!r}."
+            )
         self.velocity_fn = velocity_fn
         self.loss_fn = loss_fn
         self.backward_fn = backward_fn
         self.sync_context = sync_context or (lambda is_last: contextlib.nullcontext())
         self.loss_weight = loss_weight
+        self.cached_velocities = cached_velocities or {}
+        self.no_grad_velocities_fn = no_grad_velocities_fn or (lambda steps: [velocity_fn(k) for k in steps])
+        self.endpoint_backward = endpoint_backward
 
     def run(self, groups: Sequence[StepGroup]) -> EngineResult:
         """Forward and backward every group; gradients accumulate wherever ``backward_fn`` puts them."""
-        # A unit is one forward(s)+backward: a whole joint group, or a single step of an exact group.
+        sequential = self.endpoint_backward == "sequential"
+        # A unit is one backward call: an exact step, a joint group, or one endpoint of a sequential group.
         units: list[tuple[StepGroup, int]] = []
         for group in groups:
-            units.extend([(group, group.steps[0])] if group.is_joint else [(group, k) for k in group.steps])
+            if not group.is_joint:
+                units.extend((group, k) for k in group.steps)
+            elif sequential and len(group.steps) > 1:
+                units.extend([(group, group.steps[0]), (group, group.steps[-1])])
+            else:
+                units.append((group, group.steps[0]))
         result = EngineResult()
+        losses: dict[int, torch.Tensor] = {}
+        known = self._no_grad_velocities(groups, result)
+        pending: dict[StepGroup, torch.Tensor] = {}  # a sequential group's s_corr, between its two units
         for i, (group, step) in enumerate(units):
             with self.sync_context(i == len(units) - 1):
-                if group.is_joint:
-                    self._joint_group(group, result)
+                if not group.is_joint:
+                    loss = self.loss_fn(step, self._forward(step, result))
+                    self._backward(loss, result)
+                    losses[step] = loss.detach()
+                elif not sequential or len(group.steps) == 1:
+                    self._joint_group(group, known, losses, result)
+                elif step == group.steps[0]:
+                    pending[group] = self._first_endpoint(group, known, losses, result)
                 else:
-                    self._exact_step(step, result)
+                    v_last = self._forward(step, result)
+                    self._backward((v_last.to(pending[group].dtype) * pending.pop(group)).sum(), result)
         result.num_jagg_groups = sum(g.is_joint for g in groups)
         result.num_exact_groups = len(groups) - result.num_jagg_groups
+        result.step_losses = _to_floats(losses)
         return result
 
-    def _exact_step(self, step: int, result: EngineResult) -> None:
-        loss = self.loss_fn(step, self.velocity_fn(step))
-        self.backward_fn(loss * self.loss_weight)
-        result.step_losses[step] = loss.item()
+    def _no_grad_velocities(self, groups: Sequence[StepGroup], result: EngineResult) -> dict[int, torch.Tensor]:
+        """Every velocity the joint groups need without a graph, from the cache or from one batched request."""
+        needed = []
+        for group in groups:
+            if group.is_joint and len(group.steps) > 1:
+                needed.extend(group.steps[1:-1])
+                if self.endpoint_backward == "sequential":
+                    needed.append(group.steps[-1])  # its signal enters s_base, needed before the first backward
+        known = {k: self.cached_velocities[k] for k in needed if k in self.cached_velocities}
+        result.num_cached += len(known)
+        missing = [k for k in needed if k not in known]
+        if missing:
+            with torch.no_grad():
+                values = list(self.no_grad_velocities_fn(missing))
+            if len(values) != len(missing):
+                raise ValueError(
+                    f"`no_grad_velocities_fn` returned {len(values)} velocities for {len(missing)} steps."
+                )
+            known.update(zip(missing, values))
+            result.num_no_grad_forwards += len(missing)
+        return known
+
+    def _forward(self, step: int, result: EngineResult) -> torch.Tensor:
+        result.num_graph_forwards += 1
+        return self.velocity_fn(step)
+
+    def _backward(self, scalar: torch.Tensor, result: EngineResult) -> None:
+        self.backward_fn(scalar * self.loss_weight)
         result.num_backward += 1
 
-    def _joint_group(self, group: StepGroup, result: EngineResult) -> None:
+    def _signals(
+        self, group: StepGroup, velocities: Sequence[torch.Tensor], losses: dict[int, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(s_base, s_corr)`` of a joint group from the velocities of all its steps; records the step losses."""
         first, last = group.steps[0], group.steps[-1]
-        v_first = self.velocity_fn(first)
-        with torch.no_grad():
-            v_inner = [self.velocity_fn(k) for k in group.steps[1:-1]]
-        v_last = self.velocity_fn(last) if last != first else v_first
-        velocities = [v_first, *v_inner, v_last] if last != first else [v_first]
         for step, velocity in zip(group.steps, velocities):
-            if velocity.shape != v_first.shape:
+            if velocity.shape != velocities[0].shape:
                 raise ValueError(
                     f"`velocity_fn` returned shape {tuple(velocity.shape)} for step {step} but "
-                    f"{tuple(v_first.shape)} for step {first}: a joint group needs one latent shape."
+                    f"{tuple(velocities[0].shape)} for step {first}: a joint group needs one latent shape."
                 )
         # Aggregate in at least float32 (bf16 models) but never below the model's precision (float64 models).
-        dtype = torch.promote_types(v_first.dtype, torch.float32)
-        s_base = torch.zeros_like(v_first, dtype=dtype)
-        s_corr = torch.zeros_like(v_first, dtype=dtype)
+        dtype = torch.promote_types(velocities[0].dtype, torch.float32)
+        s_base = torch.zeros_like(velocities[0], dtype=dtype)
+        s_corr = torch.zeros_like(velocities[0], dtype=dtype)
         for j, (step, velocity) in enumerate(zip(group.steps, velocities)):
             loss, signal = upstream_signal(self.loss_fn, step, velocity)
-            result.step_losses[step] = loss.item()
+            losses[step] = loss
             alpha = group.alphas[j]
             if group.method == "endpoints":
                 # Ablation: each endpoint keeps only its own loss, the intermediate signals are dropped.
@@ -216,10 +299,55 @@ class JaggEngine:
             else:
                 s_base += (1 - alpha) * signal
                 s_corr += alpha * signal
+        return s_base, s_corr
+
+    def _joint_group(
+        self, group: StepGroup, known: dict[int, torch.Tensor], losses: dict[int, torch.Tensor], result: EngineResult
+    ) -> None:
+        first, last = group.steps[0], group.steps[-1]
+        v_first = self._forward(first, result)
+        if last == first:
+            s_base, _ = self._signals(group, [v_first], losses)
+            self._backward((v_first.to(s_base.dtype) * s_base).sum(), result)
+            return
+        v_last = self._forward(last, result)
+        s_base, s_corr = self._signals(group, [v_first, *(known[k] for k in group.steps[1:-1]), v_last], losses)
         # One joint backward through both endpoint graphs; a scalar surrogate so any backward_fn works.
-        surrogate = (v_first.to(dtype) * s_base).sum() + (v_last.to(dtype) * s_corr).sum()
-        self.backward_fn(surrogate * self.loss_weight)
-        result.num_backward += 1
+        surrogate = (v_first.to(s_base.dtype) * s_base).sum() + (v_last.to(s_corr.dtype) * s_corr).sum()
+        self._backward(surrogate, result)
+
+    def _first_endpoint(
+        self, group: StepGroup, known: dict[int, torch.Tensor], losses: dict[int, torch.Tensor], result: EngineResult
+    ) -> torch.Tensor:
+        """A sequential group's first unit: backward of ``<v_0, s_base>``; returns ``s_corr`` for the second."""
+        v_first = self._forward(group.steps[0], result)
+        s_base, s_corr = self._signals(group, [v_first, *(known[k] for k in group.steps[1:])], losses)
+        self._backward((v_first.to(s_base.dtype) * s_base).sum(), result)
+        return s_corr
+
+
+def _to_floats(values: dict[int, torch.Tensor]) -> dict[int, float]:
+    """Detached scalars to Python floats with one device-to-host copy (one sync instead of one per value)."""
+    if not values:
+        return {}
+    dtype = functools.reduce(torch.promote_types, (v.dtype for v in values.values()))
+    return dict(zip(values, torch.stack([v.to(dtype) for v in values.values()]).tolist()))
+
+
+def leading_jagg_fraction(cosines: Sequence[float], num_groups: int, threshold: float) -> float:
+    """The paper's routing rule as a ``jagg_frac``: the leading (highest-noise) groups whose JAGG-vs-exact gradient
+    cosine is at least ``threshold``, as a share of all ``num_groups`` groups of the plan (the exact remainder
+    included), so that :func:`plan_groups` routes exactly those groups to JAGG.
+
+    Args:
+        cosines: per full group, high noise first (e.g. from :func:`gradient_diagnostic`); a NaN fails.
+        num_groups: groups of the plan, remainder included.
+        threshold: the cosine a group needs.
+    """
+    if num_groups < len(cosines):
+        raise ValueError(f"`num_groups` ({num_groups}) is smaller than the number of cosines ({len(cosines)}).")
+    leading = next((i for i, c in enumerate(cosines) if not c >= threshold), len(cosines))
+    return leading / num_groups if num_groups else 0.0
 
 
 def flat_grad(loss: torch.Tensor, params: Sequence[torch.Tensor]) -> torch.Tensor:

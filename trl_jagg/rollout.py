@@ -20,12 +20,15 @@ class Trajectory:
         log_probs: ``(batch, num_steps)`` log-prob of each transition at sampling time (0 for ODE steps).
         sigmas: ``(num_steps + 1,)`` flow times.
         timesteps: ``(num_steps,)`` scheduler timesteps the backbone was called with.
+        velocities: ``(batch, num_steps, *latent_shape)`` guided velocity of every step, in the backbone's output
+            dtype, when recorded (``record_velocities``): JAGG's on-policy velocity cache.
     """
 
     latents: torch.Tensor
     log_probs: torch.Tensor
     sigmas: torch.Tensor
     timesteps: torch.Tensor
+    velocities: torch.Tensor | None = None
 
 
 @torch.no_grad()
@@ -43,6 +46,7 @@ def sample_trajectories(
     stochastic_steps: Collection[int] | None = None,
     generator: torch.Generator | None = None,
     transformer: torch.nn.Module | None = None,
+    record_velocities: bool = False,
 ) -> Trajectory:
     """Run the full denoising loop from ``noise`` and record every latent and transition log-prob.
 
@@ -50,16 +54,20 @@ def sample_trajectories(
         stochastic_steps: steps sampled with ``sampler``; the others take the deterministic ODE step
             (Flow-GRPO-Fast's SDE window). ``None`` makes every step stochastic.
         transformer: the backbone to call (defaults to the pipeline's).
+        record_velocities: keep every step's guided velocity in :attr:`Trajectory.velocities`.
     """
     transformer = transformer if transformer is not None else adapter.transformer
     num_steps = len(timesteps)
     latents = [noise.float()]
     log_probs = []
+    velocities = []
     for k in range(num_steps):
         t = timesteps[k].expand(noise.shape[0])
         velocity = adapter.predict_velocity(
             transformer, latents[-1], t, cond, guidance_scale=guidance_scale, true_cfg_scale=true_cfg_scale
         )
+        if record_velocities:
+            velocities.append(velocity)
         stochastic = stochastic_steps is None or k in stochastic_steps
         step = sampler_step(
             velocity,
@@ -73,7 +81,13 @@ def sample_trajectories(
         )
         latents.append(step.prev_sample)
         log_probs.append(step.log_prob)
-    return Trajectory(torch.stack(latents, dim=1), torch.stack(log_probs, dim=1), sigmas, timesteps)
+    return Trajectory(
+        torch.stack(latents, dim=1),
+        torch.stack(log_probs, dim=1),
+        sigmas,
+        timesteps,
+        torch.stack(velocities, dim=1) if record_velocities else None,
+    )
 
 
 @torch.no_grad()
