@@ -208,7 +208,8 @@ def test_w2_jagg_gradient_equals_exact(request, family, tmp_path):
     trainer = make_trainer(tiny_path(request, family), tmp_path, CFG[family], num_inference_steps=5, max_steps=1)
     model = trainer.accelerator.unwrap_model(trainer.model)
     batch = trainer._generate_and_score(next(iter(trainer.get_train_dataloader())))
-    trained, velocity_fn, loss_fn, _ = trainer._step_functions(model, batch)
+    fns = trainer._step_functions(model, batch)
+    trained, velocity_fn, loss_fn = fns.trained, fns.velocity_fn, fns.loss_fn
     times = [float(batch["sigmas"][k]) for k in trained]
     params = [p for p in model.parameters() if p.requires_grad]
 
