@@ -73,9 +73,10 @@ def make_handler(rewards: Mapping[str, Callable[..., Any]]) -> type[BaseHTTPRequ
                     raise ClientError(404, f"Unknown reward path {self.path}; served: /score/<{'|'.join(rewards)}>.")
                 length = int(self.headers.get("Content-Length", 0))
                 prompts, images, metadata = _parse_request(self.rfile.read(length))
-                values = rewards[name](prompts, images, **metadata)
+                values = rewards[name](prompts=prompts, images=images, completions=images, **metadata)
                 check_rewards(name, values, len(images))  # a NaN or a wrong count is an error, never sent
-                scores = [float(value) for value in values]  # full precision (the check casts to float32)
+                # Full precision (the check casts to float32); None (not applicable) travels as JSON null.
+                scores = [None if value is None else float(value) for value in values]
             except ClientError as error:
                 self._send(error.status, {"error": str(error)})
             except Exception as error:  # the reward failed: report it (HTTP 500) instead of dropping the connection

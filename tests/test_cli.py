@@ -388,3 +388,62 @@ def test_env_prints_the_versions_a_bug_report_needs(capsys):
     assert "- Accelerator(s): " in out and "- Python version: " in out
     code, _, err = run(["env", "--verbose"], capsys)
     assert code == 2 and "unknown field 'verbose'" in err
+
+
+# ---------------------------------------------------------------- --accelerate_config
+def test_accelerate_config_relaunches_through_accelerate(tmp_path, monkeypatch, capsys):
+    import accelerate.commands.launch as launch
+
+    launched = []
+    monkeypatch.setattr(launch, "launch_command", lambda args: launched.append(args))
+    monkeypatch.delenv(train.LAUNCHED_ENV, raising=False)
+    custom = tmp_path / "two_cpus.yaml"
+    custom.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_CPU\nnum_processes: 2\n")
+    flags = ["--model_name_or_path", "x", "--reward_funcs", "prompt_color", "--prompts", "a red circle"]
+    code, out, err = run(["train", *flags, "--accelerate_config", str(custom), "--learning_rate", "1e-3"], capsys)
+    assert code == 0, err
+    (args,) = launched
+    # `accelerate launch --config_file <file> -m trl_jagg.cli train <the other flags>`, parsed by accelerate itself.
+    assert args.config_file == str(custom) and args.module and args.training_script == "trl_jagg.cli"
+    assert args.training_script_args == ["train", *flags, "--learning_rate", "1e-3"]
+    assert os.environ.pop(train.LAUNCHED_ENV) == "1"  # the launched processes train instead of relaunching
+    assert f"--config_file {custom}" in out
+
+
+@pytest.mark.parametrize("name", ["single_gpu", "multi_gpu", "fsdp2", "deepspeed_zero2"])
+def test_accelerate_config_names_resolve_to_the_example_configs(name):
+    path = train.resolve_accelerate_config(name)
+    assert os.path.samefile(
+        path, os.path.join(os.path.dirname(__file__), "..", "examples", "accelerate_configs", f"{name}.yaml")
+    )
+
+
+def test_accelerate_config_errors(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv(train.LAUNCHED_ENV, raising=False)
+    code, _, err = run(["train", "--accelerate_config", "multi_gpus", "--prompts", "p"], capsys)
+    assert code == 2 and "accelerate_config 'multi_gpus'" in err and "multi_gpu" in err
+    code, _, err = run(["train", "--accelerate_config", "multi_gpu", "--jagg_fracc", "1"], capsys)
+    assert code == 2 and "Did you mean 'jagg_frac'?" in err  # names are checked before launching
+    config = write_yaml(tmp_path / "r.yaml", accelerate_config="multi_gpu", model_name_or_path="x")
+    monkeypatch.setenv(train.LAUNCHED_ENV, "1")  # inside the launched process: no relaunch, a normal parse
+    script_args, _ = train.parse_train_args(["--config", config, "--reward_funcs", "prompt_color", "--prompts", "p"])
+    assert script_args.accelerate_config == "multi_gpu"
+
+
+def test_trl_config_names_on_the_command_line(capsys):
+    base = ["--model_name_or_path", "x", "--reward_funcs", "prompt_color", "--prompts", "p"]
+    _, args = train.parse_train_args(
+        [*base, "--epsilon", "2e-4", "--epsilon_high", "3e-4", "--scale_rewards", "false"]
+    )
+    assert (args.clip_range, args.epsilon_high, args.scale_rewards) == (2e-4, 3e-4, "none")
+    _, args = train.parse_train_args([*base, "--generation_batch_size", "16", "--num_generations", "2"])
+    assert args.steps_per_generation == 2  # 16 images = 2 micro-batches of the default 8
+    _, args = train.parse_train_args([*base, "--log_completions"])
+    assert args.log_completions is True
+    # Typos of TRL's names suggest TRL's names, and TRL names spelt otherwise here point to ours.
+    code, _, err = run(["train", *base, "--epsilon_hgh", "0.3"], capsys)
+    assert code == 2 and "Did you mean 'epsilon_high'?" in err
+    code, _, err = run(["train", *base, "--espilon", "0.3"], capsys)
+    assert code == 2 and "Did you mean 'epsilon'?" in err
+    code, _, err = run(["train", *base, "--max_prompt_length", "64"], capsys)
+    assert code == 2 and "max_sequence_length" in err

@@ -266,3 +266,21 @@ def test_ppo_and_kl_shape_mismatch_raises():
         ppo_step_loss(torch.zeros(4, 2), torch.zeros(4, 2), torch.ones(4, 2), 0.1)
     with pytest.raises(ValueError, match="`ref_mean`"):
         kl_to_reference(torch.zeros(2, 3), torch.zeros(2, 1), torch.ones(2, 1))
+
+
+def test_ppo_loss_with_epsilon_high_clips_asymmetrically():
+    # DAPO's clip-higher, TRL's epsilon / epsilon_high: the ratio is clipped to [1 - 0.2, 1 + 0.28].
+    advantages = torch.tensor([1.0, 1.0, -1.0, -1.0])
+    ratios = torch.tensor([1.25, 1.5, 0.7, 1.25])
+    log_prob = ratios.log().requires_grad_(True)
+    out = ppo_step_loss(log_prob, torch.zeros(4), advantages, 0.2, clip_range_high=0.28)
+    # By hand, max(-A r, -A clip(r)): 1.25 inside (A > 0), 1.5 clipped to 1.28, 0.7 clipped to 0.8 (A < 0),
+    # 1.25 with A < 0 keeps the unclipped -A r = 1.25 (the larger term).
+    hand = [-1.25, -1.28, 0.8, 1.25]
+    assert out.loss.item() == pytest.approx(sum(hand) / 4, rel=1e-6)
+    assert out.clip_fraction == pytest.approx(2 / 4)  # 1.5 and 0.7 lie outside [0.8, 1.28]
+    (grad,) = torch.autograd.grad(out.loss, log_prob)
+    # d(-A r)/d log r = -A r where unclipped; 0 where the clipped term is the max.
+    torch.testing.assert_close(grad, torch.tensor([-1.25, 0.0, 0.0, 1.25]) / 4)
+    symmetric = ppo_step_loss(log_prob, torch.zeros(4), advantages, 0.2)
+    assert symmetric.loss.item() == pytest.approx((-1.2 - 1.2 + 0.8 + 1.25) / 4, rel=1e-6)

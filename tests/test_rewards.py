@@ -106,7 +106,7 @@ def test_check_rewards_returns_float32_tensor():
         ([float("inf"), 0.0], 2, "non-finite"),
         ([-math.inf], 1, "non-finite"),
         ([[1.0], [2.0]], 2, "expected a flat list"),
-        ([None, 1.0], 2, "not numbers"),
+        (["high", 1.0], 2, "not numbers"),
     ],
 )
 def test_check_rewards_errors_name_the_reward(values, expected, fragment):
@@ -281,3 +281,76 @@ def test_remote_reward_names_the_url_when_the_server_is_down():
     with pytest.raises(ConnectionError) as info:
         rewards.remote(url, timeout=2, retries=1, backoff=0.01)(["a"], [solid((0, 0, 0))])
     assert url in str(info.value) and "reward_server.py" in str(info.value)
+
+
+# ----------------------------------------------------------------------------------------------- TRL's convention
+
+
+def test_rewards_are_called_with_trl_keywords():
+    seen = {}
+
+    def trl_style(completions, **kwargs):  # TRL's `def reward(completions, **kwargs)`
+        seen.update(kwargs, completions=completions)
+        return [float(len(c.getbands())) for c in completions]
+
+    def by_name(*, images, prompts, **kwargs):  # keyword-only: would break on a positional call
+        return [float(len(p)) for p in prompts]
+
+    images = [solid((0, 0, 0)), solid((255, 255, 255))]
+    state = object()
+    total, per_reward = compute_rewards(
+        [trl_style, by_name], ["ab", "abc"], images, trainer_state=state, target=["x", "y"]
+    )
+    assert seen["completions"] == images and seen["images"] == images  # both keywords are the images
+    assert seen["prompts"] == ["ab", "abc"] and seen["trainer_state"] is state and seen["target"] == ["x", "y"]
+    assert per_reward["trl_style"].tolist() == [3.0, 3.0] and per_reward["by_name"].tolist() == [2.0, 3.0]
+    assert total.tolist() == [5.0, 6.0]
+    with pytest.raises(ValueError, match=r"\['completions'\].*rename"):
+        compute_rewards([trl_style], ["a"], images[:1], completions=["clash"])
+
+
+def test_none_means_not_applicable_in_the_weighted_sum():
+    def only_first(prompts, images, **kwargs):
+        return [1.5] + [None] * (len(images) - 1)
+
+    def constant(prompts, images, **kwargs):
+        return [2.0] * len(images)
+
+    images = [solid((0, 0, 0))] * 3
+    total, per_reward = compute_rewards([only_first, constant], ["a", "b", "c"], images, reward_weights=[2.0, 0.5])
+    # Sample 0: 2 * 1.5 + 0.5 * 2; samples 1 and 2: only the constant applies.
+    assert total.tolist() == [4.0, 1.0, 1.0]
+    assert per_reward["only_first"][0] == 1.5 and per_reward["only_first"][1:].isnan().all()
+
+
+def test_a_sample_no_reward_applies_to_is_an_error_naming_the_rewards():
+    def never(prompts, images, **kwargs):
+        return [None] * len(images)
+
+    def sometimes(prompts, images, **kwargs):
+        return [1.0, None]
+
+    with pytest.raises(ValueError, match=r"sample 1 \(prompt 'b'\).*\(never, sometimes\) returned None"):
+        compute_rewards([never, sometimes], ["a", "b"], [solid((0, 0, 0))] * 2)
+    with pytest.raises(ValueError, match="'never'"):  # NaN is still an error, None is not
+        check_rewards("never", [None, float("nan")], 2)
+
+
+# ----------------------------------------------------------------------------------------------- dotted paths
+
+
+def test_dotted_import_paths_load_your_own_reward(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text(
+        "def darkness(prompts, images, **kwargs):\n    return [0.5] * len(images)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.path", [p for p in __import__("sys").path if p not in (str(tmp_path), "")])
+    monkeypatch.delitem(__import__("sys").modules, "my_rewards", raising=False)
+    func, color = load_reward_funcs(["my_rewards.darkness", "prompt_color"])
+    assert func.__module__ == "my_rewards" and func.__name__ == "darkness" and color.__name__ == "prompt_color"
+    assert func(["a"], [solid((0, 0, 0))]) == [0.5]
+    with pytest.raises(ValueError, match=r"'my_rewards.lightness'.*module.function"):
+        load_reward_funcs("my_rewards.lightness")
+    with pytest.raises(ValueError, match="did you mean the built-in 'hpsv2.1'"):
+        load_reward_funcs("hpsv2.2")
+    assert load_reward_funcs("hpsv2.1")[0].__name__ == "hpsv2.1"  # a registered name with a dot is not a path

@@ -221,6 +221,79 @@ def test_push_to_hub_folder_has_weights_and_card(tiny_flux_path, tmp_path, monke
     assert "2607.17572" in card
 
 
+def test_trl_style_rewards_get_keywords_state_and_columns_and_may_return_none(tiny_flux_path, tmp_path):
+    calls = []
+
+    def trl_reward(completions, trainer_state, shape, **kwargs):
+        calls.append((trainer_state.global_step, list(shape), len(completions)))
+        # Applies only to circles: None elsewhere (another reward scores those).
+        return [1.0 if s == "circle" else None for s in shape]
+
+    dataset = Dataset.from_dict({"prompt": PROMPTS, "shape": ["circle", "square", "circle", "square"]})
+    trainer = make_trainer(tiny_flux_path, tmp_path, reward=[trl_reward, redness], dataset=dataset, max_steps=2)
+    trainer.train()
+    assert [step for step, _, _ in calls] == [0, 1]  # the live TrainerState
+    assert all(len(shapes) == n == 4 for _, shapes, n in calls)
+    logged = [e for e in trainer.state.log_history if "rewards/trl_reward/mean" in e]
+    assert logged and all(e["rewards/trl_reward/mean"] == 1.0 for e in logged)  # the mean over applicable samples
+
+
+def test_trl_config_names(tmp_path):
+    # epsilon is TRL's name of the clip range; epsilon_high its upper side.
+    config = make_config(tmp_path, epsilon=0.3, epsilon_high=0.5)
+    assert (config.clip_range, config.epsilon_high) == (0.3, 0.5)
+    assert make_config(tmp_path).epsilon_high is None and make_config(tmp_path).clip_range == 1e-1
+    with pytest.raises(ValueError, match="epsilon_high"):
+        make_config(tmp_path, epsilon_high=0.0)
+    # Boolean scale_rewards, as TRL: True = "group", False = "none" (also as the strings a flag gives).
+    assert [make_config(tmp_path, scale_rewards=v).scale_rewards for v in (True, False, "false", "batch")] == [
+        "group", "none", "none", "batch"
+    ]  # fmt: skip
+    # generation_batch_size settable: 8 images = 2 micro-batches of 4 on one process.
+    config = make_config(tmp_path, generation_batch_size=8)
+    assert (config.steps_per_generation, config.generation_batch_size) == (2, 8)
+    assert make_config(tmp_path, gradient_accumulation_steps=3).generation_batch_size == 12
+    assert make_config(tmp_path, generation_batch_size=8, steps_per_generation=2).steps_per_generation == 2
+    with pytest.raises(ValueError, match="generation_batch_size.*steps_per_generation.*disagree"):
+        make_config(tmp_path, generation_batch_size=8, steps_per_generation=3)
+    with pytest.raises(ValueError, match="generation_batch_size \\(6\\) is not a positive multiple"):
+        make_config(tmp_path, generation_batch_size=6)
+
+
+def test_epsilon_high_reaches_the_loss_and_generation_batch_size_the_rollout(tiny_flux_path, tmp_path, monkeypatch):
+    import trl_jagg.ddpo_jagg_trainer as module
+
+    seen, real = [], module.ppo_step_loss
+    monkeypatch.setattr(
+        module, "ppo_step_loss", lambda *a, **k: seen.append((a[3], k["clip_range_high"])) or real(*a, **k)
+    )
+    trainer = make_trainer(
+        tiny_flux_path, tmp_path, epsilon=0.05, epsilon_high=0.2, generation_batch_size=8, max_steps=1
+    )
+    trainer.train()
+    assert seen and set(seen) == {(0.05, 0.2)}
+    # One rollout of 8 images (4 prompts x 2) feeds the 2 micro-batches of one optimizer step.
+    assert trainer.args.steps_per_generation == 2
+    assert trainer.state.log_history[0]["jagg/backward_calls"] > 0
+
+
+def test_log_completions_logs_the_rollout_with_its_rewards(tiny_flux_path, tmp_path):
+    trainer = make_trainer(tiny_flux_path, tmp_path, max_steps=2, log_completions=True, report_to="tensorboard")
+    trainer.train()
+    folder = tmp_path / "out" / "completions"
+    assert sorted(os.listdir(folder)) == ["step-000001.png", "step-000002.png"]
+    from PIL import Image
+
+    # One row per prompt group of num_generations = 2 images of 32 px, each with a 12 px caption strip.
+    assert Image.open(folder / "step-000001.png").size == (2 * 32, 2 * (32 + 12))
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (events,) = [root for root, _, files in os.walk(tmp_path) if any(f.startswith("events.out") for f in files)]
+    accumulator = EventAccumulator(events)
+    accumulator.Reload()
+    assert "completions" in accumulator.Tags()["images"]
+
+
 # ---------------------------------------------------------------- bad input fails early and clearly
 def test_missing_prompt_column(tiny_flux_path, tmp_path):
     with pytest.raises(ValueError, match="no 'prompt' column.*rename_column"):

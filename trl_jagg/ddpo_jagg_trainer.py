@@ -59,8 +59,9 @@ class DDPOJaggTrainer(_BaseTrainer):
     Args:
         model: a Hub id, a local directory, or a loaded :class:`~diffusers.DiffusionPipeline`. Its transformer
             backbone is trained; the VAE and text encoders are frozen and stay in the pipeline's dtype.
-        reward_funcs: a reward name (see :mod:`trl_jagg.rewards`), a callable
-            ``(prompts, images, **columns) -> list[float]``, or a list mixing both.
+        reward_funcs: a reward name (see :mod:`trl_jagg.rewards`), a dotted import path, a callable called with
+            keywords as in TRL (``prompts=``, ``images=`` / ``completions=``, ``trainer_state=``, the dataset's
+            other columns) returning a ``float`` or ``None`` (not applicable) per image, or a list mixing these.
         args: the configuration; defaults to ``GRPOJaggConfig("grpo-jagg")``.
         train_dataset: a dataset with a ``prompt`` column; other columns reach the reward functions as kwargs.
         peft_config: a :class:`~peft.LoraConfig` for LoRA training; ``None`` trains the full backbone.
@@ -138,6 +139,8 @@ class DDPOJaggTrainer(_BaseTrainer):
         # Set by Trainer's loop for each accumulation window; defined here for updates run outside `train()`.
         self.current_gradient_accumulation_steps = args.gradient_accumulation_steps
         self._buffered_inputs: list[dict[str, Any]] | None = None
+        # The latest rollout's (prompts, images, scores) for `log_completions`, until the next log.
+        self._completions: tuple[list[str], list, dict[str, list[float]]] | None = None
 
         super().__init__(
             model=transformer,
@@ -267,7 +270,9 @@ class DDPOJaggTrainer(_BaseTrainer):
         rollout_seconds = time.perf_counter() - start
 
         start = time.perf_counter()
-        rewards, per_reward = compute_rewards(self.reward_funcs, prompts, images, args.reward_weights, **columns)
+        rewards, per_reward = compute_rewards(
+            self.reward_funcs, prompts, images, args.reward_weights, trainer_state=self.state, **columns
+        )
         rewards = rewards.to(self.accelerator.device)
         per_func = torch.stack(list(per_reward.values()), dim=1).to(self.accelerator.device)
         all_per_func = self.accelerator.gather(per_func)
@@ -287,14 +292,18 @@ class DDPOJaggTrainer(_BaseTrainer):
         self._metrics["reward_std"].append(all_rewards.std().item())
         self._metrics["frac_reward_zero_std"].append((grouped.std(dim=1) < 1e-6).float().mean().item())
         for i, name in enumerate(per_reward):
-            self._metrics[f"rewards/{name}/mean"].append(all_per_func[:, i].mean().item())
-            self._metrics[f"rewards/{name}/std"].append(all_per_func[:, i].std().item())
+            scored = all_per_func[:, i][~all_per_func[:, i].isnan()]  # None (not applicable) is NaN
+            self._metrics[f"rewards/{name}/mean"].append(scored.mean().item())
+            self._metrics[f"rewards/{name}/std"].append(scored.std().item())
         self._metrics["advantages/mean"].append(advantages.mean().item())
         self._metrics["advantages/abs_mean"].append(advantages.abs().mean().item())
         latents = torch.cat([t.latents for t in trajectories])
         self._metrics["latents/final_std"].append(latents[:, -1].std().item())
         self._metrics["time/rollout_s"].append(rollout_seconds)
         self._metrics["time/reward_s"].append(time.perf_counter() - start)
+        if args.log_completions:
+            scores = {"reward": rewards.tolist(), **{name: value.tolist() for name, value in per_reward.items()}}
+            self._completions = (prompts, images, scores)
         rollout = {
             "latents": latents,
             "log_probs": torch.cat([t.log_probs for t in trajectories]),
@@ -383,7 +392,10 @@ class DDPOJaggTrainer(_BaseTrainer):
                 sigma_max=sigmas[1], prev_sample=latents[:, k + 1],
             )  # fmt: skip
             kl = kl_to_reference(step.mean, ref_means[k], step.std) if k in ref_means else None
-            out = ppo_step_loss(step.log_prob, old_log_probs[:, k], advantages, args.clip_range, kl=kl, beta=args.beta)
+            out = ppo_step_loss(
+                step.log_prob, old_log_probs[:, k], advantages, args.clip_range, kl=kl, beta=args.beta,
+                clip_range_high=args.epsilon_high,
+            )  # fmt: skip
             for key in ("policy_loss", "kl", "ratio_mean", "clip_fraction", "approx_kl"):
                 stats[key].append(getattr(out, key))
             return out.loss
@@ -554,6 +566,13 @@ class DDPOJaggTrainer(_BaseTrainer):
         logs.update({key: sum(values) / len(values) for key, values in self._metrics.items() if values})
         super().log(logs, start_time)
         self._metrics.clear()
+        if self._completions is not None:
+            from .image_logging import log_completions
+
+            prompts, images, scores = self._completions
+            self._completions = None  # each rollout is logged once
+            if self.is_world_process_zero():
+                log_completions(self, prompts, images, scores, self.state.global_step, self.args.num_generations)
 
     def sample_images(self, prompts: Sequence[str] | None = None, seed: int | None = None) -> list:
         """Render prompts (default: ``eval_prompts``) with deterministic ODE sampling and the current weights."""

@@ -116,14 +116,16 @@ def ppo_step_loss(
     *,
     kl: torch.Tensor | None = None,
     beta: float = 0.0,
+    clip_range_high: float | None = None,
 ) -> StepLoss:
-    """PPO-clipped loss of one step: ``mean(max(-A r, -A clip(r, 1-eps, 1+eps))) + beta * mean(KL)``.
+    """PPO-clipped loss of one step: ``mean(max(-A r, -A clip(r, 1-eps, 1+eps_high))) + beta * mean(KL)``.
 
     Args:
         log_prob: ``(batch,)`` log-probs of the rollout's next latents under the current policy.
         old_log_prob: ``(batch,)`` the same, recorded at rollout time.
         advantages: ``(batch,)``.
-        clip_range: PPO's epsilon.
+        clip_range: PPO's epsilon, the lower clip bound ``1 - eps``.
+        clip_range_high: the upper bound ``1 + eps_high`` (DAPO's clip-higher); ``None`` uses ``clip_range``.
         kl: optional ``(batch,)`` KL to the reference (see :func:`kl_to_reference`).
         beta: weight of the KL term.
     """
@@ -138,7 +140,8 @@ def ppo_step_loss(
     log_ratio = log_prob - old_log_prob
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
+    high = clip_range if clip_range_high is None else clip_range_high
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + high)
     policy_loss = torch.maximum(unclipped, clipped).mean()
     kl_mean = kl.mean() if kl is not None else torch.zeros((), device=log_prob.device)
     loss = policy_loss + beta * kl_mean if beta else policy_loss
@@ -148,6 +151,6 @@ def ppo_step_loss(
             policy_loss=policy_loss.detach(),
             kl=kl_mean.detach(),
             ratio_mean=ratio.mean(),
-            clip_fraction=((ratio - 1.0).abs() > clip_range).float().mean(),
+            clip_fraction=((ratio < 1.0 - clip_range) | (ratio > 1.0 + high)).float().mean(),
             approx_kl=(0.5 * log_ratio**2).mean(),
         )

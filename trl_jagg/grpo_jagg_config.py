@@ -38,12 +38,13 @@ class GRPOJaggConfig(TrainingArguments):
         > Sampling (rollouts)
 
         num_generations, num_inference_steps, height, width, guidance_scale, true_cfg_scale, negative_prompt,
-        sampler, noise_level, sample_batch_size, max_sequence_length, steps_per_generation.
+        sampler, noise_level, sample_batch_size, max_sequence_length, steps_per_generation, generation_batch_size.
 
         > Training (which steps, which loss)
 
-        train_timesteps, train_timestep_fraction, sde_window_size, sde_window_max_start, clip_range, adv_clip_max,
-        beta, num_iterations, scale_rewards, per_prompt_stat_tracking, stat_tracking_buffer_size, reward_weights.
+        train_timesteps, train_timestep_fraction, sde_window_size, sde_window_max_start, clip_range (TRL: epsilon),
+        epsilon_high, adv_clip_max, beta, num_iterations, scale_rewards, per_prompt_stat_tracking,
+        stat_tracking_buffer_size, reward_weights.
 
         > JAGG
 
@@ -52,7 +53,11 @@ class GRPOJaggConfig(TrainingArguments):
 
         > Evaluation images
 
-        eval_prompts, eval_num_inference_steps, eval_seed, image_log_steps.
+        eval_prompts, eval_num_inference_steps, eval_seed, image_log_steps, log_completions.
+
+    Fields that mean what a field of TRL's `GRPOConfig` means carry TRL's name (`num_generations`, `beta`,
+    `num_iterations`, `epsilon`, `epsilon_high`, `scale_rewards` (also boolean), `steps_per_generation`,
+    `generation_batch_size`, `reward_weights`, `log_completions`).
 
     Every field's `help` text is the reference (see `docs/config.md`, generated from it).
     """
@@ -127,7 +132,16 @@ class GRPOJaggConfig(TrainingArguments):
         default=None,
         metadata={
             "help": "Micro-batches per rollout: one rollout of `per_device_train_batch_size * steps_per_generation` "
-            "images per device feeds that many micro-batches. Defaults to `gradient_accumulation_steps`."
+            "images per device feeds that many micro-batches. Defaults to `gradient_accumulation_steps`, or to "
+            "what `generation_batch_size` implies."
+        },
+    )
+    generation_batch_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "As in TRL's GRPOConfig: images sampled per rollout on all processes together, "
+            "`per_device_train_batch_size * num_processes * steps_per_generation`. Set one of the two (the other "
+            "follows); defaults to the value `steps_per_generation` gives."
         },
     )
 
@@ -161,6 +175,20 @@ class GRPOJaggConfig(TrainingArguments):
         default=1e-4,
         metadata={"help": "PPO clip range epsilon (tiny because log-probs are averaged over latent dims)."},
     )
+    epsilon: float | None = field(
+        default=None,
+        metadata={
+            "help": "TRL's name of `clip_range`: when set, it is the clip range (it overrides `clip_range`). Note the "
+            "scale: 1e-4 for flow models' per-dimension log-probs, not TRL's 0.2 for tokens."
+        },
+    )
+    epsilon_high: float | None = field(
+        default=None,
+        metadata={
+            "help": "Upper clip range, as in TRL: the ratio is clipped to [1 - epsilon, 1 + epsilon_high] (DAPO's "
+            "clip-higher). Defaults to the lower one."
+        },
+    )
     adv_clip_max: float = field(
         default=5.0, metadata={"help": "Advantages are clipped to [-adv_clip_max, adv_clip_max]."}
     )
@@ -176,7 +204,10 @@ class GRPOJaggConfig(TrainingArguments):
     )
     scale_rewards: str = field(
         default="group",
-        metadata={"help": f"Advantage scaling, one of {SCALE_REWARDS}: per-group std, batch std, or none."},
+        metadata={
+            "help": f"Advantage scaling, one of {SCALE_REWARDS}: per-group std, batch std, or none. As in TRL, "
+            "`True` means 'group' and `False` 'none'."
+        },
     )
     per_prompt_stat_tracking: bool = field(
         default=False,
@@ -257,6 +288,14 @@ class GRPOJaggConfig(TrainingArguments):
         default=0,
         metadata={"help": "Render `eval_prompts` every N optimizer steps (and at the end); 0 disables it."},
     )
+    log_completions: bool = field(
+        default=False,
+        metadata={
+            "help": "As in TRL: every `logging_steps`, log the latest rollout's images with their prompts and "
+            "rewards to the `report_to` trackers (a captioned grid, one row per prompt group; a table on W&B) and "
+            "to `output_dir/completions/`."
+        },
+    )
 
     @classmethod
     def from_recipe(cls, name: str, **overrides: Any) -> GRPOJaggConfig:
@@ -282,9 +321,37 @@ class GRPOJaggConfig(TrainingArguments):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.steps_per_generation is None:
-            self.steps_per_generation = self.gradient_accumulation_steps
+        if self.epsilon is not None:
+            self.clip_range = self.epsilon
+        # TRL's boolean form (a flag or a YAML value arrives as a string).
+        flag = {"true": "group", "false": "none"}
+        if isinstance(self.scale_rewards, bool) or str(self.scale_rewards).lower() in flag:
+            self.scale_rewards = flag[str(self.scale_rewards).lower()]
+        self._resolve_generation_batch()
         self._check()
+
+    def _resolve_generation_batch(self) -> None:
+        """``steps_per_generation`` and ``generation_batch_size`` from whichever is set, as TRL's GRPOConfig."""
+        per_step = self.per_device_train_batch_size * self.world_size
+        if self.generation_batch_size is None:
+            if self.steps_per_generation is None:
+                self.steps_per_generation = self.gradient_accumulation_steps
+            self.generation_batch_size = per_step * self.steps_per_generation
+            return
+        if self.generation_batch_size < 1 or self.generation_batch_size % per_step:
+            raise ValueError(
+                f"GRPOJaggConfig.generation_batch_size ({self.generation_batch_size}) is not a positive multiple of "
+                f"per_device_train_batch_size ({self.per_device_train_batch_size}) x processes ({self.world_size}) "
+                f"= {per_step}. Use a multiple, or set steps_per_generation instead."
+            )
+        steps = self.generation_batch_size // per_step
+        if self.steps_per_generation is not None and self.steps_per_generation != steps:
+            raise ValueError(
+                f"GRPOJaggConfig.generation_batch_size ({self.generation_batch_size}) and steps_per_generation "
+                f"({self.steps_per_generation}) disagree: {self.generation_batch_size} images are {steps} "
+                f"micro-batches of {per_step}. Set only one of them."
+            )
+        self.steps_per_generation = steps
 
     def _check(self) -> None:
         def fail(name: str, problem: str, fix: str) -> None:
@@ -294,13 +361,12 @@ class GRPOJaggConfig(TrainingArguments):
             fail("dtype", f"is {self.dtype!r}", f"Use one of {DTYPES}.")
         if self.num_generations < 2:
             fail("num_generations", f"is {self.num_generations}", "GRPO needs at least 2 images per prompt.")
-        generation_batch = self.per_device_train_batch_size * self.world_size * self.steps_per_generation
-        if generation_batch % self.num_generations:
+        if self.generation_batch_size % self.num_generations:
             fail(
                 "per_device_train_batch_size",
                 f"({self.per_device_train_batch_size}) x processes ({self.world_size}) x steps_per_generation "
-                f"({self.steps_per_generation}) = {generation_batch} is not a multiple of num_generations "
-                f"({self.num_generations})",
+                f"({self.steps_per_generation}) = generation_batch_size {self.generation_batch_size} is not a "
+                f"multiple of num_generations ({self.num_generations})",
                 "Choose sizes that make whole prompt groups.",
             )
         if self.num_inference_steps < 2:
@@ -334,7 +400,10 @@ class GRPOJaggConfig(TrainingArguments):
                 f"Use a value in [0, {self.num_inference_steps - self.sde_window_size}].",
             )
         if self.clip_range <= 0:
-            fail("clip_range", f"is {self.clip_range}", "Use a positive value (1e-4 for SDE, 1e-5 for CPS).")
+            name = "epsilon" if self.epsilon is not None else "clip_range"
+            fail(name, f"is {self.clip_range}", "Use a positive value (1e-4 for SDE, 1e-5 for CPS).")
+        if self.epsilon_high is not None and self.epsilon_high <= 0:
+            fail("epsilon_high", f"is {self.epsilon_high}", "Use a positive value, or None for the lower clip range.")
         if self.adv_clip_max <= 0:
             fail("adv_clip_max", f"is {self.adv_clip_max}", "Use a positive value (5 in Flow-GRPO).")
         if self.beta < 0:
@@ -368,8 +437,3 @@ class GRPOJaggConfig(TrainingArguments):
             fail("sample_batch_size", f"is {self.sample_batch_size}", "Use a positive batch size or None.")
         if self.image_log_steps < 0:
             fail("image_log_steps", f"is {self.image_log_steps}", "Use 0 (off) or a positive interval.")
-
-    @property
-    def generation_batch_size(self) -> int:
-        """Images sampled per rollout on all processes together."""
-        return self.per_device_train_batch_size * self.world_size * self.steps_per_generation

@@ -1,4 +1,4 @@
-"""Sample-image grids: saved as PNG and sent to the trackers enabled in ``report_to``."""
+"""Sample-image and rollout grids: saved as PNG and sent to the trackers enabled in ``report_to``."""
 
 from __future__ import annotations
 
@@ -30,21 +30,64 @@ def image_grid(
 def log_image_grid(trainer: Any, images: list[Image.Image], prompts: list[str], step: int) -> str:
     """Save ``samples/step-N.png`` under the output dir and log it to TensorBoard, W&B and trackio if enabled."""
     grid = image_grid(images, prompts)
-    folder = os.path.join(trainer.args.output_dir, "samples")
+    path = _save(grid, trainer.args.output_dir, "samples", step)
+    _send(trainer, "samples", grid, images, prompts, step)
+    return path
+
+
+def log_completions(
+    trainer: Any,
+    prompts: list[str],
+    images: list[Image.Image],
+    rewards: dict[str, list[float]],
+    step: int,
+    columns: int,
+) -> str:
+    """TRL's ``log_completions`` for images: the rollout as a grid captioned with each image's total reward, one
+    row per prompt group (``columns`` = ``num_generations``), saved as ``completions/step-N.png`` and sent to the
+    trackers; W&B also gets a table (prompt, image, total and per-reward scores)."""
+    total = rewards["reward"]
+    grid = image_grid(images, [f"{r:+.3f}" for r in total], columns=columns)
+    path = _save(grid, trainer.args.output_dir, "completions", step)
+    captions = [f"{p} | reward {r:+.4g}" for p, r in zip(prompts, total)]
+    table = {"step": [step] * len(images), "prompt": prompts, **rewards}
+    _send(trainer, "completions", grid, images, captions, step, table=table)
+    return path
+
+
+def _save(grid: Image.Image, output_dir: str, folder: str, step: int) -> str:
+    folder = os.path.join(output_dir, folder)
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"step-{step:06d}.png")
     grid.save(path)
+    return path
+
+
+def _send(
+    trainer: Any,
+    key: str,
+    grid: Image.Image,
+    images: list[Image.Image],
+    captions: list[str],
+    step: int,
+    table: dict[str, list[Any]] | None = None,
+) -> None:
+    """Log ``grid`` (TensorBoard) or the captioned ``images`` (W&B, trackio) under ``key`` to the enabled trackers;
+    W&B gets ``table`` as a ``wandb.Table`` with the images, when given."""
     for callback in trainer.callback_handler.callbacks:
         name = type(callback).__name__
         if name == "TensorBoardCallback" and getattr(callback, "tb_writer", None) is not None:
             import numpy as np
 
-            callback.tb_writer.add_image("samples", np.asarray(grid), step, dataformats="HWC")
+            callback.tb_writer.add_image(key, np.asarray(grid), step, dataformats="HWC")
         elif name == "WandbCallback" and getattr(callback, "_wandb", None) is not None and callback._initialized:
             wandb = callback._wandb
-            wandb.log({"samples": [wandb.Image(im, caption=p) for im, p in zip(images, prompts)]}, step=step)
+            logged: dict[str, Any] = {key: [wandb.Image(im, caption=c) for im, c in zip(images, captions)]}
+            if table is not None:
+                rows = {"image": [wandb.Image(im) for im in images], **table}
+                logged[f"{key}_table"] = wandb.Table(columns=list(rows), data=[list(r) for r in zip(*rows.values())])
+            wandb.log(logged, step=step)
         elif name == "TrackioCallback":
             import trackio
 
-            trackio.log({"samples": [trackio.Image(im, caption=p) for im, p in zip(images, prompts)]}, step=step)
-    return path
+            trackio.log({key: [trackio.Image(im, caption=c) for im, c in zip(images, captions)]}, step=step)

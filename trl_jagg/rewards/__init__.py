@@ -1,7 +1,8 @@
 """Reward functions for text-to-image GRPO: the rewards the papers report, usable in one line.
 
-Every reward is a callable ``(prompts: list[str], images: list[PIL.Image.Image], **kwargs) -> list[float]``
-with a ``__name__`` used as its metric name. Build them by factory (``pickscore(device="cuda")``) or by name
+Every reward is a callable ``(prompts: list[str], images: list[PIL.Image.Image], **kwargs) -> list[float | None]``
+with a ``__name__`` used as its metric name, called with keywords as in TRL (``prompts=``, ``images=`` and
+``completions=``, ``trainer_state=``, the dataset columns); ``None`` marks a sample a reward does not apply to. Build them by factory (``pickscore(device="cuda")``) or by name
 (``load_reward_funcs(["pickscore", "hpsv2.1"])``). Model weights load on the first call. See docs/rewards.md.
 """
 

@@ -1,26 +1,35 @@
 """The reward-function contract, the name registry, and the checks applied to every reward's output.
 
-A reward function is any callable ``(prompts, images, **kwargs) -> list[float]``: one score per (prompt, image)
-pair, where ``kwargs`` are extra dataset columns that a reward may use and must otherwise ignore. Rewards that
-ship with trl_jagg are built by small factories registered here under a name, so a config can say
-``reward_funcs=["pickscore", "hpsv2.1"]``.
+A reward function is any callable ``(prompts, images, **kwargs) -> list[float | None]``, called with keywords as
+TRL's ``GRPOTrainer`` calls its reward functions: ``prompts=``, ``images=`` and ``completions=`` (both the images),
+``trainer_state=`` (the ``transformers.TrainerState``) and every extra dataset column; a reward uses the keywords it
+knows and must accept the others (``**kwargs``). It returns one score per (prompt, image) pair, or ``None`` for a
+pair it does not apply to. Rewards that ship with trl_jagg are built by small factories registered here under a
+name, so a config can say ``reward_funcs=["pickscore", "hpsv2.1"]``.
 """
 
 from __future__ import annotations
 
 import difflib
+import importlib
 import inspect
+import os
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
 from PIL import Image
 
-RewardFunc = Callable[..., Sequence[float]]
-"""``(prompts: list[str], images: list[PIL.Image.Image], **kwargs) -> list[float]``."""
+RewardFunc = Callable[..., Sequence[float | None]]
+"""``(*, prompts: list[str], images: list[PIL.Image.Image], completions, trainer_state, **columns) -> list[float |
+None]``, called with keywords."""
 
 RewardSpec = str | RewardFunc | Sequence[str | RewardFunc]
 """What :func:`load_reward_funcs` accepts: a registry name, a callable, or a list mixing both."""
+
+REWARD_KEYWORDS = ("prompts", "images", "completions", "trainer_state")
+"""The keywords every reward is called with, besides the dataset columns."""
 
 _Factory = TypeVar("_Factory", bound=Callable[..., RewardFunc])
 
@@ -71,6 +80,26 @@ def _accepted_kwargs(factory: Callable[..., Any], kwargs: Mapping[str, Any]) -> 
     return {key: value for key, value in kwargs.items() if key in parameters}
 
 
+def _import_reward(path: str) -> RewardFunc:
+    """The callable at dotted import path ``module.attribute`` (as ``trl grpo`` accepts), importable from the working
+    directory."""
+    module_name, _, attribute = path.rpartition(".")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # a module next to the config, as with `python -m`
+    try:
+        func = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as error:
+        close = difflib.get_close_matches(path.lower(), available_rewards(), n=1)
+        hint = f" (or did you mean the built-in {close[0]!r}?)" if close else ""
+        raise ValueError(
+            f"Reward {path!r} is neither a registered name nor an importable `module.function` path: {error}{hint}. "
+            f"Registered names: {', '.join(available_rewards())}."
+        ) from None
+    if not callable(func):
+        raise ValueError(f"Reward {path!r} imports a {type(func).__name__}, not a callable.")
+    return func
+
+
 def _build_from_name(name: str, factory_kwargs: Mapping[str, Any]) -> RewardFunc:
     if name.startswith(_URL_PREFIXES):
         from trl_jagg.rewards.remote import remote
@@ -78,13 +107,15 @@ def _build_from_name(name: str, factory_kwargs: Mapping[str, Any]) -> RewardFunc
         return remote(name, **_accepted_kwargs(remote, factory_kwargs))
     key = name.strip().lower()
     key = _ALIASES.get(key, key)
+    if key not in REWARD_REGISTRY and "." in name.strip("."):
+        return _import_reward(name.strip())
     if key not in REWARD_REGISTRY:
         valid = available_rewards()
         close = difflib.get_close_matches(key, valid + list(_ALIASES), n=1)
         hint = f" Did you mean {_ALIASES.get(close[0], close[0])!r}?" if close else ""
         raise ValueError(
             f"Unknown reward {name!r}.{hint} Valid names: {', '.join(valid)}; "
-            "or an http(s):// URL of a reward server, or a callable (prompts, images, **kwargs) -> list[float]."
+            "or an http(s):// URL of a reward server, a dotted import path (my_module.my_reward), or a callable."
         )
     factory = REWARD_REGISTRY[key]
     return factory(**_accepted_kwargs(factory, factory_kwargs))
@@ -95,7 +126,8 @@ def load_reward_funcs(spec: RewardSpec, **factory_kwargs: Any) -> list[RewardFun
 
     Args:
         spec: A registry name (see :func:`available_rewards`), an ``http(s)://`` URL of a reward server
-            (see :func:`trl_jagg.rewards.remote`), a callable, or a list of these.
+            (see :func:`trl_jagg.rewards.remote`), a dotted import path ``module.function`` of a reward function
+            (used as is, not called as a factory), a callable, or a list of these.
         **factory_kwargs: Passed to every factory that accepts them (e.g. ``device``, ``dtype``,
             ``batch_size``); factories that do not take an argument simply do not receive it.
 
@@ -122,19 +154,23 @@ def load_reward_funcs(spec: RewardSpec, **factory_kwargs: Any) -> list[RewardFun
 
 
 def check_rewards(name: str, values: Any, expected: int) -> torch.Tensor:
-    """Validate one reward function's output and return it as a float32 tensor of shape ``(expected,)``.
+    """Validate one reward function's output and return it as a float32 tensor of shape ``(expected,)``, with NaN
+    where the reward returned ``None`` (not applicable to that sample).
 
     A wrong count or a NaN/inf score stops training with an error that names the reward: a silently
     replaced value would bias the group advantages without anyone noticing.
 
     Raises:
-        ValueError: if ``values`` is not a flat sequence of ``expected`` finite numbers.
+        ValueError: if ``values`` is not a flat sequence of ``expected`` finite numbers or ``None``.
     """
     try:
         if isinstance(values, torch.Tensor):
             scores = values.detach().to(torch.float32)
+            missing = torch.zeros(scores.shape, dtype=torch.bool)
         else:
-            scores = torch.as_tensor(list(values), dtype=torch.float32)
+            values = list(values)
+            missing = torch.tensor([value is None for value in values], dtype=torch.bool)
+            scores = torch.as_tensor([0.0 if value is None else value for value in values], dtype=torch.float32)
     except (TypeError, ValueError, RuntimeError) as error:
         raise ValueError(f"Reward {name!r} returned values that are not numbers: {error}") from error
     if scores.ndim != 1 or scores.numel() != expected:
@@ -148,7 +184,7 @@ def check_rewards(name: str, values: Any, expected: int) -> torch.Tensor:
         raise ValueError(
             f"Reward {name!r} returned non-finite values at positions {positions[:10]}: {scores[bad][:10].tolist()}."
         )
-    return scores
+    return scores.masked_fill(missing, float("nan"))
 
 
 def compute_rewards(
@@ -156,25 +192,42 @@ def compute_rewards(
     prompts: Sequence[str],
     images: Sequence[Image.Image],
     reward_weights: Sequence[float] | None = None,
-    **kwargs: Any,
+    trainer_state: Any = None,
+    **columns: Any,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Run every reward, check its output, and return the weighted sum and the per-reward scores.
+
+    Each reward is called with keywords, as in TRL: ``func(prompts=..., images=..., completions=...,
+    trainer_state=..., **columns)``, ``completions`` being the images too. A ``None`` score means "not applicable":
+    it is left out of the sample's weighted sum (TRL's ``nansum``).
 
     Args:
         reward_funcs: The reward callables (e.g. from :func:`load_reward_funcs`).
         prompts, images: One prompt per image.
         reward_weights: One weight per reward; ``None`` means all 1.0.
-        **kwargs: Extra dataset columns passed to every reward.
+        trainer_state: The ``transformers.TrainerState`` of the run (``None`` outside training).
+        **columns: Extra dataset columns passed to every reward.
 
     Returns:
         ``(total, per_reward)``: ``total`` has shape ``(len(images),)``; ``per_reward`` maps each reward's
-        metric name (made unique with a ``_2``, ``_3`` suffix if repeated) to its checked scores.
+        metric name (made unique with a ``_2``, ``_3`` suffix if repeated) to its checked scores, NaN where the
+        reward returned ``None``.
+
+    Raises:
+        ValueError: for a reward's bad output (named), mismatched weights, or a sample that no reward applies to
+            (every reward returned ``None`` for it).
     """
     weights = [1.0] * len(reward_funcs) if reward_weights is None else [float(w) for w in reward_weights]
     if len(weights) != len(reward_funcs):
         raise ValueError(f"Got {len(weights)} reward weights for {len(reward_funcs)} reward functions.")
     if len(prompts) != len(images):
         raise ValueError(f"Got {len(prompts)} prompts for {len(images)} images.")
+    reserved = sorted(set(columns) & set(REWARD_KEYWORDS))
+    if reserved:
+        raise ValueError(
+            f"Dataset column(s) {reserved} clash with the reward keywords {REWARD_KEYWORDS}: rename them "
+            "(e.g. `dataset.rename_column('images', 'reference_images')`)."
+        )
     total = torch.zeros(len(images), dtype=torch.float32)
     per_reward: dict[str, torch.Tensor] = {}
     for func, weight in zip(reward_funcs, weights):
@@ -182,7 +235,21 @@ def compute_rewards(
         suffix = 2
         while unique in per_reward:
             unique, suffix = f"{name}_{suffix}", suffix + 1
-        scores = check_rewards(unique, func(list(prompts), list(images), **kwargs), len(images)).cpu()
+        values = func(
+            prompts=list(prompts), images=list(images), completions=list(images), trainer_state=trainer_state,
+            **columns,
+        )  # fmt: skip
+        scores = check_rewards(unique, values, len(images)).cpu()
         per_reward[unique] = scores
-        total += weight * scores
+        total += weight * scores.nan_to_num(0.0)
+    if per_reward:
+        unscored = torch.stack(list(per_reward.values())).isnan().all(dim=0).nonzero().flatten().tolist()
+        if unscored:
+            first = unscored[0]
+            raise ValueError(
+                f"No reward applies to sample {first} (prompt {prompts[first]!r}"
+                f"{f' and {len(unscored) - 1} more' if len(unscored) > 1 else ''}): every reward function "
+                f"({', '.join(per_reward)}) returned None for it. A reward returns None only for samples that another "
+                "reward scores."
+            )
     return total, per_reward

@@ -107,19 +107,19 @@ class RemoteReward:
             f"Is it running and reachable? {SERVER_HINT}"
         )
 
-    def _score(self, prompts: list[str], images: list[Image.Image], metadata: dict[str, Any]) -> list[float]:
+    def _score(self, prompts: list[str], images: list[Image.Image], metadata: dict[str, Any]) -> list[float | None]:
         answer = self._post({"prompts": prompts, "images": [encode_image(im) for im in images], "metadata": metadata})
         scores = answer.get("scores") if isinstance(answer, dict) else None
         if not isinstance(scores, list) or len(scores) != len(images):
             raise RuntimeError(f"Reward server {self.url} sent a malformed answer for {len(images)} images: {answer}")
-        return [float(score) for score in scores]
+        return [None if score is None else float(score) for score in scores]
 
-    def __call__(self, prompts: Sequence[str], images: Sequence[Image.Image], **kwargs: Any) -> list[float]:
+    def __call__(self, prompts: Sequence[str], images: Sequence[Image.Image], **kwargs: Any) -> list[float | None]:
         """Score each (prompt, image) pair on the server; JSON-serialisable ``kwargs`` go along as metadata."""
         check_pairs(prompts, images)
         step = self.batch_size or max(len(images), 1)
         columns = _json_columns(kwargs)
-        scores: list[float] = []
+        scores: list[float | None] = []
         for start in range(0, len(images), step):
             # Per-sample columns (lists as long as the batch) are split with the batch; others are sent whole.
             metadata = {

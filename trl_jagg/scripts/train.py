@@ -17,6 +17,7 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .utils import CommandParser, UsageError, flag_value
@@ -74,8 +75,8 @@ class ScriptArguments:
         metadata={
             "help": "Required (unless `recipe` gives them). Reward functions, summed with `reward_weights`: names "
             "such as pickscore, hpsv2.1, clipscore, imagereward, aesthetic, ocr, jpeg_compressibility, prompt_color "
-            "(see docs/rewards.md), or "
-            "http(s):// URLs of a reward server."
+            "(see docs/rewards.md), http(s):// URLs of a reward server, or dotted import paths of your own "
+            "functions (my_module.my_reward, importable from the working directory)."
         },
     )
     use_peft: bool = field(
@@ -89,6 +90,14 @@ class ScriptArguments:
         metadata={
             "help": "Module names the LoRA adapts; defaults to the model family's attention projections "
             "(to_q, to_k, to_v, to_out.0)."
+        },
+    )
+
+    accelerate_config: str | None = field(
+        default=None,
+        metadata={
+            "help": "Relaunch this command through `accelerate launch --config_file <file>`, as `trl` does: a path, "
+            "or a name in examples/accelerate_configs/ (single_gpu, multi_gpu, fsdp2, deepspeed_zero2)."
         },
     )
 
@@ -294,9 +303,71 @@ def run_train(script_args: ScriptArguments, training_args: GRPOJaggConfig) -> DD
     return trainer
 
 
+ACCELERATE_CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "accelerate_configs"
+"""The launch configurations of a source checkout (``examples/accelerate_configs/<name>.yaml``)."""
+
+LAUNCHED_ENV = "TRL_JAGG_ACCELERATE_LAUNCHED"
+"""Set in the processes ``--accelerate_config`` starts, so that they train instead of relaunching."""
+
+
+def resolve_accelerate_config(name: str) -> str:
+    """The file ``--accelerate_config name`` names: a path, else ``examples/accelerate_configs/<name>.yaml`` in the
+    working directory or in the source checkout trl_jagg runs from."""
+    if os.path.isfile(name):
+        return name
+    folders = [Path.cwd() / "examples" / "accelerate_configs", ACCELERATE_CONFIGS]
+    for folder in folders:
+        if (folder / f"{name}.yaml").is_file():
+            return str(folder / f"{name}.yaml")
+    names = sorted({path.stem for folder in folders if folder.is_dir() for path in folder.glob("*.yaml")})
+    raise UsageError(
+        f"accelerate_config {name!r} is neither a file nor a config in examples/accelerate_configs/ "
+        f"({', '.join(names) or 'none found'}). Give a path to an accelerate config file or one of those names."
+    )
+
+
+def accelerate_launch_args(argv: Sequence[str], config_file: str) -> list[str]:
+    """The ``accelerate launch`` arguments that run ``trl-jagg train argv`` (without ``--accelerate_config``) with
+    ``config_file``: ``--config_file <file> -m trl_jagg.cli train ...``."""
+    rest, skip = [], False
+    for token in argv:
+        if skip:
+            skip = False
+        elif token == "--accelerate_config":
+            skip = True
+        elif not token.startswith("--accelerate_config="):
+            rest.append(token)
+    return ["--config_file", config_file, "-m", "trl_jagg.cli", "train", *rest]
+
+
+def launch_with_accelerate(argv: Sequence[str], accelerate_config: str) -> int:
+    """Run ``trl-jagg train argv`` under ``accelerate launch`` with the named config (in-process, as ``trl`` does)."""
+    from accelerate.commands.launch import launch_command, launch_command_parser
+
+    config_file = resolve_accelerate_config(accelerate_config)
+    launch_args = launch_command_parser().parse_args(accelerate_launch_args(argv, config_file))
+    print(
+        f"Launching with accelerate ({config_file}): accelerate launch {' '.join(accelerate_launch_args(argv, config_file))}"
+    )
+    os.environ[LAUNCHED_ENV] = "1"  # inherited by the launched processes
+    launch_command(launch_args)
+    return 0
+
+
 def main(argv: Sequence[str]) -> int:
-    """``trl-jagg train ARGV``: parse, train, save (and push); returns the exit status."""
-    parsed = make_parser().parse_command_line(argv, recipe_defaults)
+    """``trl-jagg train ARGV``: parse, train, save (and push); returns the exit status.
+
+    With ``accelerate_config`` (flag or YAML) the command relaunches itself through ``accelerate launch``; the
+    names are checked here, the values in the launched processes, which know the number of processes.
+    """
+    parser = make_parser()
+    if not os.environ.get(LAUNCHED_ENV) and not {"-h", "--help"} & set(argv):
+        argv, config, path = parser.read_config(argv)
+        accelerate_config = flag_value(argv, "--accelerate_config") or config.get("accelerate_config")
+        if accelerate_config:
+            parser.check_names(argv, config, path)
+            return launch_with_accelerate(argv, accelerate_config)
+    parsed = parser.parse_command_line(argv, recipe_defaults)
     if parsed is None:
         return 0
     check_script_args(parsed[0])

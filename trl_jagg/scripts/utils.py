@@ -133,6 +133,20 @@ class CommandParser(TrlParser):
             if token.startswith("--") and flag not in options and flag != "--":
                 raise UsageError(f"unknown field '{flag[2:]}' ({flag}).{suggest(flag[2:], valid)}")
 
+    def read_config(self, argv: Sequence[str]) -> tuple[list[str], dict[str, Any], str | None]:
+        """``(argv, yaml, path)``: ``argv`` with ``--config=x`` split in two tokens, the ``--config`` file's mapping
+        (empty without one) and its path."""
+        argv = list(argv)
+        # TrlParser reads only the two-token form of --config.
+        for i, token in enumerate(argv):
+            if token.startswith("--config="):
+                argv[i : i + 1] = ["--config", token.split("=", 1)[1]]
+                break
+        path = flag_value(argv, "--config")
+        if "--config" in argv and path is None:
+            raise UsageError("--config needs the path of a YAML file.")
+        return argv, read_yaml(path) if path else {}, path
+
     def parse_command_line(
         self,
         argv: Sequence[str],
@@ -145,19 +159,10 @@ class CommandParser(TrlParser):
         Raises:
             UsageError: for an unknown field (with the nearest valid name) or an invalid value (naming the field).
         """
-        argv = list(argv)
         if "-h" in argv or "--help" in argv:
             self.print_help()
             return None
-        # TrlParser reads only the two-token form of --config.
-        for i, token in enumerate(argv):
-            if token.startswith("--config="):
-                argv[i : i + 1] = ["--config", token.split("=", 1)[1]]
-                break
-        config_path = flag_value(argv, "--config")
-        if "--config" in argv and config_path is None:
-            raise UsageError("--config needs the path of a YAML file.")
-        config = read_yaml(config_path) if config_path else {}
+        argv, config, config_path = self.read_config(argv)
         self.check_names(argv, config, config_path)
         if defaults is not None:
             self.set_defaults(**defaults(argv, config))
