@@ -30,16 +30,23 @@ from diffusers.training_utils import cast_training_params
 from huggingface_hub import save_torch_state_dict
 from peft import LoraConfig, get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import load_file
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.utils.data import Sampler
 from tqdm.auto import tqdm
 from transformers import TrainerCallback, set_seed
-from transformers.trainer import TRAINER_STATE_NAME, TRAINING_ARGS_NAME
+from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from trl.trainer.base_trainer import _BaseTrainer
 from trl.trainer.utils import RepeatSampler
 
-from .distributed import check_backend, check_world_size
+from .distributed import check_backend, check_world_size, fully_shard_blocks, is_fully_sharded
 from .grpo import PerPromptStatTracker, group_advantages, kl_to_reference, ppo_step_loss
 from .grpo_jagg_config import GRPOJaggConfig
 from .jagg import EngineResult, JaggEngine, gradient_diagnostic, leading_jagg_fraction, plan_groups
@@ -50,6 +57,8 @@ from .rollout import Trajectory, generate_images, sample_trajectories
 from .sampling import sampler_step
 
 LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
+# The trainer's own run state in a checkpoint (the Trainer saves weights, optimizer, scheduler and RNG itself).
+GRPO_STATE_NAME = "grpo_state.json"
 RewardFunc = Callable[..., list[float]]
 
 
@@ -151,12 +160,24 @@ class DDPOJaggTrainer(_BaseTrainer):
             callbacks=callbacks,
             optimizers=optimizers,
         )
-        check_backend(self.accelerator.distributed_type, fsdp_requested=bool(args.fsdp))
+        check_backend(
+            self.accelerator.distributed_type,
+            self.accelerator.num_processes,
+            fsdp_requested=bool(args.fsdp),
+            fully_shard_backbone=args.fully_shard_backbone,
+        )
         for component in pipeline.components.values():
             if isinstance(component, torch.nn.Module) and component is not transformer:
                 component.to(self.accelerator.device)
         if self.ref_transformer is not None:
             self.ref_transformer.to(self.accelerator.device)
+        if args.fully_shard_backbone:
+            for backbone in (transformer, self.ref_transformer):
+                if backbone is not None:
+                    fully_shard_blocks(backbone)
+            # transformers' switch for a model sharded before the Trainer sees it: no DDP wrap (DDP rejects DTensor
+            # parameters), the optimizer built on the shards, every rank inside `_save` for the gathers.
+            self.is_distributed_loading_by_transformers = True
         self.adapter.refresh_placement()
         # Dropout active in training mode makes a recomputed velocity differ from the rollout's (eval mode).
         self._has_dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in transformer.modules())
@@ -266,6 +287,7 @@ class DDPOJaggTrainer(_BaseTrainer):
             )  # fmt: skip
             trajectories.append(trajectory)
             images.extend(self.adapter.decode(trajectory.latents[:, -1], args.height, args.width))
+        _reshard(transformer)
         transformer.train(was_training)
         rollout_seconds = time.perf_counter() - start
 
@@ -547,6 +569,7 @@ class DDPOJaggTrainer(_BaseTrainer):
             context = _adapters_disabled(transformer)
         with context:
             velocities = self._velocities(transformer, batch, trained)
+        _reshard(transformer)
         sigmas = batch["sigmas"]
         return {
             k: sampler_step(
@@ -592,6 +615,7 @@ class DDPOJaggTrainer(_BaseTrainer):
             max_sequence_length=args.max_sequence_length,
             seed=args.eval_seed if seed is None else seed,
         )
+        _reshard(transformer)
         transformer.train(was_training)
         return images
 
@@ -603,11 +627,18 @@ class DDPOJaggTrainer(_BaseTrainer):
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """LoRA in the diffusers format ``pipe.load_lora_weights`` reads; full fine-tuning as ``save_pretrained``."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
+        # `state_dict` is the gathered full state dict under FSDP / DeepSpeed (Trainer.save_model passes it).
+        transformer = self.accelerator.unwrap_model(self.model)
+        if state_dict is None and is_fully_sharded(transformer):
+            # Sharded by the trainer (fully_shard_backbone): a collective every rank joins; the main process gets
+            # the full tensors (only the trainable ones for LoRA: the base weights are the base model's).
+            state_dict = get_model_state_dict(
+                transformer,
+                options=StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=self.is_lora),
+            )
         if not self.args.should_save:
             return
         os.makedirs(output_dir, exist_ok=True)
-        # `state_dict` is the gathered full state dict under FSDP / DeepSpeed (Trainer.save_model passes it).
-        transformer = self.accelerator.unwrap_model(self.model)
         if self.is_lora:
             self.adapter.pipeline_class.save_lora_weights(
                 output_dir,
@@ -625,6 +656,7 @@ class DDPOJaggTrainer(_BaseTrainer):
         torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
+        self._load_grpo_state(resume_from_checkpoint)
         transformer = self.accelerator.unwrap_model(model if model is not None else self.model)
         if self.is_lora:
             path = os.path.join(resume_from_checkpoint, LORA_WEIGHTS_NAME)
@@ -632,9 +664,12 @@ class DDPOJaggTrainer(_BaseTrainer):
                 raise ValueError(f"No {LORA_WEIGHTS_NAME} in {resume_from_checkpoint}: not a LoRA checkpoint.")
             prefix = f"{self.adapter.pipeline_class.transformer_name}."
             state = {k.removeprefix(prefix): v for k, v in load_file(path).items()}
-            result = set_peft_model_state_dict(transformer, state)
-            if getattr(result, "unexpected_keys", None):
-                raise ValueError(f"Checkpoint {path} has keys the adapter lacks: {result.unexpected_keys[:5]}")
+            if is_fully_sharded(transformer):
+                _load_full_state_dict(transformer, _lora_state_in_model_keys(transformer, state, path), strict=False)
+            else:
+                result = set_peft_model_state_dict(transformer, state)
+                if getattr(result, "unexpected_keys", None):
+                    raise ValueError(f"Checkpoint {path} has keys the adapter lacks: {result.unexpected_keys[:5]}")
         else:
             files = sorted(glob.glob(os.path.join(resume_from_checkpoint, "diffusion_pytorch_model*.safetensors")))
             if not files:
@@ -642,7 +677,68 @@ class DDPOJaggTrainer(_BaseTrainer):
             state = {}
             for file in files:
                 state.update(load_file(file))
-            transformer.load_state_dict(state, strict=True)
+            if is_fully_sharded(transformer):
+                _load_full_state_dict(transformer, state, strict=True)
+            else:
+                transformer.load_state_dict(state, strict=True)
+
+    def _save_grpo_state(self, output_dir: str) -> None:
+        """The micro-batch counter (rollout buffer position, random trained steps) and the per-prompt reward
+        history: identical on every process (it is updated with gathered rewards), written once."""
+        state = {
+            "step": self._step,
+            "stat_tracker": None
+            if self.stat_tracker is None
+            else {prompt: list(values) for prompt, values in self.stat_tracker.history.items()},
+        }
+        with open(os.path.join(output_dir, GRPO_STATE_NAME), "w") as f:
+            json.dump(state, f)  # floats round-trip exactly through JSON
+
+    def _load_grpo_state(self, checkpoint: str) -> None:
+        path = os.path.join(checkpoint, GRPO_STATE_NAME)
+        if not os.path.isfile(path):
+            raise ValueError(f"No {GRPO_STATE_NAME} in {checkpoint}: not a checkpoint of this trainer.")
+        with open(path) as f:
+            state = json.load(f)
+        self._step = state["step"]
+        self._buffered_inputs = None
+        if self.stat_tracker is not None:
+            self.stat_tracker.history.clear()
+            for prompt, values in (state["stat_tracker"] or {}).items():
+                self.stat_tracker.history[prompt].extend(values)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if not self.args.fully_shard_backbone:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        # The base class saves the main process's optimizer, which here holds only its shards: gather the full
+        # state (a collective), so the checkpoint loads on any number of processes.
+        state = get_optimizer_state_dict(
+            self.model,
+            _torch_optimizer(self.optimizer),
+            options=StateDictOptions(full_state_dict=True, cpu_offload=True),
+        )
+        if self.args.should_save:
+            torch.save(state, os.path.join(output_dir, OPTIMIZER_NAME))
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if not self.args.fully_shard_backbone or checkpoint is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        state = torch.load(os.path.join(checkpoint, OPTIMIZER_NAME), map_location="cpu", weights_only=True)
+        set_optimizer_state_dict(
+            self.model, _torch_optimizer(self.optimizer), state, options=StateDictOptions(full_state_dict=True)
+        )
+        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
+
+    @contextlib.contextmanager
+    def _defer_fsdp_gradient_reduction(self):
+        # Accumulation micro-batches before the last keep unreduced gradients; the base class reads a
+        # transformers-only config attribute to choose between HSDP and FSDP, and the backbone here is plain FSDP.
+        self.model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)
 
     def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
         """Write ``checkpoint-N`` atomically: into a staging folder, renamed once complete."""
@@ -662,6 +758,7 @@ class DDPOJaggTrainer(_BaseTrainer):
                 if isinstance(callback, ExportableState):
                     self.state.stateful_callbacks[callback.__class__.__name__] = callback.state()
             self.state.save_to_json(os.path.join(staging_dir, TRAINER_STATE_NAME))
+            self._save_grpo_state(staging_dir)
         self.accelerator.wait_for_everyone()
         if self.args.should_save:
             if os.path.isdir(final_dir):
@@ -769,6 +866,36 @@ def _split_rollout(rollout: dict[str, Any], num_chunks: int) -> list[dict[str, A
         chunk["cond"] = rollout["cond"].select(index)
         chunks.append(chunk)
     return chunks
+
+
+def _reshard(transformer: torch.nn.Module) -> None:
+    """Free the gathered parameters of an FSDP2 root after forward-only (no-grad) use: FSDP2 keeps the root's
+    parameters unsharded after forward, for the backward that would follow, and a no-grad pass has none."""
+    if is_fully_sharded(transformer):
+        transformer.reshard()
+
+
+def _torch_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer inside accelerate's ``AcceleratedOptimizer`` wrapper."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+def _lora_state_in_model_keys(
+    transformer: torch.nn.Module, state: dict[str, torch.Tensor], path: str
+) -> dict[str, torch.Tensor]:
+    """A saved diffusers LoRA (adapter name stripped, as ``get_peft_model_state_dict`` writes it) under the
+    backbone's own parameter names, for loading into sharded parameters."""
+    adapter = next(iter(transformer.peft_config))
+    names = {name.replace(f".{adapter}.", "."): name for name, _ in transformer.named_parameters() if "lora_" in name}
+    unexpected = sorted(set(state) - set(names))
+    if unexpected:
+        raise ValueError(f"Checkpoint {path} has keys the adapter lacks: {unexpected[:5]}")
+    return {names[key]: value for key, value in state.items()}
+
+
+def _load_full_state_dict(transformer: torch.nn.Module, state: dict[str, torch.Tensor], *, strict: bool) -> None:
+    """Load full (unsharded) tensors, present on every rank, into an FSDP2-sharded backbone."""
+    set_model_state_dict(transformer, state, options=StateDictOptions(full_state_dict=True, strict=strict))
 
 
 @contextlib.contextmanager

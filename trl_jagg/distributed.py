@@ -1,4 +1,4 @@
-"""Distributed setup of the trainer: refusing launches that silently degrade.
+"""Distributed setup of the trainer: refusing launches that silently degrade, and FSDP2 sharding of the backbone.
 
 Several launch paths give a run that looks distributed but is not, without any error (measured with accelerate 1.15
 on CPU): ``accelerate launch --cpu --num_processes 2`` starts one process; ``--multi_gpu`` on a machine without GPUs
@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+
+import torch
 
 # Where launchers put the number of processes they started: torchrun / accelerate's multi-process launchers, then
 # the MPI implementations accelerate reads for multi-CPU runs.
@@ -53,15 +55,20 @@ def check_world_size(num_processes: int, env: Mapping[str, str] | None = None) -
 
 def check_backend(
     distributed_type: str,
+    num_processes: int,
     *,
     fsdp_requested: bool,
+    fully_shard_backbone: bool = False,
     env: Mapping[str, str] | None = None,
 ) -> None:
-    """Raise if FSDP or DeepSpeed was asked for but the accelerator state runs something else.
+    """Raise if FSDP or DeepSpeed was asked for but the accelerator state runs something else, or if the trainer's
+    own sharding (``fully_shard_backbone``) cannot apply.
 
     Args:
         distributed_type: ``accelerator.distributed_type`` (e.g. ``"FSDP"``, ``"MULTI_CPU"``).
+        num_processes: ``accelerator.num_processes``.
         fsdp_requested: whether the training arguments ask for FSDP (``TrainingArguments.fsdp``).
+        fully_shard_backbone: ``GRPOJaggConfig.fully_shard_backbone``.
         env: the environment the launcher set (defaults to ``os.environ``).
     """
     env = os.environ if env is None else env
@@ -71,10 +78,51 @@ def check_backend(
         raise RuntimeError(
             f"FSDP was requested ({cause}: `accelerate launch --use_fsdp` or an FSDP config file) but the "
             f"accelerator runs {distributed_type}: accelerate never applies FSDP without GPUs and falls back to "
-            "plain data parallelism without a warning. On GPUs check that every process sees a GPU."
+            "plain data parallelism without a warning. On CPU, shard the backbone in the trainer instead "
+            "(`fully_shard_backbone=True` under `torchrun --nproc_per_node N ... --use_cpu true`); on GPUs check "
+            "that every process sees a GPU."
         )
     if _true(env, "ACCELERATE_USE_DEEPSPEED") and distributed_type != "DEEPSPEED":
         raise RuntimeError(
             f"DeepSpeed was requested (ACCELERATE_USE_DEEPSPEED=true) but the accelerator runs {distributed_type}. "
             "Install deepspeed (`pip install deepspeed`) and launch on GPUs."
         )
+    if fully_shard_backbone:
+        if distributed_type in ("FSDP", "DEEPSPEED"):
+            raise ValueError(
+                "GRPOJaggConfig.fully_shard_backbone=True shards the backbone in the trainer, but the accelerator "
+                f"already shards it ({distributed_type}). Use one of the two (on GPUs, accelerate's FSDP2 plugin)."
+            )
+        if num_processes < 2:
+            raise ValueError(
+                "GRPOJaggConfig.fully_shard_backbone=True needs several processes, got 1. Launch with "
+                "`torchrun --nproc_per_node N ...` (add `--use_cpu true` on CPU), or set it to False."
+            )
+
+
+def fully_shard_blocks(backbone: torch.nn.Module) -> None:
+    """Shard ``backbone`` in place with FSDP2 over the default process group: each transformer block (the classes
+    of diffusers' ``_no_split_modules``, the wrap unit of accelerate's ``TRANSFORMER_BASED_WRAP``), then the root.
+
+    LoRA layers must be added before (they are sharded with their block). Parameters become ``DTensor`` shards; a
+    forward or backward of the backbone is then a collective: every process must make the same calls.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    names = set(getattr(backbone, "_no_split_modules", None) or ())
+    blocks = [module for module in backbone.modules() if type(module).__name__ in names]
+    if not blocks:
+        raise ValueError(
+            f"{type(backbone).__name__} declares no transformer block classes (`_no_split_modules` is "
+            f"{sorted(names)}): fully_shard_backbone needs them as the wrap unit."
+        )
+    for block in blocks:
+        fully_shard(block)
+    fully_shard(backbone)
+
+
+def is_fully_sharded(module: torch.nn.Module) -> bool:
+    """Whether ``module`` was sharded with FSDP2's ``fully_shard`` (by the trainer or by accelerate's plugin)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)

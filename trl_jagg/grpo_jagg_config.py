@@ -51,6 +51,10 @@ class GRPOJaggConfig(TrainingArguments):
         use_jagg, jagg_group_size, jagg_frac, jagg_probe_steps, jagg_cos_threshold, jagg_mode,
         jagg_cache_velocities, jagg_endpoint_backward, no_grad_batch_steps.
 
+        > Distributed
+
+        fully_shard_backbone.
+
         > Evaluation images
 
         eval_prompts, eval_num_inference_steps, eval_seed, image_log_steps, log_completions.
@@ -273,6 +277,16 @@ class GRPOJaggConfig(TrainingArguments):
             "help": "Trained steps whose no-grad backbone forwards (KL reference, uncached JAGG intermediates) run as "
             "one batched call of `steps x micro-batch` samples: the memory cap of those calls. None: all in one "
             "call; 1: one call per step."
+        },
+    )
+
+    # ---- Distributed ----
+    fully_shard_backbone: bool = field(
+        default=False,
+        metadata={
+            "help": "Shard the backbone with torch's FSDP2 `fully_shard` inside the trainer (each transformer block, "
+            "then the root) over the launched processes, for launches where accelerate's FSDP plugin does not apply "
+            "(CPU / gloo under `torchrun`). On GPUs use accelerate's plugin (`examples/accelerate_configs/fsdp2.yaml`)."
         },
     )
 
