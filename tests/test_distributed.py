@@ -280,11 +280,12 @@ def _torchrun(script: str, *args: str, timeout: int = 300):
     return proc
 
 
-def test_trainer_with_fully_sharded_backbone(tiny_flux_path, tmp_path):
-    """`fully_shard_backbone=True` on 2 gloo processes (blocks then root sharded with FSDP2, KL reference sharded
-    too): for LoRA and full fine-tuning, the JAGG and the exact update give the gradient of one process on the same
-    global batch (1e-5); after a real training step the gathered weights load into a fresh single-process pipeline
-    that renders the image the sharded model renders."""
+def test_trainer_gradients_on_two_processes(tiny_flux_path, tmp_path):
+    """The trainer on 2 gloo processes against one process on the same global batch (1e-5), JAGG and exact:
+    - `fully_shard_backbone=True` (blocks then root sharded with FSDP2, KL reference sharded too), LoRA and full
+      fine-tuning; after a real training step the gathered weights load into a fresh single-process pipeline that
+      renders the image the sharded model renders;
+    - DDP with `jagg_endpoint_backward="sequential"` (LoRA)."""
     import json
 
     import numpy as np
@@ -295,47 +296,44 @@ def test_trainer_with_fully_sharded_backbone(tiny_flux_path, tmp_path):
 
     worker = _load_script("fsdp_trainer")
     reference = {}
-    for kind in ("lora", "full"):
-        trainer = worker.build_trainer(
-            tiny_flux_path, str(tmp_path / f"ref-{kind}"), lora=kind == "lora", world_size=1
-        )
+    for kind in worker.KINDS:
+        trainer = worker.build_trainer(tiny_flux_path, str(tmp_path / f"ref-{kind}"), kind, world_size=1)
         batch = trainer._generate_and_score([{"prompt": p} for p in worker.PROMPTS])
         torch.save(batch, tmp_path / f"{kind}_batch.pt")
-        reference[kind] = {
-            mode: worker.gradients(trainer, batch, use_jagg=mode == "jagg") for mode in ("jagg", "exact")
-        }
+        reference[kind] = {m: worker.gradients(trainer, batch, use_jagg=m == "jagg") for m in ("jagg", "exact")}
         del trainer
 
     _torchrun("fsdp_trainer", tiny_flux_path, str(tmp_path))
 
     reports = [json.loads((tmp_path / f"report{r}.json").read_text()) for r in range(2)]
-    for kind in ("lora", "full"):
+    for kind in worker.KINDS:
         assert [r[kind]["world"] for r in reports] == [2, 2]
         assert all(r[kind]["sharded"] and r[kind]["reference_sharded"] for r in reports), reports
-        sharded = torch.load(tmp_path / f"{kind}_grads_fsdp.pt")
+        two_process = torch.load(tmp_path / f"{kind}_grads_2proc.pt")
         for mode in ("jagg", "exact"):
             ref = reference[kind][mode]
-            assert sharded[mode].keys() == ref.keys() and len(ref) == reports[0][kind]["num_trainable"]
+            assert two_process[mode].keys() == ref.keys() and len(ref) == reports[0][kind]["num_trainable"]
             assert sum(g.abs().sum() for g in ref.values()) > 0
             for name, grad in ref.items():
                 torch.testing.assert_close(
-                    sharded[mode][name], grad, atol=1e-5, rtol=1e-5, msg=f"{kind} {mode} {name}"
+                    two_process[mode][name], grad, atol=1e-5, rtol=1e-5, msg=f"{kind} {mode} {name}"
                 )
         # JAGG differs from exact here (W = 3 interpolates an inner step), so the two checks are distinct.
         assert any(not torch.allclose(reference[kind]["jagg"][n], reference[kind]["exact"][n]) for n in ref)
 
+    for kind in ("lora", "full"):
         pipe = FluxPipeline.from_pretrained(tiny_flux_path)
         if kind == "lora":
             pipe.load_lora_weights(str(tmp_path / "lora_saved"))
         else:
             pipe.transformer = FluxTransformer2DModel.from_pretrained(str(tmp_path / "full_saved"))
-        # The settings of the trainer's sample_images (build_trainer's, eval_seed 0), in a fresh single process.
-        image = generate_images(load_adapter(pipe), [worker.RENDER_PROMPT], num_steps=5, height=32, width=32,
-                                guidance_scale=3.5, max_sequence_length=16, seed=0)[0]  # fmt: skip
+        # The settings of the trainer's sample_images (build_trainer's, seed 0), in a fresh single process.
+        settings = dict(num_steps=5, height=32, width=32, guidance_scale=3.5, max_sequence_length=16, seed=0)
+        image = generate_images(load_adapter(pipe), [worker.RENDER_PROMPT], **settings)[0]
         rendered = np.load(tmp_path / f"{kind}_image.npy")
         assert np.abs(np.asarray(image).astype(int) - rendered.astype(int)).max() <= 1, kind
         base = generate_images(load_adapter(FluxPipeline.from_pretrained(tiny_flux_path)), [worker.RENDER_PROMPT],
-                               num_steps=5, height=32, width=32, guidance_scale=3.5, max_sequence_length=16, seed=0)[0]  # fmt: skip
+                               **settings)[0]  # fmt: skip
         assert np.abs(np.asarray(base).astype(int) - rendered.astype(int)).max() > 1, "the saved weights are the base"
 
 

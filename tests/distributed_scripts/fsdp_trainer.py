@@ -1,9 +1,12 @@
-"""Worker of ``tests/test_distributed.py::test_trainer_with_fully_sharded_backbone`` (run under torchrun, 2 CPU
+"""Worker of ``tests/test_distributed.py::test_trainer_gradients_on_two_processes`` (run under torchrun, 2 CPU
 processes), and the trainer setup the test's single-process reference shares with it.
 
-Each rank: builds the trainer with ``fully_shard_backbone=True`` for LoRA and for full fine-tuning (KL on, so the
-reference runs under FSDP too), computes the JAGG and the exact gradient of its half of the rollout the test saved,
-gathers the full gradients, then trains one real step, saves the weights (a gathered state dict) and renders an image.
+Each rank builds the trainer of each KIND, computes the JAGG and the exact gradient of its half of the rollout the
+test saved, and gathers the full gradients:
+- ``lora`` / ``full``: ``fully_shard_backbone=True`` (KL on, so the reference runs under FSDP too); then one real
+  training step, the weights saved (a gathered state dict) and an image rendered;
+- ``ddp-sequential``: LoRA under DDP with ``jagg_endpoint_backward="sequential"`` (the first endpoint's backward
+  inside ``no_sync``).
 """
 
 from __future__ import annotations
@@ -20,15 +23,22 @@ from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
 
 PROMPTS = ["a red circle", "a green square", "a blue circle", "a red square"]
 RENDER_PROMPT = "a green circle"
+KINDS = {
+    "lora": {"lora": True, "shard": True},
+    "full": {"lora": False, "shard": True},
+    "ddp-sequential": {"lora": True, "shard": False, "jagg_endpoint_backward": "sequential"},
+}
 
 
-def build_trainer(model_path: str, output_dir: str, *, lora: bool, world_size: int) -> DDPOJaggTrainer:
-    """The trainer both sides use; ``world_size`` processes share the same global batch of 4 images."""
+def build_trainer(model_path: str, output_dir: str, kind: str, *, world_size: int) -> DDPOJaggTrainer:
+    """The trainer of ``kind`` both sides use; ``world_size`` processes share the same global batch of 4 images."""
+    settings = dict(KINDS[kind])
+    lora, shard = settings.pop("lora"), settings.pop("shard")
     args = GRPOJaggConfig(
         output_dir=output_dir, per_device_train_batch_size=4 // world_size, num_generations=2, num_inference_steps=5,
         height=32, width=32, max_steps=1, learning_rate=1e-2, clip_range=0.1, jagg_group_size=3, jagg_frac=1.0,
         beta=0.05, max_sequence_length=16, report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True,
-        fully_shard_backbone=world_size > 1, seed=3,
+        fully_shard_backbone=shard and world_size > 1, seed=3, **settings,
     )  # fmt: skip
     # init_lora_weights=False: both LoRA factors random, so every LoRA gradient is non-zero.
     peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_v"], init_lora_weights=False)
@@ -38,11 +48,11 @@ def build_trainer(model_path: str, output_dir: str, *, lora: bool, world_size: i
     )  # fmt: skip
 
 
-def gradients(trainer: DDPOJaggTrainer, batch: dict, *, use_jagg: bool) -> dict[str, torch.Tensor]:
-    """Full (gathered) gradients of one update on ``batch``, from zero."""
+def gradients(trainer: DDPOJaggTrainer, batch: dict, *, use_jagg: bool, model=None) -> dict[str, torch.Tensor]:
+    """Full (gathered) gradients of one update on ``batch``, from zero; ``model`` is the wrapped model (DDP)."""
     trainer.model.zero_grad(set_to_none=True)
     trainer.args.use_jagg = use_jagg
-    trainer._update(trainer.model, batch)
+    trainer._update(model if model is not None else trainer.model, batch)
     trainer.args.use_jagg = True
     grads = {}
     for name, p in trainer.model.named_parameters():
@@ -60,22 +70,27 @@ def main(model_path: str, work_dir: str) -> None:
     from trl_jagg.ddpo_jagg_trainer import _split_rollout
 
     report = {}
-    for kind in ("lora", "full"):
-        trainer = build_trainer(model_path, f"{work_dir}/{kind}", lora=kind == "lora", world_size=2)
+    for kind in KINDS:
+        trainer = build_trainer(model_path, f"{work_dir}/{kind}", kind, world_size=2)
         rank, world = trainer.accelerator.process_index, trainer.accelerator.num_processes
         trainable = [p for p in trainer.model.parameters() if p.requires_grad]
         batch = torch.load(f"{work_dir}/{kind}_batch.pt", weights_only=False)
         local = _split_rollout(batch, world)[rank]
-        grads = {mode: gradients(trainer, local, use_jagg=mode == "jagg") for mode in ("jagg", "exact")}
-        trainer.train()  # one real step: sharded rollout, update, clipping, optimizer step
-        trainer.save_model(f"{work_dir}/{kind}_saved")
-        image = np.asarray(trainer.sample_images([RENDER_PROMPT], seed=0)[0])
+        # DDP: the wrapper the Trainer's accelerator.prepare would build; FSDP2: the sharded module itself.
+        model = trainer.model if KINDS[kind]["shard"] else trainer.accelerator.prepare_model(trainer.model)
+        assert KINDS[kind]["shard"] or isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        grads = {mode: gradients(trainer, local, use_jagg=mode == "jagg", model=model) for mode in ("jagg", "exact")}
         if rank == 0:
-            torch.save(grads, f"{work_dir}/{kind}_grads_fsdp.pt")
-            np.save(f"{work_dir}/{kind}_image.npy", image)
+            torch.save(grads, f"{work_dir}/{kind}_grads_2proc.pt")
+        if KINDS[kind]["shard"]:
+            trainer.train()  # one real step: sharded rollout, update, clipping, optimizer step
+            trainer.save_model(f"{work_dir}/{kind}_saved")
+            image = np.asarray(trainer.sample_images([RENDER_PROMPT], seed=0)[0])
+            if rank == 0:
+                np.save(f"{work_dir}/{kind}_image.npy", image)
         report[kind] = {
             "world": world,
-            "sharded": all(isinstance(p, DTensor) for p in trainable),
+            "sharded": all(isinstance(p, DTensor) for p in trainable) == KINDS[kind]["shard"],
             "num_trainable": len(trainable),
             "reference_sharded": trainer.ref_transformer is None
             or all(isinstance(p, DTensor) for p in trainer.ref_transformer.parameters()),
