@@ -190,14 +190,20 @@ def test_fsdp_or_deepspeed_fallback_is_refused():
     from trl_jagg.distributed import check_backend
 
     with pytest.raises(RuntimeError, match="ACCELERATE_USE_FSDP=true.*runs MULTI_CPU"):
-        check_backend("MULTI_CPU", fsdp_requested=False, env={"ACCELERATE_USE_FSDP": "true"})
+        check_backend("MULTI_CPU", 2, fsdp_requested=False, env={"ACCELERATE_USE_FSDP": "true"})
     with pytest.raises(RuntimeError, match=r"TrainingArguments\.fsdp.*runs MULTI_GPU"):
-        check_backend("MULTI_GPU", fsdp_requested=True, env={})
+        check_backend("MULTI_GPU", 2, fsdp_requested=True, env={})
     with pytest.raises(RuntimeError, match="ACCELERATE_USE_DEEPSPEED=true.*runs NO"):
-        check_backend("NO", fsdp_requested=False, env={"ACCELERATE_USE_DEEPSPEED": "true"})
-    check_backend("FSDP", fsdp_requested=True, env={"ACCELERATE_USE_FSDP": "true"})
-    check_backend("DEEPSPEED", fsdp_requested=False, env={"ACCELERATE_USE_DEEPSPEED": "true"})
-    check_backend("MULTI_CPU", fsdp_requested=False, env={"ACCELERATE_USE_FSDP": "false"})
+        check_backend("NO", 1, fsdp_requested=False, env={"ACCELERATE_USE_DEEPSPEED": "true"})
+    check_backend("FSDP", 2, fsdp_requested=True, env={"ACCELERATE_USE_FSDP": "true"})
+    check_backend("DEEPSPEED", 2, fsdp_requested=False, env={"ACCELERATE_USE_DEEPSPEED": "true"})
+    check_backend("MULTI_CPU", 2, fsdp_requested=False, env={"ACCELERATE_USE_FSDP": "false"})
+    # The trainer's own sharding: not on top of accelerate's, not in one process.
+    with pytest.raises(ValueError, match="fully_shard_backbone.*already shards it \\(FSDP\\)"):
+        check_backend("FSDP", 2, fsdp_requested=True, fully_shard_backbone=True, env={"ACCELERATE_USE_FSDP": "true"})
+    with pytest.raises(ValueError, match="fully_shard_backbone=True needs several processes, got 1"):
+        check_backend("NO", 1, fsdp_requested=False, fully_shard_backbone=True, env={})
+    check_backend("MULTI_CPU", 2, fsdp_requested=False, fully_shard_backbone=True, env={})
 
 
 REFUSED_SCRIPT = """
