@@ -1,5 +1,6 @@
-"""Memory controls of the trainer: gradient checkpointing, frozen components off the accelerator, precomputed prompt
-embeddings. Each must leave the update's gradient (or the rollout's conditioning) unchanged."""
+"""Memory and scale controls of the trainer: gradient checkpointing, frozen components off the accelerator,
+precomputed prompt embeddings, and the backward wiring under DeepSpeed. Each must leave the update's gradient (or the
+rollout) unchanged."""
 
 from __future__ import annotations
 
@@ -54,3 +55,133 @@ def test_gradient_checkpointing_gives_the_same_gradient(tiny_flux_path, tmp_path
     assert got.keys() == expected.keys() and sum(g.abs().sum() for g in expected.values()) > 0
     for name, grad in expected.items():
         torch.testing.assert_close(got[name], grad, atol=1e-6, rtol=1e-6, msg=name)
+
+
+def test_deepspeed_backward_steps_once_per_micro_batch(tiny_flux_path, tmp_path):
+    """Under DeepSpeed (simulated: deepspeed is not installed here), accelerate's real DeepSpeedEngineWrapper drives
+    an engine that records its calls. Several backward units of one update: every call but the last is not an
+    accumulation boundary, the engine steps once, DeepSpeed does not divide by the accumulation steps again, and the
+    gradient is the one without DeepSpeed. On an accumulation micro-batch (sync off) nothing steps."""
+    from unittest import mock
+
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType
+    from accelerate.utils.deepspeed import DeepSpeedEngineWrapper
+
+    class RecordingEngine:
+        def __init__(self):
+            self.calls = []
+
+        def set_gradient_accumulation_boundary(self, is_boundary):
+            self.calls.append(("boundary", is_boundary))
+
+        def backward(self, loss, **kwargs):
+            self.calls.append(("backward", kwargs))
+            loss.backward()
+
+        def step(self):
+            self.calls.append(("step",))
+
+    trainer = make_trainer(tiny_flux_path, tmp_path)
+    batch = trainer._generate_and_score([{"prompt": p} for p in PROMPTS for _ in range(2)])
+    expected = update_gradients(trainer, batch)
+    engine = RecordingEngine()
+    trainer.accelerator.deepspeed_engine_wrapped = DeepSpeedEngineWrapper(engine)
+    deepspeed = mock.patch.object(
+        Accelerator, "distributed_type", new_callable=mock.PropertyMock, return_value=DistributedType.DEEPSPEED
+    )
+    with deepspeed:
+        got = update_gradients(trainer, batch)
+        num_backward = trainer._metrics["jagg/backward_calls"][-1]
+        assert num_backward >= 2
+        boundaries = [c[1] for c in engine.calls if c[0] == "boundary"]
+        assert boundaries == [False] * (num_backward - 1) + [True]
+        assert [c for c in engine.calls if c[0] == "step"] == [("step",)]
+        assert all(c[1] == {"scale_wrt_gas": False} for c in engine.calls if c[0] == "backward")
+        assert engine.calls[-1] == ("step",)
+        for name, grad in expected.items():
+            torch.testing.assert_close(got[name], grad, atol=1e-6, rtol=1e-6, msg=name)
+
+        engine.calls.clear()
+        trainer.accelerator.gradient_state._set_sync_gradients(False)  # a micro-batch before the last of a window
+        try:
+            update_gradients(trainer, batch)
+        finally:
+            trainer.accelerator.gradient_state._set_sync_gradients(True)
+        assert not any(c[0] == "step" for c in engine.calls)
+        assert {c[1] for c in engine.calls if c[0] == "boundary"} == {False}
+    assert trainer.accelerator.gradient_state.sync_gradients
+
+
+def _spy_placement(modules: dict[str, torch.nn.Module], events: list) -> None:
+    """Record every ``.to(device)`` of ``modules`` and every forward call with the device last requested."""
+    for name, module in modules.items():
+        original = module.to
+        state = {"device": "initial"}
+
+        def to(*args, _original=original, _state=state, _name=name, **kwargs):
+            _state["device"] = str(args[0] if args else kwargs.get("device"))
+            events.append(("to", _name, _state["device"]))
+            return _original(*args, **kwargs)
+
+        module.to = to
+        runs = getattr(module, "decoder", module)  # the VAE runs through `decode`, not `forward`
+        runs.register_forward_pre_hook(
+            lambda *_, _state=state, _name=name: events.append(("run", _name, _state["device"]))
+        )
+
+
+def test_offloaded_frozen_modules_visit_the_accelerator_only_to_run(tiny_flux_path, tmp_path):
+    """`offload_frozen_modules`: the VAE and text encoders start on the CPU, are moved to the accelerator right
+    before they run and back to the CPU right after (the moves are recorded: on this CPU machine the accelerator is
+    the CPU too); the rollout is the one without offloading."""
+    kept = make_trainer(tiny_flux_path, tmp_path / "kept")
+    expected = kept._generate_and_score([{"prompt": p} for p in PROMPTS for _ in range(2)])
+    trainer = make_trainer(tiny_flux_path, tmp_path / "offload", offload_frozen_modules=True)
+    pipe = trainer.adapter.pipeline
+    modules = {"vae": pipe.vae, "text_encoder": pipe.text_encoder, "text_encoder_2": pipe.text_encoder_2}
+    assert all(next(m.parameters()).device.type == "cpu" for m in modules.values())
+    events = []
+    _spy_placement(modules, events)
+    got = trainer._generate_and_score([{"prompt": p} for p in PROMPTS for _ in range(2)])
+    trainer.sample_images(["a blue circle"])
+    device = str(trainer.accelerator.device)
+    for name in modules:
+        mine = [e for e in events if e[1] == name]
+        assert any(e[0] == "run" for e in mine), name
+        assert all(e[2] == device for e in mine if e[0] == "run"), mine  # runs only after a move to the accelerator
+        moves = [e[2] for e in mine if e[0] == "to"]
+        assert moves and moves[-1] == "cpu" and moves[::2] == [device] * len(moves[::2]), (name, moves)
+    for key in ("latents", "log_probs", "advantages"):
+        torch.testing.assert_close(got[key], expected[key], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["flux", "qwenimage"])
+def test_precomputed_prompt_embeds_give_the_same_rollout(tiny_flux_path, tiny_qwenimage_path, tmp_path, family):
+    """`precompute_prompt_embeds`: every training prompt is encoded once at start, one at a time; rollouts then run
+    no text encoder and equal the ones that encode each batch (Qwen-Image pads prompts of different lengths into a
+    batch with a mask, as its pipeline does)."""
+    path = tiny_flux_path if family == "flux" else tiny_qwenimage_path
+    prompts = ["a red circle", "a green square"] if family == "flux" else ["a red circle", "a very small green square"]
+    inputs = [{"prompt": p} for p in prompts for _ in range(2)]
+    settings = {"true_cfg_scale": 1.0} if family == "qwenimage" else {}
+    plain = make_trainer(path, tmp_path / "plain", **settings)
+    expected = plain._generate_and_score(inputs)
+
+    encoder_calls = []
+    trainer = make_trainer(path, tmp_path / "table", precompute_prompt_embeds=True, **settings)
+    assert sorted(trainer._prompt_table) == sorted(PROMPTS if family == "flux" else set(PROMPTS))
+    pipe = trainer.adapter.pipeline
+    for name, module in pipe.components.items():
+        if name.startswith("text_encoder") and module is not None:
+            module.register_forward_pre_hook(lambda *_: encoder_calls.append(1))
+    got = trainer._generate_and_score([{"prompt": p} for p in PROMPTS for _ in range(2)])
+    assert encoder_calls == []  # the training prompts come from the table
+    if family == "qwenimage":  # a new prompt is encoded once, then batched with the others
+        got = trainer._generate_and_score(inputs)
+        assert encoder_calls and "a very small green square" in trainer._prompt_table
+        assert "prompt_embeds_mask" in got["cond"].per_sample  # the two lengths differ: padded with a mask
+    else:
+        got = trainer._generate_and_score(inputs)
+    for key in ("latents", "log_probs", "advantages"):
+        torch.testing.assert_close(got[key], expected[key], atol=1e-5, rtol=1e-5, msg=key)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from accelerate.utils import gather_object
+from accelerate.utils import DistributedType, gather_object
 from datasets import Dataset
 from diffusers import DiffusionPipeline
 from diffusers.configuration_utils import FrozenDict
@@ -166,9 +166,13 @@ class DDPOJaggTrainer(_BaseTrainer):
             fsdp_requested=bool(args.fsdp),
             fully_shard_backbone=args.fully_shard_backbone,
         )
+        offloaded = self._text_encoders + self._vae if args.offload_frozen_modules else []
         for component in pipeline.components.values():
             if isinstance(component, torch.nn.Module) and component is not transformer:
-                component.to(self.accelerator.device)
+                component.to("cpu" if any(component is m for m in offloaded) else self.accelerator.device)
+        self._prompt_table: dict[str, dict[str, torch.Tensor]] = {}
+        if args.precompute_prompt_embeds and isinstance(train_dataset, Dataset):
+            self._precompute_prompt_embeds([str(p) for p in train_dataset["prompt"]])
         if self.ref_transformer is not None:
             self.ref_transformer.to(self.accelerator.device)
         if args.fully_shard_backbone:
@@ -255,13 +259,9 @@ class DDPOJaggTrainer(_BaseTrainer):
         stochastic_steps = self._sde_window()
         # Encode every distinct prompt once; samples index into it.
         unique = list(dict.fromkeys(prompts))
-        cond = self.adapter.condition(
-            unique,
-            height=args.height,
-            width=args.width,
-            negative_prompt=self._negative_prompt,
-            max_sequence_length=args.max_sequence_length,
-        ).select(torch.tensor([unique.index(p) for p in prompts], device=self.accelerator.device))
+        cond = self._condition(unique).select(
+            torch.tensor([unique.index(p) for p in prompts], device=self.accelerator.device)
+        )
 
         generator = torch.Generator(self.accelerator.device).manual_seed(
             self._rng_seed(self.accelerator.process_index)
@@ -286,7 +286,8 @@ class DDPOJaggTrainer(_BaseTrainer):
                 transformer=transformer, record_velocities=record_velocities,
             )  # fmt: skip
             trajectories.append(trajectory)
-            images.extend(self.adapter.decode(trajectory.latents[:, -1], args.height, args.width))
+            with self._frozen_on_accelerator(self._vae):
+                images.extend(self.adapter.decode(trajectory.latents[:, -1], args.height, args.width))
         _reshard(transformer)
         transformer.train(was_training)
         rollout_seconds = time.perf_counter() - start
@@ -361,6 +362,76 @@ class DDPOJaggTrainer(_BaseTrainer):
         if batch["velocity_key"] != self._velocity_key() or (model.training and self._has_dropout):
             return {}
         return {i: batch["velocities"][:, k] for i, k in enumerate(trained)}
+
+    # ------------------------------------------------------------------ frozen components
+    @property
+    def _text_encoders(self) -> list[torch.nn.Module]:
+        pipeline = self.adapter.pipeline
+        return [c for name, c in pipeline.components.items() if name.startswith("text_encoder") and c is not None]
+
+    @property
+    def _vae(self) -> list[torch.nn.Module]:
+        return [self.adapter.pipeline.vae]
+
+    @contextlib.contextmanager
+    def _frozen_on_accelerator(self, modules: list[torch.nn.Module]):
+        """With ``offload_frozen_modules``, frozen ``modules`` live on the CPU and visit the accelerator only while
+        they run; otherwise they stay where they are."""
+        if not self.args.offload_frozen_modules:
+            yield
+            return
+        for module in modules:
+            module.to(self.accelerator.device)
+        try:
+            yield
+        finally:
+            for module in modules:
+                module.to("cpu")
+
+    def _encode_one(self, prompt: str) -> dict[str, torch.Tensor]:
+        """One prompt's encoding (batch 1), kept on the CPU for the precomputed table."""
+        encoded = self.adapter.encode_prompts([prompt], self.args.max_sequence_length)
+        return {key: value.cpu() for key, value in encoded.items() if value is not None}
+
+    def _precompute_prompt_embeds(self, prompts: Sequence[str]) -> None:
+        """Encode each distinct prompt once (and the negative prompt), one at a time as DanceGRPO does: a prompt's
+        encoding then never depends on the batch it lands in."""
+        unique = [p for p in dict.fromkeys(prompts) if p not in self._prompt_table]
+        if not unique:
+            return
+        with torch.no_grad(), self._frozen_on_accelerator(self._text_encoders):
+            for prompt in unique:
+                self._prompt_table[prompt] = self._encode_one(prompt)
+            if self._negative_prompt is not None:  # the adapter encodes it once (cached per device): now
+                self._condition_from_table(unique[:1])
+
+    def _condition_from_table(self, prompts: list[str]):
+        args = self.args
+        encoded = self.adapter.collate([self._prompt_table[p] for p in prompts])
+        return self.adapter.condition(
+            prompts,
+            height=args.height,
+            width=args.width,
+            negative_prompt=self._negative_prompt,
+            max_sequence_length=args.max_sequence_length,
+            encoded={key: value.to(self.accelerator.device) for key, value in encoded.items()},
+        )
+
+    def _condition(self, prompts: list[str]):
+        """The conditioning of distinct ``prompts``: from the precomputed table (``precompute_prompt_embeds``; a
+        prompt met for the first time is added to it), else encoded now."""
+        args = self.args
+        if args.precompute_prompt_embeds:
+            self._precompute_prompt_embeds(prompts)
+            return self._condition_from_table(prompts)
+        with self._frozen_on_accelerator(self._text_encoders):
+            return self.adapter.condition(
+                prompts,
+                height=args.height,
+                width=args.width,
+                negative_prompt=self._negative_prompt,
+                max_sequence_length=args.max_sequence_length,
+            )
 
     @property
     def _negative_prompt(self) -> str | None:
@@ -472,8 +543,8 @@ class DDPOJaggTrainer(_BaseTrainer):
         engine = JaggEngine(
             fns.velocity_fn,
             fns.loss_fn,
-            self.accelerator.backward,
-            sync_context=lambda is_last: contextlib.nullcontext() if is_last else self.accelerator.no_sync(model),
+            self._backward,
+            sync_context=lambda is_last: self._backward_unit(model, is_last),
             loss_weight=1.0 / (len(fns.trained) * self.current_gradient_accumulation_steps),
             cached_velocities=self._cached_velocities(model, batch, fns.trained) if args.use_jagg else None,
             no_grad_velocities_fn=fns.no_grad_velocities_fn,
@@ -493,6 +564,25 @@ class DDPOJaggTrainer(_BaseTrainer):
         self._metrics["jagg/cached_velocities"].append(result.num_cached)
         self._metrics["jagg/no_grad_forwards"].append(result.num_no_grad_forwards)
         return result
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        """``accelerator.backward``; under DeepSpeed without its own division by the accumulation steps: the engine's
+        loss weight already has it (the Trainer passes ``scale_wrt_gas=False`` for the same reason)."""
+        if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
+            self.accelerator.backward(loss, scale_wrt_gas=False)
+        else:
+            self.accelerator.backward(loss)
+
+    def _backward_unit(self, model: torch.nn.Module, is_last: bool) -> contextlib.AbstractContextManager:
+        """The context of one backward unit of a micro-batch: all but the last defer the gradient reduction (DDP's
+        ``no_sync``) or, under DeepSpeed, the optimizer step: accelerate's DeepSpeed backward steps the engine after
+        every backward call of a boundary micro-batch, which would step once per unit. ZeRO-2 reduces at every
+        backward call anyway; the engine accumulates them until the single step."""
+        if is_last:
+            return contextlib.nullcontext()
+        if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
+            return _deepspeed_step_deferred(self.accelerator)
+        return self.accelerator.no_sync(model)
 
     def _auto_jagg_frac(self, batch: dict[str, Any], fns: _StepFunctions) -> float:
         """``jagg_frac="auto"``: every ``jagg_probe_steps`` optimizer steps, the JAGG-vs-exact gradient cosine of
@@ -603,18 +693,19 @@ class DDPOJaggTrainer(_BaseTrainer):
         transformer = self.accelerator.unwrap_model(self.model)
         was_training = transformer.training
         transformer.eval()
-        images = generate_images(
-            self.adapter,
-            list(prompts if prompts is not None else args.eval_prompts),
-            num_steps=args.eval_num_inference_steps or args.num_inference_steps,
-            height=args.height,
-            width=args.width,
-            guidance_scale=args.guidance_scale,
-            true_cfg_scale=args.true_cfg_scale,
-            negative_prompt=self._negative_prompt,
-            max_sequence_length=args.max_sequence_length,
-            seed=args.eval_seed if seed is None else seed,
-        )
+        with self._frozen_on_accelerator(self._text_encoders + self._vae):
+            images = generate_images(
+                self.adapter,
+                list(prompts if prompts is not None else args.eval_prompts),
+                num_steps=args.eval_num_inference_steps or args.num_inference_steps,
+                height=args.height,
+                width=args.width,
+                guidance_scale=args.guidance_scale,
+                true_cfg_scale=args.true_cfg_scale,
+                negative_prompt=self._negative_prompt,
+                max_sequence_length=args.max_sequence_length,
+                seed=args.eval_seed if seed is None else seed,
+            )
         _reshard(transformer)
         transformer.train(was_training)
         return images
@@ -866,6 +957,18 @@ def _split_rollout(rollout: dict[str, Any], num_chunks: int) -> list[dict[str, A
         chunk["cond"] = rollout["cond"].select(index)
         chunks.append(chunk)
     return chunks
+
+
+@contextlib.contextmanager
+def _deepspeed_step_deferred(accelerator: Any):
+    """Backward calls inside are not a gradient-accumulation boundary for DeepSpeed: no engine step after them."""
+    state = accelerator.gradient_state
+    sync = state.sync_gradients
+    state._set_sync_gradients(False)
+    try:
+        yield
+    finally:
+        state._set_sync_gradients(sync)
 
 
 def _reshard(transformer: torch.nn.Module) -> None:

@@ -51,9 +51,9 @@ class GRPOJaggConfig(TrainingArguments):
         use_jagg, jagg_group_size, jagg_frac, jagg_probe_steps, jagg_cos_threshold, jagg_mode,
         jagg_cache_velocities, jagg_endpoint_backward, no_grad_batch_steps.
 
-        > Distributed
+        > Distributed and memory
 
-        fully_shard_backbone.
+        fully_shard_backbone, offload_frozen_modules, precompute_prompt_embeds.
 
         > Evaluation images
 
@@ -287,6 +287,25 @@ class GRPOJaggConfig(TrainingArguments):
             "help": "Shard the backbone with torch's FSDP2 `fully_shard` inside the trainer (each transformer block, "
             "then the root) over the launched processes, for launches where accelerate's FSDP plugin does not apply "
             "(CPU / gloo under `torchrun`). On GPUs use accelerate's plugin (`examples/accelerate_configs/fsdp2.yaml`)."
+        },
+    )
+
+    # ---- Memory ----
+    offload_frozen_modules: bool = field(
+        default=False,
+        metadata={
+            "help": "Keep the frozen VAE and text encoders on the CPU and move each to the accelerator only while it "
+            "runs (prompt encoding, latent decoding, sample images): their memory is free during the update, at the "
+            "cost of one host-to-device copy of each per rollout."
+        },
+    )
+    precompute_prompt_embeds: bool = field(
+        default=False,
+        metadata={
+            "help": "Encode each distinct prompt once (the training set's at start, any new one when first met) and "
+            "keep the embeddings on the CPU (DanceGRPO does this): the text encoders no longer run during training, "
+            "and with `offload_frozen_modules` they stay on the CPU. The table costs one prompt embedding per distinct "
+            "prompt in CPU memory."
         },
     )
 

@@ -153,6 +153,17 @@ class FlowMatchingAdapter:
         return {}
 
     # ---- shared ----
+    def collate(self, encoded: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """One batch from prompts encoded one at a time (each :meth:`encode_prompts` output, ``None`` entries
+        left out): what encoding them together gives. Families whose encodings have a fixed length concatenate."""
+        keys = encoded[0].keys()
+        for key in keys:
+            if any(e.keys() != keys or e[key].shape[1:] != encoded[0][key].shape[1:] for e in encoded):
+                raise ValueError(
+                    f"{type(self).__name__} cannot batch prompts encoded separately: their `{key}` shapes differ."
+                )
+        return {key: torch.cat([e[key] for e in encoded]) for key in keys}
+
     def condition(
         self,
         prompts: Sequence[str],
@@ -161,15 +172,19 @@ class FlowMatchingAdapter:
         width: int,
         negative_prompt: str | None = None,
         max_sequence_length: int | None = None,
+        encoded: dict[str, torch.Tensor] | None = None,
     ) -> Conditioning:
         """Encode ``prompts`` (and the negative prompt when given) and add the resolution's spatial inputs.
 
         The negative prompt is the same for every sample: it is encoded once per (prompt, length, device) and
         cached (the text encoders are frozen), then expanded to the batch, so every entry of ``per_sample`` has
-        the batch first and :meth:`Conditioning.select` can index it.
+        the batch first and :meth:`Conditioning.select` can index it. ``encoded``: the prompts' encodings when
+        already computed (e.g. :meth:`collate` of precomputed ones); the prompts are then not encoded again.
         """
         with torch.no_grad():
-            per_sample = _present(self.encode_prompts(list(prompts), max_sequence_length))
+            if encoded is None:
+                encoded = _present(self.encode_prompts(list(prompts), max_sequence_length))
+            per_sample = dict(encoded)
             if negative_prompt is not None:
                 negative = self._encoded_negative(negative_prompt, max_sequence_length)
                 per_sample |= {

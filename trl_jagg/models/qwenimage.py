@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -30,6 +31,22 @@ class QwenImageAdapter(FlowMatchingAdapter):
             max_sequence_length=max_sequence_length or 512,  # the pipeline's default
         )
         return {"prompt_embeds": embeds, "prompt_embeds_mask": mask}
+
+    def collate(self, encoded: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        # As the pipeline batches prompts: right-padded with zeros to the longest, with a mask only if some padding.
+        length = max(e["prompt_embeds"].shape[1] for e in encoded)
+        if all(e["prompt_embeds"].shape[1] == length for e in encoded):
+            return super().collate(encoded)
+        embeds, masks = [], []
+        for e in encoded:
+            embed = e["prompt_embeds"]
+            mask = e.get("prompt_embeds_mask")
+            if mask is None:
+                mask = torch.ones(embed.shape[:2], dtype=torch.long, device=embed.device)
+            pad = length - embed.shape[1]
+            embeds.append(torch.nn.functional.pad(embed, (0, 0, 0, pad)))
+            masks.append(torch.nn.functional.pad(mask, (0, pad)))
+        return {"prompt_embeds": torch.cat(embeds), "prompt_embeds_mask": torch.cat(masks)}
 
     def shared_inputs(self, per_sample: dict[str, torch.Tensor], height: int, width: int) -> dict[str, Any]:
         # One (frames, rows, columns) grid of packed latent tokens; the per-batch list is built at each call.
