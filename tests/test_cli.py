@@ -195,8 +195,8 @@ def test_every_preset_parses(name, tmp_path):
 
 
 def test_recipe_scheduler_override_is_applied(tiny_flux_path, tmp_path):
-    flags = ["--recipe", "dancegrpo-flux", "--model_name_or_path", tiny_flux_path, "--prompts", "a red circle"]
-    flags += ["--reward_funcs", "prompt_color", "--output_dir", str(tmp_path)]
+    flags = ["--recipe", "dancegrpo-flux", "--model_name_or_path", tiny_flux_path, "--prompts", "a red", "a blue"]
+    flags += ["--reward_funcs", "prompt_color", "--output_dir", str(tmp_path), "--gradient_accumulation_steps", "1"]
     for key, value in TINY.items():
         flags += [f"--{key}", str(value)]
     script_args, args = train.parse_train_args(flags)

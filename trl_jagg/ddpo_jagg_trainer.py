@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
+import difflib
 import glob
 import json
+import logging
 import os
 import random
 import shutil
@@ -29,6 +32,7 @@ from diffusers.configuration_utils import FrozenDict
 from diffusers.training_utils import cast_training_params
 from huggingface_hub import save_torch_state_dict
 from peft import LoraConfig, get_peft_model_state_dict, set_peft_model_state_dict
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -42,16 +46,19 @@ from tqdm.auto import tqdm
 from transformers import TrainerCallback, set_seed
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_callback import ExportableState
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints
 from trl.trainer.base_trainer import _BaseTrainer
 from trl.trainer.utils import RepeatSampler
 
+from .checkpoints import check_checkpoint_dir, check_state_files, check_weights, weight_files
 from .distributed import check_backend, check_world_size, fully_shard_blocks, is_fully_sharded
+from .errors import CheckpointError, NonFiniteError, TrainingError
 from .grpo import PerPromptStatTracker, group_advantages, kl_to_reference, ppo_step_loss
 from .grpo_jagg_config import GRPOJaggConfig
 from .jagg import EngineResult, JaggEngine, gradient_diagnostic, leading_jagg_fraction, plan_groups
 from .model_card import write_model_card
 from .models import FlowMatchingAdapter, load_adapter
+from .prompts import prompt_dataset, prompt_text
 from .rewards import compute_rewards, load_reward_funcs, reward_name
 from .rollout import Trajectory, generate_images, sample_trajectories
 from .sampling import sampler_step
@@ -59,6 +66,12 @@ from .sampling import sampler_step
 LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
 # The trainer's own run state in a checkpoint (the Trainer saves weights, optimizer, scheduler and RNG itself).
 GRPO_STATE_NAME = "grpo_state.json"
+FULL_WEIGHTS_PATTERN = "diffusion_pytorch_model*.safetensors"
+NON_FINITE_FIX = (
+    "Resume from the checkpoint with a lower learning_rate (or max_grad_norm > 0, noise_level, guidance_scale in "
+    "their usual ranges, dtype float32)."
+)
+logger = logging.getLogger(__name__)
 RewardFunc = Callable[..., list[float]]
 
 
@@ -72,7 +85,10 @@ class DDPOJaggTrainer(_BaseTrainer):
             keywords as in TRL (``prompts=``, ``images=`` / ``completions=``, ``trainer_state=``, the dataset's
             other columns) returning a ``float`` or ``None`` (not applicable) per image, or a list mixing these.
         args: the configuration; defaults to ``GRPOJaggConfig("grpo-jagg")``.
-        train_dataset: a dataset with a ``prompt`` column; other columns reach the reward functions as kwargs.
+        train_dataset: a dataset with a ``prompt`` column of non-empty strings or TRL conversations
+            (``[{"role": "user", "content": ...}]``, whose last user turn is the prompt), or a list of prompts; other
+            columns reach the reward functions as kwargs. It must hold one rollout's ``args.prompts_per_rollout``
+            prompts. Streaming datasets are refused (the sampler needs the length).
         peft_config: a :class:`~peft.LoraConfig` for LoRA training; ``None`` trains the full backbone.
         callbacks, optimizers: as in :class:`~transformers.Trainer`.
     """
@@ -100,11 +116,10 @@ class DDPOJaggTrainer(_BaseTrainer):
         # Cheap checks first: nothing is loaded before the inputs are known to be usable.
         if train_dataset is None:
             raise ValueError("`train_dataset` is required: a datasets.Dataset with a 'prompt' column.")
-        if "prompt" not in (train_dataset.column_names or []):
-            raise ValueError(
-                f"`train_dataset` has no 'prompt' column (columns: {train_dataset.column_names}). "
-                "Rename the text column, e.g. `dataset.rename_column('text', 'prompt')`."
-            )
+        train_dataset = prompt_dataset(train_dataset, args.prompts_per_rollout)
+        resume = args.resume_from_checkpoint
+        if isinstance(resume, str) and resume.lower() not in ("true", "last"):
+            check_checkpoint_dir(resume, args.output_dir)
         self.reward_funcs = load_reward_funcs(reward_funcs, device=args.device)
         if args.reward_weights is not None and len(args.reward_weights) != len(self.reward_funcs):
             raise ValueError(
@@ -127,6 +142,7 @@ class DDPOJaggTrainer(_BaseTrainer):
         transformer._internal_dict = _TrackableConfig(transformer._internal_dict)
         self.peft_config = peft_config
         if peft_config is not None:
+            _check_lora_targets(transformer, peft_config)
             transformer.add_adapter(peft_config)
             # Trainable LoRA weights live in float32 even when the backbone runs in bf16.
             cast_training_params(transformer, dtype=torch.float32)
@@ -172,7 +188,7 @@ class DDPOJaggTrainer(_BaseTrainer):
                 component.to("cpu" if any(component is m for m in offloaded) else self.accelerator.device)
         self._prompt_table: dict[str, dict[str, torch.Tensor]] = {}
         if args.precompute_prompt_embeds and isinstance(train_dataset, Dataset):
-            self._precompute_prompt_embeds([str(p) for p in train_dataset["prompt"]])
+            self._precompute_prompt_embeds([prompt_text(p, "train_dataset 'prompt'") for p in train_dataset["prompt"]])
         if self.ref_transformer is not None:
             self.ref_transformer.to(self.accelerator.device)
         if args.fully_shard_backbone:
@@ -227,6 +243,8 @@ class DDPOJaggTrainer(_BaseTrainer):
         batch = self._prepare_inputs(inputs)
         start = time.perf_counter()
         result = self._update(model, batch)
+        # Checked after the backward, before the optimizer step: the weights are still those of the last step.
+        self._stop_if_non_finite("loss", result.loss)
         self._metrics["time/update_s"].append(time.perf_counter() - start)
         return torch.tensor(result.loss / self.current_gradient_accumulation_steps, device=self.accelerator.device)
 
@@ -247,7 +265,7 @@ class DDPOJaggTrainer(_BaseTrainer):
     def _generate_and_score(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         args = self.args
         start = time.perf_counter()
-        prompts = [str(x["prompt"]) for x in inputs]
+        prompts = [prompt_text(x["prompt"], "train_dataset 'prompt'") for x in inputs]
         columns = {k: [x[k] for x in inputs] for k in inputs[0] if k != "prompt"}
         transformer = self.accelerator.unwrap_model(self.model)
         was_training = transformer.training
@@ -291,11 +309,12 @@ class DDPOJaggTrainer(_BaseTrainer):
         _reshard(transformer)
         transformer.train(was_training)
         rollout_seconds = time.perf_counter() - start
+        latents = torch.cat([t.latents for t in trajectories])
+        # NaN latents decode to black images with finite rewards: stop here, before the rewards hide them.
+        self._stop_if_non_finite("latents after the rollout", latents)
 
         start = time.perf_counter()
-        rewards, per_reward = compute_rewards(
-            self.reward_funcs, prompts, images, args.reward_weights, trainer_state=self.state, **columns
-        )
+        rewards, per_reward = self._rewards(prompts, images, columns)
         rewards = rewards.to(self.accelerator.device)
         per_func = torch.stack(list(per_reward.values()), dim=1).to(self.accelerator.device)
         all_per_func = self.accelerator.gather(per_func)
@@ -320,7 +339,6 @@ class DDPOJaggTrainer(_BaseTrainer):
             self._metrics[f"rewards/{name}/std"].append(scored.std().item())
         self._metrics["advantages/mean"].append(advantages.mean().item())
         self._metrics["advantages/abs_mean"].append(advantages.abs().mean().item())
-        latents = torch.cat([t.latents for t in trajectories])
         self._metrics["latents/final_std"].append(latents[:, -1].std().item())
         self._metrics["time/rollout_s"].append(rollout_seconds)
         self._metrics["time/reward_s"].append(time.perf_counter() - start)
@@ -432,6 +450,81 @@ class DDPOJaggTrainer(_BaseTrainer):
                 negative_prompt=self._negative_prompt,
                 max_sequence_length=args.max_sequence_length,
             )
+
+    def _rewards(
+        self, prompts: list[str], images: list, columns: dict[str, list]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """:func:`compute_rewards` with ``reward_retries``; when a reward fails on any process, every process saves
+        a checkpoint (so no trained step is lost) before the error stops the run."""
+        args = self.args
+        failure: Exception | None = None
+        try:
+            result = compute_rewards(
+                self.reward_funcs, prompts, images, args.reward_weights, trainer_state=self.state,
+                retries=args.reward_retries, **columns,
+            )  # fmt: skip
+        except Exception as error:  # re-raised below, once every process has reached the save
+            failure = error
+        if not self._any_process(failure is not None):
+            return result
+        saved = self._save_after_failure()
+        note = (
+            f"{saved} holds the {self.state.global_step} trained steps: resume from it."
+            if saved
+            else "No trained step was lost (none to save)."
+        )
+        if failure is None:
+            raise TrainingError(
+                f"A reward function failed on another process at step {self.state.global_step + 1}. {note}"
+            )
+        logger.warning("A reward function failed at step %d. %s", self.state.global_step + 1, note)
+        if hasattr(failure, "add_note"):  # Python >= 3.11: shown with the error
+            failure.add_note(note)
+        raise failure
+
+    def _save_after_failure(self) -> str | None:
+        """Save ``checkpoint-N`` of the steps trained so far, unless there are none or it exists; on every process."""
+        step = self.state.global_step
+        run_dir = self._get_output_dir(trial=None)
+        path = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
+        if not self.is_in_train or step == 0:
+            return None
+        if not os.path.isdir(path):
+            self._save_checkpoint(self.model, trial=None)
+        return path
+
+    def _any_process(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any process: every process takes the same branch (no rank left waiting in
+        a collective the others skipped)."""
+        if self.accelerator.num_processes == 1:
+            return flag
+        value = torch.tensor(float(flag), device=self.accelerator.device)
+        return bool(self.accelerator.reduce(value, reduction="sum") > 0)
+
+    def _stop_if_non_finite(self, quantity: str, value: torch.Tensor | float | None) -> None:
+        """Raise :class:`NonFiniteError` naming the step, ``quantity`` and the last good checkpoint when ``value``
+        holds a NaN or an infinity on any process."""
+        if value is None:
+            return
+        bad = not bool(torch.isfinite(torch.as_tensor(value)).all())
+        if self._any_process(bad):
+            raise NonFiniteError(
+                f"Non-finite {quantity} at step {self.state.global_step + 1}: training stopped before the optimizer "
+                f"applied it. {self._last_checkpoint_note()} {NON_FINITE_FIX}"
+            )
+
+    def _last_checkpoint_note(self) -> str:
+        run_dir = self._get_output_dir(trial=None)
+        last = get_last_checkpoint(run_dir) if os.path.isdir(run_dir) else None
+        if last is None:
+            return f"No checkpoint was saved before it in {run_dir}."
+        return f"Last good checkpoint: {last}."
+
+    def _get_grad_norm(self, model: torch.nn.Module, grad_norm: Any = None) -> Any:
+        # Trainer computes the norm after the backward and before `optimizer.step`: a NaN stops here, unapplied.
+        grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
+        self._stop_if_non_finite("gradient norm", grad_norm)
+        return grad_norm
 
     @property
     def _negative_prompt(self) -> str | None:
@@ -715,6 +808,53 @@ class DDPOJaggTrainer(_BaseTrainer):
     def is_lora(self) -> bool:
         return self.peft_config is not None
 
+    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> Any:
+        """:meth:`transformers.Trainer.train`, after checking the checkpoint to resume from: its files must be
+        present, readable and match the model (errors name the file and the mismatch)."""
+        if resume_from_checkpoint is True:
+            last = get_last_checkpoint(self.args.output_dir) if os.path.isdir(self.args.output_dir) else None
+            if last is None:
+                raise CheckpointError(
+                    f"resume_from_checkpoint=True, but {self.args.output_dir} holds no checkpoint-N folder. Start "
+                    "without resuming, or give the path of a checkpoint."
+                )
+            resume_from_checkpoint = last
+        if resume_from_checkpoint:
+            self._check_checkpoint(resume_from_checkpoint)
+        return super().train(resume_from_checkpoint=resume_from_checkpoint or None, **kwargs)
+
+    def _check_checkpoint(self, path: str) -> None:
+        check_checkpoint_dir(path, self.args.output_dir)
+        transformer = self.accelerator.unwrap_model(self.model)
+        if self.is_lora:
+            files = weight_files(path, LORA_WEIGHTS_NAME, "LoRA")
+            expected = get_peft_model_state_dict(transformer)
+            prefix = f"{self.adapter.pipeline_class.transformer_name}."
+        else:
+            files = weight_files(path, FULL_WEIGHTS_PATTERN, "full fine-tuning")
+            expected, prefix = transformer.state_dict(), ""
+        check_weights(files, {key: tuple(value.shape) for key, value in expected.items()}, prefix)
+        check_state_files(path, json_files=(TRAINER_STATE_NAME, GRPO_STATE_NAME))
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """:meth:`transformers.Trainer.save_model`, refusing non-finite weights and refusing to replace existing
+        weights with a model that has trained 0 steps."""
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        params = [_local_tensor(p) for p in self.model.parameters() if p.requires_grad]
+        finite = bool(torch.stack([torch.isfinite(p).all() for p in params]).all()) if params else True
+        if self._any_process(not finite):
+            raise NonFiniteError(
+                f"The weights hold NaN or infinite values at step {self.state.global_step}: not saved to "
+                f"{output_dir}. {self._last_checkpoint_note()} {NON_FINITE_FIX}"
+            )
+        existing = [f for f in (LORA_WEIGHTS_NAME, FULL_WEIGHTS_PATTERN) if glob.glob(os.path.join(output_dir, f))]
+        if self._any_process(self.state.global_step == 0 and bool(existing)):
+            raise TrainingError(
+                f"Refusing to replace the weights in {output_dir} with a model that has trained 0 steps. Train "
+                "first, or save to another directory."
+            )
+        super().save_model(output_dir, _internal_call=_internal_call)
+
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """LoRA in the diffusers format ``pipe.load_lora_weights`` reads; full fine-tuning as ``save_pretrained``."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
@@ -744,30 +884,26 @@ class DDPOJaggTrainer(_BaseTrainer):
             save_torch_state_dict(
                 state_dict, output_dir, filename_pattern="diffusion_pytorch_model{suffix}.safetensors"
             )
-        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+        torch.save(_without_secrets(self.args), os.path.join(output_dir, TRAINING_ARGS_NAME))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
         self._load_grpo_state(resume_from_checkpoint)
         transformer = self.accelerator.unwrap_model(model if model is not None else self.model)
         if self.is_lora:
-            path = os.path.join(resume_from_checkpoint, LORA_WEIGHTS_NAME)
-            if not os.path.isfile(path):
-                raise ValueError(f"No {LORA_WEIGHTS_NAME} in {resume_from_checkpoint}: not a LoRA checkpoint.")
+            (path,) = weight_files(resume_from_checkpoint, LORA_WEIGHTS_NAME, "LoRA")
             prefix = f"{self.adapter.pipeline_class.transformer_name}."
-            state = {k.removeprefix(prefix): v for k, v in load_file(path).items()}
+            state = {k.removeprefix(prefix): v for k, v in _load_weights(path).items()}
+            # `set_peft_model_state_dict` ignores missing keys: `train` compared the keys and shapes first.
             if is_fully_sharded(transformer):
                 _load_full_state_dict(transformer, _lora_state_in_model_keys(transformer, state, path), strict=False)
             else:
                 result = set_peft_model_state_dict(transformer, state)
                 if getattr(result, "unexpected_keys", None):
-                    raise ValueError(f"Checkpoint {path} has keys the adapter lacks: {result.unexpected_keys[:5]}")
+                    raise CheckpointError(f"{path} has keys the adapter lacks: {result.unexpected_keys[:5]}")
         else:
-            files = sorted(glob.glob(os.path.join(resume_from_checkpoint, "diffusion_pytorch_model*.safetensors")))
-            if not files:
-                raise ValueError(f"No diffusion_pytorch_model*.safetensors in {resume_from_checkpoint}.")
             state = {}
-            for file in files:
-                state.update(load_file(file))
+            for file in weight_files(resume_from_checkpoint, FULL_WEIGHTS_PATTERN, "full fine-tuning"):
+                state.update(_load_weights(file))
             if is_fully_sharded(transformer):
                 _load_full_state_dict(transformer, state, strict=True)
             else:
@@ -938,6 +1074,46 @@ class _TrackableConfig(FrozenDict):
 
     def to_json_string(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True, default=str)
+
+
+def _check_lora_targets(transformer: torch.nn.Module, peft_config: LoraConfig) -> None:
+    """Every name in a list of LoRA ``target_modules`` matches a module (peft only refuses a list matching none)."""
+    targets = peft_config.target_modules
+    if not isinstance(targets, (list, set, tuple)):
+        return  # a regex or "all-linear": peft's own matching
+    names = [name for name, _ in transformer.named_modules()]
+    unmatched = sorted(t for t in targets if not any(name == t or name.endswith(f".{t}") for name in names))
+    if unmatched:
+        linear = sorted({n.split(".")[-1] for n, m in transformer.named_modules() if isinstance(m, torch.nn.Linear)})
+        close = {t: difflib.get_close_matches(t, linear, n=1) for t in unmatched}
+        hints = "; ".join(f"{t!r}: did you mean {c[0]!r}?" for t, c in close.items() if c)
+        raise ValueError(
+            f"LoraConfig.target_modules {unmatched} match no module of {type(transformer).__name__}"
+            f"{' (' + hints + ')' if hints else ''}. Its linear layers are named {linear[:24]}."
+        )
+
+
+def _load_weights(path: str) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError) as error:
+        raise CheckpointError(
+            f"{path} is truncated or corrupt ({error}). Resume from an earlier checkpoint."
+        ) from error
+
+
+def _local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This process's shard of a (possibly FSDP2 DTensor) parameter."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _without_secrets(args: GRPOJaggConfig) -> GRPOJaggConfig:
+    """A copy of ``args`` for ``training_args.bin`` without ``*_token`` values (the Hub token would be in clear)."""
+    clean = copy.copy(args)
+    for item in dataclasses.fields(args):
+        if item.name.endswith("_token") and getattr(args, item.name) is not None:
+            setattr(clean, item.name, None)
+    return clean
 
 
 def _identity_collator(features: list[dict[str, Any]]) -> list[dict[str, Any]]:

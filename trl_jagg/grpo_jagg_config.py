@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import math
+import numbers
+import types
+import typing
+import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from transformers import TrainingArguments
 
 from .jagg import ENDPOINT_BACKWARDS, JAGG_MODES
+from .prompts import check_prompts
 from .recipes import get_recipe
 from .sampling import SAMPLERS
 
@@ -224,6 +231,14 @@ class GRPOJaggConfig(TrainingArguments):
         default=None,
         metadata={"help": "Weight of each reward function in the total reward (defaults to 1 for each)."},
     )
+    reward_retries: int = field(
+        default=0,
+        metadata={
+            "help": "Extra attempts for a reward function that raises (a flaky remote server, a transient CUDA "
+            "error); each retry is logged. When the last attempt fails too, a checkpoint is saved before the error "
+            "stops the run. Output checks (a NaN, a wrong count) are not retried."
+        },
+    )
 
     # ---- JAGG ----
     use_jagg: bool = field(
@@ -353,6 +368,14 @@ class GRPOJaggConfig(TrainingArguments):
         return cls(**{**recipe.config, **overrides})
 
     def __post_init__(self) -> None:
+        # A YAML or flag scalar where a list is expected means a list of one (as for `reward_funcs`): one eval
+        # prompt, not one prompt per character.
+        if isinstance(self.eval_prompts, str):
+            self.eval_prompts = [self.eval_prompts]
+        if isinstance(self.reward_weights, numbers.Real) and not isinstance(self.reward_weights, bool):
+            self.reward_weights = [self.reward_weights]
+        # Before TrainingArguments uses any value: a wrong type or a NaN would fail there without naming the field.
+        self._check_types_and_finiteness()
         super().__post_init__()
         if self.epsilon is not None:
             self.clip_range = self.epsilon
@@ -361,6 +384,8 @@ class GRPOJaggConfig(TrainingArguments):
         if isinstance(self.scale_rewards, bool) or str(self.scale_rewards).lower() in flag:
             self.scale_rewards = flag[str(self.scale_rewards).lower()]
         self._resolve_generation_batch()
+        if self.eval_prompts is not None:
+            self.eval_prompts = check_prompts(self.eval_prompts, "GRPOJaggConfig.eval_prompts")
         self._check()
 
     def _resolve_generation_batch(self) -> None:
@@ -386,6 +411,31 @@ class GRPOJaggConfig(TrainingArguments):
             )
         self.steps_per_generation = steps
 
+    def _check_types_and_finiteness(self) -> None:
+        """Every field given a value other than its default has its annotated type (the types the CLI flags
+        convert to; YAML values reach the dataclass unconverted), and every float is finite (``nan < 0`` is
+        false, so a NaN passes any range check)."""
+        hints = _type_hints(type(self))
+        for item in dataclasses.fields(self):
+            value = getattr(self, item.name)
+            if not item.init or value is item.default or (type(value) is type(item.default) and value == item.default):
+                continue
+            expected = _simple_type(hints[item.name])
+            if expected is not None and not _has_type(value, expected):
+                raise TypeError(
+                    f"GRPOJaggConfig.{item.name} is {value!r} ({type(value).__name__}); expected "
+                    f"{_type_name(expected)}."
+                )
+            values = value if isinstance(value, (list, tuple)) else [value]
+            for number in values:
+                if isinstance(number, float) and not math.isfinite(number):
+                    raise ValueError(f"GRPOJaggConfig.{item.name} is {value!r}. Use a finite number.")
+        # Before `_resolve_generation_batch` divides by them, and before the multiple-of-G check, which 0 passes.
+        for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"GRPOJaggConfig.{name} is {value}. Use 1 or more.")
+
     def _check(self) -> None:
         def fail(name: str, problem: str, fix: str) -> None:
             raise ValueError(f"GRPOJaggConfig.{name} {problem}. {fix}")
@@ -394,6 +444,20 @@ class GRPOJaggConfig(TrainingArguments):
             fail("dtype", f"is {self.dtype!r}", f"Use one of {DTYPES}.")
         if self.num_generations < 2:
             fail("num_generations", f"is {self.num_generations}", "GRPO needs at least 2 images per prompt.")
+        if self.max_steps <= 0 and self.num_train_epochs <= 0:
+            fail(
+                "max_steps",
+                f"is {self.max_steps} with num_train_epochs={self.num_train_epochs}: the run would train 0 steps",
+                "Set max_steps > 0 or num_train_epochs > 0.",
+            )
+        if self.learning_rate < 0:
+            fail("learning_rate", f"is {self.learning_rate}", "Use a value >= 0 (1e-4 for LoRA is typical).")
+        for name in ("weight_decay", "max_grad_norm"):
+            if getattr(self, name) < 0:
+                fail(name, f"is {getattr(self, name)}", "Use a value >= 0.")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                fail(name, f"is {getattr(self, name)}", "Use a value in [0, 1).")
         if self.generation_batch_size % self.num_generations:
             fail(
                 "per_device_train_batch_size",
@@ -409,8 +473,22 @@ class GRPOJaggConfig(TrainingArguments):
                 fail(name, f"is {getattr(self, name)}", "Use a positive multiple of 16 (8x VAE and 2x2 packing).")
         if self.sampler not in TRAIN_SAMPLERS:
             fail("sampler", f"is {self.sampler!r}", f"Use one of {TRAIN_SAMPLERS} (the ODE step has no log-prob).")
-        if self.noise_level < 0:
-            fail("noise_level", f"is {self.noise_level}", "Use a value >= 0.")
+        if self.noise_level <= 0:
+            # All training samplers are stochastic: without noise the step has no log-probability to train.
+            fail(
+                "noise_level",
+                f"is {self.noise_level} with sampler={self.sampler!r}",
+                "The trained steps must be stochastic: use a value > 0 (0.7 for SD3.5, 0.9 for Flux; eta 0.3 for "
+                "dance).",
+            )
+        if self.sampler == "cps" and self.noise_level > 1:
+            fail("noise_level", f"is {self.noise_level} with sampler='cps'", "CPS takes a value in (0, 1].")
+        if self.guidance_scale < 0:
+            fail(
+                "guidance_scale", f"is {self.guidance_scale}", "Use a value >= 0 (3.5 for Flux.1-dev, 4.5 for SD3.5)."
+            )
+        if self.true_cfg_scale < 1:
+            fail("true_cfg_scale", f"is {self.true_cfg_scale}", "Use 1 (off) or more (4 for Qwen-Image).")
         if self.train_timesteps not in TRAIN_TIMESTEPS:
             fail("train_timesteps", f"is {self.train_timesteps!r}", f"Use one of {TRAIN_TIMESTEPS}.")
         if not 0 < self.train_timestep_fraction <= 1:
@@ -466,7 +544,95 @@ class GRPOJaggConfig(TrainingArguments):
             fail("no_grad_batch_steps", f"is {self.no_grad_batch_steps!r}", "Use an integer >= 1 or None.")
         if self.jagg_mode not in JAGG_MODES:
             fail("jagg_mode", f"is {self.jagg_mode!r}", f"Use one of {JAGG_MODES}.")
-        if self.sample_batch_size is not None and self.sample_batch_size < 1:
-            fail("sample_batch_size", f"is {self.sample_batch_size}", "Use a positive batch size or None.")
+        for name in (
+            "sample_batch_size",
+            "max_sequence_length",
+            "eval_num_inference_steps",
+            "stat_tracking_buffer_size",
+        ):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                fail(name, f"is {getattr(self, name)}", "Use a positive value, or None for the default.")
         if self.image_log_steps < 0:
             fail("image_log_steps", f"is {self.image_log_steps}", "Use 0 (off) or a positive interval.")
+        if self.reward_retries < 0:
+            fail("reward_retries", f"is {self.reward_retries}", "Use 0 (no retry) or more.")
+        trained = self.num_trained_steps
+        routed = self.jagg_frac == "auto" or self.jagg_frac > 0
+        if self.use_jagg and self.jagg_mode != "exact" and routed and self.jagg_group_size > trained:
+            warnings.warn(
+                f"GRPOJaggConfig.jagg_group_size ({self.jagg_group_size}) is larger than the {trained} trained "
+                f"step{'s' if trained != 1 else ''} (train_timesteps={self.train_timesteps!r}, num_inference_steps="
+                f"{self.num_inference_steps}): no group is full, so JAGG stays idle and every step takes an exact "
+                f"backward. Use jagg_group_size <= {trained}, or use_jagg=False.",
+                UserWarning,
+                stacklevel=3,
+            )
+
+    @property
+    def num_trained_steps(self) -> int:
+        """Denoising steps each update trains (as ``DDPOJaggTrainer`` selects them)."""
+        steps = self.num_inference_steps
+        return {
+            "all": steps,
+            "all_but_last": steps - 1,
+            "sde_window": self.sde_window_size,
+            "random": max(1, round(self.train_timestep_fraction * steps)),
+        }[self.train_timesteps]
+
+    @property
+    def prompts_per_rollout(self) -> int:
+        """Distinct prompts one rollout draws from the dataset (on all processes together)."""
+        return self.generation_batch_size // self.num_generations
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _type_hints(cls: type) -> dict[str, Any]:
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls]
+
+
+def _simple_type(hint: Any) -> tuple | None:
+    """``hint`` as ``(kind, item, optional)`` for the types a flag converts to (int, float, bool, str, a list of
+    one of them, optionally ``| None``); ``None`` for anything else (enums, dicts, unions), which is not checked."""
+    args = typing.get_args(hint)
+    optional = False
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        rest = [a for a in args if a is not type(None)]
+        if len(rest) != 1:
+            return None
+        hint, optional = rest[0], len(rest) < len(args)
+    if hint in (int, float, bool, str):
+        return (hint, None, optional)
+    if typing.get_origin(hint) is list and typing.get_args(hint) and typing.get_args(hint)[0] in (int, float, str):
+        return (list, typing.get_args(hint)[0], optional)
+    return None
+
+
+def _is(value: Any, kind: type) -> bool:
+    if kind is bool:
+        return isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if kind is float:
+        return isinstance(value, numbers.Real) and not isinstance(value, bool)
+    return isinstance(value, kind)
+
+
+def _has_type(value: Any, expected: tuple) -> bool:
+    kind, item, optional = expected
+    if value is None:
+        return optional
+    if kind is list:
+        return isinstance(value, (list, tuple)) and all(_is(v, item) for v in value)
+    return _is(value, kind)
+
+
+def _type_name(expected: tuple) -> str:
+    kind, item, optional = expected
+    name = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(kind)
+    if kind is list:
+        name = "a list of " + {int: "integers", float: "numbers", str: "strings"}[item]
+    return f"{name} or None" if optional else name

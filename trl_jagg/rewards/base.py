@@ -13,6 +13,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
+import logging
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -40,6 +41,8 @@ REWARD_REGISTRY: dict[str, Callable[..., RewardFunc]] = {}
 _ALIASES = {"hpsv2": "hpsv2.1", "hps": "hpsv2.1", "clip_score": "clipscore", "image_reward": "imagereward"}
 
 _URL_PREFIXES = ("http://", "https://")
+
+logger = logging.getLogger(__name__)
 
 
 def register_reward(name: str) -> Callable[[_Factory], _Factory]:
@@ -193,6 +196,7 @@ def compute_rewards(
     images: Sequence[Image.Image],
     reward_weights: Sequence[float] | None = None,
     trainer_state: Any = None,
+    retries: int = 0,
     **columns: Any,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Run every reward, check its output, and return the weighted sum and the per-reward scores.
@@ -206,6 +210,7 @@ def compute_rewards(
         prompts, images: One prompt per image.
         reward_weights: One weight per reward; ``None`` means all 1.0.
         trainer_state: The ``transformers.TrainerState`` of the run (``None`` outside training).
+        retries: Extra calls of a reward that raises (each logged); its output checks are not retried.
         **columns: Extra dataset columns passed to every reward.
 
     Returns:
@@ -235,9 +240,9 @@ def compute_rewards(
         suffix = 2
         while unique in per_reward:
             unique, suffix = f"{name}_{suffix}", suffix + 1
-        values = func(
-            prompts=list(prompts), images=list(images), completions=list(images), trainer_state=trainer_state,
-            **columns,
+        values = _call_with_retries(
+            func, unique, retries, prompts=list(prompts), images=list(images), completions=list(images),
+            trainer_state=trainer_state, **columns,
         )  # fmt: skip
         scores = check_rewards(unique, values, len(images)).cpu()
         per_reward[unique] = scores
@@ -253,3 +258,16 @@ def compute_rewards(
                 "reward scores."
             )
     return total, per_reward
+
+
+def _call_with_retries(func: RewardFunc, name: str, retries: int, /, **kwargs: Any) -> Any:
+    attempt = 0
+    while True:
+        try:
+            return func(**kwargs)
+        except Exception as error:
+            if attempt == retries:
+                raise
+            attempt += 1
+            logger.warning("Reward %r raised %s: %s. Retry %d of %d.", name, type(error).__name__, error, attempt,
+                           retries)  # fmt: skip

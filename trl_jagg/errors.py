@@ -1,0 +1,24 @@
+"""Exceptions of a training run that stopped for a reason the user can act on.
+
+Their messages say what happened, where (the step, the quantity, the file) and the fix, on one line: the CLI prints
+them without a traceback. Configuration and input mistakes stay ``ValueError`` / ``TypeError``, raised before
+anything loads.
+"""
+
+from __future__ import annotations
+
+
+class TrainingError(RuntimeError):
+    """A run stopped: the message names what, where, and the fix."""
+
+
+class NonFiniteError(TrainingError):
+    """A NaN or infinity in the latents, the loss, the gradient norm or the weights: the run stops before the
+    optimizer applies it or a checkpoint stores it."""
+
+
+class CheckpointError(TrainingError):
+    """A checkpoint to resume from is missing, truncated, or does not match the model being trained."""
+
+
+__all__ = ["CheckpointError", "NonFiniteError", "TrainingError"]
