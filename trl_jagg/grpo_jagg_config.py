@@ -420,7 +420,8 @@ class GRPOJaggConfig(TrainingArguments):
             value = getattr(self, item.name)
             if not item.init or value is item.default or (type(value) is type(item.default) and value == item.default):
                 continue
-            expected = _simple_type(hints[item.name])
+            # eval_prompts may hold conversations: checked prompt by prompt, with the index, after this.
+            expected = _simple_type(hints[item.name]) if item.name != "eval_prompts" else None
             if expected is not None and not _has_type(value, expected):
                 raise TypeError(
                     f"GRPOJaggConfig.{item.name} is {value!r} ({type(value).__name__}); expected "

@@ -1,0 +1,122 @@
+"""GRPOJaggConfig refuses bad values when it is built, before anything loads, with a message naming the field."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+
+from trl_jagg import GRPOJaggConfig
+
+BASE = dict(output_dir="unused", per_device_train_batch_size=4, num_generations=2, report_to="none")
+
+
+def config(**overrides) -> GRPOJaggConfig:
+    return GRPOJaggConfig(**{**BASE, **overrides})
+
+
+FLOAT_FIELDS = [
+    "noise_level", "guidance_scale", "true_cfg_scale", "clip_range", "learning_rate", "beta", "adv_clip_max",
+    "train_timestep_fraction", "jagg_frac", "weight_decay", "max_grad_norm",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("name", FLOAT_FIELDS)
+def test_every_float_field_must_be_finite(name, value):
+    with pytest.raises(ValueError, match=rf"GRPOJaggConfig\.{name} is -?(nan|inf)\. Use a finite number"):
+        config(**{name: value})
+
+
+def test_non_finite_reward_weight():
+    with pytest.raises(ValueError, match=r"GRPOJaggConfig\.reward_weights is \[1\.0, nan\]"):
+        config(reward_weights=[1.0, math.nan])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field", "fix"),
+    [
+        (dict(noise_level=0.0), "noise_level", "stochastic"),
+        (dict(noise_level=0.0, sampler="dance"), "noise_level", "stochastic"),
+        (dict(noise_level=-0.5), "noise_level", "> 0"),
+        (dict(noise_level=1.5, sampler="cps"), "noise_level", r"\(0, 1\]"),
+        (dict(guidance_scale=-1.0), "guidance_scale", ">= 0"),
+        (dict(true_cfg_scale=0.5), "true_cfg_scale", "1 \\(off\\)"),
+        (dict(clip_range=0.0), "clip_range", "positive"),
+        (dict(learning_rate=-1e-4), "learning_rate", ">= 0"),
+        (dict(beta=-0.1), "beta", "positive"),
+        (dict(adv_clip_max=0.0), "adv_clip_max", "positive"),
+        (dict(train_timestep_fraction=0.0, train_timesteps="random"), "train_timestep_fraction", r"\(0, 1\]"),
+        (dict(max_grad_norm=-1.0), "max_grad_norm", ">= 0"),
+        (dict(adam_beta2=1.0), "adam_beta2", r"\[0, 1\)"),
+        (dict(per_device_train_batch_size=0), "per_device_train_batch_size", "1 or more"),
+        (dict(steps_per_generation=0), "steps_per_generation", "1 or more"),
+        (dict(gradient_accumulation_steps=0), "gradient_accumulation_steps", "1 or more"),
+        (dict(max_sequence_length=0), "max_sequence_length", "positive"),
+        (dict(eval_num_inference_steps=0), "eval_num_inference_steps", "positive"),
+        (dict(stat_tracking_buffer_size=0), "stat_tracking_buffer_size", "positive"),
+        (dict(reward_retries=-1), "reward_retries", "0"),
+        (dict(max_steps=-1, num_train_epochs=0), "max_steps", "0 steps"),
+        (dict(eval_prompts=["a cat", ""]), r"eval_prompts\[1\]", "empty"),
+        (dict(eval_prompts=["a cat", None]), r"eval_prompts\[1\]", "NoneType"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
+def test_out_of_range_values_name_the_field(overrides, field, fix):
+    with pytest.raises(ValueError, match=rf"GRPOJaggConfig\.{field}.*{fix}"):
+        config(**overrides)
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "expected"),
+    [
+        ("num_generations", 2.0, "an integer"),  # YAML `num_generations: 2.0`
+        ("num_inference_steps", 5.5, "an integer"),
+        ("max_steps", [1, 2], "an integer"),
+        ("learning_rate", "1e-4", "a number"),  # YAML 1.1 reads `1e-4` (no dot) as a string
+        ("use_jagg", 1, "true or false"),
+        ("reward_weights", ["1", 2.0], "a list of numbers"),
+        ("max_sequence_length", 77.0, "an integer or None"),
+    ],
+)
+def test_wrong_types_are_refused_before_transformers_uses_them(name, value, expected):
+    with pytest.raises(TypeError, match=rf"GRPOJaggConfig\.{name} is .*expected {expected}"):
+        config(**{name: value})
+
+
+def test_scalars_where_lists_are_expected_mean_a_list_of_one():
+    args = config(eval_prompts="a red circle", reward_weights=2.0)
+    assert args.eval_prompts == ["a red circle"]  # not one prompt per character
+    assert args.reward_weights == [2.0]
+
+
+def test_conversational_eval_prompt_becomes_its_user_text():
+    args = config(eval_prompts=[[{"role": "system", "content": "be nice"}, {"role": "user", "content": "a cat"}]])
+    assert args.eval_prompts == ["a cat"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "trained"),
+    [
+        (dict(num_inference_steps=4, jagg_group_size=4), 3),  # all_but_last: 3 steps
+        (dict(num_inference_steps=10, train_timesteps="random", train_timestep_fraction=0.3, jagg_group_size=4), 3),
+        (dict(num_inference_steps=6, train_timesteps="sde_window", sde_window_size=2, jagg_group_size=3), 2),
+    ],
+)
+def test_group_larger_than_the_trained_steps_warns_with_the_count(overrides, trained):
+    with pytest.warns(UserWarning, match=rf"jagg_group_size \({overrides['jagg_group_size']}\) is larger than the "
+                      rf"{trained} trained steps.*JAGG stays idle"):  # fmt: skip
+        config(**overrides)
+
+
+def test_group_that_fits_or_jagg_off_does_not_warn():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        config(num_inference_steps=5, jagg_group_size=4)
+        config(num_inference_steps=4, jagg_group_size=4, use_jagg=False)
+
+
+def test_valid_config_passes_and_counts_prompts_per_rollout():
+    args = config(steps_per_generation=3)
+    assert args.prompts_per_rollout == 4 * 3 // 2

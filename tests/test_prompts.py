@@ -1,0 +1,143 @@
+"""Prompt and dataset inputs: checked row by row before the model loads; conversations reduced to the user text."""
+
+from __future__ import annotations
+
+import pytest
+from datasets import Dataset, DatasetDict, IterableDataset
+from peft import LoraConfig
+
+import trl_jagg.ddpo_jagg_trainer as trainer_module
+from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
+from trl_jagg.prompts import prompt_dataset, prompt_text
+
+
+def test_strings_pass_unchanged():
+    assert prompt_text("a red circle", "row 0") == "a red circle"
+
+
+def test_conversation_gives_the_last_user_turn():
+    conversation = [
+        {"role": "system", "content": "You draw."},
+        {"role": "user", "content": "a cat"},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "a red circle"},
+    ]
+    assert prompt_text(conversation, "row 0") == "a red circle"
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a red"}, {"type": "text", "text": "circle"}]}]
+    assert prompt_text(parts, "row 0") == "a red circle"
+
+
+@pytest.mark.parametrize(
+    ("value", "match"),
+    [
+        (None, "row 7 is NoneType None, not a prompt"),
+        (1, "row 7 is int 1, not a prompt"),
+        (["a", "b"], "row 7 is list"),
+        ("", "row 7 is empty"),
+        ("   ", "row 7 is empty"),
+        ([{"role": "system", "content": "x"}], r"row 7 is a conversation without a user turn \(roles: \['system'\]\)"),
+        ([{"role": "user", "content": 3}], "row 7: the user turn's content is int"),
+        ([{"role": "user", "content": ""}], "row 7 is empty"),
+    ],
+    ids=["none", "int", "list", "empty", "blank", "no-user-turn", "bad-content", "empty-user-turn"],
+)
+def test_bad_prompts_name_the_row(value, match):
+    with pytest.raises(ValueError, match=match):
+        prompt_text(value, "row 7")
+
+
+def test_dataset_rows_are_checked_with_their_index():
+    with pytest.raises(ValueError, match="train_dataset row 2 'prompt' is NoneType"):
+        prompt_dataset(Dataset.from_dict({"prompt": ["a", "b", None, "d"]}), 2)
+    with pytest.raises(ValueError, match="train_dataset row 0 'prompt' is int"):
+        prompt_dataset(Dataset.from_dict({"prompt": [1, 2]}), 1)
+
+
+def test_lists_are_converted():
+    assert prompt_dataset(["a", "b"], 2)["prompt"] == ["a", "b"]
+    records = prompt_dataset([{"prompt": "a", "target": 1}, {"prompt": "b", "target": 2}], 2)
+    assert records.column_names == ["prompt", "target"] and records["target"] == [1, 2]
+    with pytest.raises(ValueError, match=r"train_dataset\[1\] is NoneType"):
+        prompt_dataset(["a", None], 1)
+
+
+def test_streaming_dataset_dict_and_other_types_are_refused():
+    streaming = IterableDataset.from_generator(lambda: iter([{"prompt": "a"}]))
+    with pytest.raises(TypeError, match="streaming IterableDataset.*streaming=True.*take"):
+        prompt_dataset(streaming, 1)
+    with pytest.raises(TypeError, match=r"DatasetDict \(splits \['train'\]\).*dataset\['train'\]"):
+        prompt_dataset(DatasetDict({"train": Dataset.from_dict({"prompt": ["a"]})}), 1)
+    with pytest.raises(TypeError, match="train_dataset is a dict"):
+        prompt_dataset({"prompt": ["a"]}, 1)
+
+
+@pytest.mark.parametrize("size", [0, 3])
+def test_too_few_prompts_say_how_many_a_rollout_needs(size):
+    with pytest.raises(ValueError, match=f"train_dataset has {size} prompts?; one rollout needs 4"):
+        prompt_dataset(Dataset.from_dict({"prompt": ["p"] * size}), 4)
+
+
+# ---------------------------------------------------------------- through the trainer: refused before loading
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Loading the model fails the test: the errors below must come first."""
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the model was loaded before the input was checked")
+
+    monkeypatch.setattr(trainer_module, "load_adapter", fail)
+
+
+def make_args(tmp_path, **overrides) -> GRPOJaggConfig:
+    values = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, report_to="none")
+    return GRPOJaggConfig(**{**values, **overrides})
+
+
+def reward(prompts, images, **kwargs):
+    return [0.0] * len(images)
+
+
+@pytest.mark.parametrize(
+    ("dataset", "error", "match"),
+    [
+        (Dataset.from_dict({"prompt": []}), ValueError, "has 0 prompts; one rollout needs 2"),
+        (Dataset.from_dict({"prompt": ["a"]}), ValueError, "has 1 prompt; one rollout needs 2"),
+        (Dataset.from_dict({"prompt": ["a", None]}), ValueError, "row 1 'prompt' is NoneType"),
+        (Dataset.from_dict({"text": ["a", "b"]}), ValueError, "no 'prompt' column"),
+        (IterableDataset.from_generator(lambda: iter([{"prompt": "a"}])), TypeError, "streaming"),
+    ],
+    ids=["empty", "too-few", "none-row", "no-column", "streaming"],
+)
+def test_trainer_refuses_bad_datasets_before_loading(tmp_path, no_model_load, dataset, error, match):
+    with pytest.raises(error, match=match):
+        DDPOJaggTrainer("unused", reward, args=make_args(tmp_path), train_dataset=dataset)
+
+
+def test_missing_resume_directory_is_refused_before_loading(tmp_path, no_model_load):
+    (tmp_path / "checkpoint-2").mkdir()
+    args = make_args(tmp_path, resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
+    with pytest.raises(RuntimeError, match=r"checkpoint-3'?: no such directory\. Checkpoints in .*checkpoint-2"):
+        DDPOJaggTrainer("unused", reward, args=args, train_dataset=["a", "b"])
+
+
+def test_conversational_dataset_trains_on_the_user_text(tiny_flux_path, tmp_path):
+    seen = []
+
+    def record(prompts, images, **kwargs):
+        seen.extend(prompts)
+        return [0.0] * len(images)
+
+    rows = [[{"role": "user", "content": text}] for text in ("a red circle", "a blue square")]
+    trainer = DDPOJaggTrainer(
+        tiny_flux_path, record, train_dataset=Dataset.from_dict({"prompt": rows}),
+        args=make_args(tmp_path, num_inference_steps=3, height=32, width=32, max_steps=1, max_sequence_length=16,
+                       jagg_group_size=2, save_strategy="no", disable_tqdm=True),
+    )  # fmt: skip
+    trainer.train()
+    assert sorted(set(seen)) == ["a blue square", "a red circle"]
+
+
+def test_lora_targets_that_match_nothing_are_named(tiny_flux_path, tmp_path):
+    lora = LoraConfig(r=2, lora_alpha=2, target_modules=["to_q", "to_kk", "to_vv"])
+    with pytest.raises(ValueError, match=r"target_modules \['to_kk', 'to_vv'\] match no module.*did you mean 'to_k'"):
+        DDPOJaggTrainer(tiny_flux_path, reward, args=make_args(tmp_path), train_dataset=["a", "b"], peft_config=lora)

@@ -1,0 +1,281 @@
+"""A run that goes wrong stops with an error naming the step, the quantity or the file, and loses no good state:
+non-finite values, 0-step saves, broken checkpoints, secrets, failing rewards (tiny Flux pipeline, offline)."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import shutil
+
+import pytest
+import torch
+from datasets import Dataset
+from peft import LoraConfig
+from safetensors.torch import load_file, save_file
+from transformers import TrainerCallback
+
+from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
+from trl_jagg.errors import CheckpointError, NonFiniteError, TrainingError
+
+PROMPTS = ["a red circle", "a green square", "a blue circle", "a red square"]
+LORA_FILE = "pytorch_lora_weights.safetensors"
+
+
+def reward(prompts, images, **kwargs):
+    return [float(i % 3) for i in range(len(images))]
+
+
+def make_trainer(path, output_dir, *, lora=True, reward_func=reward, lora_rank=4, **overrides) -> DDPOJaggTrainer:
+    values = dict(
+        output_dir=str(output_dir), per_device_train_batch_size=4, num_generations=2, num_inference_steps=3,
+        height=32, width=32, max_steps=2, learning_rate=1e-2, clip_range=1e-1, noise_level=0.9, jagg_group_size=2,
+        max_sequence_length=16, report_to="none", save_strategy="no", seed=0, disable_tqdm=True,
+    )  # fmt: skip
+    values.update(overrides)
+    torch.manual_seed(0)
+    lora_config = LoraConfig(r=lora_rank, lora_alpha=lora_rank, target_modules=["to_q", "to_k", "to_v"],
+                             init_lora_weights="gaussian")  # fmt: skip
+    return DDPOJaggTrainer(
+        model=path, reward_funcs=reward_func, args=GRPOJaggConfig(**values),
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}), peft_config=lora_config if lora else None,
+    )  # fmt: skip
+
+
+def digest(folder) -> dict[str, str]:
+    return {
+        name: hashlib.sha256(open(os.path.join(folder, name), "rb").read()).hexdigest()
+        for name in sorted(os.listdir(folder))
+    }
+
+
+def trainable(trainer) -> list[torch.Tensor]:
+    return [p.detach() for p in trainer.model.parameters() if p.requires_grad]
+
+
+def nan_velocity_hook(trainer, *, at_step: int, in_update: bool):
+    """Makes one velocity value NaN in the update (grad enabled) or the rollout of optimizer step ``at_step``."""
+
+    def hook(module, inputs, output):
+        if trainer.state.global_step == at_step - 1 and torch.is_grad_enabled() == in_update:
+            velocity = output[0].clone()
+            velocity.view(-1)[0] = math.nan
+            return (velocity, *output[1:])
+        return output
+
+    return trainer.model.register_forward_hook(hook)
+
+
+# ---------------------------------------------------------------- non-finite values
+def test_nan_velocity_in_the_update_stops_the_run_with_the_last_good_checkpoint_intact(tiny_flux_path, tmp_path):
+    trainer = make_trainer(tiny_flux_path, tmp_path, max_steps=4, save_strategy="steps", save_steps=2)
+    nan_velocity_hook(trainer, at_step=3, in_update=True)
+    checkpoint = tmp_path / "checkpoint-2"
+    saved = {}
+
+    class Record(TrainerCallback):  # what checkpoint-2 holds right after it is written
+        def on_save(self, args, state, control, **kwargs):
+            saved.update(digest(checkpoint))
+            saved["weights"] = [p.clone() for p in trainable(trainer)]
+
+    trainer.add_callback(Record())
+    with pytest.raises(NonFiniteError) as info:
+        trainer.train()
+    message = str(info.value)
+    assert "Non-finite loss at step 3" in message
+    assert f"Last good checkpoint: {checkpoint}" in message
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-2"]  # no checkpoint-3, no weights saved at the top
+    weights = saved.pop("weights")
+    assert digest(checkpoint) == saved  # untouched
+    stored = load_file(checkpoint / LORA_FILE)
+    assert all(torch.isfinite(t).all() for t in stored.values())
+    # The NaN gradient was never applied: the weights in memory are still those of step 2.
+    for before, after in zip(weights, trainable(trainer)):
+        assert torch.equal(before, after)
+
+
+def test_nan_latents_after_the_rollout_stop_before_the_rewards(tiny_flux_path, tmp_path):
+    calls = []
+
+    def counting(prompts, images, **kwargs):
+        calls.append(len(images))
+        return reward(prompts, images)
+
+    trainer = make_trainer(tiny_flux_path, tmp_path, reward_func=counting)
+    nan_velocity_hook(trainer, at_step=2, in_update=False)
+    with pytest.raises(
+        NonFiniteError, match="Non-finite latents after the rollout at step 2.*No checkpoint was saved"
+    ):
+        trainer.train()
+    assert len(calls) == 1  # step 1 only: the black images of step 2 were never scored
+
+
+def test_nan_gradient_with_a_finite_loss_stops_before_the_optimizer_step(tiny_flux_path, tmp_path):
+    trainer = make_trainer(tiny_flux_path, tmp_path, max_steps=1)
+    param = next(p for p in trainer.model.parameters() if p.requires_grad)
+    param.register_hook(lambda grad: grad * math.nan)
+    before = [p.clone() for p in trainable(trainer)]
+    with pytest.raises(NonFiniteError, match="Non-finite gradient norm at step 1"):
+        trainer.train()
+    for a, b in zip(before, trainable(trainer)):
+        assert torch.equal(a, b)
+
+
+def test_non_finite_weights_are_never_saved(tiny_flux_path, tmp_path):
+    trainer = make_trainer(tiny_flux_path, tmp_path / "run", max_steps=1)
+    trainer.train()
+    with torch.no_grad():
+        trainable(trainer)[0].view(-1)[0] = math.inf
+    target = tmp_path / "final"
+    with pytest.raises(
+        NonFiniteError, match=f"The weights hold NaN or infinite values at step 1: not saved to {target}"
+    ):
+        trainer.save_model(str(target))
+    assert not target.exists()
+
+
+# ---------------------------------------------------------------- 0-step runs
+def test_untrained_model_never_replaces_existing_weights(tiny_flux_path, tmp_path):
+    tmp_path.mkdir(exist_ok=True)
+    (tmp_path / LORA_FILE).write_bytes(b"trained weights")
+    trainer = make_trainer(tiny_flux_path, tmp_path)
+    with pytest.raises(TrainingError, match=f"Refusing to replace the weights in {tmp_path} with a model that has "
+                       "trained 0 steps"):  # fmt: skip
+        trainer.save_model()
+    assert (tmp_path / LORA_FILE).read_bytes() == b"trained weights"
+    fresh = tmp_path / "fresh"
+    trainer.save_model(str(fresh))  # an untrained model may still go where it replaces nothing
+    assert (fresh / LORA_FILE).is_file()
+
+
+# ---------------------------------------------------------------- secrets
+def test_training_args_bin_holds_no_hub_token(tiny_flux_path, tmp_path):
+    trainer = make_trainer(tiny_flux_path, tmp_path, hub_token="hf_SECRET_do_not_store")
+    trainer.save_model(str(tmp_path / "saved"))
+    raw = (tmp_path / "saved" / "training_args.bin").read_bytes()
+    assert b"hf_SECRET_do_not_store" not in raw
+    stored = torch.load(tmp_path / "saved" / "training_args.bin", weights_only=False)
+    assert stored.hub_token is None and stored.learning_rate == trainer.args.learning_rate
+    assert trainer.args.hub_token == "hf_SECRET_do_not_store"  # the running config keeps it
+
+
+# ---------------------------------------------------------------- resume errors
+@pytest.fixture(scope="module")
+def checkpoints(tiny_flux_path, tmp_path_factory):
+    """checkpoint-1 of a LoRA run and of a full fine-tuning run."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    paths = {}
+    for kind in ("lora", "full"):
+        trainer = make_trainer(tiny_flux_path, root / kind, lora=kind == "lora", max_steps=1, save_strategy="steps",
+                               save_steps=1)  # fmt: skip
+        trainer.train()
+        paths[kind] = str(root / kind / "checkpoint-1")
+    return paths
+
+
+def broken_copy(source: str, tmp_path, name: str, damage) -> str:
+    target = str(tmp_path / "bad" / "checkpoint-1")
+    shutil.copytree(source, target)
+    damage(os.path.join(target, name))
+    return target
+
+
+def truncate(path: str) -> None:
+    size = os.path.getsize(path)
+    with open(path, "r+b") as handle:
+        handle.truncate(size // 2)
+
+
+def drop_keys(path: str) -> None:
+    state = load_file(path)
+    keep = {k: v for k, v in state.items() if ".to_k." not in k}
+    assert len(keep) < len(state)
+    save_file(keep, path)
+
+
+@pytest.mark.parametrize(
+    ("kind", "name", "damage", "match"),
+    [
+        ("lora", LORA_FILE, truncate, f"{LORA_FILE} is truncated or corrupt"),
+        ("full", "diffusion_pytorch_model.safetensors", truncate, "diffusion_pytorch_model.safetensors is truncated"),
+        ("lora", "optimizer.pt", truncate, "optimizer.pt is truncated or corrupt"),
+        ("lora", "trainer_state.json", truncate, "trainer_state.json is truncated or corrupt"),
+        ("lora", LORA_FILE, drop_keys, rf"{LORA_FILE} lacks \d+ of the model's \d+ tensors \(e\.g\. \['.*to_k"),
+        ("lora", LORA_FILE, os.remove, f"has no {LORA_FILE} .*not a LoRA checkpoint"),
+    ],
+    ids=[
+        "lora-weights-truncated",
+        "full-weights-truncated",
+        "optimizer-truncated",
+        "state-truncated",
+        "lora-keys-missing",
+        "no-lora-file",
+    ],  # fmt: skip
+)
+def test_broken_checkpoints_name_the_file(tiny_flux_path, tmp_path, checkpoints, kind, name, damage, match):
+    path = broken_copy(checkpoints[kind], tmp_path, name, damage)
+    trainer = make_trainer(tiny_flux_path, tmp_path / "run", lora=kind == "lora")
+    with pytest.raises(CheckpointError, match=match) as info:
+        trainer.train(resume_from_checkpoint=path)
+    assert path in str(info.value)
+    assert trainer.state.global_step == 0  # refused before training
+
+
+def test_checkpoint_of_another_lora_rank_is_refused(tiny_flux_path, tmp_path, checkpoints):
+    trainer = make_trainer(tiny_flux_path, tmp_path, lora_rank=2)
+    with pytest.raises(CheckpointError, match=r"tensors have other shapes than the model's, e\.g\. .* is \[4, "):
+        trainer.train(resume_from_checkpoint=checkpoints["lora"])
+
+
+def test_resume_true_without_checkpoints_says_so(tiny_flux_path, tmp_path):
+    trainer = make_trainer(tiny_flux_path, tmp_path)
+    with pytest.raises(CheckpointError, match=f"resume_from_checkpoint=True, but {tmp_path} holds no checkpoint-N"):
+        trainer.train(resume_from_checkpoint=True)
+
+
+def test_missing_resume_directory(tiny_flux_path, tmp_path):
+    trainer = make_trainer(tiny_flux_path, tmp_path)
+    with pytest.raises(CheckpointError, match="checkpoint-9'?: no such directory"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-9"))
+
+
+# ---------------------------------------------------------------- reward failures
+class FailingReward:
+    """Raises on the calls listed in ``fail_on`` (1-based), scores otherwise."""
+
+    __name__ = "failing"
+
+    def __init__(self, fail_on):
+        self.fail_on, self.calls = set(fail_on), 0
+
+    def __call__(self, prompts, images, **kwargs):
+        self.calls += 1
+        if self.calls in self.fail_on:
+            raise ConnectionError(f"reward server went away (call {self.calls})")
+        return reward(prompts, images)
+
+
+def test_reward_exception_saves_a_resumable_checkpoint_first(tiny_flux_path, tmp_path):
+    trainer = make_trainer(tiny_flux_path, tmp_path, reward_func=FailingReward({3}), max_steps=4, save_steps=100,
+                           save_strategy="steps")  # fmt: skip
+    with pytest.raises(ConnectionError, match=r"went away \(call 3\)") as info:
+        trainer.train()
+    checkpoint = tmp_path / "checkpoint-2"
+    assert any(f"{checkpoint} holds the 2 trained steps" in note for note in getattr(info.value, "__notes__", []))
+    assert {LORA_FILE, "optimizer.pt", "trainer_state.json"} <= set(os.listdir(checkpoint))
+    resumed = make_trainer(tiny_flux_path, tmp_path, max_steps=4)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert resumed.state.global_step == 4
+
+
+def test_reward_retries(tiny_flux_path, tmp_path, caplog):
+    flaky = FailingReward({1, 2})
+    trainer = make_trainer(tiny_flux_path, tmp_path, reward_func=flaky, max_steps=1, reward_retries=2)
+    with caplog.at_level("WARNING"):
+        trainer.train()
+    assert trainer.state.global_step == 1 and flaky.calls == 3
+    assert "Retry 2 of 2" in caplog.text
+    exhausted = make_trainer(tiny_flux_path, tmp_path / "b", reward_func=FailingReward({1, 2}), max_steps=1,
+                             reward_retries=1)  # fmt: skip
+    with pytest.raises(ConnectionError, match=r"call 2"):
+        exhausted.train()
