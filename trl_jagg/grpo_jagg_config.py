@@ -420,8 +420,10 @@ class GRPOJaggConfig(TrainingArguments):
             value = getattr(self, item.name)
             if not item.init or value is item.default or (type(value) is type(item.default) and value == item.default):
                 continue
-            # eval_prompts may hold conversations: checked prompt by prompt, with the index, after this.
-            expected = _simple_type(hints[item.name]) if item.name != "eval_prompts" else None
+            # Checked after this: eval_prompts prompt by prompt (conversations allowed); scale_rewards also takes
+            # TRL's booleans.
+            skip = item.name in ("eval_prompts", "scale_rewards")
+            expected = None if skip else _simple_type(hints[item.name])
             if expected is not None and not _has_type(value, expected):
                 raise TypeError(
                     f"GRPOJaggConfig.{item.name} is {value!r} ({type(value).__name__}); expected "
