@@ -200,6 +200,7 @@ def drop_keys(path: str) -> None:
         ("full", "diffusion_pytorch_model.safetensors", truncate, "diffusion_pytorch_model.safetensors is truncated"),
         ("lora", "optimizer.pt", truncate, "optimizer.pt is truncated or corrupt"),
         ("lora", "trainer_state.json", truncate, "trainer_state.json is truncated or corrupt"),
+        ("lora", "grpo_state.json", os.remove, "has no grpo_state.json .*not a checkpoint of this trainer"),
         ("lora", LORA_FILE, drop_keys, rf"{LORA_FILE} lacks \d+ of the model's \d+ tensors \(e\.g\. \['.*to_k"),
         ("lora", LORA_FILE, os.remove, f"has no {LORA_FILE} .*not a LoRA checkpoint"),
     ],
@@ -208,6 +209,7 @@ def drop_keys(path: str) -> None:
         "full-weights-truncated",
         "optimizer-truncated",
         "state-truncated",
+        "grpo-state-missing",
         "lora-keys-missing",
         "no-lora-file",
     ],  # fmt: skip

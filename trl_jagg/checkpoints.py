@@ -91,12 +91,16 @@ def check_state_files(path: str, json_files: tuple[str, ...] = (TRAINER_STATE_FI
     for name in json_files:
         state = os.path.join(path, name)
         if not os.path.isfile(state):
-            raise CheckpointError(f"{path} has no {name} (it holds {_listing(path)}): not a checkpoint of this trainer.")
+            raise CheckpointError(
+                f"{path} has no {name} (it holds {_listing(path)}): not a checkpoint of this trainer."
+            )
         try:
             with open(state) as handle:
                 json.load(handle)
         except (OSError, ValueError) as error:
-            raise CheckpointError(f"{state} is truncated or corrupt ({error}). Resume from an earlier checkpoint.") from error
+            raise CheckpointError(
+                f"{state} is truncated or corrupt ({error}). Resume from an earlier checkpoint."
+            ) from error
 
 
 def weight_files(path: str, pattern: str, kind: str) -> list[str]:
