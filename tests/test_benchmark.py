@@ -104,3 +104,23 @@ def test_bench_script_runs(tmp_path):
 def test_bad_input_raises(tmp_path, kwargs, name):
     with pytest.raises(ValueError, match=name):
         run_engine_benchmark(tmp_path, **{**TINY, **kwargs})
+
+
+def test_gpu_benchmark_script_runs_tiny_on_cpu(tmp_path):
+    """benchmarks/gpu_benchmark.py at FLUX.1-dev size needs a GPU; ``--tiny`` runs the same code on a CPU."""
+    spec = importlib.util.spec_from_file_location("gpu_benchmark", REPO / "benchmarks" / "gpu_benchmark.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.FLUX_DEV_TRANSFORMER["num_layers"] == 19 and module.FLUX_DEV_TRANSFORMER["num_single_layers"] == 38
+    report = module.main(["--tiny", "--output_dir", str(tmp_path), "--resolution", "32"])
+    assert json.loads((tmp_path / "gpu_benchmark.json").read_text()) == json.loads(json.dumps(report))
+    assert report["config"]["num_generations"] == 4 and report["config"]["micro_batch"] == 2
+    calls = {r["variant"]: r["calls"] for r in report["results"]}
+    assert list(calls) == ["exact", "jagg", "jagg_cache", "jagg_cache_seq"]
+    # 6 steps, 5 trained (a JAGG group of W = 4 and one exact step), two micro-batches per rollout.
+    assert calls["exact"]["graph_forwards"] == calls["exact"]["backward_calls"] == 10
+    assert (calls["jagg"]["graph_forwards"], calls["jagg"]["no_grad_forwards"], calls["jagg"]["backward_calls"]) == (
+        6, 4, 4
+    )  # fmt: skip
+    assert (calls["jagg_cache"]["no_grad_forwards"], calls["jagg_cache_seq"]["backward_calls"]) == (0, 6)
+    assert all(r["update_s"]["median"] > 0 for r in report["results"])

@@ -4,20 +4,82 @@ from __future__ import annotations
 
 import json
 
-from trl_jagg.trainer_benchmark import JSON_NAME, PNG_NAME, run_trainer_benchmark
+import pytest
+import torch
+
+from trl_jagg.trainer_benchmark import JSON_NAME, PNG_NAME, measure_peak_memory_mb, run_trainer_benchmark
 
 
-def test_trainer_benchmark_writes_report(tmp_path):
+@pytest.fixture(scope="module")
+def tiny_report(tmp_path_factory):
+    output_dir = tmp_path_factory.mktemp("trainer-bench")
     report = run_trainer_benchmark(
-        str(tmp_path), group_sizes=(2, 4), num_inference_steps=5, resolution=32, num_layers=1, num_single_layers=1,
-        repeats=1,
+        str(output_dir), group_sizes=(2, 4), jagg_fracs=(1.0,), betas=(0.0, 0.1), num_inference_steps=5,
+        resolution=32, max_sequence_length=16, num_layers=1, num_single_layers=1, repeats=1,
     )  # fmt: skip
-    assert json.loads((tmp_path / JSON_NAME).read_text()) == report
-    assert (tmp_path / PNG_NAME).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    w2, w4 = report["results"]
-    # 4 trained steps: exact makes 4 backward calls; W=2 makes 2 joint ones, W=4 one.
-    assert (w2["backward_calls_exact"], w2["backward_calls_jagg"]) == (4, 2)
-    assert (w4["backward_calls_exact"], w4["backward_calls_jagg"]) == (4, 1)
-    assert all(abs(c - 1) < 1e-5 for c in w2["group_cosine"])  # W = 2 is exact
-    assert -1 <= w4["group_cosine"][0] <= 1
-    assert w4["update_exact_s"] > 0 and w4["update_jagg_s"] > 0
+    return report, output_dir
+
+
+def test_files_and_layout(tiny_report):
+    report, output_dir = tiny_report
+    assert json.loads((output_dir / JSON_NAME).read_text()) == json.loads(json.dumps(report))
+    assert (output_dir / PNG_NAME).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert report["config"]["image_tokens"] == 4 and report["config"]["text_tokens"] == 16
+    assert set(report["rollout_s"]) == {"0.0", "0.1"} and len(report["rollout_s"]["0.0"]["per_repeat"]) == 1
+    variants = [(r["beta"], r["variant"], r["group_size"]) for r in report["results"]]
+    assert variants[:1] == [(0.0, "exact", None)] and (0.1, "exact_batched", None) in variants
+    assert (0.0, "exact_batched", None) not in variants  # without KL there is nothing to batch
+    for r in report["results"]:
+        assert r["update_s"]["min"] <= r["update_s"]["median"] <= r["update_s"]["max"]
+        assert len(r["update_speedup"]["per_repeat"]) == 1 and r["step_speedup"]["median"] > 0
+        assert ("speedup_vs_jagg" in r) == r["variant"].startswith("jagg_cache")
+    assert [t["target"] for t in report["targets"]] == [
+        "W=4 JAGG vs exact", "W=4 JAGG+cache vs exact", "beta>0 W=4 JAGG+cache vs JAGG"
+    ]  # fmt: skip
+
+
+def test_backbone_calls_counted_by_hooks(tiny_report):
+    report, _ = tiny_report
+    calls = {(r["beta"], r["variant"], r["group_size"]): r["calls"] for r in report["results"]}
+
+    def counts(beta, variant, w=None):
+        c = calls[beta, variant, w]
+        return c["graph_forwards"], c["no_grad_forwards"], c["reference_forwards"], c["backward_calls"]
+
+    # 4 trained steps. Exact: 4 forwards with graph, 4 backward calls; the KL reference one call per step, or one.
+    assert counts(0.0, "exact") == (4, 0, 0, 4)
+    assert counts(0.1, "exact") == (4, 0, 4, 4)
+    assert counts(0.1, "exact_batched") == (4, 0, 1, 4)
+    # W = 4, one group: JAGG recomputes the 2 intermediates (one call each); the cache needs none.
+    assert counts(0.0, "jagg", 4) == (2, 2, 0, 1)
+    assert counts(0.0, "jagg_cache", 4) == (2, 0, 0, 1)
+    assert counts(0.0, "jagg_cache_seq", 4) == (2, 0, 0, 2)
+    assert counts(0.1, "jagg_cache", 4) == (2, 0, 1, 1)
+    assert counts(0.0, "jagg", 2) == (4, 0, 0, 2)
+
+
+def test_peak_memory_is_measured_per_variant(tiny_report):
+    report, _ = tiny_report
+    peaks = [r["peak_memory_mb"] for r in report["results"]]
+    if measure_peak_memory_mb(lambda: None, torch.device("cpu")) is None:
+        pytest.skip("no peak-RSS reading on this platform")
+    assert all(p is not None and p >= 0 for p in peaks)
+
+
+def test_peak_memory_sees_a_large_allocation():
+    if measure_peak_memory_mb(lambda: None, torch.device("cpu")) is None:
+        pytest.skip("no peak-RSS reading on this platform")
+
+    def allocate() -> None:
+        buffer = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+        del buffer
+
+    assert measure_peak_memory_mb(allocate, torch.device("cpu")) > 48
+    assert measure_peak_memory_mb(lambda: None, torch.device("cpu")) < 16
+
+
+@pytest.mark.parametrize(("kwargs", "name"), [({"group_sizes": (0,)}, "group_sizes"), ({"repeats": 0}, "repeats"),
+                                              ({"resolution": 40}, "resolution"), ({"batch": 3}, "batch")])  # fmt: skip
+def test_bad_input_raises(tmp_path, kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        run_trainer_benchmark(str(tmp_path), **kwargs)

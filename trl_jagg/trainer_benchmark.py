@@ -1,18 +1,36 @@
-"""Trainer-level benchmark: the update stage of :class:`DDPOJaggTrainer` with exact backward vs JAGG.
+"""Trainer-level benchmark: the update stage of :class:`DDPOJaggTrainer`, exact vs JAGG vs JAGG + velocity cache.
 
-Unlike the engine benchmark (a stand-in network), this one runs the real path on a small Flux-architecture
-pipeline built from config: the adapter's backbone call, the SDE log-prob, the PPO loss and ``accelerator.backward``.
-One rollout is sampled; then the same update is timed alternately with ``use_jagg=False`` and ``use_jagg=True``
-for each group size, and the whole-step speedup follows from the measured rollout time.
+It runs the real path on a Flux-architecture pipeline built from config (the adapter's backbone call, the SDE
+log-prob, the PPO loss, ``accelerator.backward``) with a realistic token mix: the recipe's 512 text tokens
+(FLUX.1-dev's ``max_sequence_length``) and more image tokens than text tokens. Every repeat samples a fresh rollout
+(timed: the whole-step speedup uses the rollout of the same repeat) and then times, interleaved and in alternating
+order, every variant's update on it:
+
+- ``exact``: one backward per trained step (today's path: one KL-reference call per step);
+- ``exact_batched`` (``beta > 0`` only): the same with the KL-reference forwards batched;
+- ``jagg``: JAGG as in the paper (intermediate velocities recomputed, one no-grad call per step);
+- ``jagg_cache``: JAGG with the on-policy velocity cache and batched no-grad calls;
+- ``jagg_cache_seq``: the same with ``jagg_endpoint_backward="sequential"`` (one endpoint graph alive).
+
+for every ``W`` in ``group_sizes``, ``jagg_frac`` in ``jagg_fracs`` and ``beta`` in ``betas``. Ratios are taken per
+repeat and reported as median, min and max. Backbone calls are counted by hooks (forwards with and without graph,
+reference forwards, backward calls), and the peak memory of each variant's update is measured: the CUDA peak on a
+GPU; on CPU (Linux) the growth of the process's peak resident set (``VmHWM``, reset through
+``/proc/self/clear_refs`` after returning freed memory with ``malloc_trim``) over the update.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import gc
 import json
+import platform
 import statistics
+import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,46 +40,184 @@ from datasets import Dataset
 PROMPTS = ["a red circle", "a green square", "a blue triangle", "a red square"]
 JSON_NAME = "trainer_benchmark.json"
 PNG_NAME = "trainer_benchmark.png"
+VARIANTS: dict[str, dict[str, Any]] = {
+    "exact": {"use_jagg": False, "no_grad_batch_steps": 1},
+    "exact_batched": {"use_jagg": False, "no_grad_batch_steps": None},
+    "jagg": {"use_jagg": True, "jagg_cache_velocities": False, "no_grad_batch_steps": 1},
+    "jagg_cache": {"use_jagg": True, "jagg_cache_velocities": True, "no_grad_batch_steps": None},
+    "jagg_cache_seq": {
+        "use_jagg": True,
+        "jagg_cache_velocities": True,
+        "no_grad_batch_steps": None,
+        "jagg_endpoint_backward": "sequential",
+    },
+}
+"""The config fields each variant sets on the trainer before its update (the rest is the benchmark's config)."""
+JAGG_VARIANTS = ("jagg", "jagg_cache", "jagg_cache_seq")
+TARGETS = (
+    # (what, beta, W, variant, baseline, minimum median ratio): issue 9's targets, jagg_frac = 1.
+    ("W=4 JAGG vs exact", 0.0, 4, "jagg", "exact", 1.35),
+    ("W=4 JAGG+cache vs exact", 0.0, 4, "jagg_cache", "exact", 1.8),
+    ("W=8 JAGG vs exact", 0.0, 8, "jagg", "exact", 1.7),
+    ("W=8 JAGG+cache vs exact", 0.0, 8, "jagg_cache", "exact", 3.2),
+    ("beta>0 W=4 JAGG+cache vs JAGG", "kl", 4, "jagg_cache", "jagg", 1.15),
+)
 
 
-def _zero_grads(model: torch.nn.Module) -> None:
-    for p in model.parameters():
-        p.grad = None
+class BackboneCallCounter:
+    """Counts backbone work by hooks: policy forwards with and without an autograd graph, reference forwards (the
+    frozen copy, or the policy with its LoRA adapters disabled) and ``accelerator.backward`` calls.
+
+    Use as a context manager around the work to count; :meth:`take` returns and resets the counts.
+    """
+
+    def __init__(self, trainer: Any):
+        self.trainer = trainer
+        self.counts = dict.fromkeys(("graph_forwards", "no_grad_forwards", "reference_forwards", "backward_calls"), 0)
+        self._handles: list[Any] = []
+        self._backward: Callable | None = None
+
+    def __enter__(self) -> BackboneCallCounter:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        policy = self.trainer.accelerator.unwrap_model(self.trainer.model)
+        lora_layer = next((m for m in policy.modules() if isinstance(m, BaseTunerLayer)), None)
+
+        def on_policy(module: torch.nn.Module, args: Any, output: Any) -> None:
+            if lora_layer is not None and lora_layer.disable_adapters:
+                self.counts["reference_forwards"] += 1
+            elif torch.is_grad_enabled():
+                self.counts["graph_forwards"] += 1
+            else:
+                self.counts["no_grad_forwards"] += 1
+
+        def on_reference(module: torch.nn.Module, args: Any, output: Any) -> None:
+            self.counts["reference_forwards"] += 1
+
+        self._handles.append(policy.register_forward_hook(on_policy))
+        if self.trainer.ref_transformer is not None:
+            self._handles.append(self.trainer.ref_transformer.register_forward_hook(on_reference))
+        accelerator = self.trainer.accelerator
+        self._backward = accelerator.backward
+
+        def counting_backward(loss: torch.Tensor, **kwargs: Any) -> None:
+            self.counts["backward_calls"] += 1
+            self._backward(loss, **kwargs)
+
+        accelerator.backward = counting_backward
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self.trainer.accelerator.backward = self._backward
+
+    def take(self) -> dict[str, int]:
+        counts = dict(self.counts)
+        self.counts = dict.fromkeys(self.counts, 0)
+        return counts
+
+
+def measure_peak_memory_mb(fn: Callable[[], Any], device: torch.device) -> float | None:
+    """Peak memory growth of ``fn()`` in MiB: the CUDA allocator's peak on a GPU; on Linux CPUs the growth of the
+    process's peak resident set (``VmHWM``) after returning freed heap memory to the system. ``None`` elsewhere."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return (torch.cuda.max_memory_allocated(device) - base) / 2**20
+    if not sys.platform.startswith("linux"):
+        fn()
+        return None
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+    except OSError:
+        fn()
+        return None
+    base = _proc_status_kb("VmRSS")
+    fn()
+    return (_proc_status_kb("VmHWM") - base) / 1024
+
+
+def _proc_status_kb(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    raise KeyError(key)
+
+
+def _spread(values: Sequence[float]) -> dict[str, Any]:
+    return {
+        "median": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+        "per_repeat": list(values),
+    }
+
+
+def theory(variant: str, group_size: int, num_trained: int, jagg_frac: float) -> float:
+    """The cost model's exact/variant ratio over the whole plan, in forward units (a backward = 2 forwards; KL
+    reference forwards left out): exact ``3`` per step; JAGG ``W + 4`` per group, with the cache ``6``."""
+    from .jagg import plan_groups
+
+    if variant.startswith("exact"):
+        return 1.0
+    groups = plan_groups([1.0 - k / num_trained for k in range(num_trained)], group_size, jagg_frac)
+    joint = 6 if variant.startswith("jagg_cache") else None
+    cost = sum((joint or len(g.steps) + 4) if g.is_joint else 3 * len(g.steps) for g in groups)
+    return 3 * num_trained / cost
 
 
 def run_trainer_benchmark(
     output_dir: str,
     *,
     group_sizes: Sequence[int] = (2, 4, 8),
+    jagg_fracs: Sequence[float] = (0.6, 1.0),
+    betas: Sequence[float] = (0.0, 0.04),
     num_inference_steps: int = 9,
-    resolution: int = 64,
-    batch: int = 4,
+    resolution: int = 384,
+    max_sequence_length: int = 512,
+    batch: int = 2,
     num_layers: int = 2,
     num_single_layers: int = 4,
     repeats: int = 5,
     lora: bool = False,
+    memory: bool = True,
     seed: int = 0,
     num_threads: int = 1,
+    plot: bool = True,
 ) -> dict[str, Any]:
-    """Time the update stage of the real trainer, exact vs JAGG (``jagg_frac=1``), on a tiny Flux pipeline.
+    """Time the update stage of the real trainer for every variant (see the module docstring) on a tiny Flux.
 
-    Returns (and writes as JSON + PNG) per group size: median update seconds of both, their ratio, the whole-step
-    speedup including the rollout, the backward calls, the per-group gradient cosine (calibration) and, on CUDA, the
-    peak memory of the update with each.
+    Returns (and writes as JSON, and PNG unless ``plot=False``) the configuration, the rollout seconds of every
+    repeat and, per (beta, W, jagg_frac, variant): update seconds, speedups over exact (update stage and whole
+    step) and, for the cached variants, over today's JAGG (median/min/max and per repeat), the backbone calls
+    counted by hooks, the peak memory of the update (``jagg_frac=1`` only) and the cost model's ratio; then the
+    issue's targets with the measured figures.
 
     Args:
         output_dir: where ``trainer_benchmark.json`` and ``trainer_benchmark.png`` go.
-        group_sizes: the JAGG group sizes W to compare with exact backward.
+        group_sizes: the JAGG group sizes W.
+        jagg_fracs: the routed fractions of groups.
+        betas: KL coefficients; each gets its own trainer (and reference model when ``beta > 0``).
         num_inference_steps: denoising steps; all but the last are trained.
-        resolution: image height and width in pixels (a multiple of 16).
-        batch: images per micro-batch (2 prompts x 2 generations for the default 4).
-        num_layers: double-stream blocks of the Flux transformer.
-        num_single_layers: single-stream blocks of the Flux transformer.
-        repeats: timed exact/JAGG pairs per group size (after one warm-up pair); the median is reported.
-        lora: train a LoRA adapter instead of the full backbone.
-        seed: seed of the model weights and the rollout.
+        resolution: image height and width in pixels (a multiple of 16); ``(resolution / 16)^2`` image tokens.
+        max_sequence_length: text tokens (T5 pads every prompt to it; 512 is FLUX.1-dev's).
+        batch: images per micro-batch (a multiple of 2: prompts x 2 generations).
+        num_layers, num_single_layers: double- and single-stream blocks of the Flux transformer.
+        repeats: timed repeats after one warm-up repeat; each samples a rollout and times every variant on it.
+        lora: train a LoRA adapter (attention projections, rank 8) instead of the full backbone.
+        memory: also measure each variant's peak update memory (two extra updates per variant at ``jagg_frac=1``).
+        seed: seed of the model weights and the rollouts.
         num_threads: torch CPU threads while timing (1: on a shared machine more threads mostly time the
             scheduler); restored afterwards.
+        plot: write the PNG chart.
     """
     from peft import LoraConfig
 
@@ -69,134 +225,321 @@ def run_trainer_benchmark(
     from .grpo_jagg_config import GRPOJaggConfig
     from .tiny_models import save_tiny_pipeline
 
+    if not group_sizes or any(not isinstance(w, int) or w < 1 for w in group_sizes):
+        raise ValueError(f"`group_sizes` must be integers >= 1, got {group_sizes!r}.")
+    if repeats < 1:
+        raise ValueError(f"`repeats` must be >= 1, got {repeats}.")
+    if resolution % 16:
+        raise ValueError(f"`resolution` must be a multiple of 16 (8x VAE, 2x2 packing), got {resolution}.")
+    if batch < 2 or batch % 2:
+        raise ValueError(f"`batch` must be a positive multiple of 2 (2 generations per prompt), got {batch}.")
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    results = []
+    num_trained = num_inference_steps - 1
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(num_threads)
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = save_tiny_pipeline(
-            "flux",
-            str(Path(tmp) / "flux"),
-            seed=seed,
-            transformer={"num_layers": num_layers, "num_single_layers": num_single_layers},
-        )
-        for group_size in group_sizes:
-            config = GRPOJaggConfig(
-                output_dir=str(Path(tmp) / "run"),
-                per_device_train_batch_size=batch,
-                num_generations=2,
-                num_inference_steps=num_inference_steps,
-                height=resolution,
-                width=resolution,
-                jagg_group_size=group_size,
-                jagg_frac=1.0,
-                report_to="none",
-                disable_tqdm=True,
+    results: list[dict[str, Any]] = []
+    rollouts: dict[str, list[float]] = {}
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            model_dir = save_tiny_pipeline(
+                "flux",
+                str(Path(tmp) / "flux"),
                 seed=seed,
+                transformer={"num_layers": num_layers, "num_single_layers": num_single_layers},
             )
-            peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=["to_q", "to_k", "to_v"]) if lora else None
-            trainer = DDPOJaggTrainer(
-                model=model_dir,
-                reward_funcs="prompt_color",
-                args=config,
-                train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
-                peft_config=peft_config,
-            )
-            trainer.create_optimizer_and_scheduler(num_training_steps=1)
-            model = trainer.model
-            inputs = next(iter(trainer.get_train_dataloader()))
-            start = time.perf_counter()
-            rollout = trainer._generate_and_score(inputs)
-            rollout_s = time.perf_counter() - start
-            times: dict[bool, list[float]] = {False: [], True: []}
-            calls: dict[bool, int] = {}
-            peak_mb: dict[bool, float | None] = {False: None, True: None}
-            # One warm-up pair, then interleaved pairs in alternating order (the machine's load drifts).
-            for repeat in range(repeats + 1):
-                order = (False, True) if repeat % 2 == 0 else (True, False)
-                for use_jagg in order:
-                    trainer.args.use_jagg = use_jagg
-                    _zero_grads(model)
-                    if torch.cuda.is_available():
-                        torch.cuda.synchronize()
-                        torch.cuda.reset_peak_memory_stats()
-                    start = time.perf_counter()
-                    result = trainer._update(model, rollout)
-                    if torch.cuda.is_available():
-                        torch.cuda.synchronize()
-                        peak_mb[use_jagg] = torch.cuda.max_memory_allocated() / 2**20
-                    elapsed = time.perf_counter() - start
-                    calls[use_jagg] = result.num_backward
-                    if repeat > 0:
-                        times[use_jagg].append(elapsed)
-            calibration = trainer.calibrate_jagg(threshold=0.0)
-            exact_s, jagg_s = statistics.median(times[False]), statistics.median(times[True])
-            results.append(
-                {
-                    "group_size": group_size,
-                    "update_exact_s": exact_s,
-                    "update_jagg_s": jagg_s,
-                    "update_speedup": exact_s / jagg_s,
-                    "rollout_s": rollout_s,
-                    "step_speedup": (rollout_s + exact_s) / (rollout_s + jagg_s),
-                    "backward_calls_exact": calls[False],
-                    "backward_calls_jagg": calls[True],
-                    "group_cosine": calibration["group_cosine"],
-                    # JAGG keeps two endpoint graphs alive: higher peak than one step at a time (CUDA only).
-                    "peak_memory_exact_mb": peak_mb[False],
-                    "peak_memory_jagg_mb": peak_mb[True],
-                    "theory": 3 * group_size / (group_size + 4),
-                }
-            )
-    torch.set_num_threads(previous_threads)
+            for beta in betas:
+                config = GRPOJaggConfig(
+                    output_dir=str(Path(tmp) / "run"),
+                    per_device_train_batch_size=batch,
+                    num_generations=2,
+                    num_inference_steps=num_inference_steps,
+                    height=resolution,
+                    width=resolution,
+                    max_sequence_length=max_sequence_length,
+                    beta=beta,
+                    jagg_frac=1.0,
+                    report_to="none",
+                    disable_tqdm=True,
+                    use_cpu=not torch.cuda.is_available(),
+                    seed=seed,
+                )
+                torch.manual_seed(seed)
+                trainer = DDPOJaggTrainer(
+                    model=model_dir,
+                    reward_funcs="prompt_color",
+                    args=config,
+                    train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+                    peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=["to_q", "to_k", "to_v"])
+                    if lora
+                    else None,
+                )
+                beta_results, rollouts[str(beta)] = time_variants(
+                    trainer, group_sizes=group_sizes, jagg_fracs=jagg_fracs, repeats=repeats, memory=memory
+                )
+                results.extend(beta_results)
+                del trainer
+                gc.collect()
+    finally:
+        torch.set_num_threads(previous_threads)
     report = {
         "config": {
             "num_inference_steps": num_inference_steps,
-            "trained_steps": num_inference_steps - 1,
+            "trained_steps": num_trained,
             "resolution": resolution,
+            "image_tokens": (resolution // 16) ** 2,
+            "text_tokens": max_sequence_length,
             "batch": batch,
             "num_layers": num_layers,
             "num_single_layers": num_single_layers,
+            "group_sizes": list(group_sizes),
+            "jagg_fracs": list(jagg_fracs),
+            "betas": list(betas),
             "repeats": repeats,
             "lora": lora,
             "torch_threads": num_threads,
+            "device": "cuda" if torch.cuda.is_available() else "cpu",
+            "memory_method": (
+                "torch.cuda.max_memory_allocated"
+                if torch.cuda.is_available()
+                else "VmHWM growth over the update (Linux), after malloc_trim and clear_refs"
+            ),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
         },
+        "rollout_s": {beta: _spread(values) for beta, values in rollouts.items()},
         "results": results,
+        "targets": _targets(results, betas),
     }
     (out / JSON_NAME).write_text(json.dumps(report, indent=2))
-    _plot(results, out / PNG_NAME)
-    for r in results:
-        cos = " ".join(f"{c:.3f}" for c in r["group_cosine"])
-        print(
-            f"W={r['group_size']}: update {r['update_exact_s']:.3f}s -> {r['update_jagg_s']:.3f}s "
-            f"({r['update_speedup']:.2f}x, theory {r['theory']:.2f}x), whole step {r['step_speedup']:.2f}x, "
-            f"backward calls {r['backward_calls_exact']} -> {r['backward_calls_jagg']}, group cosine {cos}"
-            + (
-                f", peak memory {r['peak_memory_exact_mb']:.0f} -> {r['peak_memory_jagg_mb']:.0f} MiB"
-                if r["peak_memory_jagg_mb"] is not None
-                else ""
-            )
-        )
-    print(f"wrote {out / JSON_NAME} and {out / PNG_NAME}")
+    if plot:
+        _plot(report, out / PNG_NAME)
+    _print_report(report)
+    print(f"wrote {out / JSON_NAME}" + (f" and {out / PNG_NAME}" if plot else ""))
     return report
 
 
-def _plot(results: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
+def _instances(
+    beta: float, group_sizes: Sequence[int], jagg_fracs: Sequence[float]
+) -> list[tuple[str, int | None, float | None]]:
+    """The (variant, W, jagg_frac) updates timed in every repeat; exact ones do not depend on W."""
+    instances: list[tuple[str, int | None, float | None]] = [("exact", None, None)]
+    if beta > 0:
+        instances.append(("exact_batched", None, None))
+    for w in group_sizes:
+        for frac in jagg_fracs:
+            # Sequential endpoints change memory, not the routing: timed at jagg_frac = 1 only.
+            instances.extend((v, w, frac) for v in JAGG_VARIANTS if v != "jagg_cache_seq" or frac == 1.0)
+    return instances
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    sizes = [r["group_size"] for r in results]
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    ax.plot(sizes, [r["theory"] for r in results], "k--", label="theory 3W/(W+4)")
-    ax.plot(sizes, [r["update_speedup"] for r in results], "o-", label="update stage (measured)")
-    ax.plot(sizes, [r["step_speedup"] for r in results], "s-", label="whole step incl. rollout")
-    ax.set_xlabel("JAGG group size W")
-    ax.set_ylabel("speedup over exact")
-    ax.set_title("DDPOJaggTrainer on a tiny Flux (CPU)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+@contextlib.contextmanager
+def _configured(trainer: Any, variant: str, group_size: int | None, jagg_frac: float | None) -> Iterator[None]:
+    args = trainer.args
+    settings = {"jagg_cache_velocities": True, "jagg_endpoint_backward": "joint", **VARIANTS[variant]}
+    if group_size is not None:
+        settings |= {"jagg_group_size": group_size, "jagg_frac": jagg_frac}
+    saved = {k: getattr(args, k) for k in settings}
+    for key, value in settings.items():
+        setattr(args, key, value)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            setattr(args, key, value)
+
+
+def time_update(
+    trainer: Any, rollout: dict[str, Any], variant: str, group_size: int | None = None, jagg_frac: float | None = None
+) -> float:
+    """Seconds of the update of ``rollout`` (``trainer._update`` on each of its ``steps_per_generation``
+    micro-batches, as in training) with the settings of ``variant`` (see :data:`VARIANTS`), and ``group_size`` /
+    ``jagg_frac`` for the JAGG ones; gradients are zeroed first and the config restored."""
+    from .ddpo_jagg_trainer import _split_rollout
+
+    model = trainer.model
+    device = trainer.accelerator.device
+    micro_batches = _split_rollout(rollout, trainer.args.steps_per_generation)
+    model.zero_grad(set_to_none=True)
+    model.train()
+    _sync(device)
+    start = time.perf_counter()
+    with _configured(trainer, variant, group_size, jagg_frac):
+        for micro_batch in micro_batches:
+            trainer._update(model, micro_batch)
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def time_variants(
+    trainer: Any, *, group_sizes: Sequence[int], jagg_fracs: Sequence[float], repeats: int, memory: bool = True
+) -> tuple[list[dict[str, Any]], list[float]]:
+    """Time every variant's update (see the module docstring) on ``trainer``, interleaved per repeat, each repeat on
+    a fresh (timed) rollout; one warm-up repeat counts the backbone calls; then, with ``memory``, two more updates
+    per variant at ``jagg_frac = 1`` (in opposite orders, the smaller peak kept) measure its peak memory.
+
+    Returns the per-variant results (as in :func:`run_trainer_benchmark`'s report) and the rollout seconds of every
+    timed repeat.
+    """
+    model = trainer.model
+    device = trainer.accelerator.device
+    beta = trainer.args.beta
+    batches = _endless(trainer)
+    instances = _instances(beta, group_sizes, jagg_fracs)
+    times: dict[tuple, list[float]] = {i: [] for i in instances}
+    calls: dict[tuple, dict[str, int]] = {}
+    rollout_times: list[float] = []
+
+    def sample() -> tuple[dict[str, Any], float]:
+        _sync(device)
+        start = time.perf_counter()
+        with _configured(trainer, "jagg_cache", None, None):  # records the velocities
+            rollout = trainer._generate_and_score(next(batches))
+        _sync(device)
+        return rollout, time.perf_counter() - start
+
+    # Repeat 0 is the warm-up (and counts the backbone calls); then ABAB...BABA over the instances.
+    for repeat in range(repeats + 1):
+        rollout, rollout_s = sample()
+        num_trained = len(trainer._trained_steps(rollout))
+        order = instances if repeat % 2 == 0 else instances[::-1]
+        for instance in order:
+            if repeat == 0:
+                with BackboneCallCounter(trainer) as counter:
+                    time_update(trainer, rollout, *instance)
+                calls[instance] = counter.take()
+            else:
+                times[instance].append(time_update(trainer, rollout, *instance))
+        if repeat > 0:
+            rollout_times.append(rollout_s)
+        trainer._metrics.clear()
+    peaks: dict[tuple, float | None] = {}
+    if memory:
+        # Two passes in opposite orders, the smaller reading kept: one-off allocations land on one variant only.
+        rollout, _ = sample()
+        measured = [i for i in instances if i[2] in (None, 1.0)]
+        for order in (measured, measured[::-1]):
+            for instance in order:
+                peak = measure_peak_memory_mb(lambda i=instance: time_update(trainer, rollout, *i), device)
+                peaks[instance] = peak if peaks.get(instance) is None else min(peaks[instance], peak)
+        trainer._metrics.clear()
+    model.zero_grad(set_to_none=True)
+
+    exact = times[("exact", None, None)]
+    by_repeat_jagg = {(w, f): times[("jagg", w, f)] for w in group_sizes for f in jagg_fracs}
+    results = []
+    for instance in instances:
+        variant, w, frac = instance
+        entry: dict[str, Any] = {
+            "beta": beta,
+            "variant": variant,
+            "group_size": w,
+            "jagg_frac": frac,
+            "update_s": _spread(times[instance]),
+            "update_speedup": _spread([e / t for e, t in zip(exact, times[instance])]),
+            "step_speedup": _spread([(r + e) / (r + t) for r, e, t in zip(rollout_times, exact, times[instance])]),
+            "calls": calls[instance],
+            "peak_memory_mb": peaks.get(instance),
+            "theory_update_speedup": theory(variant, w or 1, num_trained, frac or 0.0),
+        }
+        if variant.startswith("jagg_cache"):
+            entry["speedup_vs_jagg"] = _spread([j / t for j, t in zip(by_repeat_jagg[w, frac], times[instance])])
+        results.append(entry)
+    return results, rollout_times
+
+
+def _endless(trainer: Any) -> Iterator[Any]:
+    """Rollout inputs from the trainer's dataloader, epoch after epoch."""
+    while True:
+        yield from trainer.get_train_dataloader()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _find(results: list[dict[str, Any]], **match: Any) -> dict[str, Any] | None:
+    return next((r for r in results if all(r.get(k) == v for k, v in match.items())), None)
+
+
+def _targets(results: list[dict[str, Any]], betas: Sequence[float]) -> list[dict[str, Any]]:
+    """Issue 9's targets (median ratios at ``jagg_frac = 1``) with the measured figures, where they were run."""
+    kl_betas = [b for b in betas if b > 0]
+    targets = []
+    for what, beta, w, variant, baseline, minimum in TARGETS:
+        beta = kl_betas[0] if beta == "kl" and kl_betas else beta
+        entry = _find(results, beta=beta, group_size=w, jagg_frac=1.0, variant=variant)
+        if entry is None:
+            continue
+        measured = entry["update_speedup" if baseline == "exact" else "speedup_vs_jagg"]["median"]
+        targets.append({"target": what, "beta": beta, "minimum": minimum, "measured": measured,
+                        "met": measured >= minimum})  # fmt: skip
+    return targets
+
+
+def _print_report(report: dict[str, Any]) -> None:
+    config = report["config"]
+    print(
+        f"tiny Flux ({config['num_layers']}+{config['num_single_layers']} blocks), {config['trained_steps']} trained "
+        f"steps, batch {config['batch']}, {config['image_tokens']} image + {config['text_tokens']} text tokens, "
+        f"{config['repeats']} interleaved repeats (median [min, max])"
+    )
+    for beta, spread in report["rollout_s"].items():
+        print(f"beta={beta}: rollout {spread['median']:.3f}s [{spread['min']:.3f}, {spread['max']:.3f}]")
+    header = "beta   W  frac variant          update s  speedup vs exact [min,max]  whole step  cost model  calls g/n/r/b  peak MiB"
+    print(header)
+    for r in report["results"]:
+        u, s, st = r["update_s"], r["update_speedup"], r["step_speedup"]
+        c = r["calls"]
+        peak = r["peak_memory_mb"]
+        print(
+            f"{r['beta']:<5} {r['group_size'] or '-':>2} {r['jagg_frac'] if r['jagg_frac'] is not None else '-':>5} "
+            f"{r['variant']:<15} {u['median']:8.3f}  {s['median']:5.2f}x [{s['min']:.2f}, {s['max']:.2f}]"
+            f"{'':>10}{st['median']:5.2f}x {r['theory_update_speedup']:9.2f}x"
+            f"  {c['graph_forwards']}/{c['no_grad_forwards']}/{c['reference_forwards']}/{c['backward_calls']:<6}"
+            f" {'' if peak is None else f'{peak:8.1f}'}"
+        )
+    for t in report["targets"]:
+        print(
+            f"target {t['target']}: >= {t['minimum']}x, measured {t['measured']:.2f}x -> {'met' if t['met'] else 'NOT met'}"
+        )
+
+
+def _plot(report: dict[str, Any], path: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    results = report["results"]
+    betas = [float(b) for b in report["rollout_s"]]
+    figure = Figure(figsize=(5 * (len(betas) + 1), 4), dpi=110)
+    FigureCanvasAgg(figure)
+    axes = figure.subplots(1, len(betas) + 1)
+    colors = {"jagg": "tab:blue", "jagg_cache": "tab:orange", "jagg_cache_seq": "tab:green"}
+    for ax, beta in zip(axes, betas):
+        for variant, color in colors.items():
+            for frac, style in ((1.0, "o-"), (0.6, "s--")):
+                rows = [r for r in results if r["beta"] == beta and r["variant"] == variant and r["jagg_frac"] == frac]
+                if not rows:
+                    continue
+                sizes = [r["group_size"] for r in rows]
+                med = [r["update_speedup"]["median"] for r in rows]
+                low = [m - r["update_speedup"]["min"] for m, r in zip(med, rows)]
+                high = [r["update_speedup"]["max"] - m for m, r in zip(med, rows)]
+                ax.errorbar(sizes, med, yerr=[low, high], fmt=style, color=color, capsize=3,
+                            label=f"{variant} (frac {frac})")  # fmt: skip
+                if frac == 1.0 and variant != "jagg_cache_seq":
+                    ax.plot(sizes, [r["theory_update_speedup"] for r in rows], ":", color=color, lw=1)
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set(xlabel="JAGG group size W", ylabel="update-stage speedup over exact", title=f"beta = {beta}")
+        ax.legend(fontsize=7)
+    mem_ax = axes[-1]
+    rows = [r for r in results if r["beta"] == betas[0] and r["peak_memory_mb"] is not None]
+    if rows:
+        labels = [r["variant"] if r["group_size"] is None else f"{r['variant']}\nW={r['group_size']}" for r in rows]
+        mem_ax.bar(range(len(rows)), [r["peak_memory_mb"] for r in rows], color="tab:gray")
+        mem_ax.set_xticks(range(len(rows)), labels, rotation=90, fontsize=7)
+        mem_ax.set(ylabel="peak update memory (MiB)", title=f"peak memory, beta = {betas[0]}, frac 1.0")
+    figure.suptitle("DDPOJaggTrainer update stage on a tiny Flux (dotted: cost model)", fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path)

@@ -24,8 +24,9 @@ ENGINE_DESCRIPTION = (
     "`trl-jagg bench trainer --help`: the same comparison through DDPOJaggTrainer on a tiny Flux pipeline."
 )
 TRAINER_DESCRIPTION = (
-    "Time the update stage of DDPOJaggTrainer itself (adapter, SDE log-prob, PPO loss, accelerator.backward) with "
-    "JAGG and with exact backward on a small Flux pipeline built from config; write trainer_benchmark.json and .png."
+    "Time the update stage of DDPOJaggTrainer itself (adapter, SDE log-prob, PPO loss, accelerator.backward): exact, "
+    "JAGG, JAGG + velocity cache (+ sequential endpoints), interleaved per repeat, with backbone calls counted and "
+    "peak memory, on a small Flux pipeline built from config; write trainer_benchmark.json and .png."
 )
 
 
@@ -60,15 +61,30 @@ class TrainerBenchmarkArguments:
 
     output_dir: str = field(default="runs/bench", metadata={"help": "Where the JSON and PNG go."})
     group_sizes: list[int] = field(default_factory=lambda: [2, 4, 8], metadata={"help": "JAGG group sizes W."})
+    jagg_fracs: list[float] = field(
+        default_factory=lambda: [0.6, 1.0], metadata={"help": "Fractions of groups routed to JAGG."}
+    )
+    betas: list[float] = field(
+        default_factory=lambda: [0.0, 0.04], metadata={"help": "KL coefficients (each gets its own trainer)."}
+    )
     num_inference_steps: int = field(default=9, metadata={"help": "Denoising steps; all but the last are trained."})
-    resolution: int = field(default=64, metadata={"help": "Image height and width in pixels (a multiple of 16)."})
-    batch: int = field(default=4, metadata={"help": "Images per micro-batch (2 prompts x 2 generations for 4)."})
+    resolution: int = field(
+        default=384, metadata={"help": "Image height and width in pixels (a multiple of 16): (res/16)^2 image tokens."}
+    )
+    max_sequence_length: int = field(default=512, metadata={"help": "Text tokens (FLUX.1-dev's default: 512)."})
+    batch: int = field(default=2, metadata={"help": "Images per micro-batch (prompts x 2 generations)."})
     num_layers: int = field(default=2, metadata={"help": "Double-stream blocks of the Flux transformer."})
     num_single_layers: int = field(default=4, metadata={"help": "Single-stream blocks of the Flux transformer."})
-    repeats: int = field(default=5, metadata={"help": "Timed exact/JAGG pairs per group size; the median is kept."})
+    repeats: int = field(
+        default=5, metadata={"help": "Timed repeats after a warm-up: each samples a rollout and times every variant."}
+    )
     lora: bool = field(default=False, metadata={"help": "Train a LoRA adapter instead of the full backbone."})
-    seed: int = field(default=0, metadata={"help": "Seed of the model weights and the rollout."})
+    memory: bool = field(
+        default=True, metadata={"help": "Measure each variant's peak update memory (--no_memory skips it)."}
+    )
+    seed: int = field(default=0, metadata={"help": "Seed of the model weights and the rollouts."})
     num_threads: int = field(default=1, metadata={"help": "torch CPU threads while timing (restored afterwards)."})
+    plot: bool = field(default=True, metadata={"help": "Write the PNG chart (--no_plot skips it)."})
 
 
 def make_parser(trainer: bool = False) -> CommandParser:
@@ -84,7 +100,9 @@ def main(argv: Sequence[str]) -> int:
     if parsed is None:
         return 0
     kwargs = asdict(parsed[0])
-    kwargs["group_sizes"] = tuple(kwargs["group_sizes"])
+    for key in ("group_sizes", "jagg_fracs", "betas"):
+        if key in kwargs:
+            kwargs[key] = tuple(kwargs[key])
     if trainer:
         from trl_jagg.trainer_benchmark import run_trainer_benchmark
 

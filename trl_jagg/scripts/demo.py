@@ -47,6 +47,13 @@ class DemoArguments:
     threads: int = field(
         default=1, metadata={"help": "torch CPU threads while the demo runs (1 is fastest for these tiny kernels)."}
     )
+    timing_repeats: int = field(
+        default=5,
+        metadata={
+            "help": "Exact and JAGG updates timed in alternating pairs after training, for the summary's speedup "
+            "(0 skips it)."
+        },
+    )
 
 
 def make_parser() -> CommandParser:
