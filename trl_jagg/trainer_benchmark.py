@@ -543,3 +543,38 @@ def _plot(report: dict[str, Any], path: Path) -> None:
     figure.suptitle("DDPOJaggTrainer update stage on a tiny Flux (dotted: cost model)", fontsize=10)
     figure.tight_layout()
     figure.savefig(path)
+
+
+def markdown_tables(report: dict[str, Any]) -> str:
+    """The report as the Markdown tables of ``docs/benchmarks.md`` (speedups: median [min, max] over repeats)."""
+
+    def spread(s: dict[str, Any]) -> str:
+        return f"{s['median']:.2f}x [{s['min']:.2f}, {s['max']:.2f}]"
+
+    lines = [
+        "| beta | W | jagg_frac | variant | update (median) | update speedup vs exact | vs today's JAGG | whole step "
+        "| cost model | calls: graph / no-grad / ref / backward |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report["results"]:
+        c = r["calls"]
+        lines.append(
+            f"| {r['beta']} | {r['group_size'] or '-'} | {r['jagg_frac'] if r['jagg_frac'] is not None else '-'} "
+            f"| {r['variant']} | {r['update_s']['median'] * 1000:.0f} ms | {spread(r['update_speedup'])} "
+            f"| {spread(r['speedup_vs_jagg']) if 'speedup_vs_jagg' in r else ''} | {spread(r['step_speedup'])} "
+            f"| {r['theory_update_speedup']:.2f}x | {c['graph_forwards']} / {c['no_grad_forwards']} / "
+            f"{c['reference_forwards']} / {c['backward_calls']} |"
+        )
+    memory = [r for r in report["results"] if r["peak_memory_mb"] is not None]
+    if memory:
+        lines += ["", "| beta | W | variant | peak update memory |", "|---|---|---|---|"]
+        lines += [
+            f"| {r['beta']} | {r['group_size'] or '-'} | {r['variant']} | {r['peak_memory_mb']:.0f} MiB |"
+            for r in memory
+        ]
+    lines += ["", "| target (jagg_frac 1) | required | measured (median) | met |", "|---|---|---|---|"]
+    lines += [
+        f"| {t['target']} (beta {t['beta']}) | >= {t['minimum']}x | {t['measured']:.2f}x | {'yes' if t['met'] else 'no'} |"
+        for t in report["targets"]
+    ]
+    return "\n".join(lines)
