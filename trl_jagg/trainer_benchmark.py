@@ -13,7 +13,8 @@ order, every variant's update on it:
 - ``jagg_cache_seq``: the same with ``jagg_endpoint_backward="sequential"`` (one endpoint graph alive).
 
 for every ``W`` in ``group_sizes``, ``jagg_frac`` in ``jagg_fracs`` and ``beta`` in ``betas``. Ratios are taken per
-repeat and reported as median, min and max. Backbone calls are counted by hooks (forwards with and without graph,
+repeat and reported as median, min and max; times are wall time on a GPU and the process's CPU time on a CPU (see
+:func:`benchmark_clock`). Backbone calls are counted by hooks (forwards with and without graph,
 reference forwards, backward calls), and the peak memory of each variant's update is measured: the CUDA peak on a
 GPU; on CPU (Linux) the growth of the process's peak resident set (``VmHWM``, reset through
 ``/proc/self/clear_refs`` after returning freed memory with ``malloc_trim``) over the update.
@@ -299,6 +300,7 @@ def run_trainer_benchmark(
             "lora": lora,
             "torch_threads": num_threads,
             "device": "cuda" if torch.cuda.is_available() else "cpu",
+            "timer": "wall time (perf_counter)" if torch.cuda.is_available() else "process CPU time (process_time)",
             "memory_method": (
                 "torch.cuda.max_memory_allocated"
                 if torch.cuda.is_available()
@@ -362,13 +364,14 @@ def time_update(
     micro_batches = _split_rollout(rollout, trainer.args.steps_per_generation)
     model.zero_grad(set_to_none=True)
     model.train()
+    clock = benchmark_clock(device)
     _sync(device)
-    start = time.perf_counter()
+    start = clock()
     with _configured(trainer, variant, group_size, jagg_frac):
         for micro_batch in micro_batches:
             trainer._update(model, micro_batch)
     _sync(device)
-    return time.perf_counter() - start
+    return clock() - start
 
 
 def time_variants(
@@ -390,13 +393,15 @@ def time_variants(
     calls: dict[tuple, dict[str, int]] = {}
     rollout_times: list[float] = []
 
+    clock = benchmark_clock(device)
+
     def sample() -> tuple[dict[str, Any], float]:
         _sync(device)
-        start = time.perf_counter()
+        start = clock()
         with _configured(trainer, "jagg_cache", None, None):  # records the velocities
             rollout = trainer._generate_and_score(next(batches))
         _sync(device)
-        return rollout, time.perf_counter() - start
+        return rollout, clock() - start
 
     # Repeat 0 is the warm-up (and counts the backbone calls); then ABAB...BABA over the instances.
     for repeat in range(repeats + 1):
@@ -446,6 +451,13 @@ def time_variants(
             entry["speedup_vs_jagg"] = _spread([j / t for j, t in zip(by_repeat_jagg[w, frac], times[instance])])
         results.append(entry)
     return results, rollout_times
+
+
+def benchmark_clock(device: torch.device) -> Callable[[], float]:
+    """The clock the benchmarks time with: wall time on an accelerator (synchronised around each measurement); on
+    a CPU the process's CPU time, which, with one torch thread, counts the work itself and not the time other
+    processes on a shared machine hold the cores (wall-time ratios there swing by 10x between repeats)."""
+    return time.perf_counter if device.type != "cpu" else time.process_time
 
 
 def _endless(trainer: Any) -> Iterator[Any]:
