@@ -284,3 +284,67 @@ def test_ppo_loss_with_epsilon_high_clips_asymmetrically():
     torch.testing.assert_close(grad, torch.tensor([-1.25, 0.0, 0.0, 1.25]) / 4)
     symmetric = ppo_step_loss(log_prob, torch.zeros(4), advantages, 0.2)
     assert symmetric.loss.item() == pytest.approx((-1.2 - 1.2 + 0.8 + 1.25) / 4, rel=1e-6)
+
+
+# --- peer conventions of the advantage std -----------------------------------------------------------------------
+
+
+def _flow_grpo_advantages(prompts, rewards, global_std):
+    """Flow-GRPO's PerPromptStatTracker.update (flow_grpo/stat_tracking.py) written out with numpy: the prompt's mean,
+    numpy's population std (ddof = 0) of the prompt's rewards or, with global_std, of the whole batch, plus 1e-4."""
+    import numpy as np
+
+    prompts, rewards = np.array(prompts), np.array(rewards, dtype=np.float64)
+    advantages = np.zeros_like(rewards)
+    for prompt in np.unique(prompts):
+        group = rewards[prompts == prompt]
+        std = (np.std(rewards) if global_std else np.std(group)) + 1e-4
+        advantages[prompts == prompt] = (group - np.mean(group)) / std
+    return advantages
+
+
+def _dancegrpo_advantages(rewards, group_size):
+    """DanceGRPO's (fastvideo/train_grpo_flux.py): per consecutive group, torch's unbiased std + 1e-8."""
+    rewards = torch.tensor(rewards, dtype=torch.float64)
+    out = torch.zeros_like(rewards)
+    for start in range(0, len(rewards), group_size):
+        group = rewards[start : start + group_size]
+        out[start : start + group_size] = (group - group.mean()) / (group.std() + 1e-8)
+    return out
+
+
+@pytest.mark.parametrize("global_std", [False, True])
+def test_flow_grpo_convention_population_std_per_prompt_or_global(global_std):
+    prompts = ["a"] * 4 + ["b"] * 4
+    expected = _flow_grpo_advantages(prompts, REWARDS, global_std)
+    tracker = PerPromptStatTracker(global_std=global_std, ddof=0, eps=1e-4)
+    got = tracker.update(prompts, torch.tensor(REWARDS), clip=None)
+    torch.testing.assert_close(got.double(), torch.tensor(expected), rtol=1e-5, atol=1e-6)
+    # The same numbers from group_advantages (consecutive groups): "batch" is the global std.
+    scale_by = "batch" if global_std else "group"
+    got = group_advantages(torch.tensor(REWARDS), 4, scale_by=scale_by, clip=None, eps=1e-4, ddof=0)
+    torch.testing.assert_close(got.double(), torch.tensor(expected), rtol=1e-5, atol=1e-6)
+
+
+def test_dancegrpo_convention_unbiased_std_and_the_gap_at_small_groups():
+    expected = _dancegrpo_advantages(REWARDS, 4)
+    got = group_advantages(torch.tensor(REWARDS), 4, clip=None, eps=1e-8, ddof=1)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-6)
+    # At G = 2 the unbiased std is sqrt(2) times the population std: the two conventions differ by 29%.
+    pair = torch.tensor([0.2, 0.7])
+    population = group_advantages(pair, 2, clip=None, eps=0.0, ddof=0)
+    unbiased = group_advantages(pair, 2, clip=None, eps=0.0, ddof=1)
+    torch.testing.assert_close(population, unbiased * math.sqrt(2))
+    assert 1 - unbiased[1] / population[1] == pytest.approx(1 - 1 / math.sqrt(2))  # 0.29
+
+
+def test_constant_groups_have_exactly_zero_advantages():
+    # 0.1 summed three times is not 0.3 in floating point: the mean's rounding must not leak into the advantage.
+    rewards = torch.tensor([0.1, 0.1, 0.1, 0.5, 0.9, 0.2])
+    for ddof in (0, 1):
+        got = group_advantages(rewards, 3, ddof=ddof)
+        assert torch.all(got[:3] == 0) and torch.all(got[3:] != 0)
+        tracked = PerPromptStatTracker(ddof=ddof).update(["a"] * 3 + ["b"] * 3, rewards)
+        assert torch.all(tracked[:3] == 0) and torch.all(tracked[3:] != 0)
+    with pytest.raises(ValueError, match="ddof"):
+        group_advantages(rewards, 3, ddof=2)

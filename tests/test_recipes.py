@@ -30,7 +30,38 @@ PUBLISHED = {
     "flow-grpo-fast-flux": dict(train_timesteps="sde_window", sde_window_size=3, sde_window_max_start=0),
     "dancegrpo-flux": dict(
         height=720, width=720, num_inference_steps=16, sampler="dance", noise_level=0.3, learning_rate=1e-5,
-        train_timesteps="random", train_timestep_fraction=0.6,
+        train_timestep_fraction=0.6,
+    ),
+}  # fmt: skip
+# The peers' conventions around the formulas, read from their code (docs/models.md lists file and line for each).
+# Flow-GRPO: config/grpo.py (pickscore_sd3, pickscore_flux, pickscore_flux_fast, pickscore_qwenimage),
+# flow_grpo/stat_tracking.py, flow_grpo/ema.py, scripts/train_sd3.py / train_flux.py; DanceGRPO:
+# fastvideo/train_grpo_flux.py and scripts/finetune/finetune_flux_grpo.sh.
+_FLOW_GRPO = dict(
+    per_prompt_stat_tracking=True, stat_tracking_buffer_size=None, advantage_std_ddof=0, advantage_eps=1e-4,
+    kl_std="flow_grpo", same_group_noise=False, quantize_timesteps=False,
+)  # fmt: skip
+_FLOW_GRPO_EMA = dict(ema_decay=0.9, ema_update_interval=8, ema_warmup=True)
+PEER_CONVENTIONS = {
+    "flow-grpo-sd35": dict(
+        **_FLOW_GRPO, **_FLOW_GRPO_EMA, scale_rewards="batch", max_sequence_length=128, eval_num_inference_steps=40,
+        drop_zero_advantages=True, cfg_gradient="both",
+    ),
+    "flow-grpo-flux": dict(
+        **_FLOW_GRPO, **_FLOW_GRPO_EMA, scale_rewards="batch", max_sequence_length=128, eval_num_inference_steps=28,
+        drop_zero_advantages=False,
+    ),
+    "flow-grpo-qwenimage": dict(
+        **_FLOW_GRPO, ema_decay=0.0, scale_rewards="batch", max_sequence_length=512, eval_num_inference_steps=50,
+        cfg_gradient="both",
+    ),
+    "flow-grpo-fast-flux": dict(
+        **_FLOW_GRPO, **_FLOW_GRPO_EMA, scale_rewards="group", max_sequence_length=128, eval_num_inference_steps=28,
+    ),
+    "dancegrpo-flux": dict(
+        per_prompt_stat_tracking=False, scale_rewards="group", advantage_std_ddof=1, advantage_eps=1e-8,
+        quantize_timesteps=True, same_group_noise=True, max_sequence_length=512, train_timesteps="random_but_last",
+        ema_decay=0.0, beta=0.0,
     ),
 }  # fmt: skip
 PUBLISHED_LORA = {
@@ -58,7 +89,7 @@ def test_preset_builds_a_valid_config(name, tmp_path):
     recipe = get_recipe(name)
     config = GRPOJaggConfig.from_recipe(name, output_dir=str(tmp_path))
     assert isinstance(config, GRPOJaggConfig) and config.output_dir == str(tmp_path)
-    for key, value in {**recipe.config, **PUBLISHED[name]}.items():
+    for key, value in {**recipe.config, **PUBLISHED[name], **PEER_CONVENTIONS[name]}.items():
         assert getattr(config, key) == value, key
     # The paper's JAGG settings; the Fast preset's W is its window (a W = 4 group never fits in 3 trained steps).
     assert config.use_jagg and config.jagg_frac == 0.6 and config.jagg_mode == "jagg"
@@ -183,21 +214,22 @@ def test_fast_preset_trains_only_the_sde_window(tiny_flux_path, tmp_path):
     assert entry["jagg/groups_jagg"] == 1 and entry["jagg/backward_calls"] == 1  # the window is one JAGG group
 
 
-def test_dance_preset_trains_the_requested_fraction(tiny_flux_path, tmp_path):
+def test_dance_preset_trains_the_requested_fraction_never_the_last_step(tiny_flux_path, tmp_path):
     recipe = get_recipe("dancegrpo-flux")
     pipeline = recipe.apply_scheduler(FluxPipeline.from_pretrained(tiny_flux_path))
     trainer, recorded = recipe_trainer("dancegrpo-flux", pipeline, tmp_path, gradient_accumulation_steps=2)
     assert trainer.peft_config is None  # full fine-tuning
     trainer.train()
     args = trainer.args
-    expected = round(0.6 * args.num_inference_steps)  # 10 of 16
+    # DanceGRPO trains int(len(timesteps) * timestep_fraction) of its samples' timesteps, which exclude the last:
+    expected = int((args.num_inference_steps - 1) * 0.6)  # 9 of the first 15
     assert len(recorded) == 2  # one update per micro-batch
     for steps, _ in recorded:
-        assert len(steps) == expected and steps == sorted(set(steps)) and set(steps) <= set(range(16))
+        assert len(steps) == expected and steps == sorted(set(steps)) and set(steps) <= set(range(15))
     assert recorded[0][0] != recorded[1][0]  # a fresh random subset at every update
     entry = next(e for e in trainer.state.log_history if "jagg/backward_calls" in e)
-    # 10 steps in groups of 4, 4, 2: round(0.6 * 3) = 2 JAGG groups (1 backward each) and 2 exact steps.
-    assert entry["jagg/groups_jagg"] == 2 and entry["jagg/backward_calls"] == 4
+    # 9 steps in groups of 4, 4, 1: round(0.6 * 3) = 2 JAGG groups (1 backward each) and 1 exact step.
+    assert entry["jagg/groups_jagg"] == 2 and entry["jagg/backward_calls"] == 3
 
 
 def test_dance_scheduler_override_is_dancegrpo_shift_3(tiny_flux_path):

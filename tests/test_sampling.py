@@ -273,3 +273,31 @@ def test_bad_shapes_raise_value_error_naming_the_argument(gen):
         sampler_step(v, x, 1.0, 0.9, sigma_max=torch.tensor([0.9, 0.9]))
     with pytest.raises(ValueError, match="`sampler`"):
         sampler_step(v, x, 0.5, 0.4, sampler="ddim")
+
+
+def test_noise_scale_is_flow_grpo_std_dev_t_and_its_kl_formula():
+    """Flow-GRPO's sampler returns std_dev_t = a sqrt(sigma / (1 - sigma)) (sigma = 1 replaced by sigmas[1]), without
+    the sqrt(|dt|) of the step std; its KL is mean((mu - mu_ref)^2) / (2 std_dev_t^2) (scripts/train_sd3.py)."""
+    from trl_jagg.grpo import kl_to_reference
+
+    gen = torch.Generator().manual_seed(7)
+    x, v, v_ref = (torch.randn(3, 4, 5, generator=gen, dtype=torch.float64) for _ in range(3))
+    a = 0.7
+    for sigma, sigma_next in ((1.0, 0.9), (0.6, 0.45)):
+        out = sampler_step(v, x, sigma, sigma_next, noise_level=a, sigma_max=0.9)
+        ref = sampler_step(v_ref, x, sigma, sigma_next, noise_level=a, sigma_max=0.9)
+        g = a * math.sqrt(sigma / (1 - (0.9 if sigma == 1 else sigma)))
+        torch.testing.assert_close(out.noise_scale.flatten(), torch.full((3,), g), rtol=1e-6, atol=0)
+        torch.testing.assert_close(
+            out.std.flatten(), torch.full((3,), g * math.sqrt(sigma - sigma_next)), rtol=1e-6, atol=0
+        )
+        hand = [((out.mean[b] - ref.mean[b]) ** 2).mean().item() / (2 * g**2) for b in range(3)]
+        kl = kl_to_reference(out.mean, ref.mean, out.noise_scale)
+        torch.testing.assert_close(kl.double(), torch.tensor(hand, dtype=torch.float64), rtol=1e-5, atol=0)
+        # ... which is the exact step KL times |dt|.
+        exact = kl_to_reference(out.mean, ref.mean, out.std)
+        torch.testing.assert_close(kl, exact * (sigma - sigma_next), rtol=1e-5, atol=0)
+    dance = sampler_step(v, x, 0.6, 0.45, sampler="dance", noise_level=0.3)
+    assert torch.all(dance.noise_scale == 0.3)
+    cps = sampler_step(v, x, 0.6, 0.45, sampler="cps", noise_level=0.8)
+    torch.testing.assert_close(cps.noise_scale, cps.std)  # Flow-GRPO's CPS std_dev_t is the step std itself

@@ -29,7 +29,7 @@ from accelerate.utils import DistributedType, gather_object
 from datasets import Dataset
 from diffusers import DiffusionPipeline
 from diffusers.configuration_utils import FrozenDict
-from diffusers.training_utils import cast_training_params
+from diffusers.training_utils import EMAModel, cast_training_params
 from huggingface_hub import save_torch_state_dict
 from peft import LoraConfig, get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors import SafetensorError
@@ -72,6 +72,8 @@ NON_FINITE_FIX = (
     "their usual ranges, dtype float32)."
 )
 logger = logging.getLogger(__name__)
+EMA_DIR = "ema"
+"""Subfolder of every saved model and checkpoint holding the EMA weights, in the format of the trained ones."""
 RewardFunc = Callable[..., list[float]]
 
 
@@ -89,6 +91,8 @@ class DDPOJaggTrainer(_BaseTrainer):
             (``[{"role": "user", "content": ...}]``, whose last user turn is the prompt), or a list of prompts; other
             columns reach the reward functions as kwargs. It must hold one rollout's ``args.prompts_per_rollout``
             prompts. Streaming datasets are refused (the sampler needs the length).
+        eval_dataset: held-out prompts (as ``train_dataset``) that :meth:`evaluate` renders with deterministic ODE
+            sampling and scores every ``eval_steps`` (``eval_strategy="steps"``), as TRL's trainers take it.
         peft_config: a :class:`~peft.LoraConfig` for LoRA training; ``None`` trains the full backbone.
         callbacks, optimizers: as in :class:`~transformers.Trainer`.
     """
@@ -102,6 +106,7 @@ class DDPOJaggTrainer(_BaseTrainer):
         reward_funcs: str | RewardFunc | Sequence[str | RewardFunc],
         args: GRPOJaggConfig | None = None,
         train_dataset: Dataset | None = None,
+        eval_dataset: Dataset | None = None,
         peft_config: LoraConfig | None = None,
         callbacks: list[TrainerCallback] | None = None,
         optimizers: tuple = (None, None),
@@ -117,6 +122,8 @@ class DDPOJaggTrainer(_BaseTrainer):
         if train_dataset is None:
             raise ValueError("`train_dataset` is required: a datasets.Dataset with a 'prompt' column.")
         train_dataset = prompt_dataset(train_dataset, args.prompts_per_rollout)
+        if eval_dataset is not None:
+            eval_dataset = prompt_dataset(eval_dataset, 1, name="eval_dataset")
         resume = args.resume_from_checkpoint
         if isinstance(resume, str) and resume.lower() not in ("true", "last"):
             check_checkpoint_dir(resume, args.output_dir)
@@ -157,7 +164,14 @@ class DDPOJaggTrainer(_BaseTrainer):
             args.gradient_checkpointing = args.activation_checkpointing = False
 
         self.stat_tracker = (
-            PerPromptStatTracker(args.stat_tracking_buffer_size) if args.per_prompt_stat_tracking else None
+            PerPromptStatTracker(
+                args.stat_tracking_buffer_size,
+                global_std=args.scale_rewards == "batch",
+                eps=args.advantage_eps,
+                ddof=args.advantage_std_ddof,
+            )
+            if args.per_prompt_stat_tracking
+            else None
         )
         self._metrics: dict[str, list[float]] = defaultdict(list)
         self._step = 0
@@ -172,6 +186,7 @@ class DDPOJaggTrainer(_BaseTrainer):
             args=args,
             data_collator=_identity_collator,
             train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
             processing_class=None,
             callbacks=callbacks,
             optimizers=optimizers,
@@ -203,6 +218,21 @@ class DDPOJaggTrainer(_BaseTrainer):
         self._has_dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in transformer.modules())
         self._routed_frac: float | None = None
         self._last_probe_step: int | None = None
+        self.ema: EMAModel | None = None
+        if args.ema_decay > 0:
+            if self.is_fsdp_enabled or args.fully_shard_backbone:
+                raise ValueError(
+                    "GRPOJaggConfig.ema_decay > 0 is not supported with FSDP yet: the EMA would average one "
+                    "process's shards only. Set ema_decay=0, or train without FSDP."
+                )
+            # Flow-GRPO's warm-up min(decay, (1 + t) / (10 + t)) is EMAModel's; min_decay = decay turns it off.
+            self.ema = EMAModel(
+                self._trainable_parameters(),
+                decay=args.ema_decay,
+                min_decay=0.0 if args.ema_warmup else float(args.ema_decay),
+            )
+            self.ema.to(dtype=torch.float32)  # a bf16 average would lose updates of (1 - decay) * difference
+            self.add_callback(EMACallback(self))
         if args.image_log_steps and args.eval_prompts:
             self.add_callback(SampleImagesCallback(self))
 
@@ -253,9 +283,27 @@ class DDPOJaggTrainer(_BaseTrainer):
         if self._step % generate_every == 0 or self._buffered_inputs is None:
             rollout = self._generate_and_score(generation_batch)
             self._buffered_inputs = _split_rollout(rollout, self.args.steps_per_generation)
+            if self.args.drop_zero_advantages:
+                self._buffered_inputs = [self._without_zero_advantages(chunk) for chunk in self._buffered_inputs]
         inputs = self._buffered_inputs[self._step % self.args.steps_per_generation]
         self._step += 1
         return inputs
+
+    def _without_zero_advantages(self, chunk: dict[str, Any]) -> dict[str, Any]:
+        """The micro-batch without its zero-advantage samples (Flow-GRPO drops them before the update): their policy
+        gradient is zero, so they would only cost a backward."""
+        keep = chunk["advantages"] != 0
+        if not keep.any() and self.accelerator.num_processes > 1:
+            # Every process must run the same backward calls (DDP/FSDP collectives): keep one sample, whose zero
+            # advantage adds no policy gradient.
+            keep[0] = True
+        index = keep.nonzero().flatten()
+        kept = dict(chunk)
+        for key in ("latents", "log_probs", "advantages"):
+            kept[key] = chunk[key][index]
+        kept["cond"] = chunk["cond"].select(index)
+        kept["dropped_frac"] = 1.0 - len(index) / keep.numel()
+        return kept
 
     def _rng_seed(self, *parts: int) -> int:
         """A seed that depends on the run seed, the optimizer step and ``parts``: resuming replays the same noise."""
@@ -274,6 +322,9 @@ class DDPOJaggTrainer(_BaseTrainer):
         record_velocities = args.use_jagg and args.jagg_cache_velocities
 
         sigmas, timesteps = self.adapter.schedule(args.num_inference_steps, args.height, args.width)
+        if args.quantize_timesteps:
+            # DanceGRPO feeds the backbone int(sigma * 1000) / 1000; the sampler keeps the exact sigmas.
+            timesteps = timesteps.floor()
         stochastic_steps = self._sde_window()
         # Encode every distinct prompt once; samples index into it.
         unique = list(dict.fromkeys(prompts))
@@ -284,6 +335,7 @@ class DDPOJaggTrainer(_BaseTrainer):
         generator = torch.Generator(self.accelerator.device).manual_seed(
             self._rng_seed(self.accelerator.process_index)
         )
+        initial_noise = self._group_noise(len(prompts)) if args.same_group_noise else None
         chunk = args.sample_batch_size or args.per_device_train_batch_size
         trajectories: list[Trajectory] = []
         images = []
@@ -296,7 +348,10 @@ class DDPOJaggTrainer(_BaseTrainer):
         )
         for begin in chunks:
             index = slice(begin, begin + chunk)
-            noise = self.adapter.prepare_latents(len(prompts[index]), args.height, args.width, generator)
+            if initial_noise is not None:
+                noise = initial_noise[index]
+            else:
+                noise = self.adapter.prepare_latents(len(prompts[index]), args.height, args.width, generator)
             trajectory = sample_trajectories(
                 self.adapter, cond.select(index), noise, sigmas, timesteps,
                 sampler=args.sampler, noise_level=args.noise_level, guidance_scale=args.guidance_scale,
@@ -324,7 +379,12 @@ class DDPOJaggTrainer(_BaseTrainer):
             advantages = self.stat_tracker.update(all_prompts, all_rewards.cpu(), clip=args.adv_clip_max)
         else:
             advantages = group_advantages(
-                all_rewards, args.num_generations, scale_by=args.scale_rewards, clip=args.adv_clip_max
+                all_rewards,
+                args.num_generations,
+                scale_by=args.scale_rewards,
+                clip=args.adv_clip_max,
+                eps=args.advantage_eps,
+                ddof=args.advantage_std_ddof,
             )
         rank = self.accelerator.process_index
         local = slice(rank * len(prompts), (rank + 1) * len(prompts))
@@ -339,6 +399,7 @@ class DDPOJaggTrainer(_BaseTrainer):
             self._metrics[f"rewards/{name}/std"].append(scored.std().item())
         self._metrics["advantages/mean"].append(advantages.mean().item())
         self._metrics["advantages/abs_mean"].append(advantages.abs().mean().item())
+        self._metrics["zero_advantage/frac"].append((advantages == 0).float().mean().item())
         self._metrics["latents/final_std"].append(latents[:, -1].std().item())
         self._metrics["time/rollout_s"].append(rollout_seconds)
         self._metrics["time/reward_s"].append(time.perf_counter() - start)
@@ -536,6 +597,18 @@ class DDPOJaggTrainer(_BaseTrainer):
             else None
         )
 
+    def _group_noise(self, num_samples: int) -> torch.Tensor:
+        """Initial noise shared by each prompt group: drawn from a seed of the group's index in the global batch, so
+        the processes holding parts of one group draw the same latent without communicating."""
+        args = self.args
+        first = self.accelerator.process_index * num_samples  # this process's rows in the gathered batch
+        groups = [(first + i) // args.num_generations for i in range(num_samples)]
+        noise = {}
+        for group in dict.fromkeys(groups):
+            generator = torch.Generator(self.accelerator.device).manual_seed(self._rng_seed(-3, group))
+            noise[group] = self.adapter.prepare_latents(1, args.height, args.width, generator)
+        return torch.cat([noise[group] for group in groups])
+
     def _sde_window(self) -> list[int] | None:
         """Flow-GRPO-Fast: the stochastic steps of this rollout (``None``: all)."""
         args = self.args
@@ -557,8 +630,10 @@ class DDPOJaggTrainer(_BaseTrainer):
             return list(range(num_steps - 1))
         if args.train_timesteps == "sde_window":
             return list(batch["stochastic_steps"])
-        count = max(1, round(args.train_timestep_fraction * num_steps))
-        return sorted(random.Random(self._rng_seed(-2, self._step)).sample(range(num_steps), count))
+        # DanceGRPO never trains the last step (its Gaussian is the narrowest): `random_but_last`.
+        candidates = num_steps - (args.train_timesteps == "random_but_last")
+        count = max(1, round(args.train_timestep_fraction * candidates))
+        return sorted(random.Random(self._rng_seed(-2, self._step)).sample(range(candidates), count))
 
     # ------------------------------------------------------------------ update
     def _step_functions(self, model: torch.nn.Module, batch: dict[str, Any]) -> _StepFunctions:
@@ -577,7 +652,9 @@ class DDPOJaggTrainer(_BaseTrainer):
                 v, latents[:, k], sigmas[k], sigmas[k + 1], sampler=args.sampler, noise_level=args.noise_level,
                 sigma_max=sigmas[1], prev_sample=latents[:, k + 1],
             )  # fmt: skip
-            kl = kl_to_reference(step.mean, ref_means[k], step.std) if k in ref_means else None
+            kl = None
+            if k in ref_means:
+                kl = kl_to_reference(step.mean, ref_means[k], step.std if args.kl_std == "step" else step.noise_scale)
             out = ppo_step_loss(
                 step.log_prob, old_log_probs[:, k], advantages, args.clip_range, kl=kl, beta=args.beta,
                 clip_range_high=args.epsilon_high,
@@ -602,7 +679,11 @@ class DDPOJaggTrainer(_BaseTrainer):
         args = self.args
         latents, timesteps, cond = batch["latents"], batch["timesteps"], batch["cond"]
         size = latents.shape[0]
-        guidance = {"guidance_scale": args.guidance_scale, "true_cfg_scale": args.true_cfg_scale}
+        guidance = {
+            "guidance_scale": args.guidance_scale,
+            "true_cfg_scale": args.true_cfg_scale,
+            "uncond_grad": args.cfg_gradient == "both",
+        }
         per_call = args.no_grad_batch_steps or len(steps)
         velocities = []
         for begin in range(0, len(steps), per_call):
@@ -628,6 +709,10 @@ class DDPOJaggTrainer(_BaseTrainer):
         )
 
     def _update(self, model: torch.nn.Module, batch: dict[str, Any]) -> EngineResult:
+        if "dropped_frac" in batch:
+            self._metrics["zero_advantage/dropped_frac"].append(batch["dropped_frac"])
+            if batch["latents"].shape[0] == 0:  # every sample had a zero advantage (single process only)
+                return EngineResult()
         args = self.args
         fns = self._step_functions(model, batch)
         jagg_frac = args.jagg_frac
@@ -786,10 +871,18 @@ class DDPOJaggTrainer(_BaseTrainer):
         transformer = self.accelerator.unwrap_model(self.model)
         was_training = transformer.training
         transformer.eval()
+        with self.ema_weights():
+            images = self._render(prompts if prompts is not None else args.eval_prompts, seed)
+        _reshard(transformer)
+        transformer.train(was_training)
+        return images
+
+    def _render(self, prompts: Sequence[str], seed: int | None) -> list:
+        args = self.args
         with self._frozen_on_accelerator(self._text_encoders + self._vae):
-            images = generate_images(
+            return generate_images(
                 self.adapter,
-                list(prompts if prompts is not None else args.eval_prompts),
+                list(prompts),
                 num_steps=args.eval_num_inference_steps or args.num_inference_steps,
                 height=args.height,
                 width=args.width,
@@ -799,9 +892,87 @@ class DDPOJaggTrainer(_BaseTrainer):
                 max_sequence_length=args.max_sequence_length,
                 seed=args.eval_seed if seed is None else seed,
             )
+
+    def evaluate(
+        self,
+        eval_dataset: Dataset | None = None,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "eval",
+    ) -> dict[str, float]:
+        """Render the held-out prompts with deterministic ODE sampling (``eval_num_inference_steps``, the EMA weights
+        when enabled), score them with the reward functions and log the means through ``Trainer.log``.
+
+        Metrics follow the ``Trainer`` convention, ``{metric_key_prefix}_reward``, ``..._reward_std`` and
+        ``..._rewards/<name>/mean`` (W&B and the other ``report_to`` trackers show them as ``eval/...``); the first
+        16 images are logged as a grid under ``eval_samples/``. Each process renders its share of the prompts.
+        """
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise ValueError(
+                "evaluate() needs held-out prompts: pass eval_dataset= to DDPOJaggTrainer or to evaluate()."
+            )
+        start = time.perf_counter()
+        args = self.args
+        transformer = self.accelerator.unwrap_model(self.model)
+        was_training = transformer.training
+        transformer.eval()
+        with self.accelerator.split_between_processes(list(range(len(dataset)))) as rows:
+            records = [dataset[i] for i in rows]
+        prompts = [str(record["prompt"]) for record in records]
+        images = []
+        with self.ema_weights():
+            for begin in range(0, len(prompts), args.per_device_eval_batch_size):
+                batch = prompts[begin : begin + args.per_device_eval_batch_size]
+                # A seed per batch, from its first row: deterministic for a given process count and batch size.
+                images.extend(self._render(batch, args.eval_seed + rows[begin]))
         _reshard(transformer)
         transformer.train(was_training)
-        return images
+        per_reward: dict[str, list[float]] = {}
+        if prompts:
+            columns = {key: [record[key] for record in records] for key in records[0] if key != "prompt"}
+            total, parts = compute_rewards(
+                self.reward_funcs, prompts, images, args.reward_weights, trainer_state=self.state, **columns
+            )
+            per_reward = {"reward": total.tolist(), **{name: value.tolist() for name, value in parts.items()}}
+        gathered: dict[str, list[float]] = defaultdict(list)
+        for part in gather_object([per_reward]):  # one dict per process, in rank order
+            for name, values in part.items():
+                gathered[name].extend(values)
+        metrics = {}
+        for name, values in gathered.items():
+            values = torch.tensor(values, dtype=torch.float64)
+            values = values[~values.isnan()]  # a reward's None (not applicable) is NaN
+            key = f"{metric_key_prefix}_reward" if name == "reward" else f"{metric_key_prefix}_rewards/{name}"
+            metrics[key if name == "reward" else f"{key}/mean"] = values.mean().item()
+            metrics[f"{key}_std" if name == "reward" else f"{key}/std"] = values.std().item()
+        metrics[f"{metric_key_prefix}_samples"] = len(gathered["reward"])
+        metrics[f"{metric_key_prefix}_runtime"] = time.perf_counter() - start
+        if self.is_world_process_zero() and images:
+            from .image_logging import log_image_grid
+
+            log_image_grid(
+                self, images[:16], prompts[:16], self.state.global_step, name=f"{metric_key_prefix}_samples"
+            )
+        super().log(metrics)  # not self.log: the training metrics of the current step are not evaluation metrics
+        self.control = self.callback_handler.on_evaluate(args, self.state, self.control, metrics)
+        return metrics
+
+    def _trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.accelerator.unwrap_model(self.model).parameters() if p.requires_grad]
+
+    @contextlib.contextmanager
+    def ema_weights(self):
+        """The EMA weights in place of the trained ones for the duration of the block (a no-op without EMA)."""
+        if self.ema is None:
+            yield
+            return
+        params = self._trainable_parameters()
+        self.ema.store(params)
+        self.ema.copy_to(params)
+        try:
+            yield
+        finally:
+            self.ema.restore(params)
 
     # ------------------------------------------------------------------ saving
     @property
@@ -869,7 +1040,16 @@ class DDPOJaggTrainer(_BaseTrainer):
             )
         if not self.args.should_save:
             return
+        self._save_weights(output_dir, state_dict)
+        if self.ema is not None:
+            # Beside the trained weights and in their format: `load_lora_weights(f"{output_dir}/ema")` loads them.
+            with self.ema_weights():
+                self._save_weights(os.path.join(output_dir, EMA_DIR), None)
+        torch.save(_without_secrets(self.args), os.path.join(output_dir, TRAINING_ARGS_NAME))
+
+    def _save_weights(self, output_dir: str, state_dict: dict | None) -> None:
         os.makedirs(output_dir, exist_ok=True)
+        transformer = self.accelerator.unwrap_model(self.model)
         if self.is_lora:
             self.adapter.pipeline_class.save_lora_weights(
                 output_dir,
@@ -884,13 +1064,25 @@ class DDPOJaggTrainer(_BaseTrainer):
             save_torch_state_dict(
                 state_dict, output_dir, filename_pattern="diffusion_pytorch_model{suffix}.safetensors"
             )
-        torch.save(_without_secrets(self.args), os.path.join(output_dir, TRAINING_ARGS_NAME))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
         self._load_grpo_state(resume_from_checkpoint)
         transformer = self.accelerator.unwrap_model(model if model is not None else self.model)
+        if self.ema is not None:
+            ema_dir = os.path.join(resume_from_checkpoint, EMA_DIR)
+            if not os.path.isdir(ema_dir):
+                raise ValueError(
+                    f"ema_decay={self.args.ema_decay} but {resume_from_checkpoint} has no {EMA_DIR}/ folder (it was "
+                    "saved without EMA). Resume with ema_decay=0, or start a new run."
+                )
+            # Load the EMA weights through the model, take them as the average, then load the trained ones.
+            self._load_checkpoint_weights(transformer, ema_dir)
+            self.ema.shadow_params = [p.detach().float().clone() for p in transformer.parameters() if p.requires_grad]
+        self._load_checkpoint_weights(transformer, resume_from_checkpoint)
+
+    def _load_checkpoint_weights(self, transformer: torch.nn.Module, folder: str) -> None:
         if self.is_lora:
-            (path,) = weight_files(resume_from_checkpoint, LORA_WEIGHTS_NAME, "LoRA")
+            (path,) = weight_files(folder, LORA_WEIGHTS_NAME, "LoRA")
             prefix = f"{self.adapter.pipeline_class.transformer_name}."
             state = {k.removeprefix(prefix): v for k, v in _load_weights(path).items()}
             # `set_peft_model_state_dict` ignores missing keys: `train` compared the keys and shapes first.
@@ -902,7 +1094,7 @@ class DDPOJaggTrainer(_BaseTrainer):
                     raise CheckpointError(f"{path} has keys the adapter lacks: {result.unexpected_keys[:5]}")
         else:
             state = {}
-            for file in weight_files(resume_from_checkpoint, FULL_WEIGHTS_PATTERN, "full fine-tuning"):
+            for file in weight_files(folder, FULL_WEIGHTS_PATTERN, "full fine-tuning"):
                 state.update(_load_weights(file))
             if is_fully_sharded(transformer):
                 _load_full_state_dict(transformer, state, strict=True)
@@ -1036,6 +1228,21 @@ class _StepFunctions:
     loss_fn: Callable[[int, torch.Tensor], torch.Tensor]
     no_grad_velocities_fn: Callable[[Sequence[int]], list[torch.Tensor]]
     stats: dict[str, list[torch.Tensor]]
+
+
+class EMACallback(TrainerCallback):
+    """Updates the trainer's EMA every ``ema_update_interval`` optimizer steps (after the step)."""
+
+    def __init__(self, trainer: DDPOJaggTrainer):
+        self.trainer = trainer
+
+    def on_step_end(self, args: GRPOJaggConfig, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step % args.ema_update_interval == 0:
+            ema = self.trainer.ema
+            # EMAModel's warm-up decay at its update n is min(decay, n / (9 + n)); counting optimizer steps instead of
+            # updates makes it Flow-GRPO's min(decay, (1 + t) / (10 + t)) at optimizer step t.
+            ema.optimization_step = state.global_step
+            ema.step(self.trainer._trainable_parameters())
 
 
 class SampleImagesCallback(TrainerCallback):
@@ -1187,4 +1394,4 @@ def _adapters_disabled(transformer: torch.nn.Module):
         transformer.enable_adapters()
 
 
-__all__ = ["DDPOJaggTrainer", "SampleImagesCallback"]
+__all__ = ["EMA_DIR", "DDPOJaggTrainer", "EMACallback", "SampleImagesCallback"]

@@ -16,10 +16,12 @@ def group_advantages(
     scale_by: str = "group",
     clip: float | None = 5.0,
     eps: float = 1e-4,
+    ddof: int = 1,
 ) -> torch.Tensor:
     """Advantages of consecutive groups of ``num_generations`` samples of the same prompt.
 
-    ``A = (r - mean of the group) / (std + eps)``, then clipped to ``[-clip, clip]``.
+    ``A = (r - mean of the group) / (std + eps)``, then clipped to ``[-clip, clip]``. A group whose rewards are all
+    equal gets advantages of exactly 0 (not the rounding error of its mean), so that such samples can be recognised.
 
     Args:
         rewards: ``(num_groups * num_generations,)``, each prompt's samples consecutive.
@@ -27,18 +29,23 @@ def group_advantages(
         scale_by: ``"group"`` (the group's std), ``"batch"`` (the std of the whole batch, a global std) or
             ``"none"`` (no scaling, as in Dr. GRPO).
         clip: the advantage clip ``A_max``; ``None`` disables clipping.
-        eps: added to the std.
+        eps: added to the std (Flow-GRPO 1e-4, DanceGRPO 1e-8).
+        ddof: delta degrees of freedom of the std: 0 is the population std (numpy's default, Flow-GRPO), 1 the
+            unbiased one (torch's default, DanceGRPO).
     """
     if num_generations < 1 or rewards.numel() % num_generations != 0:
         raise ValueError(
             f"`num_generations` ({num_generations}) must divide the number of rewards ({rewards.numel()})."
         )
+    if ddof not in (0, 1):
+        raise ValueError(f"`ddof` must be 0 (population std) or 1 (unbiased std), got {ddof!r}.")
     grouped = rewards.float().view(-1, num_generations)
-    centered = grouped - grouped.mean(dim=1, keepdim=True)
+    constant = grouped.amax(dim=1, keepdim=True) == grouped.amin(dim=1, keepdim=True)
+    centered = (grouped - grouped.mean(dim=1, keepdim=True)).masked_fill(constant, 0.0)
     if scale_by == "group":
-        std = grouped.std(dim=1, keepdim=True)
+        std = _std(grouped, ddof, dim=1)
     elif scale_by == "batch":
-        std = grouped.std()
+        std = _std(grouped.flatten(), ddof)
     elif scale_by == "none":
         std = torch.ones(())
     else:
@@ -47,18 +54,31 @@ def group_advantages(
     return advantages.clamp(-clip, clip) if clip is not None else advantages
 
 
+def _std(values: torch.Tensor, ddof: int, dim: int | None = None) -> torch.Tensor:
+    """Std with ``ddof``; a single value (where the unbiased std is undefined) has std 0."""
+    count = values.numel() if dim is None else values.shape[dim]
+    correction = ddof if count > ddof else 0
+    if dim is None:
+        return values.std(correction=correction)
+    return values.std(dim=dim, keepdim=True, correction=correction)
+
+
 class PerPromptStatTracker:
     """Advantages from a running per-prompt history of rewards (Flow-GRPO's ``per_prompt_stat_tracking``).
 
     Each prompt keeps its last ``buffer_size`` rewards across steps, so small groups get stabler statistics.
-    ``buffer_size=None`` keeps only the current batch (then it equals :func:`group_advantages` up to the
-    grouping).
+    ``buffer_size=None`` keeps only the current batch (as Flow-GRPO, which clears its tracker every epoch; it then
+    equals :func:`group_advantages` up to the grouping). ``global_std=True`` divides by the std of the whole batch
+    instead of the prompt's (Flow-GRPO's ``global_std``); ``ddof`` and ``eps`` as in :func:`group_advantages`.
     """
 
-    def __init__(self, buffer_size: int | None = None, *, global_std: bool = False, eps: float = 1e-4):
+    def __init__(self, buffer_size: int | None = None, *, global_std: bool = False, eps: float = 1e-4, ddof: int = 1):
+        if ddof not in (0, 1):
+            raise ValueError(f"`ddof` must be 0 (population std) or 1 (unbiased std), got {ddof!r}.")
         self.buffer_size = buffer_size
         self.global_std = global_std
         self.eps = eps
+        self.ddof = ddof
         self.history: dict[str, deque[float]] = defaultdict(lambda: deque(maxlen=buffer_size))
 
     def update(self, prompts: Sequence[str], rewards: torch.Tensor, clip: float | None = 5.0) -> torch.Tensor:
@@ -75,12 +95,13 @@ class PerPromptStatTracker:
                 self.history[prompt].clear()
             self.history[prompt].extend(values)
             stats[prompt] = torch.tensor(list(self.history[prompt]))
-        batch_std = rewards.std()
+        batch_std = _std(rewards, self.ddof)
         advantages = torch.empty_like(rewards)
         for i, (prompt, reward) in enumerate(zip(prompts, rewards)):
             values = stats[prompt]
-            std = batch_std if self.global_std else values.std(unbiased=values.numel() > 1)
-            advantages[i] = (reward - values.mean()) / (std + self.eps)
+            std = batch_std if self.global_std else _std(values, self.ddof)
+            centered = reward - values.mean() if values.amax() != values.amin() else torch.zeros(())
+            advantages[i] = centered / (std + self.eps)
         return advantages.clamp(-clip, clip) if clip is not None else advantages
 
 

@@ -20,8 +20,10 @@ from .recipes import get_recipe
 from .sampling import SAMPLERS
 
 TRAIN_SAMPLERS = tuple(s for s in SAMPLERS if s != "ode")
-TRAIN_TIMESTEPS = ("all_but_last", "all", "random", "sde_window")
+TRAIN_TIMESTEPS = ("all_but_last", "all", "random", "random_but_last", "sde_window")
 SCALE_REWARDS = ("group", "batch", "none")
+KL_STDS = ("step", "flow_grpo")
+CFG_GRADIENTS = ("both", "conditional")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -50,8 +52,13 @@ class GRPOJaggConfig(TrainingArguments):
         > Training (which steps, which loss)
 
         train_timesteps, train_timestep_fraction, sde_window_size, sde_window_max_start, clip_range (TRL: epsilon),
-        epsilon_high, adv_clip_max, beta, num_iterations, scale_rewards, per_prompt_stat_tracking,
-        stat_tracking_buffer_size, reward_weights.
+        epsilon_high, adv_clip_max, beta, kl_std, cfg_gradient, quantize_timesteps, same_group_noise, num_iterations,
+        scale_rewards, advantage_std_ddof, advantage_eps, per_prompt_stat_tracking, stat_tracking_buffer_size,
+        drop_zero_advantages, reward_weights.
+
+        > EMA of the trained weights
+
+        ema_decay, ema_update_interval, ema_warmup.
 
         > JAGG
 
@@ -62,9 +69,10 @@ class GRPOJaggConfig(TrainingArguments):
 
         fully_shard_backbone, offload_frozen_modules, precompute_prompt_embeds.
 
-        > Evaluation images
+        > Evaluation
 
-        eval_prompts, eval_num_inference_steps, eval_seed, image_log_steps, log_completions.
+        eval_prompts, eval_num_inference_steps, eval_seed, image_log_steps, log_completions; with an `eval_dataset`,
+        the inherited `eval_strategy` / `eval_steps` / `per_device_eval_batch_size` run `DDPOJaggTrainer.evaluate`.
 
     Fields that mean what a field of TRL's `GRPOConfig` means carry TRL's name (`num_generations`, `beta`,
     `num_iterations`, `epsilon`, `epsilon_high`, `scale_rewards` (also boolean), `steps_per_generation`,
@@ -161,12 +169,16 @@ class GRPOJaggConfig(TrainingArguments):
         default="all_but_last",
         metadata={
             "help": f"Which denoising steps are trained, one of {TRAIN_TIMESTEPS}: `all_but_last` (Flow-GRPO), `all`, "
-            "`random` (DanceGRPO: a random `train_timestep_fraction` of the steps at every update) or `sde_window` "
-            "(Flow-GRPO-Fast: only the steps inside the SDE window)."
+            "`random` (a random `train_timestep_fraction` of the steps at every update), `random_but_last` (the same "
+            "among all steps but the last, as DanceGRPO) or `sde_window` (Flow-GRPO-Fast: only the steps inside the "
+            "SDE window)."
         },
     )
     train_timestep_fraction: float = field(
-        default=0.6, metadata={"help": "Fraction of the steps trained when `train_timesteps='random'`."}
+        default=0.6,
+        metadata={
+            "help": "Fraction of the candidate steps trained when `train_timesteps` is `random` or `random_but_last`."
+        },
     )
     sde_window_size: int = field(
         default=0,
@@ -210,15 +222,57 @@ class GRPOJaggConfig(TrainingArguments):
             "frozen copy for full fine-tuning). 0 skips the reference forward."
         },
     )
+    kl_std: str = field(
+        default="step",
+        metadata={
+            "help": f"Std the KL term divides by, one of {KL_STDS}: `step`, the step Gaussian's std (the exact KL of "
+            "the step), or `flow_grpo`, Flow-GRPO's `std_dev_t` (for `sde` the diffusion coefficient g without "
+            "sqrt(|dt|), which makes the KL the exact one times |dt|; for `cps` the step std). `beta` means "
+            "different things under the two."
+        },
+    )
+    cfg_gradient: str = field(
+        default="both",
+        metadata={
+            "help": f"Which classifier-free guidance branches the update differentiates, one of {CFG_GRADIENTS}: "
+            "`both`, or `conditional` (the unconditional prediction runs without a graph and is a constant, so the "
+            "backward covers half the samples)."
+        },
+    )
+    quantize_timesteps: bool = field(
+        default=False,
+        metadata={
+            "help": "Floor the backbone's timestep input to a whole scheduler timestep, int(sigma * 1000) / 1000 "
+            "for Flux (DanceGRPO); the sampler keeps the exact sigma."
+        },
+    )
+    same_group_noise: bool = field(
+        default=False,
+        metadata={
+            "help": "Start every image of a prompt group from the same initial noise (Flow-GRPO `same_latent`, "
+            "DanceGRPO `init_same_noise`), drawn from a per-group seed, so a group split across processes shares it."
+        },
+    )
     num_iterations: int = field(
         default=1, metadata={"help": "Inner PPO epochs: optimisation passes over each rollout before sampling anew."}
     )
     scale_rewards: str = field(
         default="group",
         metadata={
-            "help": f"Advantage scaling, one of {SCALE_REWARDS}: per-group std, batch std, or none. As in TRL, "
-            "`True` means 'group' and `False` 'none'."
+            "help": f"Advantage scaling, one of {SCALE_REWARDS}: per-group std, the std of the whole gathered batch "
+            "(a global std, Flow-GRPO's `global_std`), or none. The mean is always the group's (the prompt's). As in "
+            "TRL, `True` means 'group' and `False` 'none'."
         },
+    )
+    advantage_std_ddof: int = field(
+        default=1,
+        metadata={
+            "help": "Delta degrees of freedom of the advantage std: 1 is the unbiased std (torch, DanceGRPO), 0 the "
+            "population std (numpy, Flow-GRPO). At G = 2 the two differ by a factor sqrt(2)."
+        },
+    )
+    advantage_eps: float = field(
+        default=1e-4, metadata={"help": "Added to the advantage std (Flow-GRPO 1e-4, DanceGRPO 1e-8)."}
     )
     per_prompt_stat_tracking: bool = field(
         default=False,
@@ -226,6 +280,14 @@ class GRPOJaggConfig(TrainingArguments):
     )
     stat_tracking_buffer_size: int | None = field(
         default=None, metadata={"help": "Rewards kept per prompt by the stat tracker (None: current batch only)."}
+    )
+    drop_zero_advantages: bool = field(
+        default=False,
+        metadata={
+            "help": "Drop the samples whose advantage is exactly 0 (every sample of a zero-std group) from the update, "
+            "as Flow-GRPO's SD3 script does: they cost no backward, and each step's loss averages over the others. "
+            "Logged as `zero_advantage/dropped_frac`."
+        },
     )
     reward_weights: list[float] | None = field(
         default=None,
@@ -321,6 +383,26 @@ class GRPOJaggConfig(TrainingArguments):
             "keep the embeddings on the CPU (DanceGRPO does this): the text encoders no longer run during training, "
             "and with `offload_frozen_modules` they stay on the CPU. The table costs one prompt embedding per distinct "
             "prompt in CPU memory."
+        },
+    )
+
+    # ---- EMA ----
+    ema_decay: float = field(
+        default=0.0,
+        metadata={
+            "help": "Decay of an exponential moving average of the trained weights (Flow-GRPO 0.9, DanceGRPO 0.995); 0 "
+            "disables it. The EMA weights render the sample images and evaluations and are saved in `ema/` beside "
+            "the trained ones, in the same format."
+        },
+    )
+    ema_update_interval: int = field(
+        default=1, metadata={"help": "Update the EMA every N optimizer steps (Flow-GRPO 8, DanceGRPO 1)."}
+    )
+    ema_warmup: bool = field(
+        default=False,
+        metadata={
+            "help": "Flow-GRPO's (and diffusers' EMAModel's) warm-up: the decay at optimizer step t is "
+            "min(ema_decay, (1 + t) / (10 + t)); False keeps it at `ema_decay` (DanceGRPO)."
         },
     )
 
@@ -526,6 +608,28 @@ class GRPOJaggConfig(TrainingArguments):
             fail("num_iterations", f"is {self.num_iterations}", "Use 1 or more.")
         if self.scale_rewards not in SCALE_REWARDS:
             fail("scale_rewards", f"is {self.scale_rewards!r}", f"Use one of {SCALE_REWARDS}.")
+        if self.per_prompt_stat_tracking and self.scale_rewards == "none":
+            fail(
+                "scale_rewards",
+                "is 'none' with per_prompt_stat_tracking=True",
+                "The stat tracker scales by a std: use 'group' or 'batch', or turn the tracker off.",
+            )
+        if self.advantage_std_ddof not in (0, 1):
+            fail("advantage_std_ddof", f"is {self.advantage_std_ddof!r}", "Use 0 (population std) or 1 (unbiased).")
+        if not self.advantage_eps >= 0:
+            fail("advantage_eps", f"is {self.advantage_eps}", "Use a value >= 0 (1e-4 or 1e-8 are typical).")
+        if self.kl_std not in KL_STDS:
+            fail("kl_std", f"is {self.kl_std!r}", f"Use one of {KL_STDS}.")
+        if self.cfg_gradient not in CFG_GRADIENTS:
+            fail("cfg_gradient", f"is {self.cfg_gradient!r}", f"Use one of {CFG_GRADIENTS}.")
+        if not 0 <= self.ema_decay < 1:
+            fail(
+                "ema_decay",
+                f"is {self.ema_decay}",
+                "Use a value in [0, 1): 0 disables the EMA, 0.9-0.9999 are typical.",
+            )
+        if not isinstance(self.ema_update_interval, int) or self.ema_update_interval < 1:
+            fail("ema_update_interval", f"is {self.ema_update_interval!r}", "Use an integer >= 1.")
         if not isinstance(self.jagg_group_size, int) or self.jagg_group_size < 1:
             fail("jagg_group_size", f"is {self.jagg_group_size!r}", "Use an integer >= 1 (4 or 8 are typical).")
         if isinstance(self.jagg_frac, str) and self.jagg_frac != "auto":

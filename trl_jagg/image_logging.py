@@ -27,11 +27,14 @@ def image_grid(
     return grid
 
 
-def log_image_grid(trainer: Any, images: list[Image.Image], prompts: list[str], step: int) -> str:
-    """Save ``samples/step-N.png`` under the output dir and log it to TensorBoard, W&B and trackio if enabled."""
+def log_image_grid(
+    trainer: Any, images: list[Image.Image], prompts: list[str], step: int, name: str = "samples"
+) -> str:
+    """Save ``<name>/step-N.png`` under the output dir and log it as ``name`` to TensorBoard, W&B and trackio if
+    enabled."""
     grid = image_grid(images, prompts)
-    path = _save(grid, trainer.args.output_dir, "samples", step)
-    _send(trainer, "samples", grid, images, prompts, step)
+    path = _save(grid, trainer.args.output_dir, name, step)
+    _send(trainer, name, grid, images, prompts, step)
     return path
 
 

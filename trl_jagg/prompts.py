@@ -58,9 +58,10 @@ def check_prompts(prompts: Sequence[Any], where: str) -> list[str]:
     return [prompt_text(value, f"{where}[{i}]") for i, value in enumerate(prompts)]
 
 
-def prompt_dataset(dataset: Any, prompts_per_rollout: int) -> Any:
+def prompt_dataset(dataset: Any, prompts_per_rollout: int, name: str = "train_dataset") -> Any:
     """``dataset`` as a :class:`datasets.Dataset` whose every ``prompt`` is usable, holding at least one rollout's
-    ``prompts_per_rollout`` prompts. A Python list of prompts or of records is converted.
+    ``prompts_per_rollout`` prompts. A Python list of prompts or of records is converted. ``name`` is the argument
+    the errors name (``eval_dataset`` for the held-out prompts).
 
     Raises:
         TypeError: a streaming ``IterableDataset``, a ``DatasetDict`` or another type.
@@ -72,32 +73,30 @@ def prompt_dataset(dataset: Any, prompts_per_rollout: int) -> Any:
         if all(isinstance(row, Mapping) for row in dataset) and dataset:
             dataset = Dataset.from_list(list(dataset))
         else:
-            dataset = Dataset.from_dict({"prompt": check_prompts(dataset, "train_dataset")})
+            dataset = Dataset.from_dict({"prompt": check_prompts(dataset, name)})
     elif isinstance(dataset, (IterableDataset, IterableDatasetDict)):
         raise TypeError(
-            "train_dataset is a streaming IterableDataset: GRPO draws each prompt num_generations times through a "
+            f"{name} is a streaming IterableDataset: GRPO draws each prompt num_generations times through a "
             "sampler that needs the dataset's length. Load it without streaming=True, or take a part of it: "
             "Dataset.from_list(list(dataset.take(n)))."
         )
     elif isinstance(dataset, DatasetDict):
-        raise TypeError(
-            f"train_dataset is a DatasetDict (splits {list(dataset)}): pass one split, e.g. dataset['train']."
-        )
+        raise TypeError(f"{name} is a DatasetDict (splits {list(dataset)}): pass one split, e.g. dataset['train'].")
     elif not isinstance(dataset, Dataset):
         raise TypeError(
-            f"train_dataset is a {type(dataset).__name__}: pass a datasets.Dataset with a 'prompt' column "
+            f"{name} is a {type(dataset).__name__}: pass a datasets.Dataset with a 'prompt' column "
             "(Dataset.from_dict({'prompt': [...]})) or a list of prompts."
         )
     if "prompt" not in dataset.column_names:
         raise ValueError(
-            f"train_dataset has no 'prompt' column (columns: {dataset.column_names}). "
+            f"{name} has no 'prompt' column (columns: {dataset.column_names}). "
             "Rename the text column, e.g. `dataset.rename_column('text', 'prompt')`."
         )
     for i, value in enumerate(dataset["prompt"]):
-        prompt_text(value, f"train_dataset row {i} 'prompt'")
+        prompt_text(value, f"{name} row {i} 'prompt'")
     if len(dataset) < prompts_per_rollout:
         raise ValueError(
-            f"train_dataset has {len(dataset)} prompt{'s' if len(dataset) != 1 else ''}; one rollout needs "
+            f"{name} has {len(dataset)} prompt{'s' if len(dataset) != 1 else ''}; one rollout needs "
             f"{prompts_per_rollout} (generation_batch_size / num_generations), so nothing would be trained. Add "
             "prompts, or lower per_device_train_batch_size or steps_per_generation."
         )

@@ -64,6 +64,16 @@ ATTENTION_PROJECTIONS: tuple[str, ...] = (
 # Optimiser settings of Flow-GRPO's base config shared by its recipes (AdamW betas/eps are the defaults).
 _FLOW_GRPO_OPTIM = {"learning_rate": 3e-4, "weight_decay": 1e-4, "max_grad_norm": 1.0}
 _FLOW_GRPO_LOSS = {"clip_range": 1e-4, "adv_clip_max": 5.0}
+# Flow-GRPO's advantages (flow_grpo/stat_tracking.py): the prompt's mean over a tracker cleared every epoch, numpy's
+# population std + 1e-4; its KL divides by the sampler's std_dev_t (scripts/train_*.py).
+_FLOW_GRPO_ADVANTAGES = {
+    "per_prompt_stat_tracking": True,
+    "advantage_std_ddof": 0,
+    "advantage_eps": 1e-4,
+    "kl_std": "flow_grpo",
+}
+# Flow-GRPO's EMAModuleWrapper(decay=0.9, update_step_interval=8) with its (1 + t) / (10 + t) warm-up.
+_FLOW_GRPO_EMA = {"ema_decay": 0.9, "ema_update_interval": 8, "ema_warmup": True}
 
 
 def _attention_lora(rank: int) -> dict[str, Any]:
@@ -190,6 +200,12 @@ RECIPES: Mapping[str, Recipe] = MappingProxyType(
                     "train_timesteps": "all_but_last",
                     "beta": 0.04,
                     **_FLOW_GRPO_LOSS,
+                    **_FLOW_GRPO_ADVANTAGES,
+                    "scale_rewards": "batch",  # config/grpo.py: sample.global_std = True
+                    "drop_zero_advantages": True,  # scripts/train_sd3.py masks zero-advantage samples
+                    "max_sequence_length": 128,
+                    "eval_num_inference_steps": 40,
+                    **_FLOW_GRPO_EMA,
                     **_FLOW_GRPO_OPTIM,
                     **PAPER_JAGG,
                     "dtype": "bfloat16",
@@ -198,6 +214,9 @@ RECIPES: Mapping[str, Recipe] = MappingProxyType(
                 reward_funcs=("pickscore",),
                 notes=(
                     "beta 0.04 is Flow-GRPO's GenEval/OCR value (its PickScore run uses 0.01).",
+                    "Both CFG branches get gradients, as Flow-GRPO's train_sd3.py since its FLUX/Fast releases; its "
+                    "July 2025 version detached the unconditional prediction: cfg_gradient='conditional' reproduces "
+                    "that and halves the update's backward.",
                     "Batch sizes are chosen so that every process samples whole groups of G = 24 for any number of "
                     "processes; Flow-GRPO samples 48 prompts per epoch on 32 GPUs. Add bf16=True on GPUs.",
                 ),
@@ -220,6 +239,11 @@ RECIPES: Mapping[str, Recipe] = MappingProxyType(
                     "train_timesteps": "all_but_last",
                     "beta": 0.0,
                     **_FLOW_GRPO_LOSS,
+                    **_FLOW_GRPO_ADVANTAGES,
+                    "scale_rewards": "batch",
+                    "max_sequence_length": 128,
+                    "eval_num_inference_steps": 28,
+                    **_FLOW_GRPO_EMA,
                     **_FLOW_GRPO_OPTIM,
                     **PAPER_JAGG,
                     "dtype": "bfloat16",
@@ -250,6 +274,10 @@ RECIPES: Mapping[str, Recipe] = MappingProxyType(
                     "train_timesteps": "all_but_last",
                     "beta": 0.0,
                     **_FLOW_GRPO_LOSS,
+                    **_FLOW_GRPO_ADVANTAGES,
+                    "scale_rewards": "batch",
+                    "max_sequence_length": 512,  # QwenImagePipeline's default, which Flow-GRPO keeps
+                    "eval_num_inference_steps": 50,
                     **_FLOW_GRPO_OPTIM,
                     **PAPER_JAGG,
                     "dtype": "bfloat16",
@@ -289,6 +317,11 @@ RECIPES: Mapping[str, Recipe] = MappingProxyType(
                     "sde_window_size": 3,
                     "sde_window_max_start": 0,  # the window lies in the first half: steps 0-2 of 6
                     "beta": 0.0,
+                    **_FLOW_GRPO_ADVANTAGES,
+                    "scale_rewards": "group",  # pickscore_flux_fast: sample.global_std = False
+                    "max_sequence_length": 128,
+                    "eval_num_inference_steps": 28,
+                    **_FLOW_GRPO_EMA,
                     **_FLOW_GRPO_OPTIM,
                     **PAPER_JAGG,
                     "jagg_group_size": 3,  # the whole window is one group: W = 4 would never fit in 3 steps
@@ -308,7 +341,7 @@ RECIPES: Mapping[str, Recipe] = MappingProxyType(
                 name="dancegrpo-flux",
                 model="black-forest-labs/FLUX.1-dev",
                 description="DanceGRPO on FLUX.1-dev: full fine-tuning, constant-eta SDE (eta 0.3), 720 px, 16 steps "
-                "with shift 3, a random 60% of the steps trained per update.",
+                "with shift 3, a random 60% of the first 15 steps trained per update.",
                 source="DanceGRPO (Xue et al. 2025, arXiv 2505.07818), FLUX script; JAGG spec section 5.",
                 config={
                     "height": 720,
@@ -320,11 +353,19 @@ RECIPES: Mapping[str, Recipe] = MappingProxyType(
                     "num_generations": 12,
                     "per_device_train_batch_size": 2,
                     "gradient_accumulation_steps": 6,
-                    "train_timesteps": "random",
+                    "train_timesteps": "random_but_last",  # its samples drop the last step
                     "train_timestep_fraction": 0.6,
                     "beta": 0.0,
                     "clip_range": 1e-4,
                     "adv_clip_max": 5.0,
+                    # Per-group torch std (unbiased) + 1e-8, the model fed int(sigma * 1000) / 1000, one initial
+                    # noise per group, prompts at FluxPipeline's 512 tokens (fastvideo/train_grpo_flux.py).
+                    "scale_rewards": "group",
+                    "advantage_std_ddof": 1,
+                    "advantage_eps": 1e-8,
+                    "quantize_timesteps": True,
+                    "same_group_noise": True,
+                    "max_sequence_length": 512,
                     "learning_rate": 1e-5,
                     "weight_decay": 1e-4,
                     "max_grad_norm": 1.0,
@@ -340,8 +381,8 @@ RECIPES: Mapping[str, Recipe] = MappingProxyType(
                     "pass get_recipe('dancegrpo-flux').apply_scheduler(pipeline) to DDPOJaggTrainer.",
                     "Full fine-tuning of a 12B backbone needs FSDP (optimizer state sharded) and bf16=True mixed "
                     "precision on GPUs, as DanceGRPO trains.",
-                    "DanceGRPO starts every image of a group from the same noise (init_same_noise); this trainer draws "
-                    "independent noise per image.",
+                    "EMA is off as in finetune_flux_grpo.sh; the 8-GPU script adds --use_ema --ema_decay 0.995 and "
+                    "--max_grad_norm 0.01: set ema_decay=0.995, max_grad_norm=0.01 to follow it.",
                 ),
             ),
         )

@@ -29,12 +29,16 @@ class StepOutput:
             and returns zeros.
         mean: the Gaussian's mean, shaped like the latent.
         std: the Gaussian's std, broadcastable to the latent (``(batch, 1, ..., 1)``).
+        noise_scale: what Flow-GRPO's sampler returns as ``std_dev_t`` (its KL divides by it): the diffusion
+            coefficient ``g`` of the SDE for ``sde`` and ``dance`` (``std = g sqrt(|dt|)``; ``g = eta`` for
+            ``dance``), the step's std itself for ``cps``; zeros for the ODE step. Shaped like ``std``.
     """
 
     prev_sample: torch.Tensor
     log_prob: torch.Tensor
     mean: torch.Tensor
     std: torch.Tensor
+    noise_scale: torch.Tensor
 
 
 def _per_sample(value: float | torch.Tensor, like: torch.Tensor, name: str) -> torch.Tensor:
@@ -109,7 +113,7 @@ def sampler_step(
         mean = x + v * dt
         std = torch.zeros_like(s)
         log_prob = torch.zeros(x.shape[0], device=x.device)
-        return StepOutput(mean if prev_sample is None else prev_sample.float(), log_prob, mean, std)
+        return StepOutput(mean if prev_sample is None else prev_sample.float(), log_prob, mean, std, std)
 
     if sampler == "sde":
         s_max = _per_sample(sigma_next if sigma_max is None else sigma_max, x, "sigma_max")
@@ -118,17 +122,20 @@ def sampler_step(
         g = noise_level * torch.sqrt(s / (1 - s_tilde))
         mean = x * (1 + g**2 / (2 * s) * dt) + v * (1 + g**2 * (1 - s) / (2 * s)) * dt
         std = g * torch.sqrt(-dt)
+        noise_scale = g
     elif sampler == "dance":
         # Euler step plus the score correction -eta^2/2 * score * dt, score from the predicted x0.
         x0 = x - s * v
         score = -(x - x0 * (1 - s)) / s**2
         mean = x + v * dt - 0.5 * noise_level**2 * score * dt
         std = noise_level * torch.sqrt(-dt)
+        noise_scale = torch.full_like(std, noise_level)
     else:  # cps
         std = s_next * math.sin(noise_level * math.pi / 2)
         x0 = x - s * v
         noise = x + (1 - s) * v
         mean = x0 * (1 - s_next) + noise * torch.sqrt(s_next**2 - std**2)
+        noise_scale = std
 
     if prev_sample is None:
         noise_draw = torch.randn(x.shape, generator=generator, device=x.device, dtype=torch.float32)
@@ -141,4 +148,4 @@ def sampler_step(
         log_prob = _mean_over_latent_dims(-((next_sample.detach() - mean) ** 2))
     else:
         log_prob = gaussian_log_prob(next_sample.detach(), mean, std)
-    return StepOutput(next_sample, log_prob, mean, std)
+    return StepOutput(next_sample, log_prob, mean, std, noise_scale)

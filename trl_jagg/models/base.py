@@ -11,7 +11,8 @@ shapes) and sets the class flags below; it overrides ``decode_latents`` only whe
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -140,11 +141,14 @@ class FlowMatchingAdapter:
         *,
         guidance_scale: float,
         true_cfg_scale: float,
+        uncond_grad: bool = True,
     ) -> torch.Tensor:
         """One guided backbone evaluation: the velocity at ``latents`` and scheduler ``timestep`` (``(batch,)``).
 
         ``transformer`` is passed explicitly because the trainer calls the DDP/FSDP-wrapped module. Differentiable
-        through every branch (conditional and unconditional): the JAGG endpoints backpropagate through it.
+        through every branch by default; ``uncond_grad=False`` runs the unconditional branch of classifier-free
+        guidance without a graph (see :meth:`unconditional_velocity`), so the gradient flows through the conditional
+        prediction only and a backward covers ``batch`` samples, not ``2 * batch``.
         """
         raise NotImplementedError
 
@@ -236,6 +240,14 @@ class FlowMatchingAdapter:
                 '`negative_prompt` ("" for the empty prompt) to `condition`.'
             )
         return scale
+
+    @staticmethod
+    def unconditional_velocity(branch: Callable[[str], torch.Tensor], *, uncond_grad: bool) -> torch.Tensor:
+        """The unconditional CFG branch, ``branch("negative_")`` (``branch(prefix)`` calls the backbone on the
+        conditioning keys with that prefix); without ``uncond_grad`` it runs under ``no_grad``: a constant that
+        stores no activations."""
+        with contextlib.nullcontext() if uncond_grad else torch.no_grad():
+            return branch("negative_")
 
     def embedded_guidance(self, batch_size: int, guidance_scale: float) -> torch.Tensor | None:
         """The guidance value of guidance-distilled backbones (``guidance_embeds``), as the pipelines pass it

@@ -38,6 +38,7 @@ class FluxAdapter(FlowMatchingAdapter):
         *,
         guidance_scale: float,
         true_cfg_scale: float,
+        uncond_grad: bool = True,
     ) -> torch.Tensor:
         hidden = latents.to(self.dtype)
         guidance = self.embedded_guidance(latents.shape[0], guidance_scale)
@@ -57,5 +58,7 @@ class FluxAdapter(FlowMatchingAdapter):
         velocity = call("")
         scale = self.guidance_branches(cond, guidance_scale, true_cfg_scale)
         if scale is not None:
-            velocity = classifier_free_guidance(velocity, call("negative_"), scale)
+            velocity = classifier_free_guidance(
+                velocity, self.unconditional_velocity(call, uncond_grad=uncond_grad), scale
+            )
         return velocity

@@ -62,6 +62,7 @@ class QwenImageAdapter(FlowMatchingAdapter):
         *,
         guidance_scale: float,
         true_cfg_scale: float,
+        uncond_grad: bool = True,
     ) -> torch.Tensor:
         hidden = latents.to(self.dtype)
         batch_size = latents.shape[0]
@@ -81,7 +82,9 @@ class QwenImageAdapter(FlowMatchingAdapter):
         velocity = call("")
         scale = self.guidance_branches(cond, guidance_scale, true_cfg_scale)
         if scale is not None:
-            velocity = classifier_free_guidance(velocity, call("negative_"), scale, rescale_to_cond_norm=True)
+            velocity = classifier_free_guidance(
+                velocity, self.unconditional_velocity(call, uncond_grad=uncond_grad), scale, rescale_to_cond_norm=True
+            )
         return velocity
 
     def decode_latents(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:

@@ -18,7 +18,8 @@ class SD3Adapter(FlowMatchingAdapter):
     Differs from the base in three ways: the scheduler builds its own sigmas (``linspace_sigmas = False``), the
     backbone takes ``(batch, 16, h, w)`` latent images (``packed_latents = False``), and ``guidance_scale`` is the
     CFG scale. As in the pipeline, both CFG branches run in one backbone call on a batch of ``2B``, unconditional
-    half first; the gradient flows through both halves.
+    half first, and the gradient flows through both halves; with ``uncond_grad=False`` the conditional half runs
+    with a graph and the unconditional one separately without.
     """
 
     pipeline_class = StableDiffusion3Pipeline
@@ -47,23 +48,35 @@ class SD3Adapter(FlowMatchingAdapter):
         *,
         guidance_scale: float,
         true_cfg_scale: float,
+        uncond_grad: bool = True,
     ) -> torch.Tensor:
         hidden = latents.to(self.dtype)
-        embeds, pooled = cond["prompt_embeds"], cond["pooled_prompt_embeds"]
+
+        def call(hidden: torch.Tensor, timestep: torch.Tensor, embeds: torch.Tensor, pooled: torch.Tensor):
+            # SD3's timestep embedding takes the scheduler timestep (0..1000) as is.
+            return transformer(
+                hidden_states=hidden,
+                timestep=timestep,
+                encoder_hidden_states=embeds,
+                pooled_projections=pooled,
+                return_dict=False,
+            )[0]
+
+        def branch(prefix: str) -> torch.Tensor:
+            return call(hidden, timestep, cond[f"{prefix}prompt_embeds"], cond[f"{prefix}pooled_prompt_embeds"])
+
         scale = self.guidance_branches(cond, guidance_scale, true_cfg_scale)
-        if scale is not None:
-            hidden, timestep = torch.cat([hidden, hidden]), torch.cat([timestep, timestep])
-            embeds = torch.cat([cond["negative_prompt_embeds"], embeds])
-            pooled = torch.cat([cond["negative_pooled_prompt_embeds"], pooled])
-        # SD3's timestep embedding takes the scheduler timestep (0..1000) as is.
-        velocity = transformer(
-            hidden_states=hidden,
-            timestep=timestep,
-            encoder_hidden_states=embeds,
-            pooled_projections=pooled,
-            return_dict=False,
-        )[0]
         if scale is None:
-            return velocity
-        uncond, cond_velocity = velocity.chunk(2)
-        return classifier_free_guidance(cond_velocity, uncond, scale)
+            return branch("")
+        if not uncond_grad:
+            conditional = branch("")
+            return classifier_free_guidance(conditional, self.unconditional_velocity(branch, uncond_grad=False), scale)
+        # Both branches in one call on 2B, unconditional half first, as the pipeline does.
+        velocity = call(
+            torch.cat([hidden, hidden]),
+            torch.cat([timestep, timestep]),
+            torch.cat([cond["negative_prompt_embeds"], cond["prompt_embeds"]]),
+            torch.cat([cond["negative_pooled_prompt_embeds"], cond["pooled_prompt_embeds"]]),
+        )
+        uncond, conditional = velocity.chunk(2)
+        return classifier_free_guidance(conditional, uncond, scale)

@@ -1,0 +1,252 @@
+"""The peer conventions the recipes select, through the trainer on a tiny Flux (offline): Flow-GRPO's KL scale per
+step, DanceGRPO's timestep quantisation, one initial noise per group, zero-advantage samples dropped and counted,
+the EMA of the trained weights (closed form, saved beside the weights, resumed), and the held-out evaluation."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from datasets import Dataset
+from diffusers import FluxPipeline
+from peft import LoraConfig
+from safetensors.torch import load_file
+from transformers import TrainerCallback
+
+from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
+
+PROMPTS = ["a red circle", "a green square", "a blue circle", "a red square"]
+
+
+def redness(prompts, images, **kwargs):
+    """An independent reward: mean red minus mean of the other channels."""
+    out = []
+    for image in images:
+        a = np.asarray(image, dtype=np.float32) / 255.0
+        out.append(float(a[..., 0].mean() - a[..., 1:].mean()))
+    return out
+
+
+def make_trainer(path, tmp_path, *, reward=redness, eval_dataset=None, **overrides) -> DDPOJaggTrainer:
+    torch.manual_seed(0)
+    config = dict(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=2, num_inference_steps=4,
+        height=32, width=32, max_steps=2, learning_rate=1e-2, clip_range=1e-1, noise_level=0.9, jagg_group_size=3,
+        jagg_frac=1.0, max_sequence_length=16, report_to="none", save_strategy="no", seed=0, disable_tqdm=True,
+    )  # fmt: skip
+    return DDPOJaggTrainer(
+        model=path,
+        reward_funcs=reward,
+        args=GRPOJaggConfig(**(config | overrides)),
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        eval_dataset=eval_dataset,
+        peft_config=LoraConfig(
+            r=4, lora_alpha=8, target_modules=["to_q", "to_k", "to_v"], init_lora_weights="gaussian"
+        ),
+    )
+
+
+def first_rollout(trainer: DDPOJaggTrainer) -> dict:
+    return trainer._generate_and_score(next(iter(trainer.get_train_dataloader())))
+
+
+def trainable(trainer: DDPOJaggTrainer) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in trainer._trainable_parameters()]
+
+
+# ---------------------------------------------------------------- KL scale
+def test_flow_grpo_kl_is_the_exact_step_kl_times_dt_at_every_step(tiny_flux_path, tmp_path):
+    """kl_std='flow_grpo' divides by g^2 where the exact step KL divides by g^2 |dt|: per step, KL_flow = KL * |dt|
+    (the per-step formula against g itself is in tests/test_sampling.py)."""
+    trainer = make_trainer(tiny_flux_path, tmp_path, beta=0.1, num_inference_steps=5)
+    with torch.no_grad():  # move the policy away from the reference (LoRA B starts at 0)
+        for name, param in trainer.model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.05)
+    batch = first_rollout(trainer)
+    kls = {}
+    for kl_std in ("step", "flow_grpo"):
+        trainer.args.kl_std = kl_std
+        trained, velocity_fn, loss_fn, stats = trainer._step_functions(trainer.model, batch)
+        with torch.no_grad():
+            for i in range(len(trained)):
+                loss_fn(i, velocity_fn(i))
+        kls[kl_std] = stats["kl"]
+    sigmas = batch["sigmas"].double()
+    dt = [(sigmas[k] - sigmas[k + 1]).item() for k in trained]
+    assert min(kls["step"]) > 0
+    np.testing.assert_allclose(kls["flow_grpo"], np.array(kls["step"]) * np.array(dt), rtol=1e-4)
+    # No single rescaling of beta maps one onto the other: the factor changes from step to step.
+    assert max(dt) / min(dt) > 1.2
+
+
+# ---------------------------------------------------------------- timestep quantisation
+def test_quantized_timesteps_feed_int_sigma_times_1000_over_1000(tiny_flux_path, tmp_path):
+    trainer = make_trainer(tiny_flux_path, tmp_path, quantize_timesteps=True)
+    seen = []
+    hook = trainer.model.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(kwargs["timestep"][0].item()), with_kwargs=True
+    )
+    batch = first_rollout(trainer)
+    hook.remove()
+    sigmas = batch["sigmas"]
+    # DanceGRPO: timestep_value = int(sigma * 1000) with a float32 sigma; the model gets timestep_value / 1000.
+    expected = [int(sigmas[k] * 1000) / 1000 for k in range(len(sigmas) - 1)]
+    assert seen == pytest.approx(expected, abs=1e-6)
+    own, _ = trainer.adapter.schedule(4, 32, 32)
+    assert torch.equal(sigmas, own)  # the sampler keeps the exact sigmas
+    assert any(abs(s * 1000 - int(s * 1000)) > 1e-3 for s in sigmas[:-1].tolist())  # the quantisation did bite
+
+
+# ---------------------------------------------------------------- same initial noise per group
+def test_same_group_noise_shares_the_initial_latent_within_each_group_only(tiny_flux_path, tmp_path):
+    trainer = make_trainer(tiny_flux_path, tmp_path, same_group_noise=True)
+    noise = first_rollout(trainer)["latents"][:, 0]
+    assert torch.equal(noise[0], noise[1]) and torch.equal(noise[2], noise[3])
+    assert not torch.allclose(noise[0], noise[2])
+    other = first_rollout(make_trainer(tiny_flux_path, tmp_path / "b"))["latents"][:, 0]
+    assert not torch.allclose(other[0], other[1])  # off by default: independent noise per image
+
+
+# ---------------------------------------------------------------- zero-advantage samples
+def test_zero_advantage_samples_are_dropped_and_counted(tiny_flux_path, tmp_path):
+    def mostly_constant(prompts, images, **kwargs):
+        # Only "a blue circle" groups have a reward spread; every other group has zero std.
+        return [r if p == "a blue circle" else 1.0 for p, r in zip(prompts, redness(prompts, images))]
+
+    mostly_constant.__name__ = "mostly_constant"
+    trainer = make_trainer(tiny_flux_path, tmp_path, reward=mostly_constant, drop_zero_advantages=True, max_steps=3)
+    advantages, graph_batches = [], []
+    generate = trainer._generate_and_score
+
+    def spy(inputs):
+        rollout = generate(inputs)
+        advantages.append(rollout["advantages"].clone())
+        return rollout
+
+    trainer._generate_and_score = spy
+    hook = trainer.model.register_forward_pre_hook(
+        lambda module, args, kwargs: (
+            graph_batches.append(kwargs["hidden_states"].shape[0]) if torch.is_grad_enabled() else None
+        ),
+        with_kwargs=True,
+    )
+    trainer.train()
+    hook.remove()
+    kept = [int((a != 0).sum()) for a in advantages]
+    assert sum(kept) > 0 and sum(4 - k for k in kept) > 0  # the run saw both kinds of samples
+    # Every graph forward of the update ran on the kept samples only; a rollout with none kept ran no backward.
+    expected = [k for k in kept for _ in range(2) if k > 0]  # a JAGG group of W = 3: two endpoint forwards
+    assert graph_batches == expected
+    logged = [
+        e["zero_advantage/dropped_frac"] for e in trainer.state.log_history if "zero_advantage/dropped_frac" in e
+    ]
+    assert logged == pytest.approx([1 - k / 4 for k in kept])
+
+
+# ---------------------------------------------------------------- EMA
+class Record(TrainerCallback):
+    def __init__(self, trainer):
+        self.trainer, self.weights = trainer, {0: trainable(trainer)}
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.weights[state.global_step] = trainable(self.trainer)
+
+
+def closed_form_ema(weights: dict[int, list[torch.Tensor]], steps, decay, interval, warmup) -> list[torch.Tensor]:
+    """EMA_0 = the initial weights; after optimizer step t with t % interval == 0:
+    EMA = d EMA + (1 - d) W_t, d = min(decay, (1 + t) / (10 + t)) with warm-up (Flow-GRPO's EMAModuleWrapper), else
+    d = decay (DanceGRPO)."""
+    ema = [w.double() for w in weights[0]]
+    for t in range(1, steps + 1):
+        if t % interval == 0:
+            d = min(decay, (1 + t) / (10 + t)) if warmup else decay
+            ema = [d * e + (1 - d) * w.double() for e, w in zip(ema, weights[t])]
+    return ema
+
+
+@pytest.mark.parametrize(("warmup", "interval"), [(True, 2), (False, 1)], ids=["flow-grpo", "dancegrpo"])
+def test_ema_equals_the_closed_form_of_the_recorded_weights(tiny_flux_path, tmp_path, warmup, interval):
+    trainer = make_trainer(
+        tiny_flux_path, tmp_path, max_steps=5, ema_decay=0.8, ema_update_interval=interval, ema_warmup=warmup
+    )
+    record = Record(trainer)
+    trainer.add_callback(record)
+    trainer.train()
+    expected = closed_form_ema(record.weights, 5, 0.8, interval, warmup)
+    for got, want, last in zip(trainer.ema.shadow_params, expected, record.weights[5]):
+        torch.testing.assert_close(got.double(), want, atol=1e-6, rtol=1e-5)
+        assert not torch.allclose(got, last)  # an average, not the last weights
+    # Saved beside the trained weights, in the same diffusers LoRA format.
+    trainer.save_model()
+    out = trainer.args.output_dir
+    saved = load_file(os.path.join(out, "ema", "pytorch_lora_weights.safetensors"))
+    names = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
+    for name, want in zip(names, expected):
+        key = "transformer." + name.replace(".default", "")
+        torch.testing.assert_close(saved[key].double(), want, atol=1e-6, rtol=1e-5)
+    pipe = FluxPipeline.from_pretrained(tiny_flux_path)
+    pipe.load_lora_weights(os.path.join(out, "ema"))  # loads as any LoRA
+
+
+def test_ema_resumes_from_a_checkpoint(tiny_flux_path, tmp_path):
+    ema = dict(ema_decay=0.7, ema_update_interval=1, ema_warmup=True, max_steps=4)
+    straight = make_trainer(tiny_flux_path, tmp_path / "straight", **ema)
+    straight.train()
+
+    class StopAt(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step == 2
+
+    first = make_trainer(tiny_flux_path, tmp_path / "resumed", save_strategy="steps", save_steps=2, **ema)
+    first.add_callback(StopAt())
+    first.train()
+    checkpoint = os.path.join(first.args.output_dir, "checkpoint-2")
+    assert os.path.isfile(os.path.join(checkpoint, "ema", "pytorch_lora_weights.safetensors"))
+    second = make_trainer(tiny_flux_path, tmp_path / "resumed", **ema)
+    second.train(resume_from_checkpoint=checkpoint)
+    for a, b in zip(straight.ema.shadow_params, second.ema.shadow_params):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="no ema/ folder"):
+        make_trainer(tiny_flux_path, tmp_path / "other", **ema).train(
+            resume_from_checkpoint=_checkpoint_without_ema(tiny_flux_path, tmp_path)
+        )
+
+
+def _checkpoint_without_ema(path, tmp_path) -> str:
+    trainer = make_trainer(path, tmp_path / "plain", max_steps=1, save_strategy="steps", save_steps=1)
+    trainer.train()
+    return os.path.join(trainer.args.output_dir, "checkpoint-1")
+
+
+# ---------------------------------------------------------------- held-out evaluation
+def test_evaluation_on_the_eval_dataset_every_eval_steps(tiny_flux_path, tmp_path):
+    eval_prompts = ["a red square", "a blue circle", "a green circle"]
+    trainer = make_trainer(
+        tiny_flux_path, tmp_path, eval_dataset=Dataset.from_dict({"prompt": eval_prompts}), eval_strategy="steps",
+        eval_steps=1, per_device_eval_batch_size=2, eval_num_inference_steps=3, eval_seed=5,
+    )  # fmt: skip
+    trainer.train()
+    evals = [e for e in trainer.state.log_history if "eval_reward" in e]
+    assert [e["step"] for e in evals] == [1, 2]
+    assert all("eval_rewards/redness/mean" in e and "loss" not in e for e in evals)
+    assert os.path.isfile(os.path.join(trainer.args.output_dir, "eval_samples", "step-000002.png"))
+    # The same rewards from the diffusers pipeline with the trained LoRA: ODE sampling, 3 steps, a seed per batch.
+    trainer.save_model()
+    pipe = FluxPipeline.from_pretrained(tiny_flux_path)
+    pipe.load_lora_weights(trainer.args.output_dir)
+    rewards = []
+    for begin in (0, 2):
+        batch = eval_prompts[begin : begin + 2]
+        images = pipe(
+            batch, height=32, width=32, num_inference_steps=3, guidance_scale=3.5, max_sequence_length=16,
+            generator=torch.Generator().manual_seed(5 + begin),
+        ).images  # fmt: skip
+        rewards.extend(redness(batch, images))
+    metrics = trainer.evaluate()
+    assert metrics["eval_reward"] == pytest.approx(np.mean(rewards), abs=2e-3)
+    assert metrics["eval_samples"] == 3
+    with pytest.raises(ValueError, match="no 'prompt' column"):
+        make_trainer(tiny_flux_path, tmp_path, eval_dataset=Dataset.from_dict({"text": eval_prompts}))
