@@ -200,7 +200,7 @@ def test_recipe_scheduler_override_is_applied(tiny_flux_path, tmp_path):
     for key, value in TINY.items():
         flags += [f"--{key}", str(value)]
     script_args, args = train.parse_train_args(flags)
-    assert args.sampler == "dance" and args.train_timesteps == "random"
+    assert args.sampler == "dance" and args.train_timesteps == "random_but_last"
     trainer = train.build_trainer(script_args, args)
     config = trainer.adapter.pipeline.scheduler.config
     assert config.shift == 3.0 and not config.use_dynamic_shifting

@@ -382,3 +382,49 @@ def test_two_process_resume_and_split_groups(tiny_flux_path, tmp_path):
         straight_losses, resumed_losses = r["losses"]
         assert len(straight_losses) == len(resumed_losses) == 4 and resumed_losses[2:] == straight_losses[2:]
     assert ranks[0]["straight"]["weights"] == ranks[1]["straight"]["weights"]
+
+
+SAME_NOISE_SCRIPT = """
+import json, sys, torch
+torch.set_num_threads(1)
+from datasets import Dataset
+from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
+
+model_path, out = sys.argv[1], sys.argv[2]
+# 3 images per process, groups of 2: the middle group has one image on each process.
+args = GRPOJaggConfig(
+    output_dir=out, per_device_train_batch_size=3, num_generations=2, gradient_accumulation_steps=1,
+    num_inference_steps=2, height=32, width=32, max_sequence_length=16, same_group_noise=True, report_to="none",
+    save_strategy="no", use_cpu=True, disable_tqdm=True,
+)
+trainer = DDPOJaggTrainer(
+    model=model_path, reward_funcs="prompt_color", args=args,
+    train_dataset=Dataset.from_dict({"prompt": ["a red circle", "a green square", "a blue circle", "a red square"]}),
+)
+inputs = next(iter(trainer.get_train_dataloader()))
+rollout = trainer._generate_and_score(inputs)
+rank = trainer.accelerator.process_index
+json.dump({"world": trainer.accelerator.num_processes, "prompts": [x["prompt"] for x in inputs],
+           "noise": rollout["latents"][:, 0].tolist()}, open(f"{out}/noise{rank}.json", "w"))
+"""
+
+
+def test_same_group_noise_is_shared_by_a_group_split_across_two_processes(tiny_flux_path, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / "noise.py"
+    script.write_text(SAME_NOISE_SCRIPT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+           str(script), tiny_flux_path, str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"noise{r}.json").read_text()) for r in range(2)]
+    assert [r["world"] for r in ranks] == [2, 2]
+    prompts = ranks[0]["prompts"] + ranks[1]["prompts"]
+    noise = torch.tensor(ranks[0]["noise"] + ranks[1]["noise"])
+    for group in range(3):  # rows 2g and 2g + 1 of the gathered batch; group 1 spans both processes
+        assert prompts[2 * group] == prompts[2 * group + 1]
+        assert torch.equal(noise[2 * group], noise[2 * group + 1])
+    assert not torch.allclose(noise[0], noise[2]) and not torch.allclose(noise[2], noise[4])

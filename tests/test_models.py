@@ -274,3 +274,89 @@ def test_sd3_guidance_errors_name_the_fix(tiny_sd3_path):
         adapter.predict_velocity(
             adapter.transformer, latents, torch.tensor([1000.0]), cond, guidance_scale=4.5, true_cfg_scale=1.0
         )
+
+
+# ---------------------------------------------------------------- which CFG branch gets the gradient
+# Flux has true CFG too (true_cfg_scale with embedded guidance); SD3 batches both branches in one call.
+CFG_ALL = {**CFG, "flux": {"guidance_scale": 3.5, "true_cfg_scale": 4.0}}
+
+
+@pytest.mark.parametrize("name", ["sd3", "qwenimage", "flux"])
+def test_conditional_only_cfg_gradient_treats_the_unconditional_prediction_as_a_constant(request, name):
+    """uncond_grad=False: the gradient equals that of the guided loss with the unconditional prediction computed
+    apart as a constant (Flow-GRPO's July 2025 `noise_pred_uncond.detach()`), and the backbone's graph (forward
+    with grad, gradient arriving at its output) covers only the B conditional samples; with both branches, 2B."""
+    adapter = load_adapter(request.getfixturevalue(f"tiny_{name}_path"))
+    transformer = adapter.transformer.requires_grad_(True)
+    params = list(transformer.parameters())
+    guidance = CFG_ALL[name]
+    cond = adapter.condition(PROMPTS[:2], height=32, width=32, negative_prompt=NEGATIVE, max_sequence_length=16)
+    generator = torch.Generator().manual_seed(2)
+    latents = adapter.prepare_latents(2, 32, 32, generator)
+    weight = torch.randn(latents.shape, generator=generator)
+    timestep = adapter.schedule(4, 32, 32)[1][1].expand(2)
+
+    # The guided velocity written out: one branch per call, the unconditional one under no_grad.
+    single = {"guidance_scale": 1.0 if adapter.guidance_is_cfg else guidance["guidance_scale"], "true_cfg_scale": 1.0}
+    negative = type(cond)(
+        {k.removeprefix("negative_"): v for k, v in cond.per_sample.items() if k.startswith("negative_")}, cond.shared
+    )
+    with torch.no_grad():
+        v_u = adapter.predict_velocity(transformer, latents, timestep, negative, **single)
+    v_c = adapter.predict_velocity(transformer, latents, timestep, cond, **single)
+    w = adapter.cfg_scale(**guidance)
+    guided = v_u + w * (v_c - v_u)
+    if name == "qwenimage":  # Qwen-Image rescales per token to the conditional prediction's norm
+        guided = guided * (v_c.norm(dim=-1, keepdim=True) / guided.norm(dim=-1, keepdim=True))
+    expected = torch.autograd.grad((guided * weight).sum(), params, allow_unused=True)
+
+    def run(uncond_grad: bool) -> tuple[list, list[int], list[int]]:
+        forward, backward = [], []
+
+        def before(module, args, kwargs):
+            if torch.is_grad_enabled():
+                forward.append(kwargs["hidden_states"].shape[0])
+
+        def after(module, args, kwargs, output):
+            if output[0].requires_grad:
+                output[0].register_hook(lambda grad: backward.append(grad.shape[0]))
+
+        hooks = [
+            transformer.register_forward_pre_hook(before, with_kwargs=True),
+            transformer.register_forward_hook(after, with_kwargs=True),
+        ]
+        velocity = adapter.predict_velocity(transformer, latents, timestep, cond, **guidance, uncond_grad=uncond_grad)
+        grads = torch.autograd.grad((velocity * weight).sum(), params, allow_unused=True)
+        for hook in hooks:
+            hook.remove()
+        return list(grads), forward, backward
+
+    grads, forward, backward = run(uncond_grad=False)
+    checked = 0
+    for got, want in zip(grads, expected):
+        if want is None:
+            assert got is None or got.abs().max() == 0
+            continue
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+        checked += int(want.abs().max() > 0)
+    assert checked > 10
+    assert forward == [2] and backward == [2]
+    both, forward, backward = run(uncond_grad=True)
+    assert sum(forward) == 4 and sum(backward) == 4
+    assert any(g is not None and e is not None and not torch.allclose(g, e, atol=1e-5) for g, e in zip(both, expected))
+
+
+def test_trainer_passes_cfg_gradient_to_the_update(request, family, tmp_path):
+    """cfg_gradient='conditional': every forward of the update that builds a graph runs on the micro-batch of 4 only
+    (the unconditional branch runs without one); rollouts build no graph at all."""
+    trainer = make_trainer(tiny_path(request, family), tmp_path, CFG[family], max_steps=1, cfg_gradient="conditional")
+    graph = []
+    hook = trainer.model.register_forward_pre_hook(
+        lambda module, args, kwargs: (
+            graph.append(kwargs["hidden_states"].shape[0]) if torch.is_grad_enabled() else None
+        ),
+        with_kwargs=True,
+    )
+    trainer.train()
+    hook.remove()
+    assert graph == [4, 4]  # one JAGG group of W = 3: the two endpoint forwards, conditional half only
