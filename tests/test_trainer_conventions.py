@@ -69,11 +69,12 @@ def test_flow_grpo_kl_is_the_exact_step_kl_times_dt_at_every_step(tiny_flux_path
     kls = {}
     for kl_std in ("step", "flow_grpo"):
         trainer.args.kl_std = kl_std
-        trained, velocity_fn, loss_fn, stats = trainer._step_functions(trainer.model, batch)
+        fns = trainer._step_functions(trainer.model, batch)
+        trained = fns.trained
         with torch.no_grad():
             for i in range(len(trained)):
-                loss_fn(i, velocity_fn(i))
-        kls[kl_std] = stats["kl"]
+                fns.loss_fn(i, fns.velocity_fn(i))
+        kls[kl_std] = [float(kl) for kl in fns.stats["kl"]]
     sigmas = batch["sigmas"].double()
     dt = [(sigmas[k] - sigmas[k + 1]).item() for k in trained]
     assert min(kls["step"]) > 0

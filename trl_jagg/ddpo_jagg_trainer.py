@@ -297,12 +297,8 @@ class DDPOJaggTrainer(_BaseTrainer):
             # Every process must run the same backward calls (DDP/FSDP collectives): keep one sample, whose zero
             # advantage adds no policy gradient.
             keep[0] = True
-        index = keep.nonzero().flatten()
-        kept = dict(chunk)
-        for key in ("latents", "log_probs", "advantages"):
-            kept[key] = chunk[key][index]
-        kept["cond"] = chunk["cond"].select(index)
-        kept["dropped_frac"] = 1.0 - len(index) / keep.numel()
+        kept = _select(chunk, keep.nonzero().flatten())
+        kept["dropped_frac"] = 1.0 - kept["latents"].shape[0] / keep.numel()
         return kept
 
     def _rng_seed(self, *parts: int) -> int:
@@ -1330,16 +1326,17 @@ def _identity_collator(features: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _split_rollout(rollout: dict[str, Any], num_chunks: int) -> list[dict[str, Any]]:
     """Split a rollout along the batch into ``num_chunks`` micro-batches (shared entries are kept as is)."""
     size = rollout["latents"].shape[0] // num_chunks
-    chunks = []
-    for c in range(num_chunks):
-        index = slice(c * size, (c + 1) * size)
-        chunk = dict(rollout)
-        for key in ("latents", "log_probs", "advantages", "velocities"):
-            if key in rollout:
-                chunk[key] = rollout[key][index]
-        chunk["cond"] = rollout["cond"].select(index)
-        chunks.append(chunk)
-    return chunks
+    return [_select(rollout, slice(c * size, (c + 1) * size)) for c in range(num_chunks)]
+
+
+def _select(batch: dict[str, Any], index: slice | torch.Tensor) -> dict[str, Any]:
+    """The samples ``index`` of a rollout or micro-batch: its per-sample entries indexed, the shared ones kept."""
+    selected = dict(batch)
+    for key in ("latents", "log_probs", "advantages", "velocities"):
+        if key in batch:
+            selected[key] = batch[key][index]
+    selected["cond"] = batch["cond"].select(index)
+    return selected
 
 
 @contextlib.contextmanager
