@@ -914,7 +914,7 @@ class DDPOJaggTrainer(_BaseTrainer):
         transformer.eval()
         with self.accelerator.split_between_processes(list(range(len(dataset)))) as rows:
             records = [dataset[i] for i in rows]
-        prompts = [str(record["prompt"]) for record in records]
+        prompts = [prompt_text(record["prompt"], "eval_dataset 'prompt'") for record in records]
         images = []
         with self.ema_weights():
             for begin in range(0, len(prompts), args.per_device_eval_batch_size):

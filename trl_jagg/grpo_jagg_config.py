@@ -684,6 +684,7 @@ class GRPOJaggConfig(TrainingArguments):
             "all_but_last": steps - 1,
             "sde_window": self.sde_window_size,
             "random": max(1, round(self.train_timestep_fraction * steps)),
+            "random_but_last": max(1, round(self.train_timestep_fraction * (steps - 1))),
         }[self.train_timesteps]
 
     @property
