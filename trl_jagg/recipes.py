@@ -216,7 +216,8 @@ RECIPES: Mapping[str, Recipe] = MappingProxyType(
                     "beta 0.04 is Flow-GRPO's GenEval/OCR value (its PickScore run uses 0.01).",
                     "Both CFG branches get gradients, as Flow-GRPO's train_sd3.py since its FLUX/Fast releases; its "
                     "July 2025 version detached the unconditional prediction: cfg_gradient='conditional' reproduces "
-                    "that and halves the update's backward.",
+                    "that and halves the update's backward (its gradient is larger, about the CFG scale times when "
+                    "the branches' Jacobians are alike: mind max_grad_norm).",
                     "Batch sizes are chosen so that every process samples whole groups of G = 24 for any number of "
                     "processes; Flow-GRPO samples 48 prompts per epoch on 32 GPUs. Add bf16=True on GPUs.",
                 ),
