@@ -4,25 +4,39 @@ Protocol (JSON over ``POST``, see ``examples/reward_server.py``)::
 
     request:  {"prompts": [str, ...], "images": [base64 PNG, ...], "metadata": {column: [value, ...]}}
     response: {"scores": [float, ...]}            (or {"error": str} with an HTTP error status)
+
+Both sides bound what the other can make them do: the client gives each attempt one deadline for connecting,
+sending and reading the whole answer (a server trickling bytes cannot hold it longer) and reads a bounded answer;
+the server (``examples/reward_server.py``) limits the body, the time to receive it, the connections it serves at
+once, the image formats (PNG, JPEG, WEBP) and the pixels per image. A shared token (``Authorization: Bearer``,
+from ``TRL_JAGG_REWARD_TOKEN`` by default) keeps other local users out.
 """
 
 from __future__ import annotations
 
 import base64
+import binascii
+import http.client
 import io
 import json
+import os
+import socket
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 from trl_jagg.rewards.lazy import check_pairs, to_rgb
 
 SERVER_HINT = "Start one with: python examples/reward_server.py --rewards pickscore --port 8000"
+TOKEN_ENV = "TRL_JAGG_REWARD_TOKEN"
+"""Environment variable holding the shared token, read by the client and the example server."""
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")
+MAX_PIXELS = 4096 * 4096
+"""Default pixel limit per decoded image (width x height): a few-KB PNG may claim gigabytes of pixels."""
+MAX_RESPONSE_BYTES = 4 * 2**20
 
 
 def encode_image(image: Image.Image) -> str:
@@ -32,10 +46,39 @@ def encode_image(image: Image.Image) -> str:
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
-def decode_image(data: str) -> Image.Image:
-    """Inverse of :func:`encode_image`."""
-    image = Image.open(io.BytesIO(base64.b64decode(data)))
-    image.load()
+class RejectedImage(ValueError):
+    """An image :func:`decode_image` refuses; ``status`` is the HTTP status a server answers with."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def decode_image(data: Any, max_pixels: int = MAX_PIXELS) -> Image.Image:
+    """Inverse of :func:`encode_image` for untrusted input: base64 of a PNG, JPEG or WEBP image of at most
+    ``max_pixels`` pixels, checked from its header before any pixel is decoded.
+
+    Raises:
+        RejectedImage: not base64 (status 400), another format (415), too many pixels (413), corrupt (400).
+    """
+    if not isinstance(data, str):
+        raise RejectedImage(f"is a {type(data).__name__}, not a base64 string", 400)
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise RejectedImage("is not valid base64", 400) from None
+    try:
+        # `formats` stops PIL from trying its other plugins (EPS would reach Ghostscript where installed).
+        image = Image.open(io.BytesIO(raw), formats=IMAGE_FORMATS)
+    except (UnidentifiedImageError, OSError, ValueError):
+        raise RejectedImage(f"is not a {', '.join(IMAGE_FORMATS)} image", 415) from None
+    width, height = image.size
+    if width * height > max_pixels:
+        raise RejectedImage(f"has {width} x {height} pixels, more than the {max_pixels} allowed", 413)
+    try:
+        image.load()
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
+        raise RejectedImage("could not be decoded (truncated or corrupt)", 400) from None
     return image
 
 
@@ -52,6 +95,47 @@ def _json_columns(kwargs: dict[str, Any]) -> dict[str, Any]:
     return columns
 
 
+class DeadlineReader(io.RawIOBase):
+    """Reads from a connected socket until one ``deadline`` (``time.monotonic()``): each read waits at most
+    the time left, so a peer sending a byte now and then cannot stretch the total (a socket timeout alone is per
+    read). Raises :class:`TimeoutError` once the deadline has passed."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        super().__init__()
+        self._sock, self.deadline = sock, deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("the deadline passed")
+        self._sock.settimeout(remaining)
+        return self._sock.recv_into(buffer)
+
+
+class _DeadlineSocket:
+    """A connected socket for ``http.client`` whose sends and reads share one deadline."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self._sock, self._deadline = sock, deadline
+
+    def makefile(self, mode: str = "rb", buffering: int | None = None) -> io.BufferedReader:
+        return io.BufferedReader(DeadlineReader(self._sock, self._deadline))
+
+    def sendall(self, data: bytes) -> None:
+        remaining = self._deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("the deadline passed")
+        self._sock.settimeout(remaining)  # since Python 3.5 a sendall timeout bounds the whole call
+        self._sock.sendall(data)
+
+    def close(self) -> None:
+        """Nothing: ``http.client`` closes the connection while the answer is still being read from it (a plain
+        socket survives that through its ``makefile`` reference count); the caller closes the socket."""
+
+
 class RemoteReward:
     """Posts (prompts, images) to ``url`` and returns the server's scores. Connection failures, timeouts and
     HTTP 5xx answers are retried with exponential backoff; HTTP 4xx answers are not (resending cannot help)."""
@@ -64,18 +148,52 @@ class RemoteReward:
         backoff: float = 1.0,
         batch_size: int | None = None,
         name: str | None = None,
+        token: str | None = None,
+        max_response_bytes: int = MAX_RESPONSE_BYTES,
     ) -> None:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"The reward server URL must start with http:// or https://, got {url!r}.")
-        if retries < 0 or timeout <= 0:
-            raise ValueError("timeout must be > 0 and retries >= 0.")
+        if retries < 0 or not timeout > 0 or max_response_bytes < 1:
+            raise ValueError("timeout must be > 0, retries >= 0 and max_response_bytes >= 1.")
         self.url = url
         self.timeout = timeout
         self.retries = retries
         self.backoff = backoff
         self.batch_size = batch_size
-        last_segment = urllib.parse.urlparse(url).path.rstrip("/").rsplit("/", 1)[-1]
+        self.token = token if token is not None else os.environ.get(TOKEN_ENV) or None
+        self.max_response_bytes = max_response_bytes
+        parts = urllib.parse.urlsplit(url)
+        self._connection_class = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        self._host, self._port = parts.hostname, parts.port
+        self._path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        last_segment = parts.path.rstrip("/").rsplit("/", 1)[-1]
         self.__name__ = name or (f"remote_{last_segment}" if last_segment else "remote")
+
+    def _request(self, body: bytes) -> tuple[int, bytes]:
+        """One attempt within ``timeout`` seconds in all: connect, send, read the status and a bounded body."""
+        deadline = time.monotonic() + self.timeout
+        connection = self._connection_class(self._host, self._port, timeout=self.timeout)
+        headers = {"Content-Type": "application/json"}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        sock = None
+        try:
+            connection.connect()
+            sock = connection.sock
+            connection.sock = _DeadlineSocket(sock, deadline)
+            connection.request("POST", self._path, body=body, headers=headers)
+            response = connection.getresponse()
+            data = response.read(self.max_response_bytes + 1)
+        finally:
+            connection.close()
+            if sock is not None:
+                sock.close()
+        if len(data) > self.max_response_bytes:
+            raise RuntimeError(
+                f"Reward server {self.url} sent more than max_response_bytes={self.max_response_bytes} bytes: not "
+                "a score list."
+            )
+        return response.status, data
 
     def _post(self, payload: dict[str, Any]) -> dict[str, Any]:
         body = json.dumps(payload).encode("utf-8")
@@ -84,42 +202,47 @@ class RemoteReward:
         for attempt in range(self.retries + 1):
             if attempt:
                 time.sleep(self.backoff * 2 ** (attempt - 1))
-            request = urllib.request.Request(
-                self.url, data=body, headers={"Content-Type": "application/json"}, method="POST"
-            )
             try:
-                with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                    return json.loads(response.read().decode("utf-8"))
-            except urllib.error.HTTPError as error:  # caught before URLError, its base class
-                detail = error.read().decode("utf-8", "replace")[:2000]
-                if error.code < 500:
-                    raise RuntimeError(
-                        f"Reward server {self.url} rejected the request (HTTP {error.code}): {detail}"
-                    ) from error
-                server_error, connection_error = f"HTTP {error.code}: {detail}", None
-            except (urllib.error.URLError, TimeoutError, ConnectionError) as error:
+                status, data = self._request(body)
+            except (OSError, http.client.HTTPException) as error:  # TimeoutError and ConnectionError included
                 server_error, connection_error = None, error
+                continue
+            detail = _error_detail(data)
+            if status == 200:
+                try:
+                    return json.loads(data.decode("utf-8"))
+                except ValueError:
+                    raise RuntimeError(f"Reward server {self.url} sent an answer that is not JSON.") from None
+            if status < 500:
+                raise RuntimeError(f"Reward server {self.url} rejected the request (HTTP {status}): {detail}")
+            server_error, connection_error = f"HTTP {status}: {detail}", None
         attempts = f"{self.retries + 1} attempt(s)"
         if server_error is not None:
             raise RuntimeError(f"Reward server {self.url} failed to score after {attempts}: {server_error}")
+        if isinstance(connection_error, TimeoutError):
+            raise TimeoutError(
+                f"Reward server {self.url} did not answer within timeout={self.timeout} s (the deadline of each "
+                f"attempt: connect, send, score, read) after {attempts}. Raise timeout or lower batch_size."
+            )
         raise ConnectionError(
             f"Could not reach the reward server {self.url} after {attempts} ({connection_error}). "
             f"Is it running and reachable? {SERVER_HINT}"
         )
 
-    def _score(self, prompts: list[str], images: list[Image.Image], metadata: dict[str, Any]) -> list[float | None]:
+    def _score(self, prompts: list[str], images: list[Image.Image], metadata: dict[str, Any]) -> list[float]:
         answer = self._post({"prompts": prompts, "images": [encode_image(im) for im in images], "metadata": metadata})
         scores = answer.get("scores") if isinstance(answer, dict) else None
         if not isinstance(scores, list) or len(scores) != len(images):
-            raise RuntimeError(f"Reward server {self.url} sent a malformed answer for {len(images)} images: {answer}")
-        return [None if score is None else float(score) for score in scores]
+            shown = repr(answer)[:200]
+            raise RuntimeError(f"Reward server {self.url} sent a malformed answer for {len(images)} images: {shown}")
+        return [float(score) for score in scores]
 
-    def __call__(self, prompts: Sequence[str], images: Sequence[Image.Image], **kwargs: Any) -> list[float | None]:
+    def __call__(self, prompts: Sequence[str], images: Sequence[Image.Image], **kwargs: Any) -> list[float]:
         """Score each (prompt, image) pair on the server; JSON-serialisable ``kwargs`` go along as metadata."""
         check_pairs(prompts, images)
         step = self.batch_size or max(len(images), 1)
         columns = _json_columns(kwargs)
-        scores: list[float | None] = []
+        scores: list[float] = []
         for start in range(0, len(images), step):
             # Per-sample columns (lists as long as the batch) are split with the batch; others are sent whole.
             metadata = {
@@ -135,6 +258,17 @@ class RemoteReward:
         return f"RemoteReward(url={self.url!r}, name={self.__name__!r})"
 
 
+def _error_detail(data: bytes) -> str:
+    """The server's ``{"error": ...}`` text, shortened; the raw start of the body otherwise."""
+    text = data.decode("utf-8", "replace")
+    try:
+        answer = json.loads(text)
+        text = answer["error"] if isinstance(answer, dict) and isinstance(answer.get("error"), str) else text
+    except ValueError:
+        pass
+    return text[:500]
+
+
 def remote(
     url: str,
     timeout: float = 120.0,
@@ -142,15 +276,23 @@ def remote(
     backoff: float = 1.0,
     batch_size: int | None = None,
     name: str | None = None,
+    token: str | None = None,
+    max_response_bytes: int = MAX_RESPONSE_BYTES,
 ) -> RemoteReward:
     """A reward computed by an HTTP server (e.g. ``examples/reward_server.py``).
 
     Args:
         url: The scoring endpoint, e.g. ``"http://localhost:8000/score/pickscore"``. In a config, the URL itself
             can be given in ``reward_funcs``.
-        timeout: Seconds to wait for one answer.
+        timeout: Seconds one attempt may take in all (connect, send, score, read the answer): a deadline, not a
+            per-read timeout.
         retries: Extra attempts after a connection failure, timeout or HTTP 5xx; waits ``backoff * 2**k`` s.
-        batch_size: Images per request (``None``: all at once).
+        batch_size: Images per request (``None``: all at once); keep requests under the server's body limit.
         name: Metric name; default ``"remote_<last URL segment>"``.
+        token: Shared token sent as ``Authorization: Bearer``; default the ``TRL_JAGG_REWARD_TOKEN`` variable.
+        max_response_bytes: Largest answer read; a longer one is an error.
     """
-    return RemoteReward(url, timeout=timeout, retries=retries, backoff=backoff, batch_size=batch_size, name=name)
+    return RemoteReward(
+        url, timeout=timeout, retries=retries, backoff=backoff, batch_size=batch_size, name=name, token=token,
+        max_response_bytes=max_response_bytes,
+    )  # fmt: skip

@@ -1,0 +1,354 @@
+"""The remote reward against ``examples/reward_server.py`` started on 127.0.0.1 in the test: scores, retries, and
+the limits of both sides (body size, request deadline, connections, formats, pixels, token; client deadline and
+answer size). Every loop is bounded; each test takes well under a few seconds."""
+
+from __future__ import annotations
+
+import base64
+import importlib.util
+import inspect
+import io
+import json
+import socket
+import struct
+import sys
+import threading
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import trl_jagg.rewards as rewards
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def solid(rgb: tuple[int, int, int], size: tuple[int, int] = (8, 8)) -> Image.Image:
+    return Image.new("RGB", size, rgb)
+
+
+def noise_image(seed: int = 0, size: int = 64) -> Image.Image:
+    pixels = np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def image_bytes(image: Image.Image, format: str) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format=format)
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="module")
+def server_module():
+    spec = importlib.util.spec_from_file_location("reward_server", REPO / "examples" / "reward_server.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["reward_server"] = module  # dataclasses resolve the module by name
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules["reward_server"]
+
+
+def serve(server_module, served, **limits):
+    server = server_module.build_server(served, "127.0.0.1", 0, server_module.Limits(**limits))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
+@pytest.fixture(scope="module")
+def server_url(server_module):
+    calls = {"flaky": 0}
+
+    def flaky(prompts, images, **kwargs):  # fails on its first call only
+        calls["flaky"] += 1
+        if calls["flaky"] == 1:
+            raise RuntimeError("warming up")
+        return [1.0] * len(images)
+
+    def nan_reward(prompts, images, **kwargs):
+        return [float("nan")] * len(images)
+
+    def column(prompts, images, offset=None, **kwargs):
+        return [float(o) for o in offset]
+
+    def private(prompts, images, **kwargs):
+        raise RuntimeError("secret detail: /home/alice/.cache/model.bin")
+
+    served = {"prompt_color": rewards.prompt_color(), "flaky": flaky, "nan": nan_reward, "column": column,
+              "private": private}  # fmt: skip
+    server, url = serve(server_module, served, max_pixels=512 * 512, request_timeout=0.5, max_body_bytes=2**20)
+    yield url
+    server.shutdown()
+    server.server_close()
+
+
+def raw_request(url: str, data: bytes, timeout: float = 5.0) -> tuple[int, dict]:
+    """Send ``data`` as is on a fresh connection and return the status and the JSON answer."""
+    port = int(url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(data)
+        answer = b""
+        for _ in range(1000):  # bounded: the server closes after one answer
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body or b"{}")
+
+
+def post(url: str, path: str, payload, headers: str = "") -> tuple[int, dict]:
+    body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n{headers}\r\n".encode()
+    return raw_request(url, head + body)
+
+
+# ------------------------------------------------------------------------------------------------ scoring
+def test_remote_reward_matches_the_local_reward(server_url):
+    prompts = ["red", "green", "blue", "none"]
+    images = [solid((200, 100, 50)), noise_image(1, 16), solid((0, 0, 255)), solid((9, 9, 9))]
+    local = rewards.prompt_color()(prompts, images)
+    reward = rewards.remote(f"{server_url}/score/prompt_color", timeout=10)
+    assert reward.__name__ == "remote_prompt_color"
+    assert reward(prompts, images) == pytest.approx(local, abs=1e-12)  # PNG is lossless
+    assert rewards.remote(f"{server_url}/score/prompt_color", batch_size=3)(prompts, images) == pytest.approx(local)
+
+
+def test_remote_reward_sends_dataset_columns_split_by_batch(server_url):
+    reward = rewards.remote(f"{server_url}/score/column", batch_size=2)
+    images = [solid((0, 0, 0))] * 3
+    assert reward(["a", "b", "c"], images, offset=[1, 2, 3], tensor_column=torch.zeros(3)) == [1.0, 2.0, 3.0]
+
+
+def test_remote_reward_retries_server_errors(server_url):
+    reward = rewards.remote(f"{server_url}/score/flaky", retries=2, backoff=0.01)
+    assert reward(["a", "b"], [solid((0, 0, 0))] * 2) == [1.0, 1.0]
+
+
+def test_remote_reward_reports_failing_rewards_and_bad_paths(server_url):
+    with pytest.raises(RuntimeError, match="non-finite"):
+        rewards.remote(f"{server_url}/score/nan", retries=1, backoff=0.01)(["a"], [solid((0, 0, 0))])
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="HTTP 404") as info:
+        rewards.remote(f"{server_url}/score/nope", retries=3, backoff=1.0)(["a"], [solid((0, 0, 0))])
+    assert time.monotonic() - start < 1.0  # a client error is not retried
+    assert "prompt_color" in str(info.value)  # the server lists what it serves
+
+
+def test_remote_reward_names_the_url_when_the_server_is_down():
+    with socket.socket() as probe:  # a port that was free a moment ago: nothing listens there
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    url = f"http://127.0.0.1:{port}/score/pickscore"
+    with pytest.raises(ConnectionError) as info:
+        rewards.remote(url, timeout=2, retries=1, backoff=0.01)(["a"], [solid((0, 0, 0))])
+    assert url in str(info.value) and "reward_server.py" in str(info.value)
+
+
+# ------------------------------------------------------------------------------------------------ server limits
+def test_failing_reward_details_stay_in_the_server_log(server_url):
+    status, answer = post(
+        server_url, "/score/private", {"prompts": ["a"], "images": [b64(image_bytes(solid((0, 0, 0)), "PNG"))]}
+    )
+    assert status == 500
+    assert "secret" not in answer["error"] and "alice" not in answer["error"]
+
+
+def test_oversized_body_is_refused_before_it_is_read(server_url):
+    start = time.monotonic()
+    # Headers only: the server must answer without waiting for (or reading) the announced 10 GB.
+    status, answer = raw_request(
+        server_url, b"POST /score/prompt_color HTTP/1.1\r\nContent-Length: 10000000000\r\n\r\n"
+    )
+    assert status == 413 and "body exceeds 1048576 bytes" in answer["error"]
+    assert time.monotonic() - start < 0.4  # before the 0.5 s request deadline
+    assert raw_request(server_url, b"POST /score/prompt_color HTTP/1.1\r\n\r\n")[0] == 411
+
+
+def trickle(url: str, head: bytes, limit_s: float = 3.0) -> tuple[float, bytes]:
+    """Send ``head`` then one byte every 50 ms (at most ``limit_s``) until the server answers or closes."""
+    port = int(url.rsplit(":", 1)[1])
+    start = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port), timeout=limit_s) as sock:
+        sock.sendall(head)
+        sock.settimeout(0.05)
+        for _ in range(int(limit_s / 0.05)):
+            try:
+                data = sock.recv(65536)
+                return time.monotonic() - start, data  # an answer, or b"" when the server closed
+            except TimeoutError:
+                pass
+            try:
+                sock.sendall(b"x")
+            except OSError:
+                return time.monotonic() - start, b""
+    return time.monotonic() - start, b"still open"
+
+
+def test_slow_client_is_cut_off_at_the_request_deadline(server_url):
+    # Trickling the headers: the connection is closed once the 0.5 s deadline passes, though every byte arrives
+    # well within any per-read timeout.
+    elapsed, data = trickle(server_url, b"POST /score/prompt_color HTTP/1.1\r\nX-Slow: ")
+    assert 0.4 < elapsed < 1.5 and data != b"still open"
+    # Trickling the body: HTTP 408.
+    elapsed, data = trickle(server_url, b"POST /score/prompt_color HTTP/1.1\r\nContent-Length: 100000\r\n\r\n")
+    assert 0.4 < elapsed < 1.5 and data.startswith(b"HTTP/1.0 408")
+
+
+def test_connections_are_bounded(server_module):
+    server, url = serve(server_module, {"prompt_color": rewards.prompt_color()}, max_connections=2,
+                        request_timeout=2.0)  # fmt: skip
+    port = server.server_address[1]
+    try:
+        before = threading.active_count()
+        idle = [socket.create_connection(("127.0.0.1", port), timeout=2) for _ in range(6)]
+        time.sleep(0.2)
+        assert threading.active_count() <= before + 2  # two request threads, not six
+        # The connections past the first two were answered 503 (retried by the client) and closed.
+        answers = []
+        for sock in idle[2:]:
+            answers.append(sock.recv(1024))
+        assert all(a.startswith(b"HTTP/1.0 503") for a in answers)
+        for sock in idle:
+            sock.close()
+        time.sleep(0.2)  # the two idle handlers see the close and free their slots
+        assert rewards.remote(f"{url}/score/prompt_color", timeout=2, retries=0)(["red"], [solid((255, 0, 0))])
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def png_claiming(width: int, height: int) -> bytes:
+    """A tiny PNG whose header claims ``width x height`` pixels (a decompression bomb needs nothing more)."""
+    data = bytearray(image_bytes(solid((0, 0, 0), (1, 1)), "PNG"))
+    ihdr = bytes(data[12:16]) + struct.pack(">II", width, height) + bytes(data[24:29])
+    data[16:24] = struct.pack(">II", width, height)
+    data[29:33] = struct.pack(">I", zlib.crc32(ihdr))
+    return bytes(data)
+
+
+@pytest.mark.parametrize(
+    ("image", "status", "message"),
+    [
+        (png_claiming(8000, 8000), 413, "images[0] has 8000 x 8000 pixels, more than the 262144 allowed"),
+        (image_bytes(solid((0, 0, 0), (600, 600)), "PNG"), 413, "has 600 x 600 pixels"),
+        (b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\nshowpage\n", 415, "is not a PNG, JPEG, WEBP image"),
+        (image_bytes(solid((0, 0, 0)), "GIF"), 415, "is not a PNG, JPEG, WEBP image"),
+        (image_bytes(solid((0, 0, 0)), "BMP"), 415, "is not a PNG, JPEG, WEBP image"),
+        (image_bytes(noise_image(), "PNG")[:200], 400, "could not be decoded"),
+    ],
+    ids=["bomb", "too-many-pixels", "eps", "gif", "bmp", "truncated-png"],
+)
+def test_images_are_limited_in_format_and_pixels(server_url, image, status, message):
+    start = time.monotonic()
+    got, answer = post(server_url, "/score/prompt_color", {"prompts": ["a"], "images": [b64(image)]})
+    assert (got, time.monotonic() - start < 1.0) == (status, True)
+    assert message in answer["error"]
+
+
+def test_accepted_formats(server_url):
+    images = [b64(image_bytes(solid((255, 0, 0)), fmt)) for fmt in ("PNG", "JPEG", "WEBP")]
+    status, answer = post(server_url, "/score/prompt_color", {"prompts": ["red"] * 3, "images": images})
+    assert status == 200 and len(answer["scores"]) == 3
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (b"{not json", "not JSON"),
+        ({"prompts": ["a"]}, "'prompts' and 'images'"),
+        ({"prompts": "a", "images": []}, "'prompts' must be a list of strings"),
+        ({"prompts": [1], "images": ["x"]}, "'prompts' must be a list of strings"),
+        ({"prompts": ["a", "b"], "images": ["x"]}, "'images' must be a list as long as 'prompts'"),
+        ({"prompts": ["a"], "images": ["x"], "metadata": [1]}, "'metadata' must be an object"),
+        ({"prompts": ["a"], "images": ["@@not base64@@"]}, "images[0] is not valid base64"),
+        ({"prompts": ["a"], "images": [3]}, "images[0] is a int, not a base64 string"),
+    ],
+    ids=["not-json", "no-images", "prompts-str", "prompt-int", "length", "metadata", "base64", "image-int"],
+)
+def test_bad_fields_are_client_errors_without_exception_text(server_url, body, message):
+    status, answer = post(server_url, "/score/prompt_color", body)
+    assert status == 400 and message in answer["error"]
+    for leaked in ("Traceback", "Expecting", "Error:", "binascii", "line 1"):
+        assert leaked not in answer["error"]
+
+
+def test_shared_token(server_module):
+    server, url = serve(server_module, {"prompt_color": rewards.prompt_color()}, token="s3cret")
+    try:
+        image = [b64(image_bytes(solid((255, 0, 0)), "PNG"))]
+        assert post(url, "/score/prompt_color", {"prompts": ["red"], "images": image})[0] == 401
+        assert post(url, "/score/prompt_color", {"prompts": ["red"], "images": image},
+                    "Authorization: Bearer wrong\r\n")[0] == 401  # fmt: skip
+        assert rewards.remote(f"{url}/score/prompt_color", token="s3cret")(["red"], [solid((255, 0, 0))])
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="HTTP 401"):
+            rewards.remote(f"{url}/score/prompt_color", token="", retries=3, backoff=1.0)(["red"], [solid((0, 0, 0))])
+        assert time.monotonic() - start < 1.0  # not retried
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_binds_to_loopback_by_default(server_module):
+    assert inspect.signature(server_module.build_server).parameters["host"].default == "127.0.0.1"
+    source = (REPO / "examples" / "reward_server.py").read_text()
+    assert 'parser.add_argument("--host", default="127.0.0.1"' in source
+
+
+# ------------------------------------------------------------------------------------------------ client limits
+def one_shot_server(behave):
+    """A raw server on 127.0.0.1 answering one connection with ``behave(sock)``; returns its URL and thread."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def run():
+        with listener:
+            listener.settimeout(5)
+            conn, _ = listener.accept()
+            with conn:
+                conn.settimeout(5)
+                conn.recv(1 << 20)  # the request (small in these tests)
+                try:
+                    behave(conn)
+                except OSError:
+                    pass  # the client gave up and closed
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return f"http://127.0.0.1:{port}/score/x", thread
+
+
+@pytest.mark.parametrize("phase", ["status-line", "body"])
+def test_client_timeout_is_a_deadline_against_a_trickling_server(phase):
+    def behave(conn):
+        head = b"HTTP/1.0 200 OK\r\nContent-Length: 200\r\n\r\n" if phase == "body" else b""
+        conn.sendall(head)
+        for byte in (b"HTTP/1.0 200 OK\r\n" if phase == "status-line" else b" " * 200)[:60]:  # bounded: 60 bytes
+            conn.sendall(bytes([byte]))
+            time.sleep(0.05)
+
+    url, thread = one_shot_server(behave)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="did not answer within timeout=0.5 s"):
+        rewards.remote(url, timeout=0.5, retries=0)(["a"], [solid((0, 0, 0))])
+    assert time.monotonic() - start < 1.0  # a per-read timeout would wait ~3 s (a byte every 50 ms)
+    thread.join(5)
+
+
+def test_client_bounds_the_answer_size():
+    def behave(conn):
+        body = json.dumps({"scores": [0.0] * 200_000}).encode()
+        conn.sendall(f"HTTP/1.0 200 OK\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+
+    url, thread = one_shot_server(behave)
+    with pytest.raises(RuntimeError, match="more than max_response_bytes=4096 bytes"):
+        rewards.remote(url, timeout=2, retries=0, max_response_bytes=4096)(["a"], [solid((0, 0, 0))])
+    thread.join(5)
