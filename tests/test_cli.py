@@ -447,3 +447,66 @@ def test_trl_config_names_on_the_command_line(capsys):
     assert code == 2 and "Did you mean 'epsilon'?" in err
     code, _, err = run(["train", *base, "--max_prompt_length", "64"], capsys)
     assert code == 2 and "max_sequence_length" in err
+
+
+# ---------------------------------------------------------------- YAML types and one-line errors
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        (dict(num_generations=2.0), "num_generations is 2.0 (float); --num_generations takes an integer"),
+        (dict(num_inference_steps=5.5), "num_inference_steps is 5.5 (float); --num_inference_steps takes an integer"),
+        (dict(max_steps=[1, 2]), "max_steps is [1, 2] (list); --max_steps takes an integer"),
+        (dict(lora_r=2.0), "lora_r is 2.0 (float); --lora_r takes an integer"),
+        (dict(use_peft=1), "use_peft is 1 (int); --use_peft takes true or false"),
+        (dict(reward_weights=["a"]), "reward_weights is ['a'] (list); --reward_weights takes a list of numbers or None"),
+        (dict(prompts=[1, 2]), "prompts is [1, 2] (list); --prompts takes a list of strings or None"),
+    ],
+    ids=lambda v: next(iter(v)) if isinstance(v, dict) else None,
+)
+def test_yaml_values_are_type_checked_like_flags(tmp_path, capsys, values, message):
+    base = dict(model_name_or_path="unused", reward_funcs=["prompt_color"], prompts=["a", "b"], output_dir="o")
+    config = write_yaml(tmp_path / "bad.yaml", **{**base, **values})
+    code, _, err = run(["train", "--config", config], capsys)
+    assert code == 2
+    assert err.strip() == f"trl-jagg train: error: {config}: {message}."
+
+
+def test_yaml_scalars_and_strings_convert_as_flags_do(tmp_path):
+    config = write_yaml(tmp_path / "ok.yaml", model_name_or_path="m", reward_funcs="prompt_color", prompts=["a", "b"],
+                        output_dir="o", reward_weights=2.0, learning_rate="3e-4", num_generations="2")  # fmt: skip
+    _, args = train.parse_train_args(["--config", config])
+    assert (args.reward_weights, args.learning_rate, args.num_generations) == ([2.0], 3e-4, 2)
+
+
+def test_library_errors_are_one_line_with_the_traceback_under_debug(tiny_flux_path, tmp_path, capsys, monkeypatch):
+    output_dir = tmp_path / "out"
+    output_dir.mkdir()
+    (output_dir / "pytorch_lora_weights.safetensors").write_bytes(b"trained before")
+    flags = ["train", "--model_name_or_path", tiny_flux_path, "--reward_funcs", "prompt_color", "--prompts",
+             "only one prompt", "--output_dir", str(output_dir), "--use_peft", "--report_to", "none"]  # fmt: skip
+    for key, value in TINY.items():
+        flags += [f"--{key}", str(value)]
+    code, _, err = run(flags, capsys)
+    assert code == 1
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err
+    assert lines[0].startswith("trl-jagg train: error: ValueError: train_dataset has 1 prompt; one rollout needs 2")
+    assert lines[0].endswith("(traceback: --debug or TRL_JAGG_DEBUG=1)")
+    # The refused run trained nothing and replaced nothing.
+    assert (output_dir / "pytorch_lora_weights.safetensors").read_bytes() == b"trained before"
+    with pytest.raises(ValueError, match="one rollout needs 2"):
+        cli.main([*flags, "--debug"])
+    monkeypatch.setenv("TRL_JAGG_DEBUG", "1")
+    with pytest.raises(ValueError, match="one rollout needs 2"):
+        cli.main(flags)
+
+
+def test_errors_from_outside_trl_jagg_keep_their_traceback(tmp_path, monkeypatch):
+    def broken(argv):
+        raise KeyError("a bug elsewhere")
+
+    import trl_jagg.scripts.env as env_command
+
+    monkeypatch.setattr(env_command, "main", broken)
+    with pytest.raises(KeyError):
+        cli.main(["env"])

@@ -12,13 +12,18 @@
 
 Each command is a module ``trl_jagg.scripts.<command>`` with ``main(argv) -> int``, imported only when run, so
 ``trl-jagg --help`` is instant. A :class:`~trl_jagg.scripts.utils.UsageError` becomes
-``trl-jagg <command>: error: ...`` and exit status 2.
+``trl-jagg <command>: error: ...`` and exit status 2; any other error raised by trl_jagg itself (a bad dataset, a
+NaN, a broken checkpoint, a failing reward server) becomes one such line and exit status 1, with the traceback only
+under ``--debug`` (anywhere on the command line) or ``TRL_JAGG_DEBUG=1``. Errors raised elsewhere (your reward
+function, a library) keep their traceback.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
+import traceback
 from collections.abc import Sequence
 
 from trl_jagg.scripts import PROG
@@ -31,6 +36,9 @@ COMMANDS: dict[str, str] = {
     "env": "print the versions and the machine, for a bug report",
 }
 """Command name -> one-line help; the command's code is ``trl_jagg.scripts.<name>.main``."""
+
+DEBUG_ENV = "TRL_JAGG_DEBUG"
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def _top_help() -> str:
@@ -51,6 +59,8 @@ def _top_help() -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``trl-jagg`` console script; returns the exit status (2 for usage errors)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    argv = [token for token in argv if token != "--debug"]
     if not argv or argv[0] in ("-h", "--help"):
         print(_top_help(), file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
@@ -72,6 +82,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as error:
         print(f"{PROG} {command}: error: {error}", file=sys.stderr)
         return 2
+    except Exception as error:
+        if debug or not _raised_by_trl_jagg(error):
+            raise
+        print(f"{PROG} {command}: error: {_one_line(error)} (traceback: --debug or {DEBUG_ENV}=1)", file=sys.stderr)
+        return 1
+
+
+def _raised_by_trl_jagg(error: BaseException) -> bool:
+    """Whether ``error`` was raised in trl_jagg's own code: its messages say what, where and the fix."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return bool(frames) and os.path.abspath(frames[-1].filename).startswith(_PACKAGE_DIR + os.sep)
+
+
+def _one_line(error: BaseException) -> str:
+    text = " ".join([str(error), *getattr(error, "__notes__", [])])
+    return f"{type(error).__name__}: {' '.join(text.split())}"
 
 
 if __name__ == "__main__":

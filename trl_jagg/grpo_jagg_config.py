@@ -6,14 +6,14 @@ import dataclasses
 import difflib
 import math
 import numbers
-import types
 import typing
 import warnings
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, ClassVar
 
 from transformers import TrainingArguments
 
+from .field_types import type_problem
 from .jagg import ENDPOINT_BACKWARDS, JAGG_MODES
 from .prompts import check_prompts
 from .recipes import get_recipe
@@ -80,6 +80,10 @@ class GRPOJaggConfig(TrainingArguments):
 
     Every field's `help` text is the reference (see `docs/config.md`, generated from it).
     """
+
+    _types_checked_later: ClassVar[tuple[str, ...]] = ("eval_prompts", "scale_rewards")
+    """Fields with their own type check: eval_prompts prompt by prompt (conversations allowed), scale_rewards also
+    takes TRL's booleans."""
 
     # ---- TrainingArguments defaults that differ ----
     learning_rate: float = field(default=1e-4, metadata={"help": "Initial learning rate of the optimizer."})
@@ -497,19 +501,15 @@ class GRPOJaggConfig(TrainingArguments):
         """Every field given a value other than its default has its annotated type (the types the CLI flags
         convert to; YAML values reach the dataclass unconverted), and every float is finite (``nan < 0`` is
         false, so a NaN passes any range check)."""
-        hints = _type_hints(type(self))
+        hints = typing.get_type_hints(type(self))
         for item in dataclasses.fields(self):
             value = getattr(self, item.name)
             if not item.init or value is item.default or (type(value) is type(item.default) and value == item.default):
                 continue
-            # Checked after this: eval_prompts prompt by prompt (conversations allowed); scale_rewards also takes
-            # TRL's booleans.
-            skip = item.name in ("eval_prompts", "scale_rewards")
-            expected = None if skip else _simple_type(hints[item.name])
-            if expected is not None and not _has_type(value, expected):
+            problem = None if item.name in self._types_checked_later else type_problem(value, hints[item.name])
+            if problem is not None:
                 raise TypeError(
-                    f"GRPOJaggConfig.{item.name} is {value!r} ({type(value).__name__}); expected "
-                    f"{_type_name(expected)}."
+                    f"GRPOJaggConfig.{item.name} is {value!r} ({type(value).__name__}); expected {problem}."
                 )
             values = value if isinstance(value, (list, tuple)) else [value]
             for number in values:
@@ -691,56 +691,3 @@ class GRPOJaggConfig(TrainingArguments):
     def prompts_per_rollout(self) -> int:
         """Distinct prompts one rollout draws from the dataset (on all processes together)."""
         return self.generation_batch_size // self.num_generations
-
-
-_HINTS: dict[type, dict[str, Any]] = {}
-
-
-def _type_hints(cls: type) -> dict[str, Any]:
-    if cls not in _HINTS:
-        _HINTS[cls] = typing.get_type_hints(cls)
-    return _HINTS[cls]
-
-
-def _simple_type(hint: Any) -> tuple | None:
-    """``hint`` as ``(kind, item, optional)`` for the types a flag converts to (int, float, bool, str, a list of
-    one of them, optionally ``| None``); ``None`` for anything else (enums, dicts, unions), which is not checked."""
-    args = typing.get_args(hint)
-    optional = False
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        rest = [a for a in args if a is not type(None)]
-        if len(rest) != 1:
-            return None
-        hint, optional = rest[0], len(rest) < len(args)
-    if hint in (int, float, bool, str):
-        return (hint, None, optional)
-    if typing.get_origin(hint) is list and typing.get_args(hint) and typing.get_args(hint)[0] in (int, float, str):
-        return (list, typing.get_args(hint)[0], optional)
-    return None
-
-
-def _is(value: Any, kind: type) -> bool:
-    if kind is bool:
-        return isinstance(value, bool)
-    if kind is int:
-        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-    if kind is float:
-        return isinstance(value, numbers.Real) and not isinstance(value, bool)
-    return isinstance(value, kind)
-
-
-def _has_type(value: Any, expected: tuple) -> bool:
-    kind, item, optional = expected
-    if value is None:
-        return optional
-    if kind is list:
-        return isinstance(value, (list, tuple)) and all(_is(v, item) for v in value)
-    return _is(value, kind)
-
-
-def _type_name(expected: tuple) -> str:
-    kind, item, optional = expected
-    name = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(kind)
-    if kind is list:
-        name = "a list of " + {int: "integers", float: "numbers", str: "strings"}[item]
-    return f"{name} or None" if optional else name

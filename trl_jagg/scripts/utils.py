@@ -13,6 +13,7 @@ from typing import Any
 
 from trl import TrlParser
 
+from trl_jagg.field_types import type_problem
 from trl_jagg.scripts import PROG
 
 TRL_NAMES: Mapping[str, str] = {
@@ -133,6 +134,23 @@ class CommandParser(TrlParser):
             if token.startswith("--") and flag not in options and flag != "--":
                 raise UsageError(f"unknown field '{flag[2:]}' ({flag}).{suggest(flag[2:], valid)}")
 
+    def check_yaml_types(self, config: Mapping[str, Any], path: str | None) -> None:
+        """YAML values have the types their flags convert to. TrlParser sets them as argparse defaults, which
+        argparse converts only when they are strings (as it converts flag values): ``num_generations: 2.0`` would
+        otherwise reach the trainer unchecked and fail after the model loaded."""
+        for dtype in self.dataclass_types:
+            hints = typing.get_type_hints(dtype)
+            skip = getattr(dtype, "_types_checked_later", ())
+            for item in dataclasses.fields(dtype):
+                value = config.get(item.name)
+                if item.name not in config or isinstance(value, str) or item.name in skip:
+                    continue
+                problem = type_problem(value, hints[item.name])
+                if problem is not None:
+                    raise UsageError(
+                        f"{path}: {item.name} is {value!r} ({type(value).__name__}); --{item.name} takes {problem}."
+                    )
+
     def read_config(self, argv: Sequence[str]) -> tuple[list[str], dict[str, Any], str | None]:
         """``(argv, yaml, path)``: ``argv`` with ``--config=x`` split in two tokens, the ``--config`` file's mapping
         (empty without one) and its path."""
@@ -164,6 +182,7 @@ class CommandParser(TrlParser):
             return None
         argv, config, config_path = self.read_config(argv)
         self.check_names(argv, config, config_path)
+        self.check_yaml_types(config, config_path)
         if defaults is not None:
             self.set_defaults(**defaults(argv, config))
         try:
