@@ -458,7 +458,10 @@ def test_trl_config_names_on_the_command_line(capsys):
         (dict(max_steps=[1, 2]), "max_steps is [1, 2] (list); --max_steps takes an integer"),
         (dict(lora_r=2.0), "lora_r is 2.0 (float); --lora_r takes an integer"),
         (dict(use_peft=1), "use_peft is 1 (int); --use_peft takes true or false"),
-        (dict(reward_weights=["a"]), "reward_weights is ['a'] (list); --reward_weights takes a list of numbers or None"),
+        (
+            dict(reward_weights=["a"]),
+            "reward_weights is ['a'] (list); --reward_weights takes a list of numbers or None",
+        ),
         (dict(prompts=[1, 2]), "prompts is [1, 2] (list); --prompts takes a list of strings or None"),
     ],
     ids=lambda v: next(iter(v)) if isinstance(v, dict) else None,
