@@ -168,15 +168,19 @@ def closed_form_ema(weights: dict[int, list[torch.Tensor]], steps, decay, interv
     return ema
 
 
-@pytest.mark.parametrize(("warmup", "interval"), [(True, 2), (False, 1)], ids=["flow-grpo", "dancegrpo"])
-def test_ema_equals_the_closed_form_of_the_recorded_weights(tiny_flux_path, tmp_path, warmup, interval):
+@pytest.mark.parametrize(
+    ("warmup", "interval", "offload"), [(True, 2, False), (False, 1, True)], ids=["flow-grpo", "dancegrpo-offload"]
+)
+def test_ema_equals_the_closed_form_of_the_recorded_weights(tiny_flux_path, tmp_path, warmup, interval, offload):
     trainer = make_trainer(
-        tiny_flux_path, tmp_path, max_steps=5, ema_decay=0.8, ema_update_interval=interval, ema_warmup=warmup
-    )
+        tiny_flux_path, tmp_path, max_steps=5, ema_decay=0.8, ema_update_interval=interval, ema_warmup=warmup,
+        ema_offload=offload,
+    )  # fmt: skip
     record = Record(trainer)
     trainer.add_callback(record)
     trainer.train()
     expected = closed_form_ema(record.weights, 5, 0.8, interval, warmup)
+    assert all(p.device.type == "cpu" and p.dtype == torch.float32 for p in trainer.ema.shadow_params)
     for got, want, last in zip(trainer.ema.shadow_params, expected, record.weights[5]):
         torch.testing.assert_close(got.double(), want, atol=1e-6, rtol=1e-5)
         assert not torch.allclose(got, last)  # an average, not the last weights

@@ -231,7 +231,8 @@ class DDPOJaggTrainer(_BaseTrainer):
                 decay=args.ema_decay,
                 min_decay=0.0 if args.ema_warmup else float(args.ema_decay),
             )
-            self.ema.to(dtype=torch.float32)  # a bf16 average would lose updates of (1 - decay) * difference
+            # float32: a bf16 average would lose updates of (1 - decay) * difference.
+            self.ema.to(device="cpu" if args.ema_offload else None, dtype=torch.float32)
             self.add_callback(EMACallback(self))
         if args.image_log_steps and args.eval_prompts:
             self.add_callback(SampleImagesCallback(self))
@@ -1073,7 +1074,12 @@ class DDPOJaggTrainer(_BaseTrainer):
                 )
             # Load the EMA weights through the model, take them as the average, then load the trained ones.
             self._load_checkpoint_weights(transformer, ema_dir)
-            self.ema.shadow_params = [p.detach().float().clone() for p in transformer.parameters() if p.requires_grad]
+            device = "cpu" if self.args.ema_offload else None
+            self.ema.shadow_params = [
+                p.detach().to(device=device, dtype=torch.float32).clone()
+                for p in transformer.parameters()
+                if p.requires_grad
+            ]
         self._load_checkpoint_weights(transformer, resume_from_checkpoint)
 
     def _load_checkpoint_weights(self, transformer: torch.nn.Module, folder: str) -> None:
@@ -1238,7 +1244,11 @@ class EMACallback(TrainerCallback):
             # EMAModel's warm-up decay at its update n is min(decay, n / (9 + n)); counting optimizer steps instead of
             # updates makes it Flow-GRPO's min(decay, (1 + t) / (10 + t)) at optimizer step t.
             ema.optimization_step = state.global_step
-            ema.step(self.trainer._trainable_parameters())
+            params = self.trainer._trainable_parameters()
+            if args.ema_offload:
+                # EMAModel averages in place on the shadow's device and skips parameters without requires_grad.
+                params = [p.detach().to("cpu", torch.float32).requires_grad_(True) for p in params]
+            ema.step(params)
 
 
 class SampleImagesCallback(TrainerCallback):

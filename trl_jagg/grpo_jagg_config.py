@@ -58,7 +58,7 @@ class GRPOJaggConfig(TrainingArguments):
 
         > EMA of the trained weights
 
-        ema_decay, ema_update_interval, ema_warmup.
+        ema_decay, ema_update_interval, ema_warmup, ema_offload.
 
         > JAGG
 
@@ -407,6 +407,13 @@ class GRPOJaggConfig(TrainingArguments):
         metadata={
             "help": "Flow-GRPO's (and diffusers' EMAModel's) warm-up: the decay at optimizer step t is "
             "min(ema_decay, (1 + t) / (10 + t)); False keeps it at `ema_decay` (DanceGRPO)."
+        },
+    )
+    ema_offload: bool = field(
+        default=False,
+        metadata={
+            "help": "Keep the EMA (float32) on the CPU, as DanceGRPO does for full fine-tuning: the accelerator holds no "
+            "copy, at the cost of one device-to-host copy of the trained weights per EMA update."
         },
     )
 

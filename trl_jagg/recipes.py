@@ -382,8 +382,9 @@ RECIPES: Mapping[str, Recipe] = MappingProxyType(
                     "pass get_recipe('dancegrpo-flux').apply_scheduler(pipeline) to DDPOJaggTrainer.",
                     "Full fine-tuning of a 12B backbone needs FSDP (optimizer state sharded) and bf16=True mixed "
                     "precision on GPUs, as DanceGRPO trains.",
-                    "EMA is off as in finetune_flux_grpo.sh; the 8-GPU script adds --use_ema --ema_decay 0.995 and "
-                    "--max_grad_norm 0.01: set ema_decay=0.995, max_grad_norm=0.01 to follow it.",
+                    "EMA is off as in finetune_flux_grpo.sh; the 8-GPU script adds --use_ema --ema_decay 0.995 (kept "
+                    "on the CPU) and --max_grad_norm 0.01: set ema_decay=0.995, ema_offload=True, max_grad_norm=0.01 "
+                    "to follow it.",
                 ),
             ),
         )
