@@ -289,13 +289,15 @@ def _torchrun(script: str, *args: str, timeout: int = 300):
 def test_trainer_gradients_on_two_processes(tiny_flux_path, tmp_path):
     """The trainer on 2 gloo processes against one process on the same global batch (1e-5), JAGG and exact:
     - `fully_shard_backbone=True` (blocks then root sharded with FSDP2, KL reference sharded too), LoRA and full
-      fine-tuning; after a real training step the gathered weights load into a fresh single-process pipeline that
-      renders the image the sharded model renders;
+      fine-tuning; after two real training steps the gathered weights load into a fresh single-process pipeline
+      that renders the image the sharded model renders, and a sharded run resumed from the checkpoint of step 1
+      (gathered weights and optimizer state loaded back into the shards) ends with the same weights;
     - DDP with `jagg_endpoint_backward="sequential"` (LoRA)."""
     import json
 
     import numpy as np
     from diffusers import FluxPipeline, FluxTransformer2DModel
+    from safetensors.torch import load_file
 
     from trl_jagg.models import load_adapter
     from trl_jagg.rollout import generate_images
@@ -341,6 +343,11 @@ def test_trainer_gradients_on_two_processes(tiny_flux_path, tmp_path):
         base = generate_images(load_adapter(FluxPipeline.from_pretrained(tiny_flux_path)), [worker.RENDER_PROMPT],
                                **settings)[0]  # fmt: skip
         assert np.abs(np.asarray(base).astype(int) - rendered.astype(int)).max() > 1, "the saved weights are the base"
+        name = "pytorch_lora_weights.safetensors" if kind == "lora" else "diffusion_pytorch_model.safetensors"
+        straight, resumed = (load_file(str(tmp_path / f"{kind}_{end}" / name)) for end in ("saved", "resumed"))
+        assert straight.keys() == resumed.keys()
+        assert all(torch.equal(straight[k], resumed[k]) for k in straight), kind
+        assert (tmp_path / kind / "checkpoint-1" / "optimizer.pt").is_file()
 
 
 # ---------------------------------------------------------------- resume and split groups on 2 processes
@@ -378,10 +385,10 @@ def test_two_process_resume_and_split_groups(tiny_flux_path, tmp_path):
     for r in ranks:
         assert r["resumed"]["weights"] == r["straight"]["weights"]
         assert r["resumed"]["records"] == r["straight"]["records"][2:]
-        # The resumed log history starts with the checkpoint's (written by rank 0; the PPO loss is per rank).
-        straight_losses, resumed_losses = r["losses"]
-        assert len(straight_losses) == len(resumed_losses) == 4 and resumed_losses[2:] == straight_losses[2:]
+        straight_losses, resumed_losses = r["losses"]  # the resumed history starts with the checkpoint's
+        assert len(straight_losses) == 4 and resumed_losses == straight_losses
     assert ranks[0]["straight"]["weights"] == ranks[1]["straight"]["weights"]
+    assert ranks[0]["losses"] == ranks[1]["losses"]  # logged losses are means over both ranks
 
 
 SAME_NOISE_SCRIPT = """

@@ -210,6 +210,9 @@ class DDPOJaggTrainer(_BaseTrainer):
             for backbone in (transformer, self.ref_transformer):
                 if backbone is not None:
                     fully_shard_blocks(backbone)
+        elif self.accelerator.is_fsdp2 and self.ref_transformer is not None:
+            # accelerate's plugin shards the trained backbone when it prepares it; the frozen reference is ours.
+            fully_shard_blocks(self.ref_transformer)
             # transformers' switch for a model sharded before the Trainer sees it: no DDP wrap (DDP rejects DTensor
             # parameters), the optimizer built on the shards, every rank inside `_save` for the gathers.
             self.is_distributed_loading_by_transformers = True
@@ -727,10 +730,12 @@ class DDPOJaggTrainer(_BaseTrainer):
         )
         result = engine.run(self._plan(batch, fns.trained, use_jagg=args.use_jagg, jagg_frac=jagg_frac))
 
-        self._metrics["loss"].append(result.loss)
-        # The per-step diagnostics stay on the device until here: one sync per update, not five per step.
-        names = list(fns.stats)
-        means = torch.stack([torch.stack(fns.stats[n]).float().mean() for n in names]).tolist() if names else []
+        # The per-step diagnostics stay on the device until here: one sync per update, not five per step. The loss
+        # and diagnostics are per process: log every process's mean, averaged (as TRL's GRPOTrainer does).
+        names = ["loss", *fns.stats]
+        local = [torch.tensor(result.loss, device=self.accelerator.device, dtype=torch.float32)]
+        local += [torch.stack(fns.stats[n]).float().mean() for n in fns.stats]
+        means = self.accelerator.gather(torch.stack(local)[None]).mean(dim=0).tolist()
         for name, value in zip(names, means):
             self._metrics[name if name != "ratio_mean" else "ratio"].append(value)
         self._metrics["jagg/groups_jagg"].append(result.num_jagg_groups)

@@ -3,8 +3,9 @@ processes), and the trainer setup the test's single-process reference shares wit
 
 Each rank builds the trainer of each KIND, computes the JAGG and the exact gradient of its half of the rollout the
 test saved, and gathers the full gradients:
-- ``lora`` / ``full``: ``fully_shard_backbone=True`` (KL on, so the reference runs under FSDP too); then one real
-  training step, the weights saved (a gathered state dict) and an image rendered;
+- ``lora`` / ``full``: ``fully_shard_backbone=True`` (KL on, so the reference runs under FSDP too); then two real
+  training steps with a checkpoint after the first (gathered weights and optimizer state), the weights saved and an
+  image rendered; a fresh sharded trainer resumes from the checkpoint and saves its weights after the second step;
 - ``ddp-sequential``: LoRA under DDP with ``jagg_endpoint_backward="sequential"`` (the first endpoint's backward
   inside ``no_sync``).
 """
@@ -30,14 +31,15 @@ KINDS = {
 }
 
 
-def build_trainer(model_path: str, output_dir: str, kind: str, *, world_size: int) -> DDPOJaggTrainer:
+def build_trainer(model_path: str, output_dir: str, kind: str, *, world_size: int, **overrides) -> DDPOJaggTrainer:
     """The trainer of ``kind`` both sides use; ``world_size`` processes share the same global batch of 4 images."""
     settings = dict(KINDS[kind])
     lora, shard = settings.pop("lora"), settings.pop("shard")
+    settings = {"max_steps": 1, "save_strategy": "no"} | settings | overrides
     args = GRPOJaggConfig(
         output_dir=output_dir, per_device_train_batch_size=4 // world_size, num_generations=2, num_inference_steps=5,
-        height=32, width=32, max_steps=1, learning_rate=1e-2, clip_range=0.1, jagg_group_size=3, jagg_frac=1.0,
-        beta=0.05, max_sequence_length=16, report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True,
+        height=32, width=32, learning_rate=1e-2, clip_range=0.1, jagg_group_size=3, jagg_frac=1.0, beta=0.05,
+        max_sequence_length=16, report_to="none", use_cpu=True, disable_tqdm=True,
         fully_shard_backbone=shard and world_size > 1, seed=3, **settings,
     )  # fmt: skip
     # init_lora_weights=False: both LoRA factors random, so every LoRA gradient is non-zero.
@@ -71,7 +73,8 @@ def main(model_path: str, work_dir: str) -> None:
 
     report = {}
     for kind in KINDS:
-        trainer = build_trainer(model_path, f"{work_dir}/{kind}", kind, world_size=2)
+        steps = {"max_steps": 2, "save_strategy": "steps", "save_steps": 1} if KINDS[kind]["shard"] else {}
+        trainer = build_trainer(model_path, f"{work_dir}/{kind}", kind, world_size=2, **steps)
         rank, world = trainer.accelerator.process_index, trainer.accelerator.num_processes
         trainable = [p for p in trainer.model.parameters() if p.requires_grad]
         batch = torch.load(f"{work_dir}/{kind}_batch.pt", weights_only=False)
@@ -83,11 +86,14 @@ def main(model_path: str, work_dir: str) -> None:
         if rank == 0:
             torch.save(grads, f"{work_dir}/{kind}_grads_2proc.pt")
         if KINDS[kind]["shard"]:
-            trainer.train()  # one real step: sharded rollout, update, clipping, optimizer step
+            trainer.train()  # 2 real steps (sharded rollout, update, clipping, optimizer step), a checkpoint at 1
             trainer.save_model(f"{work_dir}/{kind}_saved")
             image = np.asarray(trainer.sample_images([RENDER_PROMPT], seed=0)[0])
             if rank == 0:
                 np.save(f"{work_dir}/{kind}_image.npy", image)
+            resumed = build_trainer(model_path, f"{work_dir}/{kind}-resumed", kind, world_size=2, max_steps=2)
+            resumed.train(resume_from_checkpoint=f"{work_dir}/{kind}/checkpoint-1")
+            resumed.save_model(f"{work_dir}/{kind}_resumed")
         report[kind] = {
             "world": world,
             "sharded": all(isinstance(p, DTensor) for p in trainable) == KINDS[kind]["shard"],
