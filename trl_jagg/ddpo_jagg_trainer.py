@@ -210,12 +210,12 @@ class DDPOJaggTrainer(_BaseTrainer):
             for backbone in (transformer, self.ref_transformer):
                 if backbone is not None:
                     fully_shard_blocks(backbone)
-        elif self.accelerator.is_fsdp2 and self.ref_transformer is not None:
-            # accelerate's plugin shards the trained backbone when it prepares it; the frozen reference is ours.
-            fully_shard_blocks(self.ref_transformer)
             # transformers' switch for a model sharded before the Trainer sees it: no DDP wrap (DDP rejects DTensor
             # parameters), the optimizer built on the shards, every rank inside `_save` for the gathers.
             self.is_distributed_loading_by_transformers = True
+        elif self.accelerator.is_fsdp2 and self.ref_transformer is not None:
+            # accelerate's plugin shards the trained backbone when it prepares it; the frozen reference is ours.
+            fully_shard_blocks(self.ref_transformer)
         self.adapter.refresh_placement()
         # Dropout active in training mode makes a recomputed velocity differ from the rollout's (eval mode).
         self._has_dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in transformer.modules())

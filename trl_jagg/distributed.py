@@ -49,7 +49,8 @@ def check_world_size(num_processes: int, env: Mapping[str, str] | None = None) -
                 "`accelerate launch` was asked for several processes (it set MASTER_ADDR) but started one: its "
                 "single-process launcher runs e.g. `--cpu --num_processes N` as ONE process, without any error. On "
                 "a machine without GPUs use `ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes N "
-                "...` or `torchrun --nproc_per_node N ... --use_cpu true`; on GPUs drop `--cpu`."
+                "...` or `torchrun --nproc_per_node N ... --use_cpu true`; on GPUs drop `--cpu`. (If MASTER_ADDR "
+                "comes from your environment and one process is meant, unset it.)"
             )
 
 
