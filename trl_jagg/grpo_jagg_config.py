@@ -348,8 +348,8 @@ class GRPOJaggConfig(TrainingArguments):
         default="joint",
         metadata={
             "help": f"One of {ENDPOINT_BACKWARDS}: one backward through both endpoint graphs, or one per endpoint "
-            "so that only one graph is alive (lower peak memory; without the velocity cache one extra no-grad "
-            "forward per group)."
+            "so that only one graph is alive (lower peak memory, no extra forward; under FSDP each module is "
+            "gathered twice instead of once)."
         },
     )
     no_grad_batch_steps: int | None = field(

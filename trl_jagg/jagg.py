@@ -21,8 +21,8 @@ Two things make a JAGG group cheaper still (see ``docs/jagg.md``):
   requested all at once through ``no_grad_velocities_fn``, which can run them as a few large backbone calls.
 
 ``endpoint_backward="sequential"`` back-propagates the two endpoints one at a time, so only one endpoint graph is
-alive (peak memory of an exact step); with the cache this costs nothing, without it one extra no-grad forward of the
-last endpoint per group (its velocity is needed for ``s_base`` before the first endpoint's backward).
+alive (peak memory of an exact step) and no forward is added: ``alpha_{W-1} = 1``, so the last endpoint's signal
+enters only ``s_corr``, which is needed in the second backward, after that endpoint's own graph forward.
 """
 
 from __future__ import annotations
@@ -174,7 +174,7 @@ class JaggEngine:
         cached_velocities: the on-policy velocity of trained steps (index into the plan's times), as the rollout
             computed them. Only pass them while they are exactly what ``velocity_fn`` would return (no optimizer
             step since the rollout, no active dropout, same dtype); joint groups then take their intermediate
-            velocities (and, with ``sequential``, the last endpoint's upstream signal) from them.
+            velocities from them.
         no_grad_velocities_fn: see :data:`NoGradVelocitiesFn`; defaults to one ``velocity_fn`` call per step. The
             engine asks once per pass for every velocity it needs without a graph.
         endpoint_backward: ``"joint"`` (one backward through both endpoint graphs) or ``"sequential"`` (one
@@ -234,8 +234,7 @@ class JaggEngine:
                 elif step == group.steps[0]:
                     pending[group] = self._first_endpoint(group, known, losses, result)
                 else:
-                    v_last = self._forward(step, result)
-                    self._backward((v_last.to(pending[group].dtype) * pending.pop(group)).sum(), result)
+                    self._last_endpoint(group, pending.pop(group), losses, result)
         result.num_jagg_groups = sum(g.is_joint for g in groups)
         result.num_exact_groups = len(groups) - result.num_jagg_groups
         result.step_losses = _to_floats(losses)
@@ -247,8 +246,6 @@ class JaggEngine:
         for group in groups:
             if group.is_joint and len(group.steps) > 1:
                 needed.extend(group.steps[1:-1])
-                if self.endpoint_backward == "sequential":
-                    needed.append(group.steps[-1])  # its signal enters s_base, needed before the first backward
         known = {k: self.cached_velocities[k] for k in needed if k in self.cached_velocities}
         result.num_cached += len(known)
         missing = [k for k in needed if k not in known]
@@ -274,8 +271,9 @@ class JaggEngine:
     def _signals(
         self, group: StepGroup, velocities: Sequence[torch.Tensor], losses: dict[int, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(s_base, s_corr)`` of a joint group from the velocities of all its steps; records the step losses."""
-        first, last = group.steps[0], group.steps[-1]
+        """``(s_base, s_corr)`` of a joint group from the velocities of its first ``len(velocities)`` steps (all of
+        them, or all but the last endpoint for a sequential group's first unit); records the step losses."""
+        first = group.steps[0]
         for step, velocity in zip(group.steps, velocities):
             if velocity.shape != velocities[0].shape:
                 raise ValueError(
@@ -286,20 +284,35 @@ class JaggEngine:
         dtype = torch.promote_types(velocities[0].dtype, torch.float32)
         s_base = torch.zeros_like(velocities[0], dtype=dtype)
         s_corr = torch.zeros_like(velocities[0], dtype=dtype)
-        for j, (step, velocity) in enumerate(zip(group.steps, velocities)):
-            loss, signal = upstream_signal(self.loss_fn, step, velocity)
-            losses[step] = loss
-            alpha = group.alphas[j]
-            if group.method == "endpoints":
-                # Ablation: each endpoint keeps only its own loss, the intermediate signals are dropped.
-                if step == first:
-                    s_base += signal
-                elif step == last:
-                    s_corr += signal
-            else:
-                s_base += (1 - alpha) * signal
-                s_corr += alpha * signal
+        for j, velocity in enumerate(velocities):
+            self._add_signal(group, j, velocity, losses, s_base, s_corr)
         return s_base, s_corr
+
+    def _add_signal(
+        self,
+        group: StepGroup,
+        j: int,
+        velocity: torch.Tensor,
+        losses: dict[int, torch.Tensor],
+        s_base: torch.Tensor | None,
+        s_corr: torch.Tensor,
+    ) -> None:
+        """Add step ``j``'s weighted signal to ``s_base`` and ``s_corr`` (``s_base=None``: the last endpoint, whose
+        ``s_base`` weight ``1 - alpha_{W-1}`` is zero) and record its loss."""
+        step = group.steps[j]
+        loss, signal = upstream_signal(self.loss_fn, step, velocity)
+        losses[step] = loss
+        last = len(group.steps) - 1
+        if group.method == "endpoints":
+            # Ablation: each endpoint keeps only its own loss, the intermediate signals are dropped.
+            weights = (1.0, 0.0) if j == 0 else (0.0, 1.0) if j == last else (0.0, 0.0)
+        else:
+            weights = (1 - group.alphas[j], group.alphas[j])
+        if s_base is not None:
+            s_base += weights[0] * signal
+        elif weights[0] != 0:
+            raise AssertionError(f"step {step} has an s_base weight {weights[0]} but s_base was already used")
+        s_corr += weights[1] * signal
 
     def _joint_group(
         self, group: StepGroup, known: dict[int, torch.Tensor], losses: dict[int, torch.Tensor], result: EngineResult
@@ -319,11 +332,21 @@ class JaggEngine:
     def _first_endpoint(
         self, group: StepGroup, known: dict[int, torch.Tensor], losses: dict[int, torch.Tensor], result: EngineResult
     ) -> torch.Tensor:
-        """A sequential group's first unit: backward of ``<v_0, s_base>``; returns ``s_corr`` for the second."""
+        """A sequential group's first unit: backward of ``<v_0, s_base>`` (``s_base`` needs every step but the last
+        endpoint); returns the partial ``s_corr`` for the second unit."""
         v_first = self._forward(group.steps[0], result)
-        s_base, s_corr = self._signals(group, [v_first, *(known[k] for k in group.steps[1:])], losses)
+        s_base, s_corr = self._signals(group, [v_first, *(known[k] for k in group.steps[1:-1])], losses)
         self._backward((v_first.to(s_base.dtype) * s_base).sum(), result)
         return s_corr
+
+    def _last_endpoint(
+        self, group: StepGroup, s_corr: torch.Tensor, losses: dict[int, torch.Tensor], result: EngineResult
+    ) -> None:
+        """A sequential group's second unit: the last endpoint's graph forward, its signal added to ``s_corr``, and
+        the backward of ``<v_{W-1}, s_corr>``."""
+        v_last = self._forward(group.steps[-1], result)
+        self._add_signal(group, len(group.steps) - 1, v_last, losses, None, s_corr)
+        self._backward((v_last.to(s_corr.dtype) * s_corr).sum(), result)
 
 
 def _to_floats(values: dict[int, torch.Tensor]) -> dict[int, float]:
