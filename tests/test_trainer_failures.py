@@ -4,9 +4,13 @@ non-finite values, 0-step saves, broken checkpoints, secrets, failing rewards (t
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import os
 import shutil
+import socket
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -281,3 +285,57 @@ def test_reward_retries(tiny_flux_path, tmp_path, caplog):
                              reward_retries=1)  # fmt: skip
     with pytest.raises(ConnectionError, match=r"call 2"):
         exhausted.train()
+
+
+REWARD_FAILS_ON_RANK_1 = """
+import json, os, sys, torch
+torch.set_num_threads(1)
+from datasets import Dataset
+from peft import LoraConfig
+from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
+
+calls = []
+
+def reward(prompts, images, **kwargs):
+    calls.append(1)
+    if os.environ["RANK"] == "1" and len(calls) == 2:
+        raise ConnectionError("rank 1 lost its reward server")
+    return [float(i % 3) for i in range(len(images))]
+
+model_path, out = sys.argv[1], sys.argv[2]
+args = GRPOJaggConfig(
+    output_dir=out, per_device_train_batch_size=2, num_generations=2, num_inference_steps=3, height=32, width=32,
+    max_steps=3, learning_rate=1e-2, clip_range=0.1, jagg_group_size=2, max_sequence_length=16, report_to="none",
+    save_strategy="no", use_cpu=True, disable_tqdm=True,
+)
+trainer = DDPOJaggTrainer(
+    model=model_path, reward_funcs=reward, args=args,
+    train_dataset=Dataset.from_dict({"prompt": ["a red circle", "a green square", "a blue circle", "a red square"]}),
+    peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_k"], init_lora_weights="gaussian"),
+)
+try:
+    trainer.train()
+except Exception as error:
+    with open(f"{out}/rank{os.environ['RANK']}.json", "w") as f:
+        json.dump({"type": type(error).__name__, "message": str(error)}, f)
+    raise
+"""
+
+
+def test_reward_failure_on_one_rank_saves_on_every_rank_and_stops_all(tiny_flux_path, tmp_path):
+    """torchrun, 2 CPU processes: the reward raises on rank 1 only. Both ranks reach the checkpoint save (no rank
+    is left waiting in a collective), then both stop; the checkpoint holds the step trained before."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    script = tmp_path / "train.py"
+    script.write_text(REWARD_FAILS_ON_RANK_1)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+           str(script), tiny_flux_path, str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode != 0
+    errors = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert errors[1]["type"] == "ConnectionError"
+    assert errors[0]["type"] == "TrainingError" and "failed on another process at step 2" in errors[0]["message"]
+    checkpoint = tmp_path / "checkpoint-1"
+    assert {LORA_FILE, "optimizer.pt", "trainer_state.json"} <= set(os.listdir(checkpoint))
