@@ -54,7 +54,7 @@ class GRPOJaggConfig(TrainingArguments):
         train_timesteps, train_timestep_fraction, sde_window_size, sde_window_max_start, clip_range (TRL: epsilon),
         epsilon_high, adv_clip_max, beta, kl_std, cfg_gradient, quantize_timesteps, same_group_noise, num_iterations,
         scale_rewards, advantage_std_ddof, advantage_eps, per_prompt_stat_tracking, stat_tracking_buffer_size,
-        drop_zero_advantages, reward_weights.
+        drop_zero_advantages, reward_weights, reward_retries.
 
         > EMA of the trained weights
 
