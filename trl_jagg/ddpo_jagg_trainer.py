@@ -44,9 +44,17 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.utils.data import Sampler
 from tqdm.auto import tqdm
 from transformers import TrainerCallback, set_seed
+from transformers import trainer as transformers_trainer
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_callback import ExportableState
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints
+from transformers.trainer_utils import (
+    PREFIX_CHECKPOINT_DIR,
+    HubStrategy,
+    SaveStrategy,
+    get_last_checkpoint,
+    rotate_checkpoints,
+)
+from transformers.utils.hub import PushInProgress
 from trl.trainer.base_trainer import _BaseTrainer
 from trl.trainer.utils import RepeatSampler
 
@@ -64,6 +72,9 @@ from .rollout import Trajectory, generate_images, sample_trajectories
 from .sampling import sampler_step
 
 LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
+SCHEDULER_FOLDER = "scheduler"
+# Never uploaded from output_dir: the Trainer's patterns plus the staging folders of `_save_checkpoint`.
+HUB_IGNORE_PATTERNS = ["_*", f"{PREFIX_CHECKPOINT_DIR}-*", f"tmp-{PREFIX_CHECKPOINT_DIR}-*"]
 # The trainer's own run state in a checkpoint (the Trainer saves weights, optimizer, scheduler and RNG itself).
 GRPO_STATE_NAME = "grpo_state.json"
 FULL_WEIGHTS_PATTERN = "diffusion_pytorch_model*.safetensors"
@@ -74,6 +85,18 @@ NON_FINITE_FIX = (
 logger = logging.getLogger(__name__)
 EMA_DIR = "ema"
 """Subfolder of every saved model and checkpoint holding the EMA weights, in the format of the trained ones."""
+# What `_save` writes and a checkpoint push carries up to the Hub (the Trainer's own list knows transformers' and
+# peft's file names only): the weights in the diffusers layout, the backbone config, the scheduler, the EMA weights,
+# the card.
+MODEL_FILES = (
+    LORA_WEIGHTS_NAME,
+    "diffusion_pytorch_model*.safetensors",
+    "diffusion_pytorch_model*.safetensors.index.json",
+    "config.json",
+    SCHEDULER_FOLDER,
+    EMA_DIR,
+    "README.md",
+)
 RewardFunc = Callable[..., list[float]]
 
 
@@ -138,6 +161,12 @@ class DDPOJaggTrainer(_BaseTrainer):
         self.adapter: FlowMatchingAdapter = load_adapter(
             model, dtype=getattr(torch, args.dtype), revision=args.model_revision
         )
+        self.scheduler_overridden = _scheduler_differs_from_base(
+            self.adapter.pipeline.scheduler, self.base_model_id, args.model_revision
+        )
+        # For the card written at every save: what `create_model_card` was last told, the latest sample images.
+        self._model_card_kwargs: dict[str, Any] = {}
+        self._card_samples: list[tuple[str, str]] = []
         pipeline = self.adapter.pipeline
         pipeline.set_progress_bar_config(disable=True)
         for component in pipeline.components.values():
@@ -1029,7 +1058,9 @@ class DDPOJaggTrainer(_BaseTrainer):
         super().save_model(output_dir, _internal_call=_internal_call)
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        """LoRA in the diffusers format ``pipe.load_lora_weights`` reads; full fine-tuning as ``save_pretrained``."""
+        """LoRA in the diffusers format ``pipe.load_lora_weights`` reads; full fine-tuning as ``save_pretrained``;
+        with the scheduler config (``scheduler/``) and the model card (``README.md``), as TRL writes one at every
+        save."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         # `state_dict` is the gathered full state dict under FSDP / DeepSpeed (Trainer.save_model passes it).
         transformer = self.accelerator.unwrap_model(self.model)
@@ -1047,7 +1078,11 @@ class DDPOJaggTrainer(_BaseTrainer):
             # Beside the trained weights and in their format: `load_lora_weights(f"{output_dir}/ema")` loads them.
             with self.ema_weights():
                 self._save_weights(os.path.join(output_dir, EMA_DIR), None)
+        # The schedule sampled in training (a recipe may override the base model's, DanceGRPO's shift 3), so that
+        # the weights plus this folder reproduce it.
+        self.adapter.pipeline.scheduler.save_pretrained(os.path.join(output_dir, SCHEDULER_FOLDER))
         torch.save(_without_secrets(self.args), os.path.join(output_dir, TRAINING_ARGS_NAME))
+        self._write_model_card(output_dir, **self._model_card_kwargs)
 
     def _save_weights(self, output_dir: str, state_dict: dict | None) -> None:
         os.makedirs(output_dir, exist_ok=True)
@@ -1201,6 +1236,78 @@ class DDPOJaggTrainer(_BaseTrainer):
                 use_mtime=True,
             )
 
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        """Trainer's checkpoint push with this trainer's files: the weights (``MODEL_FILES``: LoRA or
+        ``diffusion_pytorch_model*.safetensors`` + config), scheduler and card are copied from the checkpoint into
+        ``output_dir``, which is uploaded without the checkpoint and staging folders (``HUB_IGNORE_PATTERNS``)."""
+        args = self.args
+        if not self.is_world_process_zero() or args.hub_strategy == HubStrategy.END:
+            return
+        if not args.hub_always_push and self.push_in_progress is not None and not self.push_in_progress.is_done():
+            return  # the previous push is still uploading
+        self.callback_handler.on_push_begin(args, self.state, self.control)
+        for pattern in MODEL_FILES:
+            for source in glob.glob(os.path.join(checkpoint_folder, pattern)):
+                target = os.path.join(args.output_dir, os.path.basename(source))
+                if os.path.isdir(source):
+                    shutil.copytree(source, target, dirs_exist_ok=True)
+                else:
+                    shutil.copy(source, target)
+        torch.save(_without_secrets(args), os.path.join(args.output_dir, TRAINING_ARGS_NAME))
+        if args.save_strategy == SaveStrategy.STEPS:
+            message = f"Training in progress, step {self.state.global_step}"
+        else:
+            message = f"Training in progress, epoch {int(self.state.epoch)}"
+        jobs = [self._upload(args.output_dir, message, run_as_future=True)]
+        if args.hub_strategy in (HubStrategy.CHECKPOINT, HubStrategy.ALL_CHECKPOINTS):
+            path_in_repo = "last-checkpoint" if args.hub_strategy == HubStrategy.CHECKPOINT else None
+            jobs.append(
+                self._upload(
+                    checkpoint_folder, message + ", checkpoint", run_as_future=True,
+                    path_in_repo=path_in_repo or os.path.basename(checkpoint_folder),
+                )
+            )  # fmt: skip
+        if self.push_in_progress is None or self.push_in_progress.is_done():
+            self.push_in_progress = PushInProgress(jobs)
+        else:
+            self.push_in_progress.jobs.extend(jobs)
+
+    def push_to_hub(
+        self,
+        commit_message: str | None = "End of training",
+        blocking: bool = True,
+        token: str | None = None,
+        revision: str | None = None,
+        private: bool | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Save and upload ``output_dir`` (weights, scheduler, card) to ``hub_model_id``, as ``Trainer.push_to_hub``,
+        without the checkpoint and staging folders; ``kwargs`` (``model_name``, ``dataset_name``, ``tags``) go to
+        :meth:`create_model_card`."""
+        self.callback_handler.on_push_begin(self.args, self.state, self.control)
+        token = token if token is not None else self.args.hub_token
+        if self.hub_model_id is None:
+            self.init_hf_repo(token=token, private=private)
+        self._model_card_kwargs.update({k: kwargs[k] for k in ("model_name", "dataset_name", "tags") if kwargs.get(k)})
+        self.save_model(_internal_call=True)  # writes the card too
+        if not self.is_world_process_zero():
+            return None
+        self._finish_current_push()
+        return self._upload(
+            self.args.output_dir, commit_message, run_as_future=not blocking, token=token, revision=revision
+        )
+
+    def _upload(self, folder: str, message: str | None, run_as_future: bool, **kwargs: Any) -> Any:
+        """``HfApi.upload_folder`` of ``folder`` to ``hub_model_id`` (the Trainer's ``hf_api``), ignoring
+        ``HUB_IGNORE_PATTERNS`` when it is ``output_dir``."""
+        token = kwargs.pop("token", None) or self.args.hub_token
+        revision = kwargs.pop("revision", None) or self.args.hub_revision
+        ignore = HUB_IGNORE_PATTERNS if os.path.samefile(folder, self.args.output_dir) else None
+        return transformers_trainer.hf_api().upload_folder(
+            repo_id=self.hub_model_id, folder_path=folder, commit_message=message, token=token,
+            run_as_future=run_as_future, ignore_patterns=ignore, revision=revision, **kwargs,
+        )  # fmt: skip
+
     def create_model_card(
         self,
         model_name: str | None = None,
@@ -1208,18 +1315,40 @@ class DDPOJaggTrainer(_BaseTrainer):
         tags: str | list[str] | None = None,
         **kwargs: Any,
     ) -> None:
-        """Write ``README.md`` in ``output_dir``: a diffusers model card naming the base model and the recipe."""
+        """Write ``README.md`` in ``output_dir`` (see :func:`~trl_jagg.model_card.write_model_card`); the
+        arguments are kept for the card written at every later save."""
+        self._model_card_kwargs.update(
+            {k: v for k, v in {"model_name": model_name, "dataset_name": dataset_name, "tags": tags}.items() if v}
+        )
+        self._write_model_card(self.args.output_dir, **self._model_card_kwargs)
+
+    def _write_model_card(
+        self,
+        output_dir: str,
+        model_name: str | None = None,
+        dataset_name: str | None = None,
+        tags: str | list[str] | None = None,
+    ) -> None:
         if not self.is_world_process_zero():
             return
         extra_tags = [tags] if isinstance(tags, str) else list(tags or [])
+        transformer = self.accelerator.unwrap_model(self.model)
+        if model_name is None:
+            model_name = self.args.hub_model_id or os.path.basename(os.path.normpath(self.args.output_dir))
+            model_name = model_name.split("/")[-1]
         write_model_card(
-            self.args.output_dir,
+            output_dir,
             base_model=self.base_model_id,
             pipeline_class=self.adapter.pipeline_class.__name__,
+            transformer_class=type(transformer).__name__,
             is_lora=self.is_lora,
             args=self.args,
             reward_names=[reward_name(f) for f in self.reward_funcs],
-            tags=[*self._tag_names, *(["lora"] if self.is_lora else []), *extra_tags],
+            tags=[*self._tag_names, *extra_tags],
+            guidance_is_cfg=self.adapter.guidance_is_cfg,
+            embedded_guidance=bool(getattr(transformer.config, "guidance_embeds", False)),
+            scheduler_class=type(self.adapter.pipeline.scheduler).__name__ if self.scheduler_overridden else None,
+            samples=self._card_samples,
             model_name=model_name,
             dataset_name=dataset_name,
             hub_model_id=self.hub_model_id,
@@ -1268,11 +1397,15 @@ class SampleImagesCallback(TrainerCallback):
             self.log_samples(state.global_step)
 
     def log_samples(self, step: int) -> None:
-        from .image_logging import log_image_grid
+        from .image_logging import log_image_grid, save_images
 
         images = self.trainer.sample_images()
         if self.trainer.is_world_process_zero():
-            log_image_grid(self.trainer, images, list(self.trainer.args.eval_prompts), step)
+            prompts = list(self.trainer.args.eval_prompts)
+            log_image_grid(self.trainer, images, prompts, step)
+            # The latest samples, one file each, are the model card's widget.
+            paths = save_images(images, self.trainer.args.output_dir, os.path.join("samples", "latest"))
+            self.trainer._card_samples = list(zip(prompts, paths))
 
 
 class EpochSeededRepeatSampler(RepeatSampler):
@@ -1282,6 +1415,18 @@ class EpochSeededRepeatSampler(RepeatSampler):
     def set_epoch(self, epoch: int) -> None:
         if self.seed is not None:
             self.generator = torch.Generator().manual_seed(self.seed + epoch)
+
+
+def _scheduler_differs_from_base(scheduler: Any, base_model: str | None, revision: str | None) -> bool:
+    """Whether ``scheduler``'s config differs from the base model's own (a recipe's override); ``True`` when the
+    base model's cannot be read (the card then loads the saved one, which is right either way)."""
+    if base_model is None:
+        return True
+    try:
+        base = type(scheduler).load_config(base_model, subfolder=SCHEDULER_FOLDER, revision=revision)
+    except Exception:  # offline without a cache, a pipeline built in memory: no reference to compare with
+        return True
+    return any(base.get(key) != value for key, value in scheduler.config.items() if not key.startswith("_"))
 
 
 class _TrackableConfig(FrozenDict):

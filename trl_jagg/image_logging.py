@@ -58,6 +58,18 @@ def log_completions(
     return path
 
 
+def save_images(images: list[Image.Image], output_dir: str, folder: str) -> list[str]:
+    """Save ``images`` as ``output_dir/folder/<i>.png`` (replacing the previous ones); returns the paths relative
+    to ``output_dir``, with ``/`` (they are also paths in the Hub repository)."""
+    os.makedirs(os.path.join(output_dir, folder), exist_ok=True)
+    paths = []
+    for i, image in enumerate(images):
+        path = f"{folder.replace(os.sep, '/')}/{i}.png"
+        image.save(os.path.join(output_dir, path))
+        paths.append(path)
+    return paths
+
+
 def _save(grid: Image.Image, output_dir: str, folder: str, step: int) -> str:
     folder = os.path.join(output_dir, folder)
     os.makedirs(folder, exist_ok=True)

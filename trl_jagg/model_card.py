@@ -1,10 +1,20 @@
-"""Model cards for trained checkpoints: diffusers-style, naming the base model, the recipe and JAGG."""
+"""Model cards of trained weights, written with every save: the Hub metadata (base model, license, tags, widget), a
+usage snippet with the sampling settings used in training, the recipe and JAGG settings.
+
+The card is built with ``huggingface_hub.ModelCard`` / ``ModelCardData`` and diffusers' ``populate_model_card``.
+diffusers' ``load_or_create_model_card`` does not fit here: it returns an existing card unchanged (a card rewritten
+at every save would go stale) and reads it from the Hub.
+"""
 
 from __future__ import annotations
 
+import functools
 import os
+import re
+from collections.abc import Sequence
 from typing import Any
 
+from diffusers.utils.hub_utils import populate_model_card
 from huggingface_hub import ModelCard, ModelCardData
 
 JAGG_CITATION = """@article{jagg2026,
@@ -13,10 +23,35 @@ JAGG_CITATION = """@article{jagg2026,
   year    = {2026}
 }"""
 
-_TEMPLATE = """---
-{card_data}
----
+FAMILY_TAGS: dict[str, tuple[str, ...]] = {
+    "FluxPipeline": ("flux", "flux-diffusers"),
+    "StableDiffusion3Pipeline": ("sd3", "sd3-diffusers"),
+    "QwenImagePipeline": ("qwen-image",),
+}
+"""Hub tags of each pipeline family (as diffusers' training scripts tag them)."""
 
+KNOWN_LICENSES: dict[str, dict[str, str]] = {
+    "black-forest-labs/FLUX.1-dev": {
+        "license": "other",
+        "license_name": "flux-1-dev-non-commercial-license",
+        "license_link": "https://huggingface.co/black-forest-labs/FLUX.1-dev/blob/main/LICENSE.md",
+    },
+    "black-forest-labs/FLUX.1-schnell": {"license": "apache-2.0"},
+    "stabilityai/stable-diffusion-3.5-medium": {
+        "license": "other",
+        "license_name": "stabilityai-ai-community",
+        "license_link": "https://huggingface.co/stabilityai/stable-diffusion-3.5-medium/blob/main/LICENSE.md",
+    },
+    "stabilityai/stable-diffusion-3.5-large": {
+        "license": "other",
+        "license_name": "stabilityai-ai-community",
+        "license_link": "https://huggingface.co/stabilityai/stable-diffusion-3.5-large/blob/main/LICENSE.md",
+    },
+    "Qwen/Qwen-Image": {"license": "apache-2.0"},
+}
+"""Licenses of the base models of the presets, as their model cards state them (a derivative inherits them)."""
+
+_TEMPLATE = """
 # {model_name}
 
 {summary}
@@ -26,6 +61,8 @@ _TEMPLATE = """---
 ```python
 {usage}
 ```
+
+{sampling_note}
 
 ## Training
 
@@ -46,23 +83,91 @@ Rewards: {rewards}.
 """
 
 
-def _usage(base_model: str, pipeline_class: str, is_lora: bool, repo: str) -> str:
-    lines = ["import torch", f"from diffusers import {pipeline_class}", ""]
-    lines.append(f'pipe = {pipeline_class}.from_pretrained("{base_model}", torch_dtype=torch.bfloat16).to("cuda")')
+def as_hub_id(name_or_path: str | None) -> str | None:
+    """The Hub id ``name_or_path`` stands for: itself when it is not a local path, the repository of a Hub cache
+    snapshot (``.../models--org--name/snapshots/<sha>``), else ``None`` (a local pipeline has no Hub page)."""
+    if not name_or_path:
+        return None
+    if not os.path.exists(name_or_path):
+        return name_or_path
+    match = re.search(r"models--([^/\\]+)--([^/\\]+)[/\\]snapshots", os.path.abspath(name_or_path))
+    return f"{match.group(1)}/{match.group(2)}" if match else None
+
+
+@functools.cache
+def base_model_license(repo_id: str | None) -> dict[str, str]:
+    """``license`` (and ``license_name`` / ``license_link`` for ``other``) of a base model: the known presets', else
+    the base model's own card when the Hub is reachable, else nothing."""
+    if repo_id is None:
+        return {}
+    if repo_id in KNOWN_LICENSES:
+        return dict(KNOWN_LICENSES[repo_id])
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
+        return {}
+    try:
+        data = ModelCard.load(repo_id).data
+    except Exception:  # no card, no network, gated: the card then names no license rather than a wrong one
+        return {}
+    return {key: getattr(data, key) for key in ("license", "license_name", "license_link") if getattr(data, key, None)}
+
+
+def sampling_kwargs(args: Any, guidance_is_cfg: bool, embedded_guidance: bool) -> dict[str, Any]:
+    """The pipeline-call arguments that reproduce the training-time sampling of ``args`` (a ``GRPOJaggConfig``).
+
+    ``guidance_is_cfg``: the family reads ``guidance_scale`` as a CFG scale (SD3); otherwise ``true_cfg_scale`` is
+    its CFG scale (Flux, Qwen-Image; Qwen-Image's pipeline defaults to 4 but runs CFG only with a negative prompt,
+    so both are always written). ``embedded_guidance``: the backbone takes ``guidance_scale`` as an input
+    (guidance-distilled, FLUX.1-dev).
+    """
+    kwargs: dict[str, Any] = {
+        "num_inference_steps": args.num_inference_steps,
+        "height": args.height,
+        "width": args.width,
+    }
+    if guidance_is_cfg:
+        kwargs["guidance_scale"] = args.guidance_scale
+        if args.guidance_scale > 1:
+            kwargs["negative_prompt"] = args.negative_prompt
+    else:
+        if embedded_guidance:
+            kwargs["guidance_scale"] = args.guidance_scale
+        kwargs["true_cfg_scale"] = args.true_cfg_scale
+        if args.true_cfg_scale > 1:
+            kwargs["negative_prompt"] = args.negative_prompt
+    if args.max_sequence_length:
+        kwargs["max_sequence_length"] = args.max_sequence_length
+    return kwargs
+
+
+def usage_snippet(
+    *,
+    base: str,
+    repo: str,
+    pipeline_class: str,
+    transformer_class: str,
+    is_lora: bool,
+    dtype: str,
+    scheduler_class: str | None,
+    call_kwargs: dict[str, Any],
+) -> str:
+    """Python that loads the trained weights into the base pipeline and samples as in training."""
+    imports = (
+        [pipeline_class] + ([] if is_lora else [transformer_class]) + ([scheduler_class] if scheduler_class else [])
+    )
+    lines = ["import torch", f"from diffusers import {', '.join(imports)}", ""]
     if is_lora:
+        lines.append(f'pipe = {pipeline_class}.from_pretrained("{base}", dtype=torch.{dtype}).to("cuda")')
         lines.append(f'pipe.load_lora_weights("{repo}")')
     else:
-        transformer_class = {
-            "FluxPipeline": "FluxTransformer2DModel",
-            "StableDiffusion3Pipeline": "SD3Transformer2DModel",
-        }
-        cls = transformer_class.get(pipeline_class, "QwenImageTransformer2DModel")
-        lines[1] = f"from diffusers import {pipeline_class}, {cls}"
-        lines.insert(3, f'transformer = {cls}.from_pretrained("{repo}", torch_dtype=torch.bfloat16)')
-        lines[4] = lines[4].replace(
-            "torch_dtype=torch.bfloat16)", "transformer=transformer, torch_dtype=torch.bfloat16)"
+        lines.append(f'transformer = {transformer_class}.from_pretrained("{repo}", dtype=torch.{dtype})')
+        lines.append(
+            f'pipe = {pipeline_class}.from_pretrained("{base}", transformer=transformer, dtype=torch.{dtype}).to("cuda")'
         )
-    lines.append('image = pipe("a photo of a red fox in the snow").images[0]')
+    if scheduler_class:
+        lines.append("# The schedule used in training (it differs from the base model's):")
+        lines.append(f'pipe.scheduler = {scheduler_class}.from_pretrained("{repo}", subfolder="scheduler")')
+    arguments = "".join(f", {key}={value!r}" for key, value in call_kwargs.items())
+    lines.append(f'image = pipe("a photo of a red fox in the snow"{arguments}).images[0]')
     return "\n".join(lines)
 
 
@@ -71,27 +176,44 @@ def write_model_card(
     *,
     base_model: str | None,
     pipeline_class: str,
+    transformer_class: str,
     is_lora: bool,
     args: Any,
-    reward_names: list[str],
-    tags: list[str],
+    reward_names: Sequence[str],
+    tags: Sequence[str],
+    guidance_is_cfg: bool,
+    embedded_guidance: bool,
+    scheduler_class: str | None = None,
+    samples: Sequence[tuple[str, str]] = (),
     model_name: str | None = None,
     dataset_name: str | None = None,
     hub_model_id: str | None = None,
 ) -> str:
-    """Write ``README.md`` into ``output_dir`` and return its path."""
+    """Write ``README.md`` into ``output_dir`` and return its path.
+
+    Args:
+        base_model: what the pipeline was loaded from; only a Hub id reaches the metadata (see :func:`as_hub_id`).
+        scheduler_class: the scheduler's class when the weights come with a ``scheduler/`` folder that differs
+            from the base model's (a recipe's override): the snippet loads it.
+        samples: ``(prompt, path relative to the repository root)`` of logged sample images: the card's widget.
+        guidance_is_cfg, embedded_guidance: how the family reads ``guidance_scale`` (see :func:`sampling_kwargs`).
+    """
     model_name = model_name or os.path.basename(os.path.normpath(output_dir))
-    base = base_model or "<base model>"
+    base_id = as_hub_id(base_model)
+    dataset_id = as_hub_id(dataset_name)  # a local prompt file is not a Hub dataset either
+    family = list(FAMILY_TAGS.get(pipeline_class, ()))
     data = ModelCardData(
-        base_model=base_model,
-        library_name="diffusers",
+        base_model=base_id,
+        base_model_relation=("adapter" if is_lora else "finetune") if base_id else None,
         pipeline_tag="text-to-image",
-        tags=list(dict.fromkeys(tags)),
-        datasets=[dataset_name] if dataset_name else None,
+        datasets=[dataset_id] if dataset_id else None,
+        widget=[{"text": prompt, "output": {"url": path}} for prompt, path in samples] or None,
+        **base_model_license(base_id),
     )
     kind = "LoRA adapter" if is_lora else "fully fine-tuned transformer"
+    base_text = f"[{base_id}](https://huggingface.co/{base_id})" if base_id else f"a local `{pipeline_class}`"
     settings = {
-        "base model": base,
+        "base model": base_id or f"local {pipeline_class}",
         "method": "GRPO + JAGG" if args.use_jagg else "GRPO (exact per-step gradients)",
         "JAGG group size / frac / mode": f"{args.jagg_group_size} / {args.jagg_frac} / {args.jagg_mode}",
         "sampler / noise level": f"{args.sampler} / {args.noise_level}",
@@ -101,17 +223,35 @@ def write_model_card(
         "learning rate": args.learning_rate,
         "KL beta / clip range": f"{args.beta} / {args.clip_range}",
     }
+    call_kwargs = sampling_kwargs(args, guidance_is_cfg, embedded_guidance)
+    sampling_note = (
+        "The call repeats the sampling settings of training (steps, resolution, guidance"
+        + (" and the negative prompt" if "negative_prompt" in call_kwargs else "")
+        + (", the scheduler" if scheduler_class else "")
+        + f"); training sampled them with the `{args.sampler}` SDE sampler, the pipeline samples the ODE."
+    )
     card = ModelCard(
-        _TEMPLATE.format(
-            card_data=data.to_yaml(),
+        f"---\n{data.to_yaml()}\n---\n"
+        + _TEMPLATE.format(
             model_name=model_name,
-            summary=f"A {kind} for [{base}](https://huggingface.co/{base}), aligned with GRPO.",
-            usage=_usage(base, pipeline_class, is_lora, hub_model_id or model_name),
+            summary=f"A {kind} for {base_text}, aligned with GRPO.",
+            usage=usage_snippet(
+                base=base_id or "path/to/the/base/pipeline",
+                repo=hub_model_id or model_name,
+                pipeline_class=pipeline_class,
+                transformer_class=transformer_class,
+                is_lora=is_lora,
+                dtype=args.dtype,
+                scheduler_class=scheduler_class,
+                call_kwargs=call_kwargs,
+            ),
+            sampling_note=sampling_note,
             settings="\n".join(f"| {k} | {v} |" for k, v in settings.items()),
             rewards=", ".join(reward_names) or "custom",
             citation=JAGG_CITATION,
         )
     )
+    populate_model_card(card, tags=list(dict.fromkeys([*tags, *family, *(["lora"] if is_lora else [])])))
     path = os.path.join(output_dir, "README.md")
     os.makedirs(output_dir, exist_ok=True)
     card.save(path)
