@@ -469,17 +469,19 @@ class GRPOJaggConfig(TrainingArguments):
             self.reward_weights = [self.reward_weights]
         # Before TrainingArguments uses any value: a wrong type or a NaN would fail there without naming the field.
         self._check_types_and_finiteness()
-        super().__post_init__()
         if self.epsilon is not None:
             self.clip_range = self.epsilon
         # TRL's boolean form (a flag or a YAML value arrives as a string).
         flag = {"true": "group", "false": "none"}
         if isinstance(self.scale_rewards, bool) or str(self.scale_rewards).lower() in flag:
             self.scale_rewards = flag[str(self.scale_rewards).lower()]
-        self._resolve_generation_batch()
         if self.eval_prompts is not None:
             self.eval_prompts = check_prompts(self.eval_prompts, "GRPOJaggConfig.eval_prompts")
+        # This config's own fields first: a bad value is named the same way on any machine, before the Trainer's
+        # checks of the machine (bf16 on a CPU, ...) can stop on something else.
         self._check()
+        super().__post_init__()
+        self._resolve_generation_batch()  # needs the number of processes
 
     def _resolve_generation_batch(self) -> None:
         """``steps_per_generation`` and ``generation_batch_size`` from whichever is set, as TRL's GRPOConfig."""
@@ -488,8 +490,7 @@ class GRPOJaggConfig(TrainingArguments):
             if self.steps_per_generation is None:
                 self.steps_per_generation = self.gradient_accumulation_steps
             self.generation_batch_size = per_step * self.steps_per_generation
-            return
-        if self.generation_batch_size < 1 or self.generation_batch_size % per_step:
+        elif self.generation_batch_size < 1 or self.generation_batch_size % per_step:
             raise ValueError(
                 f"GRPOJaggConfig.generation_batch_size ({self.generation_batch_size}) is not a positive multiple of "
                 f"per_device_train_batch_size ({self.per_device_train_batch_size}) x processes ({self.world_size}) "
@@ -503,6 +504,13 @@ class GRPOJaggConfig(TrainingArguments):
                 f"micro-batches of {per_step}. Set only one of them."
             )
         self.steps_per_generation = steps
+        if self.generation_batch_size % self.num_generations:
+            raise ValueError(
+                f"GRPOJaggConfig.per_device_train_batch_size ({self.per_device_train_batch_size}) x processes "
+                f"({self.world_size}) x steps_per_generation ({self.steps_per_generation}) = generation_batch_size "
+                f"{self.generation_batch_size} is not a multiple of num_generations ({self.num_generations}). "
+                "Choose sizes that make whole prompt groups."
+            )
 
     def _check_types_and_finiteness(self) -> None:
         """Every field given a value other than its default has its annotated type (the types the CLI flags
@@ -550,14 +558,6 @@ class GRPOJaggConfig(TrainingArguments):
         for name in ("adam_beta1", "adam_beta2"):
             if not 0 <= getattr(self, name) < 1:
                 fail(name, f"is {getattr(self, name)}", "Use a value in [0, 1).")
-        if self.generation_batch_size % self.num_generations:
-            fail(
-                "per_device_train_batch_size",
-                f"({self.per_device_train_batch_size}) x processes ({self.world_size}) x steps_per_generation "
-                f"({self.steps_per_generation}) = generation_batch_size {self.generation_batch_size} is not a "
-                f"multiple of num_generations ({self.num_generations})",
-                "Choose sizes that make whole prompt groups.",
-            )
         if self.num_inference_steps < 2:
             fail("num_inference_steps", f"is {self.num_inference_steps}", "Use at least 2 steps.")
         for name in ("height", "width"):
