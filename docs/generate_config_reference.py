@@ -32,8 +32,12 @@ from trl_jagg import GRPOJaggConfig
 
 # 16 images per prompt: 8 per micro-batch x 2 micro-batches per rollout on one process make one prompt group.
 GRPOJaggConfig(
-    output_dir="flux-grpo", num_generations=16, per_device_train_batch_size=8, gradient_accumulation_steps=2,
-    jagg_group_size=4, jagg_frac=0.6,
+    output_dir="flux-grpo",
+    num_generations=16,
+    per_device_train_batch_size=8,
+    gradient_accumulation_steps=2,
+    jagg_group_size=4,
+    jagg_frac=0.6,
 )
 ```
 
