@@ -148,7 +148,10 @@ def test_model_card_content(tiny_flux_path, tmp_path):
     assert data["library_name"] == "diffusers" and data["pipeline_tag"] == "text-to-image"
     assert data["widget"] == [{"text": "a red circle", "output": {"url": "samples/latest/0.png"}}]
     assert "torch_dtype" not in card and "dtype=torch.float32" in card
-    assert "num_inference_steps=4, height=32, width=32, guidance_scale=3.5, true_cfg_scale=1.0" in card
+    call = (
+        "    num_inference_steps=4,\n    height=32,\n    width=32,\n    guidance_scale=3.5,\n    true_cfg_scale=1.0,\n"
+    )
+    assert call in card
     # With a Hub id as base: base_model, the relation and the base model's license.
     trainer.base_model_id = "black-forest-labs/FLUX.1-dev"
     trainer.create_model_card()
@@ -166,7 +169,7 @@ def test_usage_snippet_runs_and_reproduces_the_trained_model(tiny_flux_path, tmp
     # The one documented substitution: the placeholders for the base pipeline and the repository, and the CPU.
     code = snippet.replace("path/to/the/base/pipeline", tiny_flux_path).replace('"out"', f'"{out}"')
     code = code.replace('.to("cuda")', "")
-    code = code.replace('image = pipe("a photo of a red fox in the snow"', 'image = pipe("a red circle", generator=g')
+    code = code.replace('"a photo of a red fox in the snow",', '"a red circle", generator=g,')
     namespace = {"g": torch.Generator().manual_seed(3)}
     exec(compile(code, "README.md", "exec"), namespace)
     expected = trainer.sample_images(["a red circle"], seed=3)[0]
@@ -179,7 +182,7 @@ def test_qwenimage_card_keeps_true_cfg_and_the_negative_prompt(tiny_qwenimage_pa
     trainer.create_model_card()
     card = (tmp_path / "out" / "README.md").read_text()
     # Without a negative prompt QwenImagePipeline silently samples without CFG: the snippet passes both.
-    assert "true_cfg_scale=4.0, negative_prompt=' '" in card
+    assert "    true_cfg_scale=4.0,\n    negative_prompt=' ',\n" in card
     assert "QwenImagePipeline" in card and "- qwen-image" in card
 
 

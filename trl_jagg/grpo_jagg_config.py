@@ -81,9 +81,10 @@ class GRPOJaggConfig(TrainingArguments):
     Every field's `help` text is the reference (see `docs/config.md`, generated from it).
     """
 
-    _types_checked_later: ClassVar[tuple[str, ...]] = ("eval_prompts", "scale_rewards")
+    _types_checked_later: ClassVar[tuple[str, ...]] = ("eval_prompts", "scale_rewards", "fsdp")
     """Fields with their own type check: eval_prompts prompt by prompt (conversations allowed), scale_rewards also
-    takes TRL's booleans."""
+    takes TRL's booleans, fsdp takes True as transformers documents (`fsdp=True` turns FSDP on) though annotated
+    `str | None`."""
 
     # ---- TrainingArguments defaults that differ ----
     learning_rate: float = field(default=1e-4, metadata={"help": "Initial learning rate of the optimizer."})

@@ -166,8 +166,10 @@ def usage_snippet(
     if scheduler_class:
         lines.append("# The schedule used in training (it differs from the base model's):")
         lines.append(f'pipe.scheduler = {scheduler_class}.from_pretrained("{repo}", subfolder="scheduler")')
-    arguments = "".join(f", {key}={value!r}" for key, value in call_kwargs.items())
-    lines.append(f'image = pipe("a photo of a red fox in the snow"{arguments}).images[0]')
+    lines.append("image = pipe(")
+    lines.append('    "a photo of a red fox in the snow",')
+    lines += [f"    {key}={value!r}," for key, value in call_kwargs.items()]
+    lines.append(").images[0]")
     return "\n".join(lines)
 
 
