@@ -47,9 +47,13 @@ def make_trainer(path, output_dir, *, lora=True, reward_func=reward, lora_rank=4
 
 
 def digest(folder) -> dict[str, str]:
+    """SHA-256 of every file under ``folder`` (a checkpoint also holds ``scheduler/``), by relative path."""
     return {
-        name: hashlib.sha256(open(os.path.join(folder, name), "rb").read()).hexdigest()
-        for name in sorted(os.listdir(folder))
+        os.path.relpath(os.path.join(root, name), folder): hashlib.sha256(
+            open(os.path.join(root, name), "rb").read()
+        ).hexdigest()
+        for root, _, files in sorted(os.walk(folder))
+        for name in sorted(files)
     }
 
 
