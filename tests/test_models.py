@@ -12,13 +12,13 @@ import torch
 from datasets import Dataset
 from diffusers import DiffusionPipeline, QwenImagePipeline, StableDiffusion3Pipeline
 from peft import LoraConfig
+from testing_utils import PROMPTS, redness
 
 from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
 from trl_jagg.jagg import JaggEngine, plan_groups
 from trl_jagg.models import MODEL_ADAPTERS, QwenImageAdapter, SD3Adapter, adapter_class, load_adapter
 from trl_jagg.rollout import sample_trajectories
 
-PROMPTS = ["a red circle", "a green square", "a blue circle", "a red square"]
 NEGATIVE = "dark"
 # Each family with classifier-free guidance on: SD3's scale is guidance_scale, Qwen-Image's true_cfg_scale.
 CFG = {
@@ -156,13 +156,6 @@ def test_gradient_reaches_negative_prompt_inputs(request, family):
 
 
 # ---------------------------------------------------------------- training
-def redness(prompts, images, **kwargs):
-    """An independent reward: mean red minus mean of the other channels."""
-    out = []
-    for image in images:
-        a = np.asarray(image, dtype=np.float32) / 255.0
-        out.append(float(a[..., 0].mean() - a[..., 1:].mean()))
-    return out
 
 
 def make_trainer(path: str, tmp_path, guidance: dict, **overrides) -> DDPOJaggTrainer:

@@ -17,23 +17,14 @@ import time
 import zlib
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
+from testing_utils import noise_image, solid
 
 import trl_jagg.rewards as rewards
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def solid(rgb: tuple[int, int, int], size: tuple[int, int] = (8, 8)) -> Image.Image:
-    return Image.new("RGB", size, rgb)
-
-
-def noise_image(seed: int = 0, size: int = 64) -> Image.Image:
-    pixels = np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
-    return Image.fromarray(pixels)
 
 
 def b64(data: bytes) -> str:

@@ -11,22 +11,12 @@ import torch
 from datasets import Dataset
 from diffusers import FluxPipeline
 from peft import LoraConfig
+from testing_utils import PROMPTS, redness
 from transformers import TrainerCallback
 
 from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
 from trl_jagg.models import load_adapter
 from trl_jagg.rollout import sample_trajectories
-
-PROMPTS = ["a red circle", "a green square", "a blue circle", "a red square"]
-
-
-def redness(prompts, images, **kwargs):
-    """An independent reward: mean red minus mean of the other channels."""
-    out = []
-    for image in images:
-        a = np.asarray(image, dtype=np.float32) / 255.0
-        out.append(float(a[..., 0].mean() - a[..., 1:].mean()))
-    return out
 
 
 def make_config(tmp_path, **overrides) -> GRPOJaggConfig:

@@ -13,20 +13,10 @@ from datasets import Dataset
 from diffusers import FluxPipeline
 from peft import LoraConfig
 from safetensors.torch import load_file
+from testing_utils import PROMPTS, redness
 from transformers import TrainerCallback
 
 from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
-
-PROMPTS = ["a red circle", "a green square", "a blue circle", "a red square"]
-
-
-def redness(prompts, images, **kwargs):
-    """An independent reward: mean red minus mean of the other channels."""
-    out = []
-    for image in images:
-        a = np.asarray(image, dtype=np.float32) / 255.0
-        out.append(float(a[..., 0].mean() - a[..., 1:].mean()))
-    return out
 
 
 def make_trainer(path, tmp_path, *, reward=redness, eval_dataset=None, **overrides) -> DDPOJaggTrainer:
