@@ -511,19 +511,7 @@ class DDPOJaggTrainer(_BaseTrainer):
             for prompt in unique:
                 self._prompt_table[prompt] = self._encode_one(prompt)
             if self._negative_prompt is not None:  # the adapter encodes it once (cached per device): now
-                self._condition_from_table(unique[:1])
-
-    def _condition_from_table(self, prompts: list[str]):
-        args = self.args
-        encoded = self.adapter.collate([self._prompt_table[p] for p in prompts])
-        return self.adapter.condition(
-            prompts,
-            height=args.height,
-            width=args.width,
-            negative_prompt=self._negative_prompt,
-            max_sequence_length=args.max_sequence_length,
-            encoded={key: value.to(self.accelerator.device) for key, value in encoded.items()},
-        )
+                self._condition(unique[:1])
 
     def _condition(self, prompts: list[str]):
         """The conditioning of distinct ``prompts``: from the precomputed table (``precompute_prompt_embeds``; a
@@ -531,14 +519,19 @@ class DDPOJaggTrainer(_BaseTrainer):
         args = self.args
         if args.precompute_prompt_embeds:
             self._precompute_prompt_embeds(prompts)
-            return self._condition_from_table(prompts)
-        with self._frozen_on_accelerator(self._text_encoders):
+            collated = self.adapter.collate([self._prompt_table[p] for p in prompts])
+            encoded = {key: value.to(self.accelerator.device) for key, value in collated.items()}
+            context = contextlib.nullcontext()  # the negative prompt was encoded with the table
+        else:
+            encoded, context = None, self._frozen_on_accelerator(self._text_encoders)
+        with context:
             return self.adapter.condition(
                 prompts,
                 height=args.height,
                 width=args.width,
                 negative_prompt=self._negative_prompt,
                 max_sequence_length=args.max_sequence_length,
+                encoded=encoded,
             )
 
     def _rewards(
