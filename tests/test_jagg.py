@@ -403,30 +403,37 @@ def test_loss_weight_scales_the_gradient_and_gradients_accumulate():
     torch.testing.assert_close(twice, 2 * plain, rtol=1e-12, atol=1e-15)
 
 
-def test_sync_context_marks_only_the_last_unit():
-    rollout = make_rollout(TinyVelocity(), 10, linear_trajectory=False)
-    entered: list[bool] = []
-    active: list[bool] = []
-    backward_flags: list[bool] = []
+class SyncRecorder:
+    """A ``sync_context`` and a ``backward_fn`` that record which units were entered as the last one and under which
+    flag every backward ran (each must run inside exactly one context)."""
+
+    def __init__(self):
+        self.entered: list[bool] = []
+        self.backward_flags: list[bool] = []
+        self._active: list[bool] = []
 
     @contextlib.contextmanager
-    def sync_context(is_last: bool):
-        entered.append(is_last)
-        active.append(is_last)
+    def sync_context(self, is_last: bool):
+        self.entered.append(is_last)
+        self._active.append(is_last)
         try:
             yield
         finally:
-            active.pop()
+            self._active.pop()
 
-    def backward(loss: torch.Tensor) -> None:
-        assert len(active) == 1, "every backward runs inside exactly one sync context"
-        backward_flags.append(active[-1])
+    def backward(self, loss: torch.Tensor) -> None:
+        assert len(self._active) == 1, "every backward runs inside exactly one sync context"
+        self.backward_flags.append(self._active[-1])
         loss.backward()
 
+
+def test_sync_context_marks_only_the_last_unit():
+    rollout = make_rollout(TinyVelocity(), 10, linear_trajectory=False)
+    recorder = SyncRecorder()
     groups = plan_groups(rollout.times, 4, 1.0)  # jagg, jagg, exact(2): four units
-    _, result = engine_gradient(rollout, groups, backward_fn=backward, sync_context=sync_context)
-    assert entered == [False, False, False, True]
-    assert backward_flags == [False, False, False, True]
+    _, result = engine_gradient(rollout, groups, backward_fn=recorder.backward, sync_context=recorder.sync_context)
+    assert recorder.entered == [False, False, False, True]
+    assert recorder.backward_flags == [False, False, False, True]
     assert result.num_backward == 4
 
 
@@ -630,30 +637,18 @@ def test_sequential_endpoint_backward_equals_joint(mode, cached):
 
 def test_sequential_endpoints_are_two_sync_units_and_only_the_last_backward_syncs():
     rollout = make_rollout(TinyVelocity(), 8, linear_trajectory=False)
-    entered: list[bool] = []
-    active: list[bool] = []
-    flags: list[bool] = []
-
-    @contextlib.contextmanager
-    def sync_context(is_last: bool):
-        entered.append(is_last)
-        active.append(is_last)
-        try:
-            yield
-        finally:
-            active.pop()
-
-    def backward(loss: torch.Tensor) -> None:
-        assert len(active) == 1, "every backward runs inside exactly one sync context"
-        flags.append(active[-1])
-        loss.backward()
-
+    recorder = SyncRecorder()
     groups = plan_groups(rollout.times, 4, 1.0)  # two joint groups: four backward calls
     _, result = engine_gradient(
-        rollout, groups, backward_fn=backward, sync_context=sync_context, endpoint_backward="sequential"
+        rollout,
+        groups,
+        backward_fn=recorder.backward,
+        sync_context=recorder.sync_context,
+        endpoint_backward="sequential",
     )
-    assert entered == [False, False, False, True]
-    assert flags == [False, False, False, True]  # the last group's first endpoint still runs under no_sync
+    assert recorder.entered == [False, False, False, True]
+    # the last group's first endpoint still runs under no_sync
+    assert recorder.backward_flags == [False, False, False, True]
     assert result.num_backward == 4
 
 
