@@ -21,8 +21,8 @@ test: $(VENV)/.installed
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests
 
 lint: $(VENV)/.installed
-	$(VENV)/bin/ruff check trl_jagg tests examples benchmarks docs scripts
-	$(VENV)/bin/ruff format --check trl_jagg tests examples benchmarks docs scripts
+	$(VENV)/bin/ruff check trl_jagg tests examples docs
+	$(VENV)/bin/ruff format --check trl_jagg tests examples docs
 
 docs: $(VENV)/.installed
 	$(PY) docs/generate_config_reference.py

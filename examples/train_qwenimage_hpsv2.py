@@ -21,7 +21,7 @@ from datasets import load_dataset
 
 from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
 from trl_jagg.recipes import get_recipe
-from trl_jagg.tiny_models import tiny_run
+from trl_jagg.testing.tiny_models import tiny_run
 
 FSDP_CONFIG = {"version": 2, "transformer_layer_cls_to_wrap": ["QwenImageTransformerBlock"]}
 

@@ -17,7 +17,7 @@ torch.set_num_threads(1)
 
 def _save_tiny(family: str, tmp_path_factory: pytest.TempPathFactory) -> str:
     # Imported here so that test modules that do not need diffusers do not pay for importing it at collection.
-    from trl_jagg.tiny_models import save_tiny_pipeline
+    from trl_jagg.testing.tiny_models import save_tiny_pipeline
 
     return save_tiny_pipeline(family, tmp_path_factory.mktemp(f"tiny-{family}"), seed=0)
 

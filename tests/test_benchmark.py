@@ -1,8 +1,7 @@
-"""The engine benchmark (`trl_jagg.benchmark`) with tiny settings: files, fields and counts, never timings."""
+"""The engine benchmark (`trl_jagg.benchmarks.engine`) with tiny settings: files, fields and counts, never timings."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -10,7 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from trl_jagg.benchmark import JSON_NAME, PNG_NAME, TinyDiT, plan_cost_ratio, run_engine_benchmark, theoretical_speedup
+from trl_jagg.benchmarks.engine import (
+    JSON_NAME,
+    PNG_NAME,
+    TinyDiT,
+    plan_cost_ratio,
+    run_engine_benchmark,
+    theoretical_speedup,
+)
 from trl_jagg.jagg import plan_groups
 
 TINY = {"num_steps": 5, "width": 16, "depth": 1, "batch": 2, "repeats": 1, "tokens": 6, "channels": 4, "heads": 2}
@@ -86,13 +92,12 @@ def test_thread_setting_is_restored(tmp_path):
     assert torch.get_num_threads() == before
 
 
-def test_bench_script_runs(tmp_path):
-    spec = importlib.util.spec_from_file_location("bench_engine", REPO / "benchmarks" / "bench_engine.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+def test_bench_command_runs(tmp_path):
+    from trl_jagg.scripts.bench import main
+
     args = ["--output_dir", str(tmp_path), "--group_sizes", "2", "--num_steps", "2", "--width", "8", "--depth", "1"]
     args += ["--heads", "2", "--tokens", "4", "--channels", "2", "--batch", "2", "--repeats", "1", "--no_plot"]
-    module.main(args)
+    main(args)
     report = json.loads((tmp_path / JSON_NAME).read_text())
     assert report["config"]["num_steps"] == 2 and report["results"][0]["backward_calls_jagg"] == 1
 
@@ -107,10 +112,9 @@ def test_bad_input_raises(tmp_path, kwargs, name):
 
 
 def test_gpu_benchmark_script_runs_tiny_on_cpu(tmp_path):
-    """benchmarks/gpu_benchmark.py at FLUX.1-dev size needs a GPU; ``--tiny`` runs the same code on a CPU."""
-    spec = importlib.util.spec_from_file_location("gpu_benchmark", REPO / "benchmarks" / "gpu_benchmark.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    """trl_jagg/benchmarks/gpu.py at FLUX.1-dev size needs a GPU; ``--tiny`` runs the same code on a CPU."""
+    from trl_jagg.benchmarks import gpu as module
+
     assert module.FLUX_DEV_TRANSFORMER["num_layers"] == 19 and module.FLUX_DEV_TRANSFORMER["num_single_layers"] == 38
     report = module.main(["--tiny", "--output_dir", str(tmp_path), "--resolution", "32"])
     assert json.loads((tmp_path / "gpu_benchmark.json").read_text()) == json.loads(json.dumps(report))

@@ -308,9 +308,9 @@ def test_lora_targets_default_to_the_family_attention(tiny_flux_path):
 @pytest.mark.parametrize(
     ("arguments", "function"),
     [
-        (demo.DemoArguments, "trl_jagg.demo:run_demo"),
-        (bench.EngineBenchmarkArguments, "trl_jagg.benchmark:run_engine_benchmark"),
-        (bench.TrainerBenchmarkArguments, "trl_jagg.trainer_benchmark:run_trainer_benchmark"),
+        (demo.DemoArguments, "trl_jagg.demo.run:run_demo"),
+        (bench.EngineBenchmarkArguments, "trl_jagg.benchmarks.engine:run_engine_benchmark"),
+        (bench.TrainerBenchmarkArguments, "trl_jagg.benchmarks.trainer:run_trainer_benchmark"),
     ],
     ids=["demo", "bench", "bench-trainer"],
 )
@@ -336,8 +336,8 @@ def test_command_dataclasses_mirror_their_function(arguments, function):
 @pytest.mark.parametrize(
     ("command", "module", "function", "default_dir"),
     [
-        (["demo"], "trl_jagg.demo", "run_demo", "runs/demo"),
-        (["bench", "trainer"], "trl_jagg.trainer_benchmark", "run_trainer_benchmark", "runs/bench"),
+        (["demo"], "trl_jagg.demo.run", "run_demo", "runs/demo"),
+        (["bench", "trainer"], "trl_jagg.benchmarks.trainer", "run_trainer_benchmark", "runs/bench"),
     ],
     ids=["demo", "bench-trainer"],
 )
@@ -359,7 +359,7 @@ def test_demo_and_bench_flags_reach_the_function(monkeypatch, capsys, command, m
 
 def test_bench_trainer_lists_and_tuples(monkeypatch, capsys):
     calls: list = []
-    monkeypatch.setattr("trl_jagg.trainer_benchmark.run_trainer_benchmark", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setattr("trl_jagg.benchmarks.trainer.run_trainer_benchmark", lambda **kwargs: calls.append(kwargs))
     code, _, err = run(["bench", "trainer", "--group_sizes", "8", "16", "--lora", "--num_threads", "2"], capsys)
     assert code == 0, err
     assert calls[-1]["group_sizes"] == (8, 16) and calls[-1]["lora"] is True and calls[-1]["num_threads"] == 2

@@ -6,19 +6,18 @@ run checks that every output is written and well-formed, without asserting a ris
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import math
 import os
 import random
-import sys
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-from trl_jagg.demo import (
+from trl_jagg.demo.run import (
     DEMO_ASSET_DIR,
     DEMO_COLORS,
     DEMO_GUIDANCE_SCALE,
@@ -32,18 +31,11 @@ from trl_jagg.demo import (
     shape_area,
 )
 
-SCRIPT = os.path.join(os.path.dirname(__file__), os.pardir, "scripts", "pretrain_demo_model.py")
-
 
 @pytest.fixture(scope="module")
 def pretrain():
     """The pretraining script as a module (importing it trains nothing)."""
-    spec = importlib.util.spec_from_file_location("pretrain_demo_model", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    return importlib.import_module("trl_jagg.demo.pretrain")
 
 
 # ---------------------------------------------------------------- the shipped pipeline
@@ -86,7 +78,7 @@ def test_colour_words_are_single_tokens_with_distinct_embeddings():
 def test_pretrain_info_records_the_recipe():
     with open(os.path.join(DEMO_ASSET_DIR, "pretrain_info.json")) as f:
         info = json.load(f)
-    assert info["script"] == "scripts/pretrain_demo_model.py"
+    assert info["script"] == "python -m trl_jagg.demo.pretrain"
     assert info["arguments"]["seed"] == 0
     evaluation = info["evaluation"]
     assert evaluation["shape_accuracy"] > 0.8  # draws the shape it is asked for

@@ -199,7 +199,7 @@ def python_blocks(path: Path) -> list[tuple[int, str]]:
 @pytest.fixture(scope="session")
 def tiny_hub_cache(tmp_path_factory) -> Path:
     """A Hugging Face cache in which each pipeline id of ``HUB_PIPELINES`` is a tiny pipeline of its family."""
-    from trl_jagg.tiny_models import save_tiny_pipeline
+    from trl_jagg.testing.tiny_models import save_tiny_pipeline
 
     cache = tmp_path_factory.mktemp("hub-cache")
     revision = "0" * 40

@@ -13,7 +13,7 @@ from diffusers import (
 )
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
-from trl_jagg.tiny_models import (
+from trl_jagg.testing.tiny_models import (
     DEFAULT_VOCAB_WORDS,
     FAMILIES,
     build_clip_tokenizer,

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from trl_jagg.trainer_benchmark import JSON_NAME, PNG_NAME, measure_peak_memory_mb, run_trainer_benchmark
+from trl_jagg.benchmarks.trainer import JSON_NAME, PNG_NAME, measure_peak_memory_mb, run_trainer_benchmark
 
 
 @pytest.fixture(scope="module")

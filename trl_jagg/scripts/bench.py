@@ -6,8 +6,8 @@
     trl-jagg bench trainer [--output_dir runs/bench] [--group_sizes 2 4 8 ...]   # DDPOJaggTrainer on a tiny Flux
 
 Each benchmark's options are the fields of a dataclass mirroring its function's parameters
-(:class:`EngineBenchmarkArguments` for :func:`trl_jagg.benchmark.run_engine_benchmark`,
-:class:`TrainerBenchmarkArguments` for :func:`trl_jagg.trainer_benchmark.run_trainer_benchmark`): a parameter
+(:class:`EngineBenchmarkArguments` for :func:`trl_jagg.benchmarks.engine.run_engine_benchmark`,
+:class:`TrainerBenchmarkArguments` for :func:`trl_jagg.benchmarks.trainer.run_trainer_benchmark`): a parameter
 added to the function is exposed by adding the field of the same name.
 """
 
@@ -32,7 +32,7 @@ TRAINER_DESCRIPTION = (
 
 @dataclass
 class EngineBenchmarkArguments:
-    """The options of ``trl-jagg bench`` (parameters of :func:`~trl_jagg.benchmark.run_engine_benchmark`)."""
+    """The options of ``trl-jagg bench`` (parameters of :func:`~trl_jagg.benchmarks.engine.run_engine_benchmark`)."""
 
     _argument_group_name = "Engine benchmark"
 
@@ -55,7 +55,7 @@ class EngineBenchmarkArguments:
 @dataclass
 class TrainerBenchmarkArguments:
     """The options of ``trl-jagg bench trainer`` (parameters of
-    :func:`~trl_jagg.trainer_benchmark.run_trainer_benchmark`)."""
+    :func:`~trl_jagg.benchmarks.trainer.run_trainer_benchmark`)."""
 
     _argument_group_name = "Trainer benchmark"
 
@@ -104,11 +104,11 @@ def main(argv: Sequence[str]) -> int:
         if key in kwargs:
             kwargs[key] = tuple(kwargs[key])
     if trainer:
-        from trl_jagg.trainer_benchmark import run_trainer_benchmark
+        from trl_jagg.benchmarks.trainer import run_trainer_benchmark
 
         run_trainer_benchmark(**kwargs)
     else:
-        from trl_jagg.benchmark import run_engine_benchmark
+        from trl_jagg.benchmarks.engine import run_engine_benchmark
 
         run_engine_benchmark(**kwargs)
     return 0

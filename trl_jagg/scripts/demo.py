@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
-from trl_jagg.demo import DEFAULT_STEPS, DEMO_ASSET_DIR
+from trl_jagg.demo.run import DEFAULT_STEPS, DEMO_ASSET_DIR
 
 from .utils import CommandParser
 
@@ -65,7 +65,7 @@ def main(argv: Sequence[str]) -> int:
     parsed = make_parser().parse_command_line(argv)
     if parsed is None:
         return 0
-    from trl_jagg.demo import run_demo
+    from trl_jagg.demo.run import run_demo
 
     run_demo(**asdict(parsed[0]))
     return 0

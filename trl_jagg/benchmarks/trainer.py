@@ -165,7 +165,7 @@ def _spread(values: Sequence[float]) -> dict[str, Any]:
 def theory(variant: str, group_size: int, num_trained: int, jagg_frac: float) -> float:
     """The cost model's exact/variant ratio over the whole plan, in forward units (a backward = 2 forwards; KL
     reference forwards left out): exact ``3`` per step; JAGG ``W + 4`` per group, with the cache ``6``."""
-    from .jagg import plan_groups
+    from ..jagg import plan_groups
 
     if variant.startswith("exact"):
         return 1.0
@@ -222,9 +222,9 @@ def run_trainer_benchmark(
     """
     from peft import LoraConfig
 
-    from .ddpo_jagg_trainer import DDPOJaggTrainer
-    from .grpo_jagg_config import GRPOJaggConfig
-    from .tiny_models import save_tiny_pipeline
+    from ..ddpo_jagg_trainer import DDPOJaggTrainer
+    from ..grpo_jagg_config import GRPOJaggConfig
+    from ..testing.tiny_models import save_tiny_pipeline
 
     if not group_sizes or any(not isinstance(w, int) or w < 1 for w in group_sizes):
         raise ValueError(f"`group_sizes` must be integers >= 1, got {group_sizes!r}.")
@@ -357,7 +357,7 @@ def time_update(
     """Seconds of the update of ``rollout`` (``trainer._update`` on each of its ``steps_per_generation``
     micro-batches, as in training) with the settings of ``variant`` (see :data:`VARIANTS`), and ``group_size`` /
     ``jagg_frac`` for the JAGG ones; gradients are zeroed first and the config restored."""
-    from .ddpo_jagg_trainer import _split_rollout
+    from ..ddpo_jagg_trainer import _split_rollout
 
     model = trainer.model
     device = trainer.accelerator.device

@@ -1,4 +1,4 @@
-"""Pretrain the tiny Flux-architecture pipeline that the CPU demo fine-tunes (``trl_jagg/assets/demo_flux``).
+"""Pretrain the tiny Flux-architecture pipeline that the CPU demo fine-tunes (``trl_jagg/demo/assets/demo_flux``).
 
 A randomly initialised tiny pipeline is a poor starting point for GRPO: its VAE hardly turns latents into colour, so a
 colour reward barely moves, and full fine-tuning games it by blowing up the latents. This script gives the demo a
@@ -19,7 +19,7 @@ base model that draws something, procedurally and in a few minutes of one CPU co
 Everything is seeded: the same arguments give the same weights (on the same torch build). Run it from the repository
 root (it prints a short evaluation of the saved pipeline and writes a preview grid):
 
-    HF_HUB_OFFLINE=1 .venv/bin/python scripts/pretrain_demo_model.py
+    HF_HUB_OFFLINE=1 .venv/bin/python -m trl_jagg.demo.pretrain
 
 Measured on one shared CPU core: VAE ~1 min, transformer ~1.7 min (2,500 steps), 1.3 MB on disk; the evaluation
 (``pretrain_info.json``): shape of the nearest training image matches the prompt for 97% of samples, colour matches
@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
-from trl_jagg.demo import (
+from trl_jagg.demo.run import (
     DEMO_ASSET_DIR,
     DEMO_COLORS,
     DEMO_GUIDANCE_SCALE,
@@ -151,7 +151,7 @@ def demo_vocabulary() -> list[str]:
 
 def build_demo_pipeline(seed: int) -> Any:
     """The untrained pipeline: a tiny ``FluxPipeline`` sized for 32x32 images (4 image tokens of 64 features)."""
-    from trl_jagg.tiny_models import build_tiny_pipeline
+    from trl_jagg.testing.tiny_models import build_tiny_pipeline
 
     return build_tiny_pipeline(
         "flux",
@@ -409,7 +409,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     report = evaluate(pipe, images_u8[:1536], shapes[:1536])
     samples = report.pop("images")
     info = {
-        "script": "scripts/pretrain_demo_model.py",
+        "script": "python -m trl_jagg.demo.pretrain",
         "arguments": vars(args) | {"output_dir": os.path.relpath(args.output_dir)},
         "palette": PALETTE,
         "background": BACKGROUND,

@@ -13,8 +13,8 @@ It prints, per variant (interleaved over ``--repeats`` repeats after a warm-up, 
 time of the whole rollout, the whole-step time (rollout + update), the speedup over exact and the peak memory of the
 update, and writes ``gpu_benchmark.json``. On one H100/H200 it should take about 5 minutes (not measured yet).
 
-    python benchmarks/gpu_benchmark.py --output_dir runs/gpu_bench            # one GPU, about 5 minutes
-    python benchmarks/gpu_benchmark.py --output_dir runs/gpu_bench --tiny     # the same code on a CPU, seconds
+    python -m trl_jagg.benchmarks.gpu --output_dir runs/gpu_bench            # one GPU, about 5 minutes
+    python -m trl_jagg.benchmarks.gpu --output_dir runs/gpu_bench --tiny     # the same code on a CPU, seconds
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def build_pipeline(transformer_config: dict[str, Any], device: torch.device, dty
     randomly initialised transformer of ``transformer_config``, built on ``device`` in ``dtype``."""
     from diffusers import FluxTransformer2DModel
 
-    from trl_jagg.tiny_models import build_tiny_pipeline
+    from trl_jagg.testing.tiny_models import build_tiny_pipeline
 
     clip_width, t5_width = transformer_config["pooled_projection_dim"], transformer_config["joint_attention_dim"]
     pipe = build_tiny_pipeline(
@@ -96,8 +96,8 @@ def run(
     from peft import LoraConfig
 
     from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
+    from trl_jagg.benchmarks.trainer import time_variants
     from trl_jagg.recipes import get_recipe
-    from trl_jagg.trainer_benchmark import time_variants
 
     cuda = torch.cuda.is_available() and not tiny
     device = torch.device("cuda" if cuda else "cpu")

@@ -1,6 +1,6 @@
 """The embedded CPU demo: GRPO + JAGG teaches a tiny Flux-architecture model to read colour words, in minutes.
 
-The shipped pipeline (``trl_jagg/assets/demo_flux``, made by ``scripts/pretrain_demo_model.py``) was pretrained on
+The shipped pipeline (``trl_jagg/demo/assets/demo_flux``, made by ``trl_jagg/demo/pretrain.py``) was pretrained on
 images of one shape in a random colour with captions that never name the colour: it draws the shape it is asked
 for, in a random colour. The demo fine-tunes it with :class:`~trl_jagg.DDPOJaggTrainer` on prompts such as
 "a red circle" and the ``prompt_color`` reward (mean over pixels of the named channel minus the largest other one),
@@ -71,7 +71,7 @@ def color_accuracy(prompts: Sequence[str], images: Sequence[Any], **kwargs: Any)
 
     A diagnostic, trained with weight 0: the trainer logs its mean as ``rewards/color_accuracy/mean``.
     """
-    from .rewards.programmatic import named_color
+    from ..rewards.programmatic import named_color
 
     return [float(_dominant_color(image) == named_color(prompt)) for prompt, image in zip(prompts, images)]
 
@@ -98,7 +98,7 @@ class GroupRewardStd:
     __name__ = "group_reward_std"
 
     def __init__(self, num_generations: int):
-        from .rewards import load_reward_funcs
+        from ..rewards import load_reward_funcs
 
         self.num_generations = num_generations
         self.reward = load_reward_funcs("prompt_color")[0]
@@ -143,7 +143,7 @@ def demo_config(output_dir: str, *, steps: int, seed: int, use_jagg: bool = True
     backward instead of four). The KL to the base model (``beta``) holds back reward gaming: with a weaker one (0.04)
     the shapes swell into blobs that cover more pixels of the named colour.
     """
-    from . import GRPOJaggConfig
+    from .. import GRPOJaggConfig
 
     config: dict[str, Any] = dict(
         output_dir=output_dir,
@@ -195,7 +195,7 @@ def _train(
     from datasets import Dataset
     from transformers.trainer_callback import ProgressCallback
 
-    from . import DDPOJaggTrainer
+    from .. import DDPOJaggTrainer
 
     torch.manual_seed(seed)  # the LoRA's random init
     trainer = DDPOJaggTrainer(
@@ -220,7 +220,7 @@ def interleaved_update_speedup(trainer: Any, repeats: int) -> dict[str, Any]:
     """The demo's update-stage speedup of JAGG (with the velocity cache, as trained) over exact backward, timed the
     way a ratio is meaningful on a busy machine: one fresh rollout, then both updates on it in alternating order
     (one warm-up pair, then ``repeats`` pairs); per-pair ratios, median/min/max."""
-    from .trainer_benchmark import time_update
+    from ..benchmarks.trainer import time_update
 
     rollout = trainer._generate_and_score(next(iter(trainer.get_train_dataloader())))
     args = trainer.args
