@@ -58,18 +58,18 @@ from transformers.utils.hub import PushInProgress
 from trl.trainer.base_trainer import _BaseTrainer
 from trl.trainer.utils import RepeatSampler
 
-from .checkpoints import check_checkpoint_dir, check_state_files, check_weights, weight_files
 from .distributed import check_backend, check_world_size, fully_shard_blocks, is_fully_sharded
 from .errors import CheckpointError, NonFiniteError, TrainingError
 from .grpo import PerPromptStatTracker, group_advantages, kl_to_reference, ppo_step_loss
 from .grpo_jagg_config import GRPOJaggConfig
 from .jagg import EngineResult, JaggEngine, gradient_diagnostic, leading_jagg_fraction, plan_groups
-from .model_card import write_model_card
 from .models import FlowMatchingAdapter, load_adapter
 from .prompts import prompt_dataset, prompt_text
 from .rewards import compute_rewards, load_reward_funcs, reward_name
 from .rollout import Trajectory, generate_images, sample_trajectories
 from .sampling import sampler_step
+from .trainer.checkpoint_checks import check_checkpoint_dir, check_state_files, check_weights, weight_files
+from .trainer.model_card import write_model_card
 
 LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
 SCHEDULER_FOLDER = "scheduler"
@@ -882,7 +882,7 @@ class DDPOJaggTrainer(_BaseTrainer):
         super().log(logs, start_time)
         self._metrics.clear()
         if self._completions is not None:
-            from .image_logging import log_completions
+            from .trainer.image_logging import log_completions
 
             prompts, images, scores = self._completions
             self._completions = None  # each rollout is logged once
@@ -972,7 +972,7 @@ class DDPOJaggTrainer(_BaseTrainer):
         metrics[f"{metric_key_prefix}_samples"] = len(gathered["reward"])
         metrics[f"{metric_key_prefix}_runtime"] = time.perf_counter() - start
         if self.is_world_process_zero() and images:
-            from .image_logging import log_image_grid
+            from .trainer.image_logging import log_image_grid
 
             log_image_grid(
                 self, images[:16], prompts[:16], self.state.global_step, name=f"{metric_key_prefix}_samples"
@@ -1308,7 +1308,7 @@ class DDPOJaggTrainer(_BaseTrainer):
         tags: str | list[str] | None = None,
         **kwargs: Any,
     ) -> None:
-        """Write ``README.md`` in ``output_dir`` (see :func:`~trl_jagg.model_card.write_model_card`); the
+        """Write ``README.md`` in ``output_dir`` (see :func:`~trl_jagg.trainer.model_card.write_model_card`); the
         arguments are kept for the card written at every later save."""
         self._model_card_kwargs.update(
             {k: v for k, v in {"model_name": model_name, "dataset_name": dataset_name, "tags": tags}.items() if v}
@@ -1390,7 +1390,7 @@ class SampleImagesCallback(TrainerCallback):
             self.log_samples(state.global_step)
 
     def log_samples(self, step: int) -> None:
-        from .image_logging import log_image_grid, save_images
+        from .trainer.image_logging import log_image_grid, save_images
 
         images = self.trainer.sample_images()
         if self.trainer.is_world_process_zero():

@@ -426,7 +426,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     with open(os.path.join(args.output_dir, "pretrain_info.json"), "w") as f:
         json.dump(info, f, indent=2)
     if args.preview:
-        from trl_jagg.image_logging import image_grid
+        from trl_jagg.trainer.image_logging import image_grid
 
         os.makedirs(os.path.dirname(args.preview) or ".", exist_ok=True)
         reconstruction = pipe.vae.decode(pipe.vae.encode(images[:9]).latent_dist.mean).sample

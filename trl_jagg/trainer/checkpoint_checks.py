@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 from safetensors import SafetensorError, safe_open
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 # Files `torch.save` writes (zip archives) that Trainer reads back when resuming.
 TORCH_STATE_FILES = ("optimizer.pt", "scheduler.pt", "scaler.pt", "rng_state.pth", "rng_state_*.pth")
