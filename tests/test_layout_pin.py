@@ -1,0 +1,96 @@
+"""The trainer split into stage modules changed no behaviour: pinned against files the code before the split wrote.
+
+``tests/fixtures/pre_split/`` was written by the trainer as it stood before the split (main at 9cee063, the
+1,547-line ``ddpo_jagg_trainer.py``) with :func:`train_demo` below: the demo's config (LoRA, JAGG W = 4 with the
+velocity cache, KL to the base weights, a 4-step SDE window) trained 3 steps, saving ``checkpoint-2`` on the way;
+``weights_step3.safetensors`` holds the LoRA weights after step 3. Regenerate only for an intended change of the
+training's numbers: ``python tests/test_layout_pin.py`` (and say why in the commit).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "pre_split"
+STEPS = 3
+
+
+def train_demo(output_dir: str, resume_from_checkpoint: str | None = None) -> dict[str, torch.Tensor]:
+    """The demo config, 3 steps on 2 of its prompts, a checkpoint at step 2; returns the LoRA weights after."""
+    from datasets import Dataset
+    from peft import get_peft_model_state_dict
+
+    from trl_jagg import DDPOJaggTrainer
+    from trl_jagg.demo.run import (
+        DEMO_ASSET_DIR,
+        NUM_GENERATIONS,
+        GroupRewardStd,
+        color_accuracy,
+        demo_config,
+        demo_lora_config,
+        demo_prompts,
+    )
+
+    torch.manual_seed(0)  # the LoRA's random init, as the demo seeds it
+    prompts = demo_prompts()[:2]
+    args = demo_config(
+        output_dir, steps=STEPS, seed=0, per_device_train_batch_size=len(prompts) * NUM_GENERATIONS,
+        save_strategy="steps", save_steps=2, disable_tqdm=True, reward_weights=[1.0, 0.0, 0.0],
+    )  # fmt: skip
+    trainer = DDPOJaggTrainer(
+        model=DEMO_ASSET_DIR,
+        reward_funcs=["prompt_color", color_accuracy, GroupRewardStd(NUM_GENERATIONS)],
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": prompts}),
+        peft_config=demo_lora_config(),
+    )
+    trainer.train(resume_from_checkpoint=resume_from_checkpoint)
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    return {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
+
+
+def _assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert sorted(got) == sorted(want)
+    for key in want:
+        # Bit-identical on the machine that wrote the fixtures (checked there: max difference 0.0); another CPU's
+        # kernels (AVX-512, another BLAS path) round differently, hence a tolerance far below a step's change.
+        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-7, msg=f"{key} differs")
+
+
+@pytest.fixture(scope="module")
+def pinned() -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(FIXTURES / "weights_step3.safetensors")
+
+
+def test_three_demo_steps_give_the_pre_split_weights(tmp_path, pinned):
+    _assert_same(train_demo(str(tmp_path)), pinned)
+
+
+def test_a_pre_split_checkpoint_resumes(tmp_path, pinned):
+    checkpoint = tmp_path / "checkpoint-2"
+    shutil.copytree(FIXTURES / "checkpoint-2", checkpoint)
+    _assert_same(train_demo(str(tmp_path), resume_from_checkpoint=str(checkpoint)), pinned)
+
+
+if __name__ == "__main__":  # regenerate the fixtures (see the module docstring)
+    from safetensors.torch import save_file
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    torch.set_num_threads(1)
+    work = FIXTURES.parent / "_pre_split_run"
+    shutil.rmtree(work, ignore_errors=True)
+    weights = train_demo(str(work))
+    shutil.rmtree(FIXTURES, ignore_errors=True)
+    FIXTURES.mkdir(parents=True)
+    shutil.copytree(work / "checkpoint-2", FIXTURES / "checkpoint-2")
+    save_file(weights, FIXTURES / "weights_step3.safetensors")
+    shutil.rmtree(work)
+    sys.exit(0)
