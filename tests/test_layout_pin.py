@@ -94,3 +94,50 @@ if __name__ == "__main__":  # regenerate the fixtures (see the module docstring)
     save_file(weights, FIXTURES / "weights_step3.safetensors")
     shutil.rmtree(work)
     sys.exit(0)
+
+
+# ---------------------------------------------------------------- the module map (CONTRIBUTING.md, "Where code lives")
+PACKAGE = Path(__file__).resolve().parents[1] / "trl_jagg"
+STAGES = {"generation", "update", "evaluation", "checkpointing", "hub"}
+
+
+def _imports(path: Path) -> set[str]:
+    """The trl_jagg modules ``path`` imports (absolute names), from its syntax tree."""
+    import ast
+
+    module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    package = module.rsplit(".", 1)[0] if path.name != "__init__.py" else module
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = package
+            for _ in range(node.level - 1):
+                base = base.rsplit(".", 1)[0]
+            name = f"{base}.{node.module}" if node.level and node.module else (base if node.level else node.module)
+            found.add(name)
+            found.update(f"{name}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return {name for name in found if name.startswith("trl_jagg")}
+
+
+def test_stages_never_import_the_trainer_or_each_other():
+    for path in (PACKAGE / "trainer").glob("*.py"):
+        imported = _imports(path)
+        assert "trl_jagg.ddpo_jagg_trainer" not in imported, path.name
+        others = {f"trl_jagg.trainer.{stage}" for stage in STAGES} - {f"trl_jagg.trainer.{path.stem}"}
+        assert not imported & others, f"{path.name} imports the stage(s) {sorted(imported & others)}"
+
+
+def test_the_engine_imports_torch_only():
+    for name in ("jagg", "grpo", "sampling"):
+        assert _imports(PACKAGE / f"{name}.py") == set(), name
+
+
+def test_modules_stay_small_and_tools_stay_out_of_the_root():
+    lengths = {p.relative_to(PACKAGE).as_posix(): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
+    assert lengths["ddpo_jagg_trainer.py"] <= 500
+    # The config is a dataclass of documented fields, the exception the architecture allows.
+    assert {name: n for name, n in lengths.items() if n > 700 and name != "grpo_jagg_config.py"} == {}
+    root = {p.stem for p in PACKAGE.glob("*.py")}
+    assert not root & {"tiny_models", "benchmark", "trainer_benchmark", "demo"}

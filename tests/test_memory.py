@@ -8,6 +8,7 @@ import pytest
 import torch
 from datasets import Dataset
 from peft import LoraConfig
+from testing_utils import run_update
 
 from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
 
@@ -30,7 +31,7 @@ def make_trainer(path: str, output_dir, *, lora: bool = True, **overrides) -> DD
 
 def update_gradients(trainer: DDPOJaggTrainer, batch: dict) -> dict[str, torch.Tensor]:
     trainer.model.zero_grad(set_to_none=True)
-    trainer._update(trainer.model, batch)
+    run_update(trainer, trainer.model, batch)
     return {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
 
 
@@ -170,7 +171,7 @@ def test_precomputed_prompt_embeds_give_the_same_rollout(tiny_flux_path, tiny_qw
 
     encoder_calls = []
     trainer = make_trainer(path, tmp_path / "table", precompute_prompt_embeds=True, **settings)
-    assert sorted(trainer._prompt_table) == sorted(PROMPTS if family == "flux" else set(PROMPTS))
+    assert sorted(trainer.conditioner.table) == sorted(PROMPTS if family == "flux" else set(PROMPTS))
     pipe = trainer.adapter.pipeline
     for name, module in pipe.components.items():
         if name.startswith("text_encoder") and module is not None:
@@ -179,7 +180,7 @@ def test_precomputed_prompt_embeds_give_the_same_rollout(tiny_flux_path, tiny_qw
     assert encoder_calls == []  # the training prompts come from the table
     if family == "qwenimage":  # a new prompt is encoded once, then batched with the others
         got = trainer._generate_and_score(inputs)
-        assert encoder_calls and "a very small green square" in trainer._prompt_table
+        assert encoder_calls and "a very small green square" in trainer.conditioner.table
         assert "prompt_embeds_mask" in got["cond"].per_sample  # the two lengths differ: padded with a mask
     else:
         got = trainer._generate_and_score(inputs)

@@ -12,7 +12,7 @@ import torch
 from datasets import Dataset
 from diffusers import DiffusionPipeline, QwenImagePipeline, StableDiffusion3Pipeline
 from peft import LoraConfig
-from testing_utils import PROMPTS, redness
+from testing_utils import PROMPTS, redness, step_functions_of
 
 from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
 from trl_jagg.jagg import JaggEngine, plan_groups
@@ -201,7 +201,7 @@ def test_w2_jagg_gradient_equals_exact(request, family, tmp_path):
     trainer = make_trainer(tiny_path(request, family), tmp_path, CFG[family], num_inference_steps=5, max_steps=1)
     model = trainer.accelerator.unwrap_model(trainer.model)
     batch = trainer._generate_and_score(next(iter(trainer.get_train_dataloader())))
-    fns = trainer._step_functions(model, batch)
+    fns = step_functions_of(trainer, model, batch)
     trained, velocity_fn, loss_fn = fns.trained, fns.velocity_fn, fns.loss_fn
     times = [float(batch["sigmas"][k]) for k in trained]
     params = [p for p in model.parameters() if p.requires_grad]

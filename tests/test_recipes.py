@@ -15,6 +15,7 @@ from diffusers import FluxPipeline
 from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
 from trl_jagg.models import load_adapter
 from trl_jagg.recipes import RECIPES, get_recipe, list_recipes
+from trl_jagg.trainer import update
 
 YAML_DIR = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "recipes")
 NAMES = ["flow-grpo-sd35", "flow-grpo-flux", "flow-grpo-qwenimage", "flow-grpo-fast-flux", "dancegrpo-flux"]
@@ -174,7 +175,7 @@ def redness(prompts, images, **kwargs):
     return [float(np.asarray(im, dtype=np.float32)[..., 0].mean() / 255.0) for im in images]
 
 
-def recipe_trainer(name: str, model, tmp_path, **overrides) -> tuple[DDPOJaggTrainer, list]:
+def recipe_trainer(name: str, model, tmp_path, monkeypatch, **overrides) -> tuple[DDPOJaggTrainer, list]:
     """A trainer on the preset (tiny sizes), recording each update's trained steps and its rollout."""
     recipe = get_recipe(name)
     torch.manual_seed(0)
@@ -188,19 +189,19 @@ def recipe_trainer(name: str, model, tmp_path, **overrides) -> tuple[DDPOJaggTra
         peft_config=recipe.lora_config(),
     )
     recorded = []
-    trained_steps = trainer._trained_steps
+    trained_steps = update.trained_steps
 
-    def spy(batch):
-        steps = trained_steps(batch)
+    def spy(args, batch, **counters):
+        steps = trained_steps(args, batch, **counters)
         recorded.append((steps, batch))
         return steps
 
-    trainer._trained_steps = spy
+    monkeypatch.setattr(update, "trained_steps", spy)
     return trainer, recorded
 
 
-def test_fast_preset_trains_only_the_sde_window(tiny_flux_path, tmp_path):
-    trainer, recorded = recipe_trainer("flow-grpo-fast-flux", tiny_flux_path, tmp_path)
+def test_fast_preset_trains_only_the_sde_window(tiny_flux_path, tmp_path, monkeypatch):
+    trainer, recorded = recipe_trainer("flow-grpo-fast-flux", tiny_flux_path, tmp_path, monkeypatch)
     trainer.train()
     args = trainer.args
     assert recorded
@@ -214,10 +215,12 @@ def test_fast_preset_trains_only_the_sde_window(tiny_flux_path, tmp_path):
     assert entry["jagg/groups_jagg"] == 1 and entry["jagg/backward_calls"] == 1  # the window is one JAGG group
 
 
-def test_dance_preset_trains_the_requested_fraction_never_the_last_step(tiny_flux_path, tmp_path):
+def test_dance_preset_trains_the_requested_fraction_never_the_last_step(tiny_flux_path, tmp_path, monkeypatch):
     recipe = get_recipe("dancegrpo-flux")
     pipeline = recipe.apply_scheduler(FluxPipeline.from_pretrained(tiny_flux_path))
-    trainer, recorded = recipe_trainer("dancegrpo-flux", pipeline, tmp_path, gradient_accumulation_steps=2)
+    trainer, recorded = recipe_trainer(
+        "dancegrpo-flux", pipeline, tmp_path, monkeypatch, gradient_accumulation_steps=2
+    )
     assert trainer.peft_config is None  # full fine-tuning
     trainer.train()
     args = trainer.args

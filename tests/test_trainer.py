@@ -11,7 +11,7 @@ import torch
 from datasets import Dataset
 from diffusers import FluxPipeline
 from peft import LoraConfig
-from testing_utils import PROMPTS, redness
+from testing_utils import PROMPTS, redness, run_update, trained_steps_of
 from transformers import TrainerCallback
 
 from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
@@ -360,7 +360,7 @@ class BackboneCalls:
 
 
 def update_gradient(trainer, rollout, **overrides) -> torch.Tensor:
-    """The flat gradient of one `_update` on `rollout` with config `overrides` (restored afterwards)."""
+    """The flat gradient of one update of `rollout` with config `overrides` (restored afterwards)."""
     model = trainer.model
     saved = {k: getattr(trainer.args, k) for k in overrides}
     for k, v in overrides.items():
@@ -368,7 +368,7 @@ def update_gradient(trainer, rollout, **overrides) -> torch.Tensor:
     try:
         model.zero_grad(set_to_none=True)
         model.train()
-        trainer._update(model, rollout)
+        run_update(trainer, model, rollout)
         params = [p for p in model.parameters() if p.requires_grad]
         return torch.cat([p.grad.flatten() for p in params])
     finally:
@@ -404,11 +404,12 @@ def test_velocity_cache_gives_the_uncached_gradient_with_two_forwards_and_one_ba
 def test_batched_reference_means_match_one_call_per_step(tiny_flux_path, tmp_path):
     trainer = make_trainer(tiny_flux_path, tmp_path, num_inference_steps=5, beta=0.2)
     rollout = trainer._generate_and_score(next(iter(trainer.get_train_dataloader())))
-    trained = trainer._trained_steps(rollout)
-    batched = trainer._reference_means(rollout, trained)
+    trained = trained_steps_of(trainer, rollout)
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    batched = trainer.update_stage.reference_means(model, rollout, trained)
     for steps in (1, 3):
         trainer.args.no_grad_batch_steps = steps
-        chunked = trainer._reference_means(rollout, trained)
+        chunked = trainer.update_stage.reference_means(model, rollout, trained)
         for k in trained:
             torch.testing.assert_close(chunked[k], batched[k], rtol=0, atol=1e-6)
 

@@ -13,7 +13,7 @@ from datasets import Dataset
 from diffusers import FluxPipeline
 from peft import LoraConfig
 from safetensors.torch import load_file
-from testing_utils import PROMPTS, redness
+from testing_utils import PROMPTS, redness, step_functions_of
 from transformers import TrainerCallback
 
 from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
@@ -59,7 +59,7 @@ def test_flow_grpo_kl_is_the_exact_step_kl_times_dt_at_every_step(tiny_flux_path
     kls = {}
     for kl_std in ("step", "flow_grpo"):
         trainer.args.kl_std = kl_std
-        fns = trainer._step_functions(trainer.model, batch)
+        fns = step_functions_of(trainer, trainer.model, batch)
         trained = fns.trained
         with torch.no_grad():
             for i in range(len(trained)):

@@ -24,3 +24,23 @@ def solid(rgb: tuple[int, int, int], size: tuple[int, int] = (8, 8)) -> Image.Im
 def noise_image(seed: int = 0, size: int = 64) -> Image.Image:
     pixels = np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
     return Image.fromarray(pixels)
+
+
+def trained_steps_of(trainer, batch):
+    """The steps the trainer's next update of ``batch`` trains (its own counters)."""
+    from trl_jagg.trainer.update import trained_steps
+
+    return trained_steps(trainer.args, batch, micro_step=trainer._step, global_step=trainer.state.global_step)
+
+
+def step_functions_of(trainer, model, batch):
+    """The engine's inputs the trainer's update stage builds for ``batch``."""
+    return trainer.update_stage.step_functions(model, batch, trained_steps_of(trainer, batch))
+
+
+def run_update(trainer, model, batch):
+    """One micro-batch update through the trainer's update stage, with the trainer's counters."""
+    return trainer.update_stage.run(
+        model, batch, micro_step=trainer._step, global_step=trainer.state.global_step,
+        accumulation_steps=trainer.current_gradient_accumulation_steps,
+    )  # fmt: skip

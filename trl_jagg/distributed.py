@@ -9,8 +9,9 @@ with what the accelerator state is, and stop with the cause.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -127,3 +128,28 @@ def is_fully_sharded(module: torch.nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(module, FSDPModule)
+
+
+def shard_backbones(
+    transformer: torch.nn.Module,
+    ref_transformer: torch.nn.Module | None,
+    fully_shard_backbone: bool,
+    plugin_fsdp2: bool,
+) -> None:
+    """Shard the trained backbone and the frozen KL reference with :func:`fully_shard_blocks` as the run asks: both
+    with ``fully_shard_backbone``; under accelerate's FSDP2 plugin (``plugin_fsdp2``), which shards the trained
+    backbone when it prepares it, only the reference."""
+    if fully_shard_backbone:
+        fully_shard_blocks(transformer)
+    if ref_transformer is not None and (fully_shard_backbone or plugin_fsdp2):
+        fully_shard_blocks(ref_transformer)
+
+
+@contextlib.contextmanager
+def gradient_sync_deferred(model: torch.nn.Module) -> Iterator[None]:
+    """An FSDP2 module's gradients stay unreduced for the block: the accumulation micro-batches before the last."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)

@@ -354,14 +354,14 @@ def _configured(trainer: Any, variant: str, group_size: int | None, jagg_frac: f
 def time_update(
     trainer: Any, rollout: dict[str, Any], variant: str, group_size: int | None = None, jagg_frac: float | None = None
 ) -> float:
-    """Seconds of the update of ``rollout`` (``trainer._update`` on each of its ``steps_per_generation``
+    """Seconds of the update of ``rollout`` (the trainer's update stage on each of its ``steps_per_generation``
     micro-batches, as in training) with the settings of ``variant`` (see :data:`VARIANTS`), and ``group_size`` /
     ``jagg_frac`` for the JAGG ones; gradients are zeroed first and the config restored."""
-    from ..ddpo_jagg_trainer import _split_rollout
+    from ..trainer.batch import split_rollout
 
     model = trainer.model
     device = trainer.accelerator.device
-    micro_batches = _split_rollout(rollout, trainer.args.steps_per_generation)
+    micro_batches = split_rollout(rollout, trainer.args.steps_per_generation)
     model.zero_grad(set_to_none=True)
     model.train()
     clock = benchmark_clock(device)
@@ -369,7 +369,10 @@ def time_update(
     start = clock()
     with _configured(trainer, variant, group_size, jagg_frac):
         for micro_batch in micro_batches:
-            trainer._update(model, micro_batch)
+            trainer.update_stage.run(
+                model, micro_batch, micro_step=trainer._step, global_step=trainer.state.global_step,
+                accumulation_steps=trainer.current_gradient_accumulation_steps,
+            )  # fmt: skip
     _sync(device)
     return clock() - start
 
@@ -384,6 +387,8 @@ def time_variants(
     Returns the per-variant results (as in :func:`run_trainer_benchmark`'s report) and the rollout seconds of every
     timed repeat.
     """
+    from ..trainer.update import trained_steps
+
     model = trainer.model
     device = trainer.accelerator.device
     beta = trainer.args.beta
@@ -406,7 +411,9 @@ def time_variants(
     # Repeat 0 is the warm-up (and counts the backbone calls); then ABAB...BABA over the instances.
     for repeat in range(repeats + 1):
         rollout, rollout_s = sample()
-        num_trained = len(trainer._trained_steps(rollout))
+        num_trained = len(
+            trained_steps(trainer.args, rollout, micro_step=trainer._step, global_step=trainer.state.global_step)
+        )
         order = instances if repeat % 2 == 0 else instances[::-1]
         for instance in order:
             if repeat == 0:

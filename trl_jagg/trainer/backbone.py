@@ -1,0 +1,79 @@
+"""Preparing the backbone for training: every pipeline module frozen, LoRA (checked targets) or full fine-tuning,
+the frozen reference copy for the KL term, a config the tracker callbacks can read."""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import json
+from typing import Any
+
+import torch
+from diffusers.configuration_utils import FrozenDict
+from diffusers.training_utils import cast_training_params
+from peft import LoraConfig
+
+from ..grpo_jagg_config import GRPOJaggConfig
+from ..models import FlowMatchingAdapter
+
+
+class TrackableConfig(FrozenDict):
+    """A diffusers config that also answers the transformers config API the tracker callbacks call
+    (``model.config.to_json_string()`` / ``.to_dict()``)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self)
+
+    def to_json_string(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True, default=str)
+
+
+def check_lora_targets(transformer: torch.nn.Module, peft_config: LoraConfig) -> None:
+    """Every name in a list of LoRA ``target_modules`` matches a module (peft only refuses a list matching none)."""
+    targets = peft_config.target_modules
+    if not isinstance(targets, (list, set, tuple)):
+        return  # a regex or "all-linear": peft's own matching
+    names = [name for name, _ in transformer.named_modules()]
+    unmatched = sorted(t for t in targets if not any(name == t or name.endswith(f".{t}") for name in names))
+    if unmatched:
+        linear = sorted({n.split(".")[-1] for n, m in transformer.named_modules() if isinstance(m, torch.nn.Linear)})
+        close = {t: difflib.get_close_matches(t, linear, n=1) for t in unmatched}
+        hints = "; ".join(f"{t!r}: did you mean {c[0]!r}?" for t, c in close.items() if c)
+        raise ValueError(
+            f"LoraConfig.target_modules {unmatched} match no module of {type(transformer).__name__}"
+            f"{' (' + hints + ')' if hints else ''}. Its linear layers are named {linear[:24]}."
+        )
+
+
+def prepare_backbone(
+    adapter: FlowMatchingAdapter, args: GRPOJaggConfig, peft_config: LoraConfig | None
+) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+    """Freeze the pipeline, make the backbone trainable (LoRA or all of it) and return it with the frozen reference
+    copy of full fine-tuning with ``beta > 0`` (``None`` otherwise: LoRA's reference is the base weights)."""
+    pipeline = adapter.pipeline
+    pipeline.set_progress_bar_config(disable=True)
+    for component in pipeline.components.values():
+        if isinstance(component, torch.nn.Module):
+            component.requires_grad_(False).eval()
+    transformer = adapter.transformer
+    transformer._internal_dict = TrackableConfig(transformer._internal_dict)
+    if peft_config is not None:
+        check_lora_targets(transformer, peft_config)
+        transformer.add_adapter(peft_config)
+        # Trainable LoRA weights live in float32 even when the backbone runs in bf16.
+        cast_training_params(transformer, dtype=torch.float32)
+    else:
+        transformer.requires_grad_(True)
+    ref_transformer = None
+    if args.beta > 0 and peft_config is None:
+        ref_transformer = copy.deepcopy(transformer).requires_grad_(False).eval()
+    if args.gradient_checkpointing or getattr(args, "activation_checkpointing", False):
+        # transformers' own switch calls a transformers-only method; diffusers has its own.
+        transformer.enable_gradient_checkpointing()
+        args.gradient_checkpointing = args.activation_checkpointing = False
+    return transformer, ref_transformer
+
+
+def has_active_dropout(module: torch.nn.Module) -> bool:
+    """Dropout active in training mode makes a recomputed velocity differ from the rollout's (eval mode)."""
+    return any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in module.modules())

@@ -1,0 +1,57 @@
+"""The rollout batch: what the generation stage returns and the update stage consumes, and the seeds both derive
+from the run seed and the optimizer step.
+
+A rollout is a dict: per-sample entries (``latents`` ``(B, N + 1, ...)``, ``log_probs`` ``(B, N)``, ``advantages``
+``(B,)``, ``velocities`` ``(B, N, ...)`` when recorded, ``cond``) and shared ones (``sigmas``, ``sigma_values`` (the
+same on the host), ``timesteps``, ``stochastic_steps``, ``velocity_key``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+PER_SAMPLE_KEYS = ("latents", "log_probs", "advantages", "velocities")
+
+
+def rng_seed(seed: int, global_step: int, *parts: int) -> int:
+    """A seed that depends on the run seed, the optimizer step and ``parts``: resuming replays the same noise."""
+    return hash((seed, global_step, *parts)) % (2**63)
+
+
+def velocity_key(global_step: int, dtype: torch.dtype, device_type: str) -> tuple[Any, ...]:
+    """Identifies the policy and forward path a velocity was computed with: the optimizer steps taken, the backbone
+    dtype and the autocast state (accelerate's mixed precision wraps the forward in autocast). A cached velocity is
+    reused only while the key is unchanged."""
+    autocast = torch.is_autocast_enabled(device_type)
+    return (global_step, dtype, autocast, torch.get_autocast_dtype(device_type) if autocast else None)
+
+
+def select_samples(batch: dict[str, Any], index: slice | torch.Tensor) -> dict[str, Any]:
+    """The samples ``index`` of a rollout or micro-batch: its per-sample entries indexed, the shared ones kept."""
+    selected = dict(batch)
+    for key in PER_SAMPLE_KEYS:
+        if key in batch:
+            selected[key] = batch[key][index]
+    selected["cond"] = batch["cond"].select(index)
+    return selected
+
+
+def split_rollout(rollout: dict[str, Any], num_chunks: int) -> list[dict[str, Any]]:
+    """Split a rollout along the batch into ``num_chunks`` micro-batches (shared entries are kept as is)."""
+    size = rollout["latents"].shape[0] // num_chunks
+    return [select_samples(rollout, slice(c * size, (c + 1) * size)) for c in range(num_chunks)]
+
+
+def without_zero_advantages(chunk: dict[str, Any], num_processes: int) -> dict[str, Any]:
+    """The micro-batch without its zero-advantage samples (Flow-GRPO drops them before the update): their policy
+    gradient is zero, so they would only cost a backward. ``dropped_frac`` records the share dropped."""
+    keep = chunk["advantages"] != 0
+    if not keep.any() and num_processes > 1:
+        # Every process must run the same backward calls (DDP/FSDP collectives): keep one sample, whose zero
+        # advantage adds no policy gradient.
+        keep[0] = True
+    kept = select_samples(chunk, keep.nonzero().flatten())
+    kept["dropped_frac"] = 1.0 - kept["latents"].shape[0] / keep.numel()
+    return kept

@@ -1,0 +1,285 @@
+"""Saving and loading what a run trains: the weights in the diffusers formats, the EMA, the trainer's run state,
+full optimizer states of a sharded backbone, and atomic ``checkpoint-N`` folders. Checks of a checkpoint before a
+resume are in :mod:`trl_jagg.trainer.checkpoint_checks`."""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from huggingface_hub import save_torch_state_dict
+from peft import LoraConfig, get_peft_model_state_dict, set_peft_model_state_dict
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME, TRAINING_ARGS_NAME
+from transformers.trainer_callback import ExportableState
+from transformers.trainer_utils import get_last_checkpoint
+
+from ..distributed import is_fully_sharded
+from ..errors import CheckpointError, NonFiniteError, TrainingError
+from ..grpo import PerPromptStatTracker
+from ..grpo_jagg_config import GRPOJaggConfig
+from ..models import FlowMatchingAdapter
+from .checkpoint_checks import check_checkpoint_dir, check_state_files, check_weights, weight_files
+from .ema import EMAWeights
+from .files import EMA_DIR, FULL_WEIGHTS_PATTERN, GRPO_STATE_NAME, LORA_WEIGHTS_NAME, SCHEDULER_FOLDER, without_secrets
+from .guards import NON_FINITE_FIX, all_finite, any_process, last_checkpoint_note
+
+
+class WeightsIO:
+    """Saves and loads the trained backbone's weights: LoRA in the diffusers format ``pipe.load_lora_weights``
+    reads, full fine-tuning as ``save_pretrained`` writes it; into FSDP2 shards when the backbone is sharded."""
+
+    def __init__(self, adapter: FlowMatchingAdapter, peft_config: LoraConfig | None):
+        self.adapter = adapter
+        self.peft_config = peft_config
+
+    @property
+    def is_lora(self) -> bool:
+        return self.peft_config is not None
+
+    @property
+    def lora_prefix(self) -> str:
+        """The prefix of the backbone's keys in a diffusers LoRA file (``transformer.``)."""
+        return f"{self.adapter.pipeline_class.transformer_name}."
+
+    def check(self, path: str, output_dir: str, transformer: torch.nn.Module) -> None:
+        """Refuse a checkpoint whose files are missing, unreadable or of another model (names the file)."""
+        check_checkpoint_dir(path, output_dir)
+        if self.is_lora:
+            files = weight_files(path, LORA_WEIGHTS_NAME, "LoRA")
+            expected, prefix = get_peft_model_state_dict(transformer), self.lora_prefix
+        else:
+            files = weight_files(path, FULL_WEIGHTS_PATTERN, "full fine-tuning")
+            expected, prefix = transformer.state_dict(), ""
+        check_weights(files, {key: tuple(value.shape) for key, value in expected.items()}, prefix)
+        check_state_files(path, json_files=(TRAINER_STATE_NAME, GRPO_STATE_NAME))
+
+    def gathered_state_dict(self, transformer: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+        """The full state dict of a backbone sharded by the trainer (``fully_shard_backbone``; a collective every
+        rank joins, the main process gets the tensors; only the trainable ones for LoRA), else ``None``."""
+        if not is_fully_sharded(transformer):
+            return None
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=self.is_lora)
+        return get_model_state_dict(transformer, options=options)
+
+    def save(self, output_dir: str, transformer: torch.nn.Module, state_dict: dict | None) -> None:
+        """Write the weights (``state_dict``: the gathered full one under FSDP / DeepSpeed) into ``output_dir``."""
+        os.makedirs(output_dir, exist_ok=True)
+        if self.is_lora:
+            self.adapter.pipeline_class.save_lora_weights(
+                output_dir,
+                transformer_lora_layers=get_peft_model_state_dict(transformer, state_dict=state_dict),
+                # Without the metadata a lora_alpha != r adapter reloads with the wrong scale.
+                transformer_lora_adapter_metadata=self.peft_config.to_dict(),
+            )
+        elif state_dict is None:
+            transformer.save_pretrained(output_dir)
+        else:
+            transformer.save_config(output_dir)
+            save_torch_state_dict(
+                state_dict, output_dir, filename_pattern="diffusion_pytorch_model{suffix}.safetensors"
+            )
+
+    def load(self, transformer: torch.nn.Module, folder: str) -> None:
+        """Load the weights saved in ``folder`` into ``transformer`` (checked by :meth:`check` first)."""
+        if self.is_lora:
+            (path,) = weight_files(folder, LORA_WEIGHTS_NAME, "LoRA")
+            state = {k.removeprefix(self.lora_prefix): v for k, v in _load_safetensors(path).items()}
+            # `set_peft_model_state_dict` ignores missing keys: `check` compared the keys and shapes first.
+            if is_fully_sharded(transformer):
+                _load_full_state_dict(transformer, _lora_state_in_model_keys(transformer, state, path), strict=False)
+            else:
+                result = set_peft_model_state_dict(transformer, state)
+                if getattr(result, "unexpected_keys", None):
+                    raise CheckpointError(f"{path} has keys the adapter lacks: {result.unexpected_keys[:5]}")
+        else:
+            state = {}
+            for file in weight_files(folder, FULL_WEIGHTS_PATTERN, "full fine-tuning"):
+                state.update(_load_safetensors(file))
+            if is_fully_sharded(transformer):
+                _load_full_state_dict(transformer, state, strict=True)
+            else:
+                transformer.load_state_dict(state, strict=True)
+
+    def save_model_folder(
+        self, output_dir: str, transformer: torch.nn.Module, state_dict: dict | None, ema: EMAWeights | None,
+        args: GRPOJaggConfig,
+    ) -> None:  # fmt: skip
+        """A model folder: the weights, the EMA weights beside them in their format (``ema/``: loadable with
+        ``load_lora_weights(f"{output_dir}/ema")``), the schedule sampled in training (``scheduler/``: a recipe may
+        override the base model's, DanceGRPO's shift 3) and the training arguments without secrets."""
+        self.save(output_dir, transformer, state_dict)
+        if ema is not None:
+            with ema.swapped_in():
+                self.save(os.path.join(output_dir, EMA_DIR), transformer, None)
+        self.adapter.pipeline.scheduler.save_pretrained(os.path.join(output_dir, SCHEDULER_FOLDER))
+        torch.save(without_secrets(args), os.path.join(output_dir, TRAINING_ARGS_NAME))
+
+    def load_resumed(self, transformer: torch.nn.Module, checkpoint: str, ema: EMAWeights | None) -> None:
+        """Load a checkpoint's weights and, with EMA, its ``ema/`` average (through the model, taken as the
+        average, then the trained weights are loaded)."""
+        if ema is not None:
+            ema_dir = os.path.join(checkpoint, EMA_DIR)
+            if not os.path.isdir(ema_dir):
+                raise ValueError(
+                    f"ema_decay={ema.args.ema_decay} but {checkpoint} has no {EMA_DIR}/ folder (it was saved "
+                    "without EMA). Resume with ema_decay=0, or start a new run."
+                )
+            self.load(transformer, ema_dir)
+            ema.take_current_weights()
+        self.load(transformer, checkpoint)
+
+
+def last_checkpoint(output_dir: str) -> str:
+    """The latest ``checkpoint-N`` in ``output_dir`` (``resume_from_checkpoint=True``); an error when there is none."""
+    last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+    if last is None:
+        raise CheckpointError(
+            f"resume_from_checkpoint=True, but {output_dir} holds no checkpoint-N folder. Start without resuming, "
+            "or give the path of a checkpoint."
+        )
+    return last
+
+
+def check_saveable(
+    accelerator: Any, params: list[torch.Tensor], output_dir: str, *, global_step: int, run_dir: str
+) -> None:
+    """Refuse to save non-finite weights, and to replace existing weights with a model that has trained 0 steps
+    (on every process alike)."""
+    if any_process(accelerator, not all_finite(params)):
+        raise NonFiniteError(
+            f"The weights hold NaN or infinite values at step {global_step}: not saved to {output_dir}. "
+            f"{last_checkpoint_note(run_dir)} {NON_FINITE_FIX}"
+        )
+    existing = [f for f in (LORA_WEIGHTS_NAME, FULL_WEIGHTS_PATTERN) if glob.glob(os.path.join(output_dir, f))]
+    if any_process(accelerator, global_step == 0 and bool(existing)):
+        raise TrainingError(
+            f"Refusing to replace the weights in {output_dir} with a model that has trained 0 steps. Train first, "
+            "or save to another directory."
+        )
+
+
+def save_run_state(
+    output_dir: str, state: Any, stateful: list[Any], micro_step: int, stat_tracker: PerPromptStatTracker | None
+) -> None:
+    """The Trainer's ``trainer_state.json`` (with the state of the ``stateful`` callbacks and control, as the
+    Trainer saves it) and the trainer's own ``grpo_state.json``."""
+    for callback in stateful:
+        if isinstance(callback, ExportableState):
+            state.stateful_callbacks[callback.__class__.__name__] = callback.state()
+    state.save_to_json(os.path.join(output_dir, TRAINER_STATE_NAME))
+    save_grpo_state(output_dir, micro_step, stat_tracker)
+
+
+def save_grpo_state(output_dir: str, micro_step: int, stat_tracker: PerPromptStatTracker | None) -> None:
+    """The micro-batch counter (rollout buffer position, random trained steps) and the per-prompt reward history:
+    identical on every process (it is updated with gathered rewards), written once."""
+    state = {
+        "step": micro_step,
+        "stat_tracker": None
+        if stat_tracker is None
+        else {prompt: list(values) for prompt, values in stat_tracker.history.items()},
+    }
+    with open(os.path.join(output_dir, GRPO_STATE_NAME), "w") as f:
+        json.dump(state, f)  # floats round-trip exactly through JSON
+
+
+def load_grpo_state(checkpoint: str, stat_tracker: PerPromptStatTracker | None) -> int:
+    """Restore the per-prompt reward history from ``checkpoint``; returns its micro-batch counter."""
+    path = os.path.join(checkpoint, GRPO_STATE_NAME)
+    if not os.path.isfile(path):
+        raise ValueError(f"No {GRPO_STATE_NAME} in {checkpoint}: not a checkpoint of this trainer.")
+    with open(path) as f:
+        state = json.load(f)
+    if stat_tracker is not None:
+        stat_tracker.history.clear()
+        for prompt, values in (state["stat_tracker"] or {}).items():
+            stat_tracker.history[prompt].extend(values)
+    return state["step"]
+
+
+def save_full_optimizer_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler: Any, output_dir: str, should_save: bool
+) -> None:
+    """The full (gathered, a collective) optimizer state of a sharded backbone, so the checkpoint loads on any
+    number of processes (the Trainer saves the main process's, which holds only its shards)."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = get_optimizer_state_dict(model, _torch_optimizer(optimizer), options=options)
+    if should_save:
+        torch.save(state, os.path.join(output_dir, OPTIMIZER_NAME))
+        torch.save(lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+
+def load_full_optimizer_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler: Any, checkpoint: str
+) -> None:
+    """Load a full optimizer state (see :func:`save_full_optimizer_state`) into the shards."""
+    state = torch.load(os.path.join(checkpoint, OPTIMIZER_NAME), map_location="cpu", weights_only=True)
+    set_optimizer_state_dict(model, _torch_optimizer(optimizer), state, options=StateDictOptions(full_state_dict=True))
+    lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
+
+
+@contextlib.contextmanager
+def atomic_checkpoint(
+    run_dir: str, name: str, *, should_save: bool, wait_for_everyone: Callable[[], None]
+) -> Iterator[str]:
+    """Yield a staging folder (``tmp-<name>``) to write a checkpoint into; once the block completes on every
+    process it is renamed to ``<name>``, so a ``checkpoint-N`` folder is always whole (a kill leaves the staging
+    folder, which resumes ignore and the next save of the step replaces)."""
+    final_dir, staging_dir = os.path.join(run_dir, name), os.path.join(run_dir, f"tmp-{name}")
+    if should_save and os.path.isdir(staging_dir):
+        shutil.rmtree(staging_dir)  # left by an interrupted save
+    wait_for_everyone()
+    yield staging_dir
+    wait_for_everyone()
+    if should_save:
+        if os.path.isdir(final_dir):
+            shutil.rmtree(final_dir)
+        os.replace(staging_dir, final_dir)
+    wait_for_everyone()
+
+
+def _load_safetensors(path: str) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError) as error:
+        raise CheckpointError(
+            f"{path} is truncated or corrupt ({error}). Resume from an earlier checkpoint."
+        ) from error
+
+
+def _torch_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer inside accelerate's ``AcceleratedOptimizer`` wrapper."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+def _lora_state_in_model_keys(
+    transformer: torch.nn.Module, state: dict[str, torch.Tensor], path: str
+) -> dict[str, torch.Tensor]:
+    """A saved diffusers LoRA (adapter name stripped, as ``get_peft_model_state_dict`` writes it) under the
+    backbone's own parameter names, for loading into sharded parameters."""
+    adapter = next(iter(transformer.peft_config))
+    names = {name.replace(f".{adapter}.", "."): name for name, _ in transformer.named_parameters() if "lora_" in name}
+    unexpected = sorted(set(state) - set(names))
+    if unexpected:
+        raise ValueError(f"Checkpoint {path} has keys the adapter lacks: {unexpected[:5]}")
+    return {names[key]: value for key, value in state.items()}
+
+
+def _load_full_state_dict(transformer: torch.nn.Module, state: dict[str, torch.Tensor], *, strict: bool) -> None:
+    """Load full (unsharded) tensors, present on every rank, into an FSDP2-sharded backbone."""
+    set_model_state_dict(transformer, state, options=StateDictOptions(full_state_dict=True, strict=strict))

@@ -1,0 +1,80 @@
+"""The exponential moving average of the trained weights (Flow-GRPO's and DanceGRPO's ``ema``), kept in float32."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from diffusers.training_utils import EMAModel
+from transformers import TrainerCallback
+
+from ..grpo_jagg_config import GRPOJaggConfig
+
+
+class EMAWeights(EMAModel):
+    """diffusers' :class:`~diffusers.training_utils.EMAModel` of ``parameters()`` (the trainable ones), on the CPU
+    with ``ema_offload``; Flow-GRPO's warm-up ``min(decay, (1 + t) / (10 + t))`` when ``ema_warmup``. ``sharded``:
+    the trained backbone is sharded by accelerate's FSDP plugin (refused for now)."""
+
+    def __init__(self, args: GRPOJaggConfig, parameters: Callable[[], list[torch.nn.Parameter]], *, sharded: bool):
+        if sharded or args.fully_shard_backbone:
+            raise ValueError(
+                "GRPOJaggConfig.ema_decay > 0 is not supported with FSDP yet: the EMA would average one process's "
+                "shards only. Set ema_decay=0, or train without FSDP."
+            )
+        super().__init__(
+            parameters(), decay=args.ema_decay, min_decay=0.0 if args.ema_warmup else float(args.ema_decay)
+        )
+        self.args = args
+        self.parameters = parameters
+        self.shadow_device = "cpu" if args.ema_offload else None
+        # float32: a bf16 average would lose updates of (1 - decay) * difference.
+        self.to(device=self.shadow_device, dtype=torch.float32)
+
+    def update_at(self, global_step: int) -> None:
+        """Average the current weights in, after optimizer step ``global_step``."""
+        # EMAModel's warm-up decay at its update n is min(decay, n / (9 + n)); counting optimizer steps instead of
+        # updates makes it Flow-GRPO's min(decay, (1 + t) / (10 + t)) at optimizer step t.
+        self.optimization_step = global_step
+        params = self.parameters()
+        if self.args.ema_offload:
+            # EMAModel averages in place on the shadow's device and skips parameters without requires_grad.
+            params = [p.detach().to("cpu", torch.float32).requires_grad_(True) for p in params]
+        self.step(params)
+
+    @contextlib.contextmanager
+    def swapped_in(self) -> Iterator[None]:
+        """The EMA weights in place of the trained ones for the duration of the block."""
+        params = self.parameters()
+        self.store(params)
+        self.copy_to(params)
+        try:
+            yield
+        finally:
+            self.restore(params)
+
+    def take_current_weights(self) -> None:
+        """Make the current trainable weights the average (a resumed run loads the saved EMA into the model first)."""
+        self.shadow_params = [
+            p.detach().to(device=self.shadow_device, dtype=torch.float32).clone() for p in self.parameters()
+        ]
+
+
+@contextlib.contextmanager
+def ema_swapped_in(ema: EMAWeights | None) -> Iterator[None]:
+    """:meth:`EMAWeights.swapped_in`, a no-op without EMA."""
+    with ema.swapped_in() if ema is not None else contextlib.nullcontext():
+        yield
+
+
+class EMACallback(TrainerCallback):
+    """Updates the EMA every ``ema_update_interval`` optimizer steps (after the step)."""
+
+    def __init__(self, ema: EMAWeights):
+        self.ema = ema
+
+    def on_step_end(self, args: GRPOJaggConfig, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step % args.ema_update_interval == 0:
+            self.ema.update_at(state.global_step)

@@ -1,0 +1,124 @@
+"""The evaluation stage: deterministic (ODE) images of held-out prompts with the current (or EMA) weights, scored
+by the reward functions."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from accelerate.utils import gather_object
+from transformers import TrainerCallback
+
+from ..grpo_jagg_config import GRPOJaggConfig
+from ..models import FlowMatchingAdapter
+from ..prompts import prompt_text
+from ..rewards import compute_rewards
+from ..rollout import generate_images
+from .conditioning import negative_prompt
+from .ema import EMAWeights, ema_swapped_in
+from .placement import FrozenModules, eval_mode
+
+
+class Evaluator:
+    """Renders and scores prompts with ``transformer`` (the unwrapped backbone) and, when given, the EMA weights.
+
+    Args:
+        adapter: the model family's adapter.
+        args: the run's configuration (``eval_num_inference_steps``, ``eval_seed``, ``per_device_eval_batch_size``).
+        accelerator: the Trainer's accelerator (splits the prompts over processes, gathers the scores).
+        frozen: where the text encoders and the VAE run.
+        reward_funcs: the loaded reward functions.
+    """
+
+    def __init__(
+        self,
+        adapter: FlowMatchingAdapter,
+        args: GRPOJaggConfig,
+        accelerator: Any,
+        frozen: FrozenModules,
+        reward_funcs: Sequence[Callable[..., Any]],
+    ):
+        self.adapter = adapter
+        self.args = args
+        self.accelerator = accelerator
+        self.frozen = frozen
+        self.reward_funcs = reward_funcs
+
+    def render(self, prompts: Sequence[str], seed: int) -> list:
+        """ODE images of ``prompts`` with the weights the backbone holds now."""
+        args = self.args
+        with self.frozen.on_accelerator(self.frozen.text_encoders + self.frozen.vae):
+            return generate_images(
+                self.adapter,
+                list(prompts),
+                num_steps=args.eval_num_inference_steps or args.num_inference_steps,
+                height=args.height,
+                width=args.width,
+                guidance_scale=args.guidance_scale,
+                true_cfg_scale=args.true_cfg_scale,
+                negative_prompt=negative_prompt(self.adapter, args),
+                max_sequence_length=args.max_sequence_length,
+                seed=seed,
+            )
+
+    def sample_images(
+        self, transformer: torch.nn.Module, ema: EMAWeights | None, prompts: Sequence[str], seed: int
+    ) -> list:
+        """ODE images of ``prompts`` with the EMA weights when there are some, else the trained ones."""
+        with eval_mode(transformer), ema_swapped_in(ema):
+            return self.render(prompts, seed)
+
+    def evaluate(
+        self, transformer: torch.nn.Module, ema: EMAWeights | None, dataset: Any, *, metric_key_prefix: str,
+        trainer_state: Any,
+    ) -> tuple[dict[str, float], list, list[str]]:  # fmt: skip
+        """Render ``dataset``'s prompts (each process its share, a seed per batch from its first row) and score
+        them; returns the metrics (``{prefix}_reward``, ``..._reward_std``, ``..._rewards/<name>/mean``), and this
+        process's images and prompts."""
+        args = self.args
+        start = time.perf_counter()
+        with self.accelerator.split_between_processes(list(range(len(dataset)))) as rows:
+            records = [dataset[i] for i in rows]
+        prompts = [prompt_text(record["prompt"], "eval_dataset 'prompt'") for record in records]
+        images = []
+        with eval_mode(transformer), ema_swapped_in(ema):
+            for begin in range(0, len(prompts), args.per_device_eval_batch_size):
+                batch = prompts[begin : begin + args.per_device_eval_batch_size]
+                # A seed per batch, from its first row: deterministic for a given process count and batch size.
+                images.extend(self.render(batch, args.eval_seed + rows[begin]))
+        per_reward: dict[str, list[float]] = {}
+        if prompts:
+            columns = {key: [record[key] for record in records] for key in records[0] if key != "prompt"}
+            total, parts = compute_rewards(
+                self.reward_funcs, prompts, images, args.reward_weights, trainer_state=trainer_state, **columns
+            )
+            per_reward = {"reward": total.tolist(), **{name: value.tolist() for name, value in parts.items()}}
+        gathered: dict[str, list[float]] = defaultdict(list)
+        for part in gather_object([per_reward]):  # one dict per process, in rank order
+            for name, values in part.items():
+                gathered[name].extend(values)
+        metrics = {}
+        for name, values in gathered.items():
+            values = torch.tensor(values, dtype=torch.float64)
+            values = values[~values.isnan()]  # a reward's None (not applicable) is NaN
+            key = f"{metric_key_prefix}_reward" if name == "reward" else f"{metric_key_prefix}_rewards/{name}"
+            metrics[key if name == "reward" else f"{key}/mean"] = values.mean().item()
+            metrics[f"{key}_std" if name == "reward" else f"{key}/std"] = values.std().item()
+        metrics[f"{metric_key_prefix}_samples"] = len(gathered["reward"])
+        metrics[f"{metric_key_prefix}_runtime"] = time.perf_counter() - start
+        return metrics, images, prompts
+
+
+class SampleImagesCallback(TrainerCallback):
+    """Calls ``log_samples(step)`` every ``image_log_steps`` optimizer steps and at the last one: the trainer
+    renders ``eval_prompts``, saves a PNG grid and sends it to the trackers enabled in ``report_to``."""
+
+    def __init__(self, log_samples: Callable[[int], None]):
+        self.log_samples = log_samples
+
+    def on_step_end(self, args: GRPOJaggConfig, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step % args.image_log_steps == 0 or state.global_step == state.max_steps:
+            self.log_samples(state.global_step)

@@ -1,0 +1,42 @@
+"""File and folder names of what the trainer saves: a model folder (``save_model``), a checkpoint, a Hub upload."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from ..grpo_jagg_config import GRPOJaggConfig
+
+LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
+"""LoRA weights in the diffusers format that ``pipe.load_lora_weights`` reads."""
+FULL_WEIGHTS_PATTERN = "diffusion_pytorch_model*.safetensors"
+"""Full fine-tuning: the backbone as ``save_pretrained`` writes it (one file or shards plus an index)."""
+SCHEDULER_FOLDER = "scheduler"
+EMA_DIR = "ema"
+"""Subfolder of every saved model and checkpoint holding the EMA weights, in the format of the trained ones."""
+GRPO_STATE_NAME = "grpo_state.json"
+"""The trainer's own run state in a checkpoint (the Trainer saves weights, optimizer, scheduler and RNG itself)."""
+MODEL_FILES = (
+    LORA_WEIGHTS_NAME,
+    FULL_WEIGHTS_PATTERN,
+    "diffusion_pytorch_model*.safetensors.index.json",
+    "config.json",
+    SCHEDULER_FOLDER,
+    EMA_DIR,
+    "README.md",
+)
+"""What a model folder holds and a checkpoint push carries up to the Hub (the Trainer's own list knows
+transformers' and peft's file names only)."""
+HUB_IGNORE_PATTERNS = ["_*", f"{PREFIX_CHECKPOINT_DIR}-*", f"tmp-{PREFIX_CHECKPOINT_DIR}-*"]
+"""Never uploaded from ``output_dir``: the Trainer's patterns plus the staging folders of atomic checkpoints."""
+
+
+def without_secrets(args: GRPOJaggConfig) -> GRPOJaggConfig:
+    """A copy of ``args`` for ``training_args.bin`` without ``*_token`` values (the Hub token would be in clear)."""
+    clean = copy.copy(args)
+    for item in dataclasses.fields(args):
+        if item.name.endswith("_token") and getattr(args, item.name) is not None:
+            setattr(clean, item.name, None)
+    return clean

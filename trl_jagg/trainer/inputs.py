@@ -1,0 +1,37 @@
+"""The trainer's inputs, checked before anything is loaded: datasets, the checkpoint to resume from, the rewards."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from datasets import Dataset
+
+from ..grpo_jagg_config import GRPOJaggConfig
+from ..prompts import prompt_dataset
+from ..rewards import load_reward_funcs
+from .checkpoint_checks import check_checkpoint_dir
+
+
+def checked_inputs(
+    args: GRPOJaggConfig,
+    train_dataset: Dataset | None,
+    eval_dataset: Dataset | None,
+    reward_funcs: str | Callable[..., Any] | Sequence[str | Callable[..., Any]],
+) -> tuple[Dataset, Dataset | None, list[Callable[..., Any]]]:
+    """The validated train and eval datasets and the loaded reward functions; errors name the input and the fix."""
+    if train_dataset is None:
+        raise ValueError("`train_dataset` is required: a datasets.Dataset with a 'prompt' column.")
+    train_dataset = prompt_dataset(train_dataset, args.prompts_per_rollout)
+    if eval_dataset is not None:
+        eval_dataset = prompt_dataset(eval_dataset, 1, name="eval_dataset")
+    resume = args.resume_from_checkpoint
+    if isinstance(resume, str) and resume.lower() not in ("true", "last"):
+        check_checkpoint_dir(resume, args.output_dir)
+    funcs = load_reward_funcs(reward_funcs, device=args.device)
+    if args.reward_weights is not None and len(args.reward_weights) != len(funcs):
+        raise ValueError(
+            f"GRPOJaggConfig.reward_weights has {len(args.reward_weights)} values for {len(funcs)} reward functions. "
+            "Give one weight per reward function."
+        )
+    return train_dataset, eval_dataset, funcs

@@ -1,0 +1,347 @@
+"""The update stage: the GRPO update of one micro-batch through the JAGG engine.
+
+The trainer calls :meth:`UpdateStage.run` once per micro-batch and gets the loss and the engine's counts back:
+which steps are trained, their grouping (``jagg_frac``, ``"auto"`` routing by gradient probes), the rollout's cached
+velocities, the KL reference's means, the backbone calls and the backward units (DDP ``no_sync``, DeepSpeed's
+deferred step) all live here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from accelerate.utils import DistributedType
+
+from ..grpo import kl_to_reference, ppo_step_loss
+from ..grpo_jagg_config import GRPOJaggConfig
+from ..jagg import EngineResult, JaggEngine, StepGroup, gradient_diagnostic, leading_jagg_fraction, plan_groups
+from ..models import FlowMatchingAdapter
+from ..sampling import sampler_step
+from .batch import rng_seed, velocity_key
+from .placement import adapters_disabled, reshard
+
+STEP_STATS = ("policy_loss", "kl", "ratio_mean", "clip_fraction", "approx_kl")
+
+
+def trained_steps(args: GRPOJaggConfig, batch: dict[str, Any], *, micro_step: int, global_step: int) -> list[int]:
+    """Which denoising steps the update of micro-batch ``micro_step`` trains, identical on every process."""
+    num_steps = args.num_inference_steps
+    if args.train_timesteps == "all":
+        return list(range(num_steps))
+    if args.train_timesteps == "all_but_last":
+        return list(range(num_steps - 1))
+    if args.train_timesteps == "sde_window":
+        return list(batch["stochastic_steps"])
+    # DanceGRPO never trains the last step (its Gaussian is the narrowest): `random_but_last`.
+    candidates = num_steps - (args.train_timesteps == "random_but_last")
+    count = max(1, round(args.train_timestep_fraction * candidates))
+    return sorted(random.Random(rng_seed(args.seed, global_step, -2, micro_step)).sample(range(candidates), count))
+
+
+@dataclass
+class StepFunctions:
+    """What the engine needs for one micro-batch: the trained steps, the backbone call and the per-step loss of the
+    ``i``-th trained step, the batched no-grad backbone call, and the per-step diagnostics the loss fills."""
+
+    trained: list[int]
+    velocity_fn: Callable[[int], torch.Tensor]
+    loss_fn: Callable[[int, torch.Tensor], torch.Tensor]
+    no_grad_velocities_fn: Callable[[Sequence[int]], list[torch.Tensor]]
+    stats: dict[str, list[torch.Tensor]]
+
+
+@contextlib.contextmanager
+def deepspeed_step_deferred(accelerator: Any) -> Iterator[None]:
+    """Backward calls inside are not a gradient-accumulation boundary for DeepSpeed: no engine step after them."""
+    state = accelerator.gradient_state
+    sync = state.sync_gradients
+    state._set_sync_gradients(False)
+    try:
+        yield
+    finally:
+        state._set_sync_gradients(sync)
+
+
+class UpdateStage:
+    """The update of one micro-batch; writes its diagnostics (means over processes) into ``metrics``.
+
+    Args:
+        adapter: the model family's adapter (the guided backbone call).
+        args: the run's configuration.
+        accelerator: the Trainer's accelerator (backward, gradient sync, reductions).
+        metrics: the trainer's metric lists, averaged at each log.
+        ref_transformer: a frozen copy of the base backbone for the KL term of full fine-tuning (``None`` with
+            LoRA, whose reference is the backbone with its adapters disabled, or when ``beta`` is 0).
+        has_dropout: whether the backbone has active dropout (a recomputed velocity then differs from the rollout's,
+            so the velocity cache is not used in training mode).
+    """
+
+    def __init__(
+        self,
+        adapter: FlowMatchingAdapter,
+        args: GRPOJaggConfig,
+        accelerator: Any,
+        metrics: dict[str, list[float]],
+        *,
+        ref_transformer: torch.nn.Module | None,
+        has_dropout: bool,
+    ):
+        self.adapter = adapter
+        self.args = args
+        self.accelerator = accelerator
+        self.metrics = metrics
+        self.ref_transformer = ref_transformer
+        self.has_dropout = has_dropout
+        # `jagg_frac="auto"`: the routed fraction and the optimizer step of the probe that set it.
+        self.routed_frac: float | None = None
+        self.last_probe_step: int | None = None
+
+    # ------------------------------------------------------------------ backbone calls
+    def velocities(self, transformer: torch.nn.Module, batch: dict[str, Any], steps: Sequence[int]) -> list:
+        """The guided velocities of denoising steps ``steps`` of the micro-batch, under the ambient grad mode.
+
+        Several steps run as one backbone call over their concatenated micro-batches, up to ``no_grad_batch_steps``
+        steps a call (the memory cap); the results are those of one call per step up to float rounding."""
+        args = self.args
+        latents, timesteps, cond = batch["latents"], batch["timesteps"], batch["cond"]
+        size = latents.shape[0]
+        guidance = {
+            "guidance_scale": args.guidance_scale,
+            "true_cfg_scale": args.true_cfg_scale,
+            "uncond_grad": args.cfg_gradient == "both",
+        }
+        per_call = args.no_grad_batch_steps or len(steps)
+        velocities = []
+        for begin in range(0, len(steps), per_call):
+            chunk = list(steps[begin : begin + per_call])
+            if len(chunk) == 1:
+                k = chunk[0]
+                x, t, c = latents[:, k], timesteps[k].expand(size), cond
+            else:
+                x = latents[:, chunk].transpose(0, 1).flatten(0, 1)  # step-major: step j is rows j*size..
+                t = timesteps[chunk].repeat_interleave(size)
+                c = cond.select(torch.arange(size, device=latents.device).repeat(len(chunk)))
+            v = self.adapter.predict_velocity(transformer, x, t, c, **guidance)
+            velocities.extend(v.unflatten(0, (len(chunk), size)).unbind(0))
+        return velocities
+
+    @torch.no_grad()
+    def reference_means(
+        self, transformer: torch.nn.Module, batch: dict[str, Any], trained: list[int]
+    ) -> dict[int, torch.Tensor]:
+        """Means of the reference model's step Gaussians (base weights) for the KL term, the backbone calls of all
+        trained steps batched (see :meth:`velocities`); ``transformer`` is the unwrapped trained backbone."""
+        args = self.args
+        context = contextlib.nullcontext()
+        if self.ref_transformer is not None:
+            transformer = self.ref_transformer
+        else:
+            context = adapters_disabled(transformer)
+        with context:
+            velocities = self.velocities(transformer, batch, trained)
+        reshard(transformer)
+        sigmas = batch["sigmas"]
+        return {
+            k: sampler_step(
+                v,
+                batch["latents"][:, k],
+                sigmas[k],
+                sigmas[k + 1],
+                sampler=args.sampler,
+                noise_level=args.noise_level,
+                sigma_max=sigmas[1],
+            ).mean  # fmt: skip
+            for k, v in zip(trained, velocities)
+        }
+
+    def cached_velocities(
+        self, model: torch.nn.Module, batch: dict[str, Any], trained: list[int], global_step: int
+    ) -> dict[int, torch.Tensor]:
+        """The rollout's velocities of the trained steps (keyed by trained index) while they are exactly what the
+        backbone would return now; empty otherwise (then the engine recomputes them)."""
+        if not self.args.jagg_cache_velocities or "velocities" not in batch:
+            return {}
+        key = velocity_key(global_step, self.adapter.dtype, self.accelerator.device.type)
+        if batch["velocity_key"] != key or (model.training and self.has_dropout):
+            return {}
+        return {i: batch["velocities"][:, k] for i, k in enumerate(trained)}
+
+    # ------------------------------------------------------------------ the engine's inputs
+    def step_functions(self, model: torch.nn.Module, batch: dict[str, Any], trained: list[int]) -> StepFunctions:
+        """The engine's inputs for micro-batch ``batch`` trained on steps ``trained``, ``model`` being the backbone
+        (wrapped by DDP or not) whose forward the backward runs through."""
+        args = self.args
+        latents, old_log_probs, advantages = batch["latents"], batch["log_probs"], batch["advantages"]
+        sigmas = batch["sigmas"]
+        unwrapped = self.accelerator.unwrap_model(model)
+        ref_means = self.reference_means(unwrapped, batch, trained) if args.beta > 0 else {}
+        stats: dict[str, list[torch.Tensor]] = defaultdict(list)
+
+        def loss_fn(i: int, v: torch.Tensor) -> torch.Tensor:
+            k = trained[i]
+            step = sampler_step(
+                v, latents[:, k], sigmas[k], sigmas[k + 1], sampler=args.sampler, noise_level=args.noise_level,
+                sigma_max=sigmas[1], prev_sample=latents[:, k + 1],
+            )  # fmt: skip
+            kl = None
+            if k in ref_means:
+                kl = kl_to_reference(step.mean, ref_means[k], step.std if args.kl_std == "step" else step.noise_scale)
+            out = ppo_step_loss(
+                step.log_prob, old_log_probs[:, k], advantages, args.clip_range, kl=kl, beta=args.beta,
+                clip_range_high=args.epsilon_high,
+            )  # fmt: skip
+            for key in STEP_STATS:
+                stats[key].append(getattr(out, key))
+            return out.loss
+
+        return StepFunctions(
+            trained=trained,
+            velocity_fn=lambda i: self.velocities(model, batch, [trained[i]])[0],
+            loss_fn=loss_fn,
+            no_grad_velocities_fn=lambda steps: self.velocities(model, batch, [trained[i] for i in steps]),
+            stats=stats,
+        )
+
+    def plan(
+        self, batch: dict[str, Any], trained: list[int], *, use_jagg: bool, jagg_frac: float = 1.0
+    ) -> list[StepGroup]:
+        """The trained steps grouped and routed (exact or JAGG) from their flow times."""
+        args = self.args
+        return plan_groups(
+            [batch["sigma_values"][k] for k in trained],
+            args.jagg_group_size if use_jagg else 1,
+            jagg_frac if use_jagg else 0.0,
+            args.jagg_mode if use_jagg else "exact",
+        )
+
+    # ------------------------------------------------------------------ backward
+    def backward(self, loss: torch.Tensor) -> None:
+        """``accelerator.backward``; under DeepSpeed without its own division by the accumulation steps: the engine's
+        loss weight already has it (the Trainer passes ``scale_wrt_gas=False`` for the same reason)."""
+        if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
+            self.accelerator.backward(loss, scale_wrt_gas=False)
+        else:
+            self.accelerator.backward(loss)
+
+    def backward_unit(self, model: torch.nn.Module, is_last: bool) -> contextlib.AbstractContextManager:
+        """The context of one backward unit of a micro-batch: all but the last defer the gradient reduction (DDP's
+        ``no_sync``) or, under DeepSpeed, the optimizer step: accelerate's DeepSpeed backward steps the engine after
+        every backward call of a boundary micro-batch, which would step once per unit. ZeRO-2 reduces at every
+        backward call anyway; the engine accumulates them until the single step."""
+        if is_last:
+            return contextlib.nullcontext()
+        if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
+            return deepspeed_step_deferred(self.accelerator)
+        return self.accelerator.no_sync(model)
+
+    # ------------------------------------------------------------------ routing
+    def auto_jagg_frac(
+        self, model: torch.nn.Module, batch: dict[str, Any], fns: StepFunctions, global_step: int
+    ) -> float:
+        """``jagg_frac="auto"``: every ``jagg_probe_steps`` optimizer steps, the JAGG-vs-exact gradient cosine of
+        every full group on this micro-batch; the leading groups with cosine >= ``jagg_cos_threshold`` are routed
+        to JAGG until the next probe. Cosines are averaged over processes, so every process routes alike."""
+        args = self.args
+        if self.last_probe_step is None or global_step - self.last_probe_step >= args.jagg_probe_steps:
+            # The unwrapped module: autograd.grad through a DDP wrapper would leave its reducer waiting.
+            unwrapped = self.accelerator.unwrap_model(model)
+            params = [p for p in unwrapped.parameters() if p.requires_grad]
+            groups = self.plan(batch, fns.trained, use_jagg=True)
+            diagnostics = gradient_diagnostic(
+                [g for g in groups if g.is_joint],
+                lambda i: self.velocities(unwrapped, batch, [fns.trained[i]])[0],
+                fns.loss_fn,
+                params,
+                mode=args.jagg_mode,
+            )
+            for values in fns.stats.values():
+                values.clear()  # the probe's loss evaluations are not the update's diagnostics
+            cosines = [d.cosine for d in diagnostics]
+            if cosines:
+                device = self.accelerator.device
+                cosines = self.accelerator.reduce(torch.tensor(cosines, device=device), "mean").tolist()
+            self.routed_frac = leading_jagg_fraction(cosines, len(groups), args.jagg_cos_threshold)
+            self.last_probe_step = global_step
+            for i, c in enumerate(cosines):
+                self.metrics[f"jagg/probe_cosine/group_{i}"].append(c)
+            self.metrics["jagg/auto_frac"].append(self.routed_frac)
+        return self.routed_frac
+
+    def calibrate(
+        self, model: torch.nn.Module, rollouts: Sequence[dict[str, Any]], threshold: float, *, micro_step: int,
+        global_step: int,
+    ) -> dict[str, Any]:  # fmt: skip
+        """The JAGG-vs-exact gradient cosine and norm ratio of every full group, averaged over ``rollouts``, and the
+        ``jagg_frac`` of the paper's rule (the share of leading groups whose cosine is >= ``threshold``). Every
+        full group is evaluated as if routed to JAGG; no gradient is applied."""
+        params = [p for p in model.parameters() if p.requires_grad]
+        per_group: list[list[float]] = []
+        norm_ratios: list[list[float]] = []
+        for batch in rollouts:
+            trained = trained_steps(self.args, batch, micro_step=micro_step, global_step=global_step)
+            fns = self.step_functions(model, batch, trained)
+            groups = self.plan(batch, trained, use_jagg=True)
+            diagnostics = gradient_diagnostic(
+                [g for g in groups if g.is_joint], fns.velocity_fn, fns.loss_fn, params, mode=self.args.jagg_mode
+            )
+            per_group.append([d.cosine for d in diagnostics])
+            norm_ratios.append([d.norm_ratio for d in diagnostics])
+        cosines = torch.tensor(per_group).mean(dim=0).tolist()
+        return {
+            "group_cosine": cosines,
+            "group_norm_ratio": torch.tensor(norm_ratios).mean(dim=0).tolist(),
+            "threshold": threshold,
+            "jagg_frac": leading_jagg_fraction(cosines, len(groups), threshold),
+            "jagg_group_size": self.args.jagg_group_size,
+        }
+
+    # ------------------------------------------------------------------ one micro-batch
+    def run(
+        self, model: torch.nn.Module, batch: dict[str, Any], *, micro_step: int, global_step: int,
+        accumulation_steps: int,
+    ) -> EngineResult:  # fmt: skip
+        """Forward, loss and backward of micro-batch ``batch`` (the ``micro_step``-th of the run) at optimizer step
+        ``global_step``; the gradients are accumulated into ``model``'s parameters, scaled for
+        ``accumulation_steps`` micro-batches per optimizer step."""
+        if "dropped_frac" in batch:
+            self.metrics["zero_advantage/dropped_frac"].append(batch["dropped_frac"])
+            if batch["latents"].shape[0] == 0:  # every sample had a zero advantage (single process only)
+                return EngineResult()
+        args = self.args
+        trained = trained_steps(args, batch, micro_step=micro_step, global_step=global_step)
+        fns = self.step_functions(model, batch, trained)
+        jagg_frac = args.jagg_frac
+        if args.use_jagg and jagg_frac == "auto":
+            jagg_frac = self.auto_jagg_frac(model, batch, fns, global_step)
+        engine = JaggEngine(
+            fns.velocity_fn,
+            fns.loss_fn,
+            self.backward,
+            sync_context=lambda is_last: self.backward_unit(model, is_last),
+            loss_weight=1.0 / (len(trained) * accumulation_steps),
+            cached_velocities=self.cached_velocities(model, batch, trained, global_step) if args.use_jagg else None,
+            no_grad_velocities_fn=fns.no_grad_velocities_fn,
+            endpoint_backward=args.jagg_endpoint_backward,
+        )
+        result = engine.run(self.plan(batch, trained, use_jagg=args.use_jagg, jagg_frac=jagg_frac))
+
+        # The per-step diagnostics stay on the device until here: one sync per update, not five per step. The loss
+        # and diagnostics are per process: log every process's mean, averaged (as TRL's GRPOTrainer does).
+        names = ["loss", *fns.stats]
+        local = [torch.tensor(result.loss, device=self.accelerator.device, dtype=torch.float32)]
+        local += [torch.stack(fns.stats[n]).float().mean() for n in fns.stats]
+        means = self.accelerator.gather(torch.stack(local)[None]).mean(dim=0).tolist()
+        for name, value in zip(names, means):
+            self.metrics[name if name != "ratio_mean" else "ratio"].append(value)
+        self.metrics["jagg/groups_jagg"].append(result.num_jagg_groups)
+        self.metrics["jagg/groups_exact"].append(result.num_exact_groups)
+        self.metrics["jagg/backward_calls"].append(result.num_backward)
+        self.metrics["jagg/cached_velocities"].append(result.num_cached)
+        self.metrics["jagg/no_grad_forwards"].append(result.num_no_grad_forwards)
+        return result
