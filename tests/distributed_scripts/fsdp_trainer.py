@@ -54,7 +54,10 @@ def gradients(trainer: DDPOJaggTrainer, batch: dict, *, use_jagg: bool, model=No
     """Full (gathered) gradients of one update on ``batch``, from zero; ``model`` is the wrapped model (DDP)."""
     trainer.model.zero_grad(set_to_none=True)
     trainer.args.use_jagg = use_jagg
-    trainer._update(model if model is not None else trainer.model, batch)
+    trainer.update_stage.run(
+        model if model is not None else trainer.model, batch, micro_step=trainer._step,
+        global_step=trainer.state.global_step, accumulation_steps=trainer.current_gradient_accumulation_steps,
+    )  # fmt: skip
     trainer.args.use_jagg = True
     grads = {}
     for name, p in trainer.model.named_parameters():
@@ -69,7 +72,7 @@ def main(model_path: str, work_dir: str) -> None:
     torch.set_num_threads(1)
     from torch.distributed.tensor import DTensor
 
-    from trl_jagg.ddpo_jagg_trainer import _split_rollout
+    from trl_jagg.trainer.batch import split_rollout
 
     report = {}
     for kind in KINDS:
@@ -78,7 +81,7 @@ def main(model_path: str, work_dir: str) -> None:
         rank, world = trainer.accelerator.process_index, trainer.accelerator.num_processes
         trainable = [p for p in trainer.model.parameters() if p.requires_grad]
         batch = torch.load(f"{work_dir}/{kind}_batch.pt", weights_only=False)
-        local = _split_rollout(batch, world)[rank]
+        local = split_rollout(batch, world)[rank]
         # DDP: the wrapper the Trainer's accelerator.prepare would build; FSDP2: the sharded module itself.
         model = trainer.model if KINDS[kind]["shard"] else trainer.accelerator.prepare_model(trainer.model)
         assert KINDS[kind]["shard"] or isinstance(model, torch.nn.parallel.DistributedDataParallel)
