@@ -225,7 +225,7 @@ def test_trl_config_names(tmp_path):
 
 
 def test_epsilon_high_reaches_the_loss_and_generation_batch_size_the_rollout(tiny_flux_path, tmp_path, monkeypatch):
-    import trl_jagg.ddpo_jagg_trainer as module
+    import trl_jagg.trainer.update as module
 
     seen, real = [], module.ppo_step_loss
     monkeypatch.setattr(
