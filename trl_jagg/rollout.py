@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +47,7 @@ def sample_trajectories(
     generator: torch.Generator | None = None,
     transformer: torch.nn.Module | None = None,
     record_velocities: bool = False,
+    noise_groups: Sequence[int] | torch.Tensor | None = None,
 ) -> Trajectory:
     """Run the full denoising loop from ``noise`` and record every latent and transition log-prob.
 
@@ -55,32 +56,51 @@ def sample_trajectories(
             (Flow-GRPO-Fast's SDE window). ``None`` makes every step stochastic.
         transformer: the backbone to call (defaults to the pipeline's).
         record_velocities: keep every step's guided velocity in :attr:`Trajectory.velocities`.
+        noise_groups: ``(batch,)`` group of each row: rows of one group start from the same noise with the same
+            conditioning (a GRPO group under ``same_group_noise``). The deterministic steps before the first
+            stochastic one are then identical within a group, so they run once per group (one row each) and the
+            trajectories branch at the first stochastic step; the result is the unshared rollout's up to the
+            rounding of a smaller backbone batch. Checked: rows that differ raise a ``ValueError``.
     """
     transformer = transformer if transformer is not None else adapter.transformer
     num_steps = len(timesteps)
+
+    def is_stochastic(k: int) -> bool:
+        return sampler != "ode" and noise_level != 0 and (stochastic_steps is None or k in stochastic_steps)
+
+    prefix = next((k for k in range(num_steps) if is_stochastic(k)), num_steps)
+    branch = _group_rows(noise, cond, noise_groups) if noise_groups is not None and prefix > 0 else None
+    full_cond = cond
+    if branch is not None:  # the shared prefix runs on one row per group
+        first, inverse = branch
+        noise, cond = noise[first], cond.select(first)
     latents = [noise.float()]
     log_probs = []
     velocities = []
     for k in range(num_steps):
-        t = timesteps[k].expand(noise.shape[0])
+        if branch is not None and k == prefix:  # every row continues from its group's state
+            latents, log_probs, velocities = ([x[inverse] for x in xs] for xs in (latents, log_probs, velocities))
+            cond = full_cond
+        t = timesteps[k].expand(latents[-1].shape[0])
         velocity = adapter.predict_velocity(
             transformer, latents[-1], t, cond, guidance_scale=guidance_scale, true_cfg_scale=true_cfg_scale
         )
         if record_velocities:
             velocities.append(velocity)
-        stochastic = stochastic_steps is None or k in stochastic_steps
         step = sampler_step(
             velocity,
             latents[-1],
             sigmas[k],
             sigmas[k + 1],
-            sampler=sampler if stochastic else "ode",
+            sampler=sampler if is_stochastic(k) else "ode",
             noise_level=noise_level,
             sigma_max=sigmas[1],
             generator=generator,
         )
         latents.append(step.prev_sample)
         log_probs.append(step.log_prob)
+    if branch is not None and prefix == num_steps:  # fully deterministic: the groups never branched
+        latents, log_probs, velocities = ([x[inverse] for x in xs] for xs in (latents, log_probs, velocities))
     return Trajectory(
         torch.stack(latents, dim=1),
         torch.stack(log_probs, dim=1),
@@ -88,6 +108,33 @@ def sample_trajectories(
         timesteps,
         torch.stack(velocities, dim=1) if record_velocities else None,
     )
+
+
+def _group_rows(
+    noise: torch.Tensor, cond: Conditioning, noise_groups: Sequence[int] | torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(first, inverse)``: the first row of each group and every row's group position, so that
+    ``x[first][inverse]`` rebuilds a batch ``x`` whose rows are equal within groups; ``None`` when no two rows
+    share a group (nothing to share)."""
+    groups = torch.as_tensor(noise_groups, device=noise.device)
+    if groups.shape != (noise.shape[0],):
+        raise ValueError(
+            f"`noise_groups` must give one group per row: shape ({noise.shape[0]},), got {tuple(groups.shape)}."
+        )
+    _, inverse = torch.unique(groups, return_inverse=True)
+    if inverse.max() + 1 == len(groups):
+        return None
+    rows = torch.arange(len(groups), device=noise.device)
+    first = torch.full((int(inverse.max()) + 1,), len(groups), device=noise.device).scatter_reduce(
+        0, inverse, rows, "amin"
+    )
+    for name, value in {"noise": noise, **cond.per_sample}.items():
+        if not torch.equal(value, value[first][inverse]):
+            raise ValueError(
+                f"`noise_groups` puts rows with different `{name}` in one group: a group must share its initial "
+                "noise and conditioning (pass `noise_groups=None` when the samples draw their own noise)."
+            )
+    return first, inverse
 
 
 @torch.no_grad()
