@@ -18,7 +18,9 @@ from trl_jagg.recipes import RECIPES, get_recipe, list_recipes
 from trl_jagg.trainer import update
 
 YAML_DIR = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "recipes")
-NAMES = ["flow-grpo-sd35", "flow-grpo-flux", "flow-grpo-qwenimage", "flow-grpo-fast-flux", "dancegrpo-flux"]
+NAMES = [
+    "flow-grpo-sd35", "flow-grpo-flux", "flow-grpo-qwenimage", "flow-grpo-fast-flux", "dancegrpo-flux", "mixgrpo-flux",
+]  # fmt: skip
 
 # The public numbers (JAGG spec section 5), written out independently of trl_jagg/recipes.py.
 PUBLISHED = {
@@ -32,6 +34,12 @@ PUBLISHED = {
     "dancegrpo-flux": dict(
         height=720, width=720, num_inference_steps=16, sampler="dance", noise_level=0.3, learning_rate=1e-5,
         train_timestep_fraction=0.6,
+    ),
+    # MixGRPO-Flash (Tencent-Hunyuan/MixGRPO scripts/finetune/finetune_flux_grpo_MixGRPO_Flash.sh).
+    "mixgrpo-flux": dict(
+        height=720, width=720, num_inference_steps=25, sampler="sde", noise_level=0.7, num_generations=12,
+        learning_rate=1e-5, train_timesteps="sde_window", sde_window_size=4, sde_window_schedule="progressive",
+        sde_window_stride=1, sde_window_shift_interval=20, ode_solver_order=2, ode_step_ratio=0.4,
     ),
 }  # fmt: skip
 # The peers' conventions around the formulas, read from their code (docs/models.md lists file and line for each).
@@ -64,6 +72,10 @@ PEER_CONVENTIONS = {
         quantize_timesteps=True, same_group_noise=True, max_sequence_length=512, train_timesteps="random_but_last",
         ema_decay=0.0, beta=0.0,
     ),
+    "mixgrpo-flux": dict(
+        per_prompt_stat_tracking=False, scale_rewards="group", advantage_std_ddof=1, advantage_eps=1e-8,
+        quantize_timesteps=True, same_group_noise=True, beta=0.0, clip_range=1e-4, adv_clip_max=5.0,
+    ),
 }  # fmt: skip
 PUBLISHED_LORA = {
     "flow-grpo-sd35": (32, 64),
@@ -71,6 +83,7 @@ PUBLISHED_LORA = {
     "flow-grpo-qwenimage": (64, 128),
     "flow-grpo-fast-flux": (64, 128),
     "dancegrpo-flux": None,  # full fine-tuning
+    "mixgrpo-flux": None,
 }
 MODELS = {
     "flow-grpo-sd35": "stabilityai/stable-diffusion-3.5-medium",
@@ -78,6 +91,7 @@ MODELS = {
     "flow-grpo-qwenimage": "Qwen/Qwen-Image",
     "flow-grpo-fast-flux": "black-forest-labs/FLUX.1-dev",
     "dancegrpo-flux": "black-forest-labs/FLUX.1-dev",
+    "mixgrpo-flux": "black-forest-labs/FLUX.1-dev",
 }
 
 
