@@ -15,8 +15,9 @@ from testing_utils import PROMPTS, redness, run_update, trained_steps_of
 from transformers import TrainerCallback
 
 from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
-from trl_jagg.models import load_adapter
+from trl_jagg.models import Conditioning, load_adapter
 from trl_jagg.rollout import sample_trajectories
+from trl_jagg.trainer.batch import select_samples
 
 
 def make_config(tmp_path, **overrides) -> GRPOJaggConfig:
@@ -386,17 +387,19 @@ def test_velocity_cache_gives_the_uncached_gradient_with_two_forwards_and_one_ba
     uncached = update_gradient(trainer, rollout, jagg_cache_velocities=False)
     # Batched: one no-grad call for both intermediates, one for the KL reference of the 4 trained steps.
     assert calls.take() == (2, 1 + (1 if beta else 0), 1)
+    # The KL reference's means were kept by the first update of this micro-batch: no no-grad call is left.
     cached = update_gradient(trainer, rollout)
-    assert calls.take() == (2, 1 if beta else 0, 1)  # the KL reference is the only no-grad call left
+    assert calls.take() == (2, 0, 1)
     assert trainer._metrics["jagg/cached_velocities"][-1] == 2
     torch.testing.assert_close(cached, uncached, rtol=0, atol=1e-6 * uncached.abs().max().item())
     # One call per step (no batching) gives the same gradient within float rounding.
+    rollout.pop("reference_means", None)
     unbatched = update_gradient(trainer, rollout, jagg_cache_velocities=False, no_grad_batch_steps=1)
     assert calls.take() == (2, 2 + (4 if beta else 0), 1)
     torch.testing.assert_close(unbatched, uncached, rtol=0, atol=1e-6 * uncached.abs().max().item())
     # Sequential endpoints: same gradient, two backward calls, still no extra forward with the cache.
     sequential = update_gradient(trainer, rollout, jagg_endpoint_backward="sequential")
-    assert calls.take() == (2, 1 if beta else 0, 2)
+    assert calls.take() == (2, 0, 2)
     torch.testing.assert_close(sequential, cached, rtol=0, atol=1e-6 * cached.abs().max().item())
     calls.handle.remove()
 
@@ -412,6 +415,36 @@ def test_batched_reference_means_match_one_call_per_step(tiny_flux_path, tmp_pat
         chunked = trainer.update_stage.reference_means(model, rollout, trained)
         for k in trained:
             torch.testing.assert_close(chunked[k], batched[k], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["frozen-copy", "adapters-disabled"])
+def test_reference_means_are_computed_once_per_micro_batch_and_reused(tiny_flux_path, tmp_path, lora):
+    """Two micro-batches of one rollout, two PPO iterations each: the KL reference runs once per micro-batch (2
+    calls, not 4), and what the later updates use is bit-identical to a fresh computation (same batching)."""
+    trainer = make_trainer(
+        tiny_flux_path, tmp_path, lora=lora, beta=0.2, num_iterations=2, steps_per_generation=2,
+        per_device_train_batch_size=2, max_steps=4,
+    )  # fmt: skip
+    stage = trainer.update_stage
+    calls = []
+    reference_means = stage.reference_means
+    stage.reference_means = lambda *a, **k: calls.append(a[2]) or reference_means(*a, **k)
+    trainer.train()
+    trained = list(range(trainer.args.num_inference_steps - 1))  # all but the last
+    assert calls == [trained, trained]
+    stage.reference_means = reference_means
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    for chunk in trainer._buffered_inputs:
+        kept = dict(chunk.pop("reference_means"))
+        fresh = stage.reference_means(model, chunk, trained)
+        assert all(torch.equal(kept[k], fresh[k]) for k in trained)  # the reference is frozen: exactly the same
+
+
+def test_selected_samples_keep_their_reference_means():
+    means = {2: torch.arange(8.0).view(4, 2)}
+    batch = {"latents": torch.zeros(4, 3), "cond": Conditioning({"x": torch.arange(4)}), "reference_means": means}
+    selected = select_samples(batch, torch.tensor([3, 1]))
+    assert torch.equal(selected["reference_means"][2], means[2][[3, 1]])
 
 
 @pytest.mark.parametrize(
