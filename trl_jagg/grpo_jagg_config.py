@@ -71,6 +71,10 @@ class GRPOJaggConfig(TrainingArguments):
 
         fully_shard_backbone, offload_frozen_modules, precompute_prompt_embeds.
 
+        > Speed
+
+        compile_repeated_blocks, compile_backend.
+
         > Evaluation
 
         eval_prompts, eval_num_inference_steps, eval_seed, image_log_steps, log_completions; with an `eval_dataset`,
@@ -428,6 +432,24 @@ class GRPOJaggConfig(TrainingArguments):
         },
     )
 
+    # ---- Speed ----
+    compile_repeated_blocks: bool = field(
+        default=False,
+        metadata={
+            "help": "Regional compilation: `torch.compile` each repeated transformer block of the backbone and of the "
+            "KL reference copy (diffusers' `compile_repeated_blocks`; SD3, which declares no `_repeated_blocks`, its "
+            "`_no_split_modules` blocks), for the rollout and the update alike. The first steps pay the compile time; "
+            "a new batch shape compiles again."
+        },
+    )
+    compile_backend: str = field(
+        default="inductor",
+        metadata={
+            "help": "The `torch.compile` backend of `compile_repeated_blocks` (`aot_eager` captures the graphs "
+            "without generating code: a quick check that a model compiles)."
+        },
+    )
+
     # ---- EMA ----
     ema_decay: float = field(
         default=0.0,
@@ -658,6 +680,12 @@ class GRPOJaggConfig(TrainingArguments):
                         "It acts on the SDE window and the ODE steps around it: set sde_window_size >= 1 "
                         "(with train_timesteps='sde_window'), or leave it at its default.",
                     )
+        if self.compile_repeated_blocks:
+            import torch._dynamo
+
+            backends = torch._dynamo.list_backends(exclude_tags=())
+            if self.compile_backend not in backends:
+                fail("compile_backend", f"is {self.compile_backend!r}", f"Use one of {sorted(backends)}.")
         if self.clip_range <= 0:
             name = "epsilon" if self.epsilon is not None else "clip_range"
             fail(name, f"is {self.clip_range}", "Use a positive value (1e-4 for SDE, 1e-5 for CPS).")
