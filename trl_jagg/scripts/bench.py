@@ -95,6 +95,12 @@ class TrainerBenchmarkArguments:
     plot: bool = field(default=True, metadata={"help": "Write the PNG chart (--no_plot skips it)."})
 
 
+def _whole_step_variants() -> tuple[str, ...]:
+    from trl_jagg.benchmarks.whole_step import WHOLE_STEP_VARIANTS
+
+    return tuple(WHOLE_STEP_VARIANTS)
+
+
 @dataclass
 class WholeStepBenchmarkArguments:
     """The options of ``trl-jagg bench whole-step`` (parameters of
@@ -103,6 +109,9 @@ class WholeStepBenchmarkArguments:
     _argument_group_name = "Whole-step benchmark"
 
     output_dir: str = field(default="runs/bench", metadata={"help": "Where the JSON goes."})
+    variants: list[str] = field(
+        default_factory=lambda: list(_whole_step_variants()), metadata={"help": "The variants to time (all)."}
+    )
     resolution: int = field(default=128, metadata={"help": "Image height and width in pixels (a multiple of 16)."})
     max_sequence_length: int = field(default=64, metadata={"help": "Text tokens."})
     num_layers: int = field(default=2, metadata={"help": "Double-stream blocks of the Flux transformer."})
@@ -132,7 +141,7 @@ def main(argv: Sequence[str]) -> int:
     if parsed is None:
         return 0
     kwargs = asdict(parsed[0])
-    for key in ("group_sizes", "jagg_fracs", "betas"):
+    for key in ("group_sizes", "jagg_fracs", "betas", "variants"):
         if key in kwargs:
             kwargs[key] = tuple(kwargs[key])
     if command == "trainer":
