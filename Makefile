@@ -31,6 +31,7 @@ docs: $(VENV)/.installed
 bench: $(VENV)/.installed
 	HF_HUB_OFFLINE=1 $(VENV)/bin/trl-jagg bench --output_dir runs/bench
 	HF_HUB_OFFLINE=1 $(VENV)/bin/trl-jagg bench trainer --output_dir runs/bench
+	HF_HUB_OFFLINE=1 $(VENV)/bin/trl-jagg bench whole-step --output_dir runs/bench
 
 clean:
 	rm -rf runs .pytest_cache

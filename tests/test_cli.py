@@ -311,8 +311,9 @@ def test_lora_targets_default_to_the_family_attention(tiny_flux_path):
         (demo.DemoArguments, "trl_jagg.demo.run:run_demo"),
         (bench.EngineBenchmarkArguments, "trl_jagg.benchmarks.engine:run_engine_benchmark"),
         (bench.TrainerBenchmarkArguments, "trl_jagg.benchmarks.trainer:run_trainer_benchmark"),
+        (bench.WholeStepBenchmarkArguments, "trl_jagg.benchmarks.whole_step:run_whole_step_benchmark"),
     ],
-    ids=["demo", "bench", "bench-trainer"],
+    ids=["demo", "bench", "bench-trainer", "bench-whole-step"],
 )
 def test_command_dataclasses_mirror_their_function(arguments, function):
     # Every option is a parameter of the function, with the same default; every parameter a user would set is an
@@ -338,8 +339,9 @@ def test_command_dataclasses_mirror_their_function(arguments, function):
     [
         (["demo"], "trl_jagg.demo.run", "run_demo", "runs/demo"),
         (["bench", "trainer"], "trl_jagg.benchmarks.trainer", "run_trainer_benchmark", "runs/bench"),
+        (["bench", "whole-step"], "trl_jagg.benchmarks.whole_step", "run_whole_step_benchmark", "runs/bench"),
     ],
-    ids=["demo", "bench-trainer"],
+    ids=["demo", "bench-trainer", "bench-whole-step"],
 )
 def test_demo_and_bench_flags_reach_the_function(monkeypatch, capsys, command, module, function, default_dir):
     calls: list = []

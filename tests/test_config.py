@@ -10,6 +10,7 @@ import pytest
 from trl_jagg import GRPOJaggConfig
 
 BASE = dict(output_dir="unused", per_device_train_batch_size=4, num_generations=2, report_to="none")
+WINDOW = dict(train_timesteps="sde_window", sde_window_size=2)  # an SDE window, which the ODE options act around
 
 
 def config(**overrides) -> GRPOJaggConfig:
@@ -18,7 +19,7 @@ def config(**overrides) -> GRPOJaggConfig:
 
 FLOAT_FIELDS = [
     "noise_level", "guidance_scale", "true_cfg_scale", "clip_range", "learning_rate", "beta", "adv_clip_max",
-    "train_timestep_fraction", "jagg_frac", "weight_decay", "max_grad_norm",
+    "train_timestep_fraction", "jagg_frac", "weight_decay", "max_grad_norm", "ode_step_ratio",
 ]  # fmt: skip
 
 
@@ -57,6 +58,14 @@ def test_non_finite_reward_weight():
         (dict(eval_num_inference_steps=0), "eval_num_inference_steps", "positive"),
         (dict(stat_tracking_buffer_size=0), "stat_tracking_buffer_size", "positive"),
         (dict(reward_retries=-1), "reward_retries", "0"),
+        (dict(sde_window_schedule="sliding"), "sde_window_schedule", "random"),
+        (dict(sde_window_schedule="progressive"), "sde_window_schedule", "sde_window_size >= 1"),
+        (dict(ode_solver_order=2), "ode_solver_order", "sde_window_size >= 1"),
+        (dict(ode_solver_order=4, **WINDOW), "ode_solver_order", "DPM"),
+        (dict(ode_step_ratio=0.0, **WINDOW), "ode_step_ratio", r"\(0, 1\]"),
+        (dict(sde_window_stride=0, **WINDOW), "sde_window_stride", ">= 1"),
+        (dict(sde_window_shift_interval=0, **WINDOW), "sde_window_shift_interval", ">= 1"),
+        (dict(compile_repeated_blocks=True, compile_backend="inductr"), "compile_backend", "inductor"),
         (dict(max_steps=-1, num_train_epochs=0), "max_steps", "0 steps"),
         (dict(eval_prompts=["a cat", ""]), r"eval_prompts\[1\]", "empty"),
         (dict(eval_prompts=["a cat", None]), r"eval_prompts\[1\]", "NoneType"),

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from datasets import Dataset
-from diffusers import DiffusionPipeline, QwenImagePipeline, StableDiffusion3Pipeline
+from diffusers import DiffusionPipeline, FluxPipeline, QwenImagePipeline, StableDiffusion3Pipeline
 from peft import LoraConfig
 from testing_utils import PROMPTS, redness, step_functions_of
 
@@ -49,6 +49,8 @@ def reference_run(pipe: DiffusionPipeline, prompts: list[str], negative: str | N
     if isinstance(pipe, QwenImagePipeline):
         kwargs = {"true_cfg_scale": guidance["true_cfg_scale"]}
         kwargs["negative_prompt"] = [negative] * len(prompts) if negative is not None else None
+    elif isinstance(pipe, FluxPipeline):
+        kwargs = {**guidance, "negative_prompt": negative}
     else:
         kwargs = {"guidance_scale": guidance["guidance_scale"], "negative_prompt": negative}
     images = pipe(
@@ -67,11 +69,14 @@ def reference_run(pipe: DiffusionPipeline, prompts: list[str], negative: str | N
         (QwenImagePipeline, CFG["qwenimage"], ["a red circle", "a big blue square on the left"]),
         (QwenImagePipeline, CFG["qwenimage"], ["a red circle", "a blue square"]),
         (QwenImagePipeline, {"guidance_scale": 1.0, "true_cfg_scale": 1.0}, ["a red circle", "a blue square"]),
+        # Flux's true CFG (two calls in the pipeline, one batched call here) on top of its embedded guidance.
+        (FluxPipeline, {"guidance_scale": 3.5, "true_cfg_scale": 4.0}, ["a red circle", "a blue square"]),
     ],
-    ids=["sd3-cfg", "sd3-nocfg", "qwen-cfg-mask", "qwen-cfg-nomask", "qwen-nocfg"],
+    ids=["sd3-cfg", "sd3-nocfg", "qwen-cfg-mask", "qwen-cfg-nomask", "qwen-nocfg", "flux-true-cfg"],
 )
-def test_sampling_loop_reproduces_pipeline(tiny_sd3_path, tiny_qwenimage_path, pipeline_class, guidance, prompts):
-    path = tiny_sd3_path if pipeline_class is StableDiffusion3Pipeline else tiny_qwenimage_path
+def test_sampling_loop_reproduces_pipeline(request, pipeline_class, guidance, prompts):
+    family = {StableDiffusion3Pipeline: "sd3", QwenImagePipeline: "qwenimage", FluxPipeline: "flux"}[pipeline_class]
+    path = request.getfixturevalue(f"tiny_{family}_path")
     pipe = pipeline_class.from_pretrained(path)
     adapter = load_adapter(pipe)
     cfg = adapter.needs_negative_prompt(**guidance)
@@ -337,6 +342,45 @@ def test_conditional_only_cfg_gradient_treats_the_unconditional_prediction_as_a_
     both, forward, backward = run(uncond_grad=True)
     assert sum(forward) == 4 and sum(backward) == 4
     assert any(g is not None and e is not None and not torch.allclose(g, e, atol=1e-5) for g, e in zip(both, expected))
+
+
+@pytest.mark.parametrize("name", ["sd3", "qwenimage", "flux"])
+@pytest.mark.parametrize("grad", [False, True], ids=["rollout", "update"])
+def test_cfg_branches_run_as_one_backbone_call(request, name, grad):
+    """Both CFG branches in one backbone call on 2B rows (rollout, and update with both branches differentiable),
+    equal to the guided combination of one call per branch written out here, each branch within 1e-6. Qwen-Image's negative
+    prompt is shorter than the prompts, one of which is padded: the batched text is padded and masked."""
+    adapter = load_adapter(request.getfixturevalue(f"tiny_{name}_path"))
+    transformer = adapter.transformer.requires_grad_(grad)
+    guidance = CFG_ALL[name]
+    prompts = ["a red circle", "a big blue square on the left"]
+    cond = adapter.condition(prompts, height=32, width=32, negative_prompt=NEGATIVE, max_sequence_length=16)
+    generator = torch.Generator().manual_seed(3)
+    latents = adapter.prepare_latents(2, 32, 32, generator)
+    timestep = adapter.schedule(4, 32, 32)[1][1].expand(2)
+    single = {"guidance_scale": 1.0 if adapter.guidance_is_cfg else guidance["guidance_scale"], "true_cfg_scale": 1.0}
+    negative = type(cond)(
+        {k.removeprefix("negative_"): v for k, v in cond.per_sample.items() if k.startswith("negative_")}, cond.shared
+    )
+    with torch.no_grad():
+        v_u = adapter.predict_velocity(transformer, latents, timestep, negative, **single)
+        v_c = adapter.predict_velocity(transformer, latents, timestep, cond, **single)
+    w = adapter.cfg_scale(**guidance)
+    expected = v_u + w * (v_c - v_u)
+    if name == "qwenimage":
+        expected = expected * (v_c.norm(dim=-1, keepdim=True) / expected.norm(dim=-1, keepdim=True))
+
+    rows = []
+    hook = transformer.register_forward_pre_hook(
+        lambda module, args, kwargs: rows.append(kwargs["hidden_states"].shape[0]), with_kwargs=True
+    )
+    with torch.set_grad_enabled(grad):
+        velocity = adapter.predict_velocity(transformer, latents, timestep, cond, **guidance)
+    hook.remove()
+    assert rows == [4]
+    assert velocity.requires_grad == grad
+    # Each branch within 1e-6 of its own call (batch rounding); v_u + w (v_c - v_u) scales that by up to 2w - 1.
+    torch.testing.assert_close(velocity.detach(), expected, atol=(2 * w - 1) * 1e-6, rtol=0)
 
 
 def test_trainer_passes_cfg_gradient_to_the_update(request, family, tmp_path):

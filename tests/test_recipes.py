@@ -18,7 +18,9 @@ from trl_jagg.recipes import RECIPES, get_recipe, list_recipes
 from trl_jagg.trainer import update
 
 YAML_DIR = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "recipes")
-NAMES = ["flow-grpo-sd35", "flow-grpo-flux", "flow-grpo-qwenimage", "flow-grpo-fast-flux", "dancegrpo-flux"]
+NAMES = [
+    "flow-grpo-sd35", "flow-grpo-flux", "flow-grpo-qwenimage", "flow-grpo-fast-flux", "dancegrpo-flux", "mixgrpo-flux",
+]  # fmt: skip
 
 # The public numbers (JAGG spec section 5), written out independently of trl_jagg/recipes.py.
 PUBLISHED = {
@@ -32,6 +34,12 @@ PUBLISHED = {
     "dancegrpo-flux": dict(
         height=720, width=720, num_inference_steps=16, sampler="dance", noise_level=0.3, learning_rate=1e-5,
         train_timestep_fraction=0.6,
+    ),
+    # MixGRPO-Flash (Tencent-Hunyuan/MixGRPO scripts/finetune/finetune_flux_grpo_MixGRPO_Flash.sh).
+    "mixgrpo-flux": dict(
+        height=720, width=720, num_inference_steps=25, sampler="sde", noise_level=0.7, num_generations=12,
+        learning_rate=1e-5, train_timesteps="sde_window", sde_window_size=4, sde_window_schedule="progressive",
+        sde_window_stride=1, sde_window_shift_interval=20, ode_solver_order=2, ode_step_ratio=0.4,
     ),
 }  # fmt: skip
 # The peers' conventions around the formulas, read from their code (docs/models.md lists file and line for each).
@@ -64,6 +72,10 @@ PEER_CONVENTIONS = {
         quantize_timesteps=True, same_group_noise=True, max_sequence_length=512, train_timesteps="random_but_last",
         ema_decay=0.0, beta=0.0,
     ),
+    "mixgrpo-flux": dict(
+        per_prompt_stat_tracking=False, scale_rewards="group", advantage_std_ddof=1, advantage_eps=1e-8,
+        quantize_timesteps=True, same_group_noise=True, beta=0.0, clip_range=1e-4, adv_clip_max=5.0,
+    ),
 }  # fmt: skip
 PUBLISHED_LORA = {
     "flow-grpo-sd35": (32, 64),
@@ -71,6 +83,7 @@ PUBLISHED_LORA = {
     "flow-grpo-qwenimage": (64, 128),
     "flow-grpo-fast-flux": (64, 128),
     "dancegrpo-flux": None,  # full fine-tuning
+    "mixgrpo-flux": None,
 }
 MODELS = {
     "flow-grpo-sd35": "stabilityai/stable-diffusion-3.5-medium",
@@ -78,6 +91,7 @@ MODELS = {
     "flow-grpo-qwenimage": "Qwen/Qwen-Image",
     "flow-grpo-fast-flux": "black-forest-labs/FLUX.1-dev",
     "dancegrpo-flux": "black-forest-labs/FLUX.1-dev",
+    "mixgrpo-flux": "black-forest-labs/FLUX.1-dev",
 }
 
 
@@ -213,6 +227,41 @@ def test_fast_preset_trains_only_the_sde_window(tiny_flux_path, tmp_path, monkey
         assert stochastic.tolist() == [k in window for k in range(args.num_inference_steps)]
     entry = next(e for e in trainer.state.log_history if "jagg/backward_calls" in e)
     assert entry["jagg/groups_jagg"] == 1 and entry["jagg/backward_calls"] == 1  # the window is one JAGG group
+
+
+def test_mix_preset_trains_its_sliding_window_on_a_compressed_ode_schedule(tiny_flux_path, tmp_path, monkeypatch):
+    """MixGRPO-Flash on 10 steps, the window moving every optimizer step: each update trains exactly the window
+    (steps 0-3, then 1-4 of the schedule) as one JAGG group, the only stochastic steps of a rollout whose ODE takes
+    round(0.4 n) steps on each side (the 6 steps after the first window: 2; 1 before and 5 after the second: 1, 2)."""
+    recipe = get_recipe("mixgrpo-flux")
+    pipeline = recipe.apply_scheduler(FluxPipeline.from_pretrained(tiny_flux_path))
+    full_sigmas, _ = load_adapter(pipeline).schedule(10, 32, 32)
+    trainer, recorded = recipe_trainer(
+        "mixgrpo-flux", pipeline, tmp_path, monkeypatch, num_inference_steps=10, sde_window_max_start=None,
+        sde_window_shift_interval=1, max_steps=2,
+    )  # fmt: skip
+    rollout_rows = []  # backbone rows in eval mode: the rollouts'
+    trainer.adapter.transformer.register_forward_pre_hook(
+        lambda module, args, kwargs: (
+            None if module.training else rollout_rows.append(kwargs["hidden_states"].shape[0])
+        ),
+        with_kwargs=True,
+    )
+    trainer.train()
+    # 4 rows (2 groups of G = 2) on 6 then 7 steps; the second window starts at step 1, whose ODE step runs once per
+    # group: (G - 1) x 1 step x 2 groups = 2 rows fewer.
+    assert sum(rollout_rows) == 4 * 6 + 4 * 7 - 2
+    assert len(recorded) == 2
+    for step, ((steps, batch), path) in enumerate(zip(recorded, ([0, 1, 2, 3, 4, 7, 10], [0, 1, 2, 3, 4, 5, 7, 10]))):
+        window = batch["stochastic_steps"]
+        assert steps == window and len(window) == 4
+        torch.testing.assert_close(batch["sigmas"], full_sigmas[path], atol=0, rtol=0)
+        torch.testing.assert_close(batch["sigmas"][window], full_sigmas[step : step + 4], atol=0, rtol=0)
+        assert batch["latents"].shape[1] == len(path)
+        stochastic = batch["log_probs"].abs().sum(dim=0) != 0
+        assert stochastic.tolist() == [k in window for k in range(len(path) - 1)]
+    for entry in (e for e in trainer.state.log_history if "jagg/backward_calls" in e):
+        assert entry["jagg/groups_jagg"] == 1 and entry["jagg/backward_calls"] == 1  # the window is one JAGG group
 
 
 def test_dance_preset_trains_the_requested_fraction_never_the_last_step(tiny_flux_path, tmp_path, monkeypatch):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 
@@ -9,14 +10,16 @@ import numpy as np
 import pytest
 import torch
 from datasets import Dataset
-from diffusers import FluxPipeline
+from diffusers import FluxPipeline, StableDiffusion3Pipeline
 from peft import LoraConfig
 from testing_utils import PROMPTS, redness, run_update, trained_steps_of
 from transformers import TrainerCallback
 
 from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
-from trl_jagg.models import load_adapter
+from trl_jagg.models import Conditioning, load_adapter
 from trl_jagg.rollout import sample_trajectories
+from trl_jagg.trainer.backbone import compile_blocks
+from trl_jagg.trainer.batch import select_samples
 
 
 def make_config(tmp_path, **overrides) -> GRPOJaggConfig:
@@ -386,17 +389,19 @@ def test_velocity_cache_gives_the_uncached_gradient_with_two_forwards_and_one_ba
     uncached = update_gradient(trainer, rollout, jagg_cache_velocities=False)
     # Batched: one no-grad call for both intermediates, one for the KL reference of the 4 trained steps.
     assert calls.take() == (2, 1 + (1 if beta else 0), 1)
+    # The KL reference's means were kept by the first update of this micro-batch: no no-grad call is left.
     cached = update_gradient(trainer, rollout)
-    assert calls.take() == (2, 1 if beta else 0, 1)  # the KL reference is the only no-grad call left
+    assert calls.take() == (2, 0, 1)
     assert trainer._metrics["jagg/cached_velocities"][-1] == 2
     torch.testing.assert_close(cached, uncached, rtol=0, atol=1e-6 * uncached.abs().max().item())
     # One call per step (no batching) gives the same gradient within float rounding.
+    rollout.pop("reference_means", None)
     unbatched = update_gradient(trainer, rollout, jagg_cache_velocities=False, no_grad_batch_steps=1)
     assert calls.take() == (2, 2 + (4 if beta else 0), 1)
     torch.testing.assert_close(unbatched, uncached, rtol=0, atol=1e-6 * uncached.abs().max().item())
     # Sequential endpoints: same gradient, two backward calls, still no extra forward with the cache.
     sequential = update_gradient(trainer, rollout, jagg_endpoint_backward="sequential")
-    assert calls.take() == (2, 1 if beta else 0, 2)
+    assert calls.take() == (2, 0, 2)
     torch.testing.assert_close(sequential, cached, rtol=0, atol=1e-6 * cached.abs().max().item())
     calls.handle.remove()
 
@@ -412,6 +417,80 @@ def test_batched_reference_means_match_one_call_per_step(tiny_flux_path, tmp_pat
         chunked = trainer.update_stage.reference_means(model, rollout, trained)
         for k in trained:
             torch.testing.assert_close(chunked[k], batched[k], rtol=0, atol=1e-6)
+
+
+def compiled_blocks(transformer: torch.nn.Module) -> list[str]:
+    return [type(m).__name__ for m in transformer.modules() if m._compiled_call_impl is not None]
+
+
+def test_compiled_blocks_give_the_eager_velocity_and_gradient(tiny_flux_path, tiny_sd3_path):
+    """Regional compilation (aot_eager: the graphs captured, no code generated, so seconds on a CPU): every repeated
+    block compiled, the velocity and the parameter gradients those of the eager backbone within float rounding."""
+    adapter = load_adapter(FluxPipeline.from_pretrained(tiny_flux_path))
+    eager = adapter.transformer.requires_grad_(True)
+    compiled = copy.deepcopy(eager)
+    compile_blocks(compiled, backend="aot_eager")
+    blocks = [type(m).__name__ for m in eager.transformer_blocks] + [
+        type(m).__name__ for m in eager.single_transformer_blocks
+    ]
+    assert compiled_blocks(compiled) == blocks and compiled_blocks(eager) == []
+    cond = adapter.condition(PROMPTS[:2], height=32, width=32, max_sequence_length=16)
+    generator = torch.Generator().manual_seed(0)
+    latents = adapter.prepare_latents(2, 32, 32, generator)
+    weight = torch.randn(latents.shape, generator=generator)
+    timestep = adapter.schedule(4, 32, 32)[1][1].expand(2)
+    results = []
+    for transformer in (eager, compiled):
+        velocity = adapter.predict_velocity(transformer, latents, timestep, cond, guidance_scale=3.5, true_cfg_scale=1)
+        grads = torch.autograd.grad((velocity * weight).sum(), list(transformer.parameters()), allow_unused=True)
+        results.append((velocity, grads))
+    (v_eager, g_eager), (v_compiled, g_compiled) = results
+    torch.testing.assert_close(v_compiled, v_eager, atol=1e-5, rtol=1e-5)
+    for got, want in zip(g_compiled, g_eager):
+        if want is not None:
+            torch.testing.assert_close(got, want, atol=1e-5 * want.abs().max().item() + 1e-8, rtol=1e-4)
+    # SD3 declares no `_repeated_blocks`: its transformer blocks (`_no_split_modules`) are compiled.
+    sd3 = load_adapter(StableDiffusion3Pipeline.from_pretrained(tiny_sd3_path)).transformer
+    compile_blocks(sd3, backend="aot_eager")
+    assert compiled_blocks(sd3) == ["JointTransformerBlock"] * len(sd3.transformer_blocks)
+
+
+def test_compile_option_compiles_the_backbone_and_the_reference_blocks(tiny_flux_path, tmp_path):
+    trainer = make_trainer(
+        tiny_flux_path, tmp_path, lora=False, beta=0.1, compile_repeated_blocks=True, compile_backend="aot_eager"
+    )
+    assert compiled_blocks(trainer.adapter.transformer) and compiled_blocks(trainer.ref_transformer)
+    assert compiled_blocks(trainer.adapter.transformer) == compiled_blocks(trainer.ref_transformer)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["frozen-copy", "adapters-disabled"])
+def test_reference_means_are_computed_once_per_micro_batch_and_reused(tiny_flux_path, tmp_path, lora):
+    """Two micro-batches of one rollout, two PPO iterations each: the KL reference runs once per micro-batch (2
+    calls, not 4), and what the later updates use is bit-identical to a fresh computation (same batching)."""
+    trainer = make_trainer(
+        tiny_flux_path, tmp_path, lora=lora, beta=0.2, num_iterations=2, steps_per_generation=2,
+        per_device_train_batch_size=2, max_steps=4,
+    )  # fmt: skip
+    stage = trainer.update_stage
+    calls = []
+    reference_means = stage.reference_means
+    stage.reference_means = lambda *a, **k: calls.append(a[2]) or reference_means(*a, **k)
+    trainer.train()
+    trained = list(range(trainer.args.num_inference_steps - 1))  # all but the last
+    assert calls == [trained, trained]
+    stage.reference_means = reference_means
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    for chunk in trainer._buffered_inputs:
+        kept = dict(chunk.pop("reference_means"))
+        fresh = stage.reference_means(model, chunk, trained)
+        assert all(torch.equal(kept[k], fresh[k]) for k in trained)  # the reference is frozen: exactly the same
+
+
+def test_selected_samples_keep_their_reference_means():
+    means = {2: torch.arange(8.0).view(4, 2)}
+    batch = {"latents": torch.zeros(4, 3), "cond": Conditioning({"x": torch.arange(4)}), "reference_means": means}
+    selected = select_samples(batch, torch.tensor([3, 1]))
+    assert torch.equal(selected["reference_means"][2], means[2][[3, 1]])
 
 
 @pytest.mark.parametrize(

@@ -18,6 +18,7 @@ from .jagg import ENDPOINT_BACKWARDS, JAGG_MODES
 from .prompts import check_prompts
 from .recipes import get_recipe
 from .sampling import SAMPLERS
+from .sde_window import WINDOW_SCHEDULES
 
 TRAIN_SAMPLERS = tuple(s for s in SAMPLERS if s != "ode")
 TRAIN_TIMESTEPS = ("all_but_last", "all", "random", "random_but_last", "sde_window")
@@ -51,7 +52,8 @@ class GRPOJaggConfig(TrainingArguments):
 
         > Training (which steps, which loss)
 
-        train_timesteps, train_timestep_fraction, sde_window_size, sde_window_max_start, clip_range (TRL: epsilon),
+        train_timesteps, train_timestep_fraction, sde_window_size, sde_window_max_start, sde_window_schedule,
+        sde_window_stride, sde_window_shift_interval, ode_solver_order, ode_step_ratio, clip_range (TRL: epsilon),
         epsilon_high, adv_clip_max, beta, kl_std, cfg_gradient, quantize_timesteps, same_group_noise, num_iterations,
         scale_rewards, advantage_std_ddof, advantage_eps, per_prompt_stat_tracking, stat_tracking_buffer_size,
         drop_zero_advantages, reward_weights, reward_retries.
@@ -68,6 +70,10 @@ class GRPOJaggConfig(TrainingArguments):
         > Distributed and memory
 
         fully_shard_backbone, offload_frozen_modules, precompute_prompt_embeds.
+
+        > Speed
+
+        compile_repeated_blocks, compile_backend.
 
         > Evaluation
 
@@ -195,8 +201,43 @@ class GRPOJaggConfig(TrainingArguments):
     sde_window_max_start: int | None = field(
         default=None,
         metadata={
-            "help": "Latest first step of the SDE window; the window start is drawn uniformly in "
-            "[0, sde_window_max_start] at every rollout. Defaults to the first half of the schedule."
+            "help": "Latest first step of the SDE window. Defaults to the first half of the schedule for the "
+            "`random` schedule, and to every full window that ends before the last step for `progressive`."
+        },
+    )
+    sde_window_schedule: str = field(
+        default="random",
+        metadata={
+            "help": f"Where the SDE window sits, one of {WINDOW_SCHEDULES}: `random` (Flow-GRPO-Fast: its start "
+            "drawn uniformly in [0, sde_window_max_start] at every rollout) or `progressive` (MixGRPO: it starts at "
+            "step 0 and moves `sde_window_stride` steps later every `sde_window_shift_interval` optimizer steps, "
+            "back to step 0 after sde_window_max_start)."
+        },
+    )
+    sde_window_stride: int = field(
+        default=1,
+        metadata={"help": "Steps the `progressive` window moves at each shift (MixGRPO's `prog_overlap_step`)."},
+    )
+    sde_window_shift_interval: int = field(
+        default=25,
+        metadata={
+            "help": "Optimizer steps between two shifts of the `progressive` window (MixGRPO's `iters_per_group`)."
+        },
+    )
+    ode_solver_order: int = field(
+        default=1,
+        metadata={
+            "help": "Solver of the ODE steps outside the SDE window: 1 is the Euler step; 2 or 3 is diffusers' "
+            "multistep DPM-Solver++ (`DPMSolverMultistepScheduler`, flow sigmas and flow prediction; MixGRPO-Flash "
+            "uses order 2), accurate on the fewer steps of `ode_step_ratio` < 1."
+        },
+    )
+    ode_step_ratio: float = field(
+        default=1.0,
+        metadata={
+            "help": "Fraction of the ODE steps kept on each side of the SDE window (at least one a side), on points "
+            "of the schedule spread evenly over the side: each dropped step is a backbone call saved (MixGRPO-Flash's "
+            "`dpm_post_compress_ratio`, which it applies after the window only). 1 keeps every step."
         },
     )
     clip_range: float = field(
@@ -388,6 +429,24 @@ class GRPOJaggConfig(TrainingArguments):
             "keep the embeddings on the CPU (DanceGRPO does this): the text encoders no longer run during training, "
             "and with `offload_frozen_modules` they stay on the CPU. The table costs one prompt embedding per distinct "
             "prompt in CPU memory."
+        },
+    )
+
+    # ---- Speed ----
+    compile_repeated_blocks: bool = field(
+        default=False,
+        metadata={
+            "help": "Regional compilation: `torch.compile` each repeated transformer block of the backbone and of the "
+            "KL reference copy (diffusers' `compile_repeated_blocks`; SD3, which declares no `_repeated_blocks`, its "
+            "`_no_split_modules` blocks), for the rollout and the update alike. The first steps pay the compile time; "
+            "a new batch shape compiles again."
+        },
+    )
+    compile_backend: str = field(
+        default="inductor",
+        metadata={
+            "help": "The `torch.compile` backend of `compile_repeated_blocks` (`aot_eager` captures the graphs "
+            "without generating code: a quick check that a model compiles)."
         },
     )
 
@@ -603,6 +662,30 @@ class GRPOJaggConfig(TrainingArguments):
                 f"is {self.sde_window_max_start}",
                 f"Use a value in [0, {self.num_inference_steps - self.sde_window_size}].",
             )
+        if self.sde_window_schedule not in WINDOW_SCHEDULES:
+            fail("sde_window_schedule", f"is {self.sde_window_schedule!r}", f"Use one of {WINDOW_SCHEDULES}.")
+        for name in ("sde_window_stride", "sde_window_shift_interval"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                fail(name, f"is {getattr(self, name)!r}", "Use an integer >= 1.")
+        if self.ode_solver_order not in (1, 2, 3):
+            fail("ode_solver_order", f"is {self.ode_solver_order!r}", "Use 1 (Euler), 2 or 3 (DPM-Solver++).")
+        if not 0 < self.ode_step_ratio <= 1:
+            fail("ode_step_ratio", f"is {self.ode_step_ratio}", "Use a fraction in (0, 1] (1 keeps every step).")
+        if self.sde_window_size == 0:
+            for name, off in (("sde_window_schedule", "random"), ("ode_solver_order", 1), ("ode_step_ratio", 1.0)):
+                if getattr(self, name) != off:
+                    fail(
+                        name,
+                        f"is {getattr(self, name)!r} without an SDE window (sde_window_size=0)",
+                        "It acts on the SDE window and the ODE steps around it: set sde_window_size >= 1 "
+                        "(with train_timesteps='sde_window'), or leave it at its default.",
+                    )
+        if self.compile_repeated_blocks:
+            import torch._dynamo
+
+            backends = torch._dynamo.list_backends(exclude_tags=())
+            if self.compile_backend not in backends:
+                fail("compile_backend", f"is {self.compile_backend!r}", f"Use one of {sorted(backends)}.")
         if self.clip_range <= 0:
             name = "epsilon" if self.epsilon is not None else "clip_range"
             fail(name, f"is {self.clip_range}", "Use a positive value (1e-4 for SDE, 1e-5 for CPS).")

@@ -1,4 +1,4 @@
-"""Presets: the public Flow-GRPO / Flow-GRPO-Fast / DanceGRPO recipes as named, documented GRPOJaggConfig values.
+"""Presets: the public Flow-GRPO / Flow-GRPO-Fast / DanceGRPO / MixGRPO recipes as named, documented GRPOJaggConfig values.
 
 .. code-block:: python
 
@@ -385,6 +385,74 @@ RECIPES: Mapping[str, Recipe] = MappingProxyType(
                     "EMA is off as in finetune_flux_grpo.sh; the 8-GPU script adds --use_ema --ema_decay 0.995 (kept "
                     "on the CPU) and --max_grad_norm 0.01: set ema_decay=0.995, ema_offload=True, max_grad_norm=0.01 "
                     "to follow it.",
+                ),
+            ),
+            Recipe(
+                name="mixgrpo-flux",
+                model="black-forest-labs/FLUX.1-dev",
+                description="MixGRPO-Flash on FLUX.1-dev: full fine-tuning, 25 steps with shift 3, SDE (a = 0.7) only "
+                "in a 4-step window that slides one step every 20 optimizer steps, DPM-Solver++ (order 2) on 40% of "
+                "the ODE steps around it; the window is trained, as one JAGG group.",
+                source="MixGRPO (Li et al. 2025, arXiv 2507.21802), Tencent-Hunyuan/MixGRPO@e5cdd6a: "
+                "scripts/finetune/finetune_flux_grpo_MixGRPO_Flash.sh, fastvideo/train_grpo_flux.py, "
+                "fastvideo/utils/grpo_states.py, fastvideo/utils/sampling_utils.py.",
+                config={
+                    # finetune_flux_grpo_MixGRPO_Flash.sh L141-142, L54, L55 (eta with --flow_grpo_sampling L196:
+                    # Flow-GRPO's SDE step, sampling_utils.py L157-186), L150.
+                    "height": 720,
+                    "width": 720,
+                    "num_inference_steps": 25,
+                    "guidance_scale": 3.5,  # sampling_utils.py L72-76
+                    "sampler": "sde",
+                    "noise_level": 0.7,
+                    "num_generations": 12,
+                    "per_device_train_batch_size": 4,
+                    "gradient_accumulation_steps": 3,  # L68
+                    # The sliding window: group_size 4 (L58), progressive (L59) with prog_overlap and roll_back
+                    # (L164, L168), moving prog_overlap_step 1 (L60) every iters_per_group 20 (L57) steps;
+                    # grpo_states.py L85-99 and L141-148, train_grpo_flux.py L916-928 and L946-947.
+                    "train_timesteps": "sde_window",
+                    "sde_window_size": 4,
+                    "sde_window_schedule": "progressive",
+                    "sde_window_stride": 1,
+                    "sde_window_shift_interval": 20,
+                    "sde_window_max_start": 19,  # its last full window: steps 19-22 (max_timesteps = 25 - 2)
+                    # dpm_algorithm_type dpmsolver++, order 2, midpoint, post compress ratio 0.4 (L75-79).
+                    "ode_solver_order": 2,
+                    "ode_step_ratio": 0.4,
+                    "beta": 0.0,  # kl_coeff (L56)
+                    "clip_range": 1e-4,  # L156
+                    "adv_clip_max": 5.0,  # L157
+                    # Per group (--use_group L152), torch's unbiased std + 1e-8 (train_grpo_flux.py L428-448); int(sigma * 1000)
+                    # fed to the model (sampling_utils.py L64); --init_same_noise (L155).
+                    "scale_rewards": "group",
+                    "advantage_std_ddof": 1,
+                    "advantage_eps": 1e-8,
+                    "quantize_timesteps": True,
+                    "same_group_noise": True,
+                    "max_sequence_length": 512,
+                    "learning_rate": 1e-5,  # L135
+                    "weight_decay": 1e-4,  # L149
+                    "max_grad_norm": 1.0,  # L148
+                    **PAPER_JAGG,  # W = 4: the whole window is one group
+                    "dtype": "float32",  # full fine-tuning keeps float32 master weights
+                    "activation_checkpointing": True,  # --gradient_checkpointing (L127)
+                },
+                scheduler={"shift": 3.0, "use_dynamic_shifting": False},  # --shift 3 (L151), sd3_time_shift
+                reward_funcs=("hpsv2.1", "imagereward", "pickscore"),  # multi_reward (train_grpo_flux.py L710-727)
+                notes=(
+                    "MixGRPO truncates the windows that reach its max_timesteps (grpo_states.py L148) and includes "
+                    "an empty one; here every window is full (sde_window_max_start=19: its last full window, "
+                    "steps 19-22), so the trained steps are always one JAGG group of W = 4.",
+                    "MixGRPO-Flash compresses only the ODE steps after the window (dpm_apply_strategy 'post') and "
+                    "keeps its history across the window's SDE steps; ode_step_ratio thins both sides and each ODE "
+                    "run starts its DPM-Solver++ history afresh. Before the window, the shared rollout prefix "
+                    "already runs the ODE once per group.",
+                    "MixGRPO sums per-reward advantages (multi_reward_mix 'advantage_aggr', L62); trl_jagg sums the "
+                    "weighted rewards before the group advantage.",
+                    "Shift 3 is a scheduler override, applied by the CLI for `--recipe mixgrpo-flux`; in Python, "
+                    "pass get_recipe('mixgrpo-flux').apply_scheduler(pipeline) to DDPOJaggTrainer.",
+                    "Full fine-tuning of a 12B backbone needs FSDP and bf16=True mixed precision on GPUs.",
                 ),
             ),
         )

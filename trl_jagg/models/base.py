@@ -11,7 +11,6 @@ shapes) and sets the class flags below; it overrides ``decode_latents`` only whe
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -147,7 +146,7 @@ class FlowMatchingAdapter:
 
         ``transformer`` is passed explicitly because the trainer calls the DDP/FSDP-wrapped module. Differentiable
         through every branch by default; ``uncond_grad=False`` runs the unconditional branch of classifier-free
-        guidance without a graph (see :meth:`unconditional_velocity`), so the gradient flows through the conditional
+        guidance without a graph (see :meth:`guided_velocity`), so the gradient flows through the conditional
         prediction only and a backward covers ``batch`` samples, not ``2 * batch``.
         """
         raise NotImplementedError
@@ -241,13 +240,41 @@ class FlowMatchingAdapter:
             )
         return scale
 
-    @staticmethod
-    def unconditional_velocity(branch: Callable[[str], torch.Tensor], *, uncond_grad: bool) -> torch.Tensor:
-        """The unconditional CFG branch, ``branch("negative_")`` (``branch(prefix)`` calls the backbone on the
-        conditioning keys with that prefix); without ``uncond_grad`` it runs under ``no_grad``: a constant that
-        stores no activations."""
-        with contextlib.nullcontext() if uncond_grad else torch.no_grad():
-            return branch("negative_")
+    def guided_velocity(
+        self,
+        call: Callable[[dict[str, Any]], torch.Tensor],
+        branch_inputs: Callable[[str], dict[str, Any]],
+        cond: Conditioning,
+        *,
+        guidance_scale: float,
+        true_cfg_scale: float,
+        uncond_grad: bool,
+        rescale_to_cond_norm: bool = False,
+    ) -> torch.Tensor:
+        """One guided backbone evaluation, shared by the families' :meth:`predict_velocity`.
+
+        ``branch_inputs(prefix)`` gives the backbone's per-row inputs of one branch (the conditioning keys with that
+        prefix: ``""`` or ``"negative_"``) and ``call(inputs)`` runs the backbone on them. Without CFG that is one
+        call. With CFG both branches run as one call on ``2B`` rows, unconditional half first (as SD3's pipeline
+        does), except when a graph is being built and the unconditional branch gets no gradient (``uncond_grad``
+        off): then the conditional call keeps a graph and the unconditional one runs under ``no_grad``, a constant
+        that stores no activations, so the backward covers ``B`` rows, not ``2B``.
+        """
+        scale = self.guidance_branches(cond, guidance_scale, true_cfg_scale)
+        if scale is None:
+            return call(branch_inputs(""))
+        if torch.is_grad_enabled() and not uncond_grad:
+            conditional = call(branch_inputs(""))
+            with torch.no_grad():
+                uncond = call(branch_inputs("negative_"))
+        else:
+            uncond, conditional = call(self.batch_branches(branch_inputs("negative_"), branch_inputs(""))).chunk(2)
+        return classifier_free_guidance(conditional, uncond, scale, rescale_to_cond_norm=rescale_to_cond_norm)
+
+    def batch_branches(self, first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+        """The backbone inputs of two branches as one batch, ``first``'s rows first: tensors concatenated along the
+        batch, ``None`` left as is. Families whose branch inputs may differ in length override it."""
+        return {key: torch.cat([value, second[key]]) if value is not None else None for key, value in first.items()}
 
     def embedded_guidance(self, batch_size: int, guidance_scale: float) -> torch.Tensor | None:
         """The guidance value of guidance-distilled backbones (``guidance_embeds``), as the pipelines pass it

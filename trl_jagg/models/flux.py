@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from diffusers import FluxPipeline
 
-from .base import Conditioning, FlowMatchingAdapter, classifier_free_guidance
+from .base import Conditioning, FlowMatchingAdapter
 
 
 class FluxAdapter(FlowMatchingAdapter):
@@ -43,22 +43,20 @@ class FluxAdapter(FlowMatchingAdapter):
         hidden = latents.to(self.dtype)
         guidance = self.embedded_guidance(latents.shape[0], guidance_scale)
 
-        def call(prefix: str) -> torch.Tensor:
-            return transformer(
-                hidden_states=hidden,
-                timestep=timestep.to(self.dtype) / 1000,
-                guidance=guidance,
-                pooled_projections=cond[f"{prefix}pooled_prompt_embeds"],
-                encoder_hidden_states=cond[f"{prefix}prompt_embeds"],
-                txt_ids=cond["txt_ids"],
-                img_ids=cond["img_ids"],
-                return_dict=False,
-            )[0]
+        def branch_inputs(prefix: str) -> dict[str, Any]:
+            return {
+                "hidden_states": hidden,
+                "timestep": timestep.to(self.dtype) / 1000,
+                "guidance": guidance,
+                "pooled_projections": cond[f"{prefix}pooled_prompt_embeds"],
+                "encoder_hidden_states": cond[f"{prefix}prompt_embeds"],
+            }
 
-        velocity = call("")
-        scale = self.guidance_branches(cond, guidance_scale, true_cfg_scale)
-        if scale is not None:
-            velocity = classifier_free_guidance(
-                velocity, self.unconditional_velocity(call, uncond_grad=uncond_grad), scale
-            )
-        return velocity
+        def call(inputs: dict[str, Any]) -> torch.Tensor:
+            # Both branches have the same text length (T5 pads to max_sequence_length): the ids are shared.
+            return transformer(**inputs, txt_ids=cond["txt_ids"], img_ids=cond["img_ids"], return_dict=False)[0]
+
+        return self.guided_velocity(
+            call, branch_inputs, cond, guidance_scale=guidance_scale, true_cfg_scale=true_cfg_scale,
+            uncond_grad=uncond_grad,
+        )  # fmt: skip

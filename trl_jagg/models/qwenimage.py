@@ -9,17 +9,17 @@ from typing import Any
 import torch
 from diffusers import QwenImagePipeline
 
-from .base import Conditioning, FlowMatchingAdapter, classifier_free_guidance
+from .base import Conditioning, FlowMatchingAdapter
 
 
 class QwenImageAdapter(FlowMatchingAdapter):
     """Adapter for :class:`~diffusers.QwenImagePipeline`.
 
-    The two CFG branches are separate backbone calls, as in the pipeline: the negative prompt's embedding need not
-    have the prompts' length. The guided velocity is rescaled per token to the conditional one's norm. The text
-    mask (``prompt_embeds_mask``) is present only when some prompt of the batch is padded; without it the backbone
-    attends to every text token, exactly as the pipeline passes ``None``. Qwen-Image's schedule needs at least 2
-    steps (``shift_terminal`` turns a single sigma into NaN).
+    The two CFG branches run as one backbone call (the pipeline makes two): the negative prompt's embedding need not
+    have the prompts' length, so both are right-padded to the longer and masked. The guided velocity is rescaled per
+    token to the conditional one's norm. The text mask (``prompt_embeds_mask``) is present only when some prompt of
+    the batch is padded; without it the backbone attends to every text token, exactly as the pipeline passes
+    ``None``. Qwen-Image's schedule needs at least 2 steps (``shift_terminal`` turns a single sigma into NaN).
     """
 
     pipeline_class = QwenImagePipeline
@@ -34,19 +34,20 @@ class QwenImageAdapter(FlowMatchingAdapter):
 
     def collate(self, encoded: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         # As the pipeline batches prompts: right-padded with zeros to the longest, with a mask only if some padding.
-        length = max(e["prompt_embeds"].shape[1] for e in encoded)
-        if all(e["prompt_embeds"].shape[1] == length for e in encoded):
+        if len({e["prompt_embeds"].shape[1] for e in encoded}) == 1:
             return super().collate(encoded)
-        embeds, masks = [], []
-        for e in encoded:
-            embed = e["prompt_embeds"]
-            mask = e.get("prompt_embeds_mask")
-            if mask is None:
-                mask = torch.ones(embed.shape[:2], dtype=torch.long, device=embed.device)
-            pad = length - embed.shape[1]
-            embeds.append(torch.nn.functional.pad(embed, (0, 0, 0, pad)))
-            masks.append(torch.nn.functional.pad(mask, (0, pad)))
-        return {"prompt_embeds": torch.cat(embeds), "prompt_embeds_mask": torch.cat(masks)}
+        embeds, mask = _right_padded([(e["prompt_embeds"], e.get("prompt_embeds_mask")) for e in encoded])
+        return {"prompt_embeds": embeds, "prompt_embeds_mask": mask}
+
+    def batch_branches(self, first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+        # The negative prompt may have another length than the prompts: both right-padded to the longer, masked.
+        text = [(b["encoder_hidden_states"], b["encoder_hidden_states_mask"]) for b in (first, second)]
+        if text[0][0].shape[1] == text[1][0].shape[1] and text[0][1] is None and text[1][1] is None:
+            return super().batch_branches(first, second)
+        embeds, mask = _right_padded(text)
+        rest = {k: v for k, v in first.items() if k not in ("encoder_hidden_states", "encoder_hidden_states_mask")}
+        batched = super().batch_branches(rest, second)
+        return batched | {"encoder_hidden_states": embeds, "encoder_hidden_states_mask": mask}
 
     def shared_inputs(self, per_sample: dict[str, torch.Tensor], height: int, width: int) -> dict[str, Any]:
         # One (frames, rows, columns) grid of packed latent tokens; the per-batch list is built at each call.
@@ -65,27 +66,25 @@ class QwenImageAdapter(FlowMatchingAdapter):
         uncond_grad: bool = True,
     ) -> torch.Tensor:
         hidden = latents.to(self.dtype)
-        batch_size = latents.shape[0]
-        guidance = self.embedded_guidance(batch_size, guidance_scale)
+        guidance = self.embedded_guidance(latents.shape[0], guidance_scale)
 
-        def call(prefix: str) -> torch.Tensor:
-            return transformer(
-                hidden_states=hidden,
-                timestep=timestep.to(self.dtype) / 1000,
-                guidance=guidance,
-                encoder_hidden_states=cond[f"{prefix}prompt_embeds"],
-                encoder_hidden_states_mask=cond.get(f"{prefix}prompt_embeds_mask"),
-                img_shapes=[[cond["img_shape"]]] * batch_size,
-                return_dict=False,
-            )[0]
+        def branch_inputs(prefix: str) -> dict[str, Any]:
+            return {
+                "hidden_states": hidden,
+                "timestep": timestep.to(self.dtype) / 1000,
+                "guidance": guidance,
+                "encoder_hidden_states": cond[f"{prefix}prompt_embeds"],
+                "encoder_hidden_states_mask": cond.get(f"{prefix}prompt_embeds_mask"),
+            }
 
-        velocity = call("")
-        scale = self.guidance_branches(cond, guidance_scale, true_cfg_scale)
-        if scale is not None:
-            velocity = classifier_free_guidance(
-                velocity, self.unconditional_velocity(call, uncond_grad=uncond_grad), scale, rescale_to_cond_norm=True
-            )
-        return velocity
+        def call(inputs: dict[str, Any]) -> torch.Tensor:
+            rows = inputs["hidden_states"].shape[0]
+            return transformer(**inputs, img_shapes=[[cond["img_shape"]]] * rows, return_dict=False)[0]
+
+        return self.guided_velocity(
+            call, branch_inputs, cond, guidance_scale=guidance_scale, true_cfg_scale=true_cfg_scale,
+            uncond_grad=uncond_grad, rescale_to_cond_norm=True,
+        )  # fmt: skip
 
     def decode_latents(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         # The VAE is a causal video VAE: latents (batch, channels, 1 frame, h, w), normalised per channel.
@@ -96,3 +95,17 @@ class QwenImageAdapter(FlowMatchingAdapter):
         inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(latents)
         # Divided by the reciprocal, as the pipeline does, for identical rounding.
         return vae.decode(latents / inverse_std + mean, return_dict=False)[0][:, :, 0]
+
+
+def _right_padded(text: Sequence[tuple[torch.Tensor, torch.Tensor | None]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Text embeddings ``(rows, length, dim)`` with their masks (``None``: no padding) as one batch, right-padded
+    with zeros to the longest and masked: the padded tokens get no attention."""
+    length = max(embed.shape[1] for embed, _ in text)
+    embeds, masks = [], []
+    for embed, mask in text:
+        if mask is None:
+            mask = torch.ones(embed.shape[:2], dtype=torch.long, device=embed.device)
+        pad = length - embed.shape[1]
+        embeds.append(torch.nn.functional.pad(embed, (0, 0, 0, pad)))
+        masks.append(torch.nn.functional.pad(mask, (0, pad)))
+    return torch.cat(embeds), torch.cat(masks)

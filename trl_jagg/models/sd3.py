@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from diffusers import StableDiffusion3Pipeline
 
-from .base import Conditioning, FlowMatchingAdapter, classifier_free_guidance
+from .base import Conditioning, FlowMatchingAdapter
 
 
 class SD3Adapter(FlowMatchingAdapter):
@@ -17,9 +17,7 @@ class SD3Adapter(FlowMatchingAdapter):
 
     Differs from the base in three ways: the scheduler builds its own sigmas (``linspace_sigmas = False``), the
     backbone takes ``(batch, 16, h, w)`` latent images (``packed_latents = False``), and ``guidance_scale`` is the
-    CFG scale. As in the pipeline, both CFG branches run in one backbone call on a batch of ``2B``, unconditional
-    half first, and the gradient flows through both halves; with ``uncond_grad=False`` the conditional half runs
-    with a graph and the unconditional one separately without.
+    CFG scale.
     """
 
     pipeline_class = StableDiffusion3Pipeline
@@ -52,31 +50,19 @@ class SD3Adapter(FlowMatchingAdapter):
     ) -> torch.Tensor:
         hidden = latents.to(self.dtype)
 
-        def call(hidden: torch.Tensor, timestep: torch.Tensor, embeds: torch.Tensor, pooled: torch.Tensor):
+        def branch_inputs(prefix: str) -> dict[str, torch.Tensor]:
             # SD3's timestep embedding takes the scheduler timestep (0..1000) as is.
-            return transformer(
-                hidden_states=hidden,
-                timestep=timestep,
-                encoder_hidden_states=embeds,
-                pooled_projections=pooled,
-                return_dict=False,
-            )[0]
+            return {
+                "hidden_states": hidden,
+                "timestep": timestep,
+                "encoder_hidden_states": cond[f"{prefix}prompt_embeds"],
+                "pooled_projections": cond[f"{prefix}pooled_prompt_embeds"],
+            }
 
-        def branch(prefix: str) -> torch.Tensor:
-            return call(hidden, timestep, cond[f"{prefix}prompt_embeds"], cond[f"{prefix}pooled_prompt_embeds"])
+        def call(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+            return transformer(**inputs, return_dict=False)[0]
 
-        scale = self.guidance_branches(cond, guidance_scale, true_cfg_scale)
-        if scale is None:
-            return branch("")
-        if not uncond_grad:
-            conditional = branch("")
-            return classifier_free_guidance(conditional, self.unconditional_velocity(branch, uncond_grad=False), scale)
-        # Both branches in one call on 2B, unconditional half first, as the pipeline does.
-        velocity = call(
-            torch.cat([hidden, hidden]),
-            torch.cat([timestep, timestep]),
-            torch.cat([cond["negative_prompt_embeds"], cond["prompt_embeds"]]),
-            torch.cat([cond["negative_pooled_prompt_embeds"], cond["pooled_prompt_embeds"]]),
-        )
-        uncond, conditional = velocity.chunk(2)
-        return classifier_free_guidance(conditional, uncond, scale)
+        return self.guided_velocity(
+            call, branch_inputs, cond, guidance_scale=guidance_scale, true_cfg_scale=true_cfg_scale,
+            uncond_grad=uncond_grad,
+        )  # fmt: skip

@@ -4,10 +4,12 @@
 
     trl-jagg bench [--output_dir runs/bench] [--group_sizes 2 4 8 ...]           # the engine on a small DiT
     trl-jagg bench trainer [--output_dir runs/bench] [--group_sizes 2 4 8 ...]   # DDPOJaggTrainer on a tiny Flux
+    trl-jagg bench whole-step [--output_dir runs/bench] [--repeats 5 ...]       # whole steps at recipe shapes
 
 Each benchmark's options are the fields of a dataclass mirroring its function's parameters
 (:class:`EngineBenchmarkArguments` for :func:`trl_jagg.benchmarks.engine.run_engine_benchmark`,
-:class:`TrainerBenchmarkArguments` for :func:`trl_jagg.benchmarks.trainer.run_trainer_benchmark`): a parameter
+:class:`TrainerBenchmarkArguments` for :func:`trl_jagg.benchmarks.trainer.run_trainer_benchmark`,
+:class:`WholeStepBenchmarkArguments` for :func:`trl_jagg.benchmarks.whole_step.run_whole_step_benchmark`): a parameter
 added to the function is exposed by adding the field of the same name.
 """
 
@@ -27,6 +29,12 @@ TRAINER_DESCRIPTION = (
     "Time the update stage of DDPOJaggTrainer itself (adapter, SDE log-prob, PPO loss, accelerator.backward): exact, "
     "JAGG, JAGG + velocity cache (+ sequential endpoints), interleaved per repeat, with backbone calls counted and "
     "peak memory, on a small Flux pipeline built from config; write trainer_benchmark.json and .png."
+)
+
+WHOLE_STEP_DESCRIPTION = (
+    "Time whole steps of DDPOJaggTrainer (rollout, decode, rewards, update) at the DanceGRPO shape (exact, JAGG + "
+    "cache) and the mixed ODE-SDE shape (exact update, JAGG + cache, + shared prefix, + DPM-Solver++ on 40% of the "
+    "ODE steps), interleaved per repeat, with the backbone rows counted; write whole_step_benchmark.json."
 )
 
 
@@ -87,26 +95,63 @@ class TrainerBenchmarkArguments:
     plot: bool = field(default=True, metadata={"help": "Write the PNG chart (--no_plot skips it)."})
 
 
-def make_parser(trainer: bool = False) -> CommandParser:
-    if trainer:
-        return CommandParser((TrainerBenchmarkArguments,), "bench trainer", TRAINER_DESCRIPTION)
-    return CommandParser((EngineBenchmarkArguments,), "bench", ENGINE_DESCRIPTION)
+def _whole_step_variants() -> tuple[str, ...]:
+    from trl_jagg.benchmarks.whole_step import WHOLE_STEP_VARIANTS
+
+    return tuple(WHOLE_STEP_VARIANTS)
+
+
+@dataclass
+class WholeStepBenchmarkArguments:
+    """The options of ``trl-jagg bench whole-step`` (parameters of
+    :func:`~trl_jagg.benchmarks.whole_step.run_whole_step_benchmark`)."""
+
+    _argument_group_name = "Whole-step benchmark"
+
+    output_dir: str = field(default="runs/bench", metadata={"help": "Where the JSON goes."})
+    variants: list[str] = field(
+        default_factory=lambda: list(_whole_step_variants()), metadata={"help": "The variants to time (all)."}
+    )
+    resolution: int = field(default=128, metadata={"help": "Image height and width in pixels (a multiple of 16)."})
+    max_sequence_length: int = field(default=64, metadata={"help": "Text tokens."})
+    num_layers: int = field(default=2, metadata={"help": "Double-stream blocks of the Flux transformer."})
+    num_single_layers: int = field(default=4, metadata={"help": "Single-stream blocks of the Flux transformer."})
+    repeats: int = field(default=5, metadata={"help": "Timed repeats after a warm-up, each a step of every variant."})
+    seed: int = field(default=0, metadata={"help": "Seed of the model weights and the rollouts."})
+    num_threads: int = field(default=1, metadata={"help": "torch CPU threads while timing (restored afterwards)."})
+
+
+COMMANDS = {
+    "trainer": (TrainerBenchmarkArguments, "bench trainer", TRAINER_DESCRIPTION),
+    "whole-step": (WholeStepBenchmarkArguments, "bench whole-step", WHOLE_STEP_DESCRIPTION),
+}
+"""The sub-benchmarks by name; without one, ``trl-jagg bench`` runs the engine benchmark."""
+
+
+def make_parser(command: str | None = None) -> CommandParser:
+    arguments, name, description = COMMANDS.get(command, (EngineBenchmarkArguments, "bench", ENGINE_DESCRIPTION))
+    return CommandParser((arguments,), name, description)
 
 
 def main(argv: Sequence[str]) -> int:
-    """``trl-jagg bench [trainer] ARGV``: run the benchmark (it prints its table and where its files are)."""
-    trainer = bool(argv) and argv[0] == "trainer"
-    parsed = make_parser(trainer).parse_command_line(argv[1:] if trainer else argv)
+    """``trl-jagg bench [trainer | whole-step] ARGV``: run the benchmark (it prints its table and where its files
+    are)."""
+    command = argv[0] if argv and argv[0] in COMMANDS else None
+    parsed = make_parser(command).parse_command_line(argv[1:] if command else argv)
     if parsed is None:
         return 0
     kwargs = asdict(parsed[0])
-    for key in ("group_sizes", "jagg_fracs", "betas"):
+    for key in ("group_sizes", "jagg_fracs", "betas", "variants"):
         if key in kwargs:
             kwargs[key] = tuple(kwargs[key])
-    if trainer:
+    if command == "trainer":
         from trl_jagg.benchmarks.trainer import run_trainer_benchmark
 
         run_trainer_benchmark(**kwargs)
+    elif command == "whole-step":
+        from trl_jagg.benchmarks.whole_step import run_whole_step_benchmark
+
+        run_whole_step_benchmark(**kwargs)
     else:
         from trl_jagg.benchmarks.engine import run_engine_benchmark
 

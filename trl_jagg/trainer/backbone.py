@@ -71,7 +71,29 @@ def prepare_backbone(
         # transformers' own switch calls a transformers-only method; diffusers has its own.
         transformer.enable_gradient_checkpointing()
         args.gradient_checkpointing = args.activation_checkpointing = False
+    if args.compile_repeated_blocks:
+        for backbone in (transformer, ref_transformer):
+            if backbone is not None:
+                compile_blocks(backbone, backend=args.compile_backend)
     return transformer, ref_transformer
+
+
+def compile_blocks(transformer: torch.nn.Module, **compile_kwargs: Any) -> None:
+    """Regional compilation of ``transformer`` in place: ``torch.compile(**compile_kwargs)`` of each repeated block,
+    through diffusers' ``compile_repeated_blocks``; a backbone without ``_repeated_blocks`` (SD3) compiles its
+    transformer blocks, the ``_no_split_modules`` classes. LoRA layers must be added before."""
+    if getattr(transformer, "_repeated_blocks", None):
+        transformer.compile_repeated_blocks(**compile_kwargs)
+        return
+    names = set(getattr(transformer, "_no_split_modules", None) or ())
+    blocks = [module for module in transformer.modules() if type(module).__name__ in names]
+    if not blocks:
+        raise ValueError(
+            f"GRPOJaggConfig.compile_repeated_blocks: {type(transformer).__name__} declares no repeated blocks "
+            "(`_repeated_blocks` and `_no_split_modules` are empty). Set it to False."
+        )
+    for block in blocks:
+        block.compile(**compile_kwargs)
 
 
 def has_active_dropout(module: torch.nn.Module) -> bool:

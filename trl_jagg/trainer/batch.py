@@ -3,7 +3,8 @@ from the run seed and the optimizer step.
 
 A rollout is a dict: per-sample entries (``latents`` ``(B, N + 1, ...)``, ``log_probs`` ``(B, N)``, ``advantages``
 ``(B,)``, ``velocities`` ``(B, N, ...)`` when recorded, ``cond``) and shared ones (``sigmas``, ``sigma_values`` (the
-same on the host), ``timesteps``, ``stochastic_steps``, ``velocity_key``).
+same on the host), ``timesteps``, ``stochastic_steps``, ``velocity_key``). The update stage adds
+``reference_means`` (step -> ``(B, ...)``), the KL reference's means kept for the micro-batch's later updates.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ def select_samples(batch: dict[str, Any], index: slice | torch.Tensor) -> dict[s
         if key in batch:
             selected[key] = batch[key][index]
     selected["cond"] = batch["cond"].select(index)
+    if "reference_means" in batch:
+        selected["reference_means"] = {k: mean[index] for k, mean in batch["reference_means"].items()}
     return selected
 
 

@@ -6,7 +6,6 @@ the result is the rollout batch (:mod:`trl_jagg.trainer.batch`) the update stage
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -21,6 +20,7 @@ from ..models import FlowMatchingAdapter
 from ..prompts import prompt_text
 from ..rewards import compute_rewards
 from ..rollout import Trajectory, sample_trajectories
+from ..sde_window import compressed_path, path_schedule, sde_window
 from .batch import rng_seed, velocity_key
 from .conditioning import PromptConditioner
 from .guards import any_process, stop_if_non_finite
@@ -37,15 +37,21 @@ class RewardFailure(Exception):
         self.error = error
 
 
-def sde_window(args: GRPOJaggConfig, global_step: int) -> list[int] | None:
-    """Flow-GRPO-Fast: the stochastic steps of the rollout at ``global_step`` (``None``: all)."""
+def rollout_window(args: GRPOJaggConfig, global_step: int) -> list[int] | None:
+    """The SDE window of the rollout at ``global_step`` in the schedule's steps (``None``: every step stochastic):
+    Flow-GRPO-Fast's random start or MixGRPO's sliding one (:func:`trl_jagg.sde_window.sde_window`)."""
     if args.sde_window_size == 0:
         return None
-    max_start = args.sde_window_max_start
-    if max_start is None:
-        max_start = max(0, min(args.num_inference_steps // 2, args.num_inference_steps - args.sde_window_size))
-    start = random.Random(rng_seed(args.seed, global_step, -1)).randint(0, max_start)
-    return list(range(start, start + args.sde_window_size))
+    return sde_window(
+        args.sde_window_schedule,
+        num_steps=args.num_inference_steps,
+        size=args.sde_window_size,
+        max_start=args.sde_window_max_start,
+        step=global_step,
+        stride=args.sde_window_stride,
+        shift_interval=args.sde_window_shift_interval,
+        seed=rng_seed(args.seed, global_step, -1),
+    )
 
 
 def scored_rewards(
@@ -113,12 +119,16 @@ class RolloutGenerator:
         self.completions: tuple[list[str], list, dict[str, list[float]]] | None = None
         """The latest rollout's (prompts, images, scores) for ``log_completions``, until the trainer logs them."""
 
+    def groups(self, num_samples: int) -> list[int]:
+        """The prompt group of each of this process's ``num_samples`` rows: its index in the gathered batch."""
+        first = self.accelerator.process_index * num_samples  # this process's rows in the gathered batch
+        return [(first + i) // self.args.num_generations for i in range(num_samples)]
+
     def group_noise(self, num_samples: int, global_step: int) -> torch.Tensor:
         """Initial noise shared by each prompt group: drawn from a seed of the group's index in the global batch, so
         the processes holding parts of one group draw the same latent without communicating."""
         args = self.args
-        first = self.accelerator.process_index * num_samples  # this process's rows in the gathered batch
-        groups = [(first + i) // args.num_generations for i in range(num_samples)]
+        groups = self.groups(num_samples)
         noise = {}
         for group in dict.fromkeys(groups):
             generator = torch.Generator(self.accelerator.device).manual_seed(
@@ -144,7 +154,11 @@ class RolloutGenerator:
             if args.quantize_timesteps:
                 # DanceGRPO feeds the backbone int(sigma * 1000) / 1000; the sampler keeps the exact sigmas.
                 timesteps = timesteps.floor()
-            stochastic_steps = sde_window(args, global_step)
+            stochastic_steps = rollout_window(args, global_step)
+            if stochastic_steps is not None:
+                # The ODE outside the window on fewer steps (ode_step_ratio); the rollout's own schedule from here.
+                path = compressed_path(args.num_inference_steps, stochastic_steps, args.ode_step_ratio)
+                sigmas, timesteps, stochastic_steps = path_schedule(sigmas, timesteps, path, stochastic_steps)
             # Encode every distinct prompt once; samples index into it.
             unique = list(dict.fromkeys(prompts))
             cond = self.conditioner(unique).select(torch.tensor([unique.index(p) for p in prompts], device=device))
@@ -152,6 +166,8 @@ class RolloutGenerator:
                 rng_seed(args.seed, global_step, self.accelerator.process_index)
             )
             initial_noise = self.group_noise(len(prompts), global_step) if args.same_group_noise else None
+            # Rows of one group share their noise and prompt: the rollout runs their deterministic prefix once.
+            groups = torch.tensor(self.groups(len(prompts)), device=device) if args.same_group_noise else None
             chunk = args.sample_batch_size or args.per_device_train_batch_size
             trajectories: list[Trajectory] = []
             images = []
@@ -173,6 +189,7 @@ class RolloutGenerator:
                     sampler=args.sampler, noise_level=args.noise_level, guidance_scale=args.guidance_scale,
                     true_cfg_scale=args.true_cfg_scale, stochastic_steps=stochastic_steps, generator=generator,
                     transformer=transformer, record_velocities=record_velocities,
+                    noise_groups=groups[index] if groups is not None else None, ode_solver_order=args.ode_solver_order,
                 )  # fmt: skip
                 trajectories.append(trajectory)
                 with self.frozen.on_accelerator(self.frozen.vae):

@@ -160,6 +160,18 @@ class UpdateStage:
             for k, v in zip(trained, velocities)
         }
 
+    def kept_reference_means(
+        self, transformer: torch.nn.Module, batch: dict[str, Any], trained: list[int]
+    ) -> dict[int, torch.Tensor]:
+        """:meth:`reference_means` of ``trained``, each step's computed once per micro-batch: they depend only on the
+        rollout's states and the frozen reference, so they are kept in ``batch["reference_means"]`` for the later
+        updates of the same micro-batch (``num_iterations > 1``, other random trained steps), identical values."""
+        kept = batch.setdefault("reference_means", {})
+        missing = [k for k in trained if k not in kept]
+        if missing:
+            kept.update(self.reference_means(transformer, batch, missing))
+        return {k: kept[k] for k in trained}
+
     def cached_velocities(
         self, model: torch.nn.Module, batch: dict[str, Any], trained: list[int], global_step: int
     ) -> dict[int, torch.Tensor]:
@@ -180,7 +192,7 @@ class UpdateStage:
         latents, old_log_probs, advantages = batch["latents"], batch["log_probs"], batch["advantages"]
         sigmas = batch["sigmas"]
         unwrapped = self.accelerator.unwrap_model(model)
-        ref_means = self.reference_means(unwrapped, batch, trained) if args.beta > 0 else {}
+        ref_means = self.kept_reference_means(unwrapped, batch, trained) if args.beta > 0 else {}
         stats: dict[str, list[torch.Tensor]] = defaultdict(list)
 
         def loss_fn(i: int, v: torch.Tensor) -> torch.Tensor:

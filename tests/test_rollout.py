@@ -1,0 +1,185 @@
+"""The shared sampling loop (`trl_jagg.rollout`) and the SDE window (`trl_jagg.sde_window`): a group's shared
+deterministic prefix runs once per group and gives the unshared rollout's trajectories; MixGRPO's sliding window;
+the ODE outside it on fewer steps with a higher-order solver, checked against the exact solution of a Gaussian flow."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from diffusers import FluxPipeline
+
+from trl_jagg.models import Conditioning, load_adapter
+from trl_jagg.rollout import sample_trajectories
+from trl_jagg.sde_window import compressed_path, path_schedule, sde_window
+
+GROUP_SIZE, NUM_STEPS = 3, 5
+PROMPTS = ["a red circle", "a blue square"]
+
+
+@pytest.fixture(scope="module")
+def flux(tiny_flux_path):
+    return load_adapter(FluxPipeline.from_pretrained(tiny_flux_path))
+
+
+def group_batch(adapter, seed: int = 0):
+    """Two GRPO groups of three rows: each group's prompt and initial noise repeated, as `same_group_noise` draws."""
+    cond = adapter.condition([p for p in PROMPTS for _ in range(GROUP_SIZE)], height=32, width=32)
+    noise = adapter.prepare_latents(len(PROMPTS), 32, 32, torch.Generator().manual_seed(seed))
+    groups = torch.arange(len(PROMPTS)).repeat_interleave(GROUP_SIZE)
+    return cond, noise[groups], groups
+
+
+def rollout(adapter, cond, noise, *, groups=None, stochastic_steps=None, sampler="sde"):
+    """The rollout with a fresh seeded generator, and the rows of every backbone call (forward pre-hook)."""
+    rows = []
+    hook = adapter.transformer.register_forward_pre_hook(
+        lambda module, args, kwargs: rows.append(kwargs["hidden_states"].shape[0]), with_kwargs=True
+    )
+    sigmas, timesteps = adapter.schedule(NUM_STEPS, 32, 32)
+    try:
+        trajectory = sample_trajectories(
+            adapter, cond, noise, sigmas, timesteps, sampler=sampler, noise_level=0.9, guidance_scale=3.5,
+            true_cfg_scale=1.0, stochastic_steps=stochastic_steps, generator=torch.Generator().manual_seed(7),
+            record_velocities=True, noise_groups=groups,
+        )  # fmt: skip
+    finally:
+        hook.remove()
+    return trajectory, rows
+
+
+@pytest.mark.parametrize(
+    ("stochastic_steps", "sampler", "prefix"),
+    [([2, 3], "sde", 2), ([0, 1], "sde", 0), (None, "ode", NUM_STEPS)],
+    ids=["window-at-2", "window-at-0", "all-ode"],
+)
+def test_shared_prefix_equals_the_unshared_rollout_with_fewer_backbone_rows(flux, stochastic_steps, sampler, prefix):
+    cond, noise, groups = group_batch(flux)
+    expected, rows = rollout(flux, cond, noise, stochastic_steps=stochastic_steps, sampler=sampler)
+    shared, shared_rows = rollout(flux, cond, noise, groups=groups, stochastic_steps=stochastic_steps, sampler=sampler)
+    # The prefix runs on one row per group: (G - 1) rows fewer per group and prefix step.
+    assert sum(rows) == len(groups) * NUM_STEPS
+    assert sum(rows) - sum(shared_rows) == len(PROMPTS) * (GROUP_SIZE - 1) * prefix
+    # Same noise draws (the prefix draws none) and the same steps; a smaller backbone batch rounds apart (CPU
+    # float32: up to 5e-7, not bit-identical), so within 1e-6.
+    for name in ("latents", "log_probs", "velocities"):
+        torch.testing.assert_close(getattr(shared, name), getattr(expected, name), atol=1e-6, rtol=1e-6, msg=name)
+    # The groups did branch at the first stochastic step: the rows of a group differ from there on.
+    if prefix < NUM_STEPS:
+        assert not torch.equal(shared.latents[0, prefix + 1], shared.latents[1, prefix + 1])
+    assert torch.equal(shared.latents[0, : prefix + 1], shared.latents[1, : prefix + 1])
+
+
+def test_noise_groups_must_share_noise_and_conditioning(flux):
+    cond, noise, groups = group_batch(flux)
+    with pytest.raises(ValueError, match="one group per row"):
+        rollout(flux, cond, noise, groups=groups[:-1], stochastic_steps=[2])
+    other_noise = noise.clone()
+    other_noise[1] += 1
+    with pytest.raises(ValueError, match="different `noise`"):
+        rollout(flux, cond, other_noise, groups=groups, stochastic_steps=[2])
+    with pytest.raises(ValueError, match="different `prompt_embeds`"):
+        rollout(flux, cond, noise[:1].expand_as(noise), groups=torch.zeros_like(groups), stochastic_steps=[2])
+
+
+# ---------------------------------------------------------------- mixed ODE-SDE rollout (MixGRPO)
+@pytest.mark.parametrize(("stride", "shift_interval"), [(1, 3), (2, 2), (3, 1)])
+def test_progressive_window_follows_mixgrpo_training_states(stride, shift_interval):
+    """The window of every optimizer step equals the one MixGRPO's GRPOTrainingStates (progressive, prog_overlap,
+    roll_back) holds at that step, its update rule written out here as a loop."""
+    num_steps, size = 10, 4
+    max_start = num_steps - 1 - size  # full windows that end before the never-trained last step
+    current, iteration = 0, 0
+    for step in range(40):
+        window = sde_window(
+            "progressive", num_steps=num_steps, size=size, step=step, stride=stride, shift_interval=shift_interval
+        )
+        assert window == list(range(current, current + size)), step
+        iteration += 1
+        if iteration >= shift_interval:  # update_iteration: move by prog_overlap_step after iters_per_group
+            iteration, current = 0, current + stride
+        if current > max_start:  # roll_back_start
+            current = 0
+
+
+def test_random_window_is_seeded_and_inside_its_range():
+    windows = {tuple(sde_window("random", num_steps=10, size=3, max_start=4, seed=seed)) for seed in range(40)}
+    assert {w[0] for w in windows} == set(range(5))
+    assert all(list(w) == list(range(w[0], w[0] + 3)) for w in windows)
+    assert sde_window("random", num_steps=10, size=3, seed=5) == sde_window("random", num_steps=10, size=3, seed=5)
+    with pytest.raises(ValueError, match="max_start"):
+        sde_window("random", num_steps=10, size=3, max_start=8)
+    with pytest.raises(ValueError, match="schedule"):
+        sde_window("sliding", num_steps=10, size=3)
+
+
+def test_compressed_path_keeps_the_window_and_thins_each_side():
+    assert compressed_path(16, [3, 4, 5, 6], 1.0) == list(range(17))
+    # 3 steps before the window -> round(1.2) = 1; 9 after -> round(3.6) = 4, spread over 7..15.
+    assert compressed_path(16, [3, 4, 5, 6], 0.4) == [0, 3, 4, 5, 6, 7, 9, 11, 13, 16]
+    assert compressed_path(8, [0, 1], 0.1) == [0, 1, 2, 8]
+
+
+def test_first_order_full_count_mixed_rollout_is_todays_rollout(flux):
+    """Euler outside the window on every step of the schedule: bit-identical to the rollout with that window (the
+    same operations in the same order; exactness is the property)."""
+    cond, noise, _ = group_batch(flux)
+    window = sde_window("progressive", num_steps=NUM_STEPS, size=2, step=1, shift_interval=1)
+    sigmas, timesteps = flux.schedule(NUM_STEPS, 32, 32)
+    path_sigmas, path_timesteps, stochastic = path_schedule(
+        sigmas, timesteps, compressed_path(NUM_STEPS, window, 1.0), window
+    )
+    assert stochastic == window == [1, 2]
+    kwargs = dict(sampler="sde", noise_level=0.9, guidance_scale=3.5, true_cfg_scale=1.0, record_velocities=True)
+    expected = sample_trajectories(
+        flux, cond, noise, sigmas, timesteps, stochastic_steps=window, generator=torch.Generator().manual_seed(7),
+        **kwargs,
+    )  # fmt: skip
+    mixed = sample_trajectories(
+        flux, cond, noise, path_sigmas, path_timesteps, stochastic_steps=stochastic, ode_solver_order=1,
+        generator=torch.Generator().manual_seed(7), **kwargs,
+    )  # fmt: skip
+    for name in ("latents", "log_probs", "velocities", "sigmas", "timesteps"):
+        assert torch.equal(getattr(mixed, name), getattr(expected, name)), name
+
+
+class GaussianFlow:
+    """A stand-in adapter whose backbone is the exact velocity field of data ``x0 ~ N(m, s^2)`` (per dimension):
+    ``x_sigma = (1 - sigma) x0 + sigma eps`` is transported by ``x(sigma) = (1 - sigma) m + std(sigma) z`` with
+    ``std^2 = (1 - sigma)^2 s^2 + sigma^2``, whose derivative gives
+    ``v(x, sigma) = -m + (sigma - (1 - sigma) s^2) / std^2 (x - (1 - sigma) m)``: the ODE and its exact solution."""
+
+    transformer = torch.nn.Identity()
+
+    def __init__(self, m: torch.Tensor, s: torch.Tensor):
+        self.m, self.s = m.double(), s.double()
+
+    def predict_velocity(self, transformer, latents, timestep, cond, **guidance):
+        sigma = (timestep.double() / 1000).view(-1, 1)
+        var = (1 - sigma) ** 2 * self.s**2 + sigma**2
+        return -self.m + (sigma - (1 - sigma) * self.s**2) / var * (latents.double() - (1 - sigma) * self.m)
+
+    def solution(self, z: torch.Tensor, sigma: float) -> torch.Tensor:
+        return (1 - sigma) * self.m + ((1 - sigma) ** 2 * self.s**2 + sigma**2) ** 0.5 * z.double()
+
+
+@pytest.mark.parametrize("order", [1, 2, 3])
+def test_ode_solver_converges_to_the_exact_solution_at_its_order(order):
+    """Halving the step size divides the error against the exact solution by about 2^order (Euler for order 1,
+    diffusers' DPM-Solver++ for 2 and 3), on a segment between two noise levels like an ODE run before a window."""
+    generator = torch.Generator().manual_seed(0)
+    flow = GaussianFlow(torch.randn(1, 8, generator=generator), 0.5 + 0.5 * torch.rand(1, 8, generator=generator))
+    z = torch.randn(4, 8, generator=generator)
+    errors = []
+    for num_steps in (16, 32, 64):
+        sigmas = torch.linspace(0.9, 0.1, num_steps + 1)
+        trajectory = sample_trajectories(
+            flow, Conditioning({}), flow.solution(z, float(sigmas[0])).float(), sigmas, sigmas[:-1] * 1000,
+            sampler="ode", noise_level=0.0, guidance_scale=1.0, true_cfg_scale=1.0, ode_solver_order=order,
+        )  # fmt: skip
+        errors.append((trajectory.latents[:, -1] - flow.solution(z, float(sigmas[-1]))).abs().max().item())
+    # The observed order log2(error(h) / error(h / 2)) within 0.5 of the solver's (multistep warm-up steps are of lower
+    # order, so order 3 approaches 3 from below: 2.7 here).
+    for coarse, fine in zip(errors, errors[1:]):
+        assert abs(math.log2(coarse / fine) - order) < 0.5, errors
