@@ -6,6 +6,7 @@ import dataclasses
 import difflib
 import math
 import numbers
+import os
 import typing
 import warnings
 from dataclasses import dataclass, field, fields
@@ -539,6 +540,17 @@ class GRPOJaggConfig(TrainingArguments):
             for number in values:
                 if isinstance(number, float) and not math.isfinite(number):
                     raise ValueError(f"GRPOJaggConfig.{item.name} is {value!r}. Use a finite number.")
+        fsdp = self.fsdp
+        if not (
+            fsdp is None
+            or isinstance(fsdp, (bool, str))
+            or (isinstance(fsdp, list) and all(isinstance(o, str) for o in fsdp))
+        ):
+            # transformers takes any truthy value as "FSDP on".
+            raise TypeError(
+                f"GRPOJaggConfig.fsdp is {fsdp!r} ({type(fsdp).__name__}); expected true or false, or a string of "
+                "FSDP options ('full_shard auto_wrap')."
+            )
         # Before `_resolve_generation_batch` divides by them, and before the multiple-of-G check, which 0 passes.
         # per_device_eval_batch_size too: 0 would stop the first evaluation, which runs before that step's save.
         names = ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps")
@@ -551,6 +563,12 @@ class GRPOJaggConfig(TrainingArguments):
         def fail(name: str, problem: str, fix: str) -> None:
             raise ValueError(f"GRPOJaggConfig.{name} {problem}. {fix}")
 
+        if self.output_dir is not None and os.path.isfile(self.output_dir):
+            fail(
+                "output_dir",
+                f"{self.output_dir} is a file",
+                "Checkpoints and weights need a directory: use another path.",
+            )
         if self.dtype not in DTYPES:
             fail("dtype", f"is {self.dtype!r}", f"Use one of {DTYPES}.")
         if self.num_generations < 2:
