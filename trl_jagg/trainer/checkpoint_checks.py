@@ -169,8 +169,10 @@ def check_step_agreement(path: str, gradient_accumulation_steps: int) -> None:
 def check_optimizer_shapes(path: str, parameter_shapes: Sequence[tuple[int, ...]]) -> None:
     """The per-parameter tensors of ``path/optimizer.pt`` (Adam's moments, ...) have the shapes of the parameters
     the optimizer will hold, in order (``torch.optim.Optimizer.state_dict``'s layout; a fused optimizer would run
-    with the wrong shapes unchecked)."""
+    with the wrong shapes unchecked). A missing file is :func:`check_resume_files`'s concern."""
     file = os.path.join(path, "optimizer.pt")
+    if not os.path.isfile(file):
+        return
     try:
         saved = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
     except Exception as error:  # noqa: BLE001 (torch raises many types for a damaged archive)

@@ -59,10 +59,13 @@ def scored_rewards(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """:func:`~trl_jagg.rewards.compute_rewards`, raising :class:`RewardFailure` on every process when it failed on
-    any of them."""
+    any of them. A process without prompts (an evaluation split over more processes than prompts) calls no reward
+    but joins the check."""
     failure: Exception | None = None
+    return_value: tuple[torch.Tensor, dict[str, torch.Tensor]] = (torch.zeros(0), {})
     try:
-        return_value = compute_rewards(reward_funcs, prompts, images, weights, retries=retries, **kwargs)
+        if prompts:
+            return_value = compute_rewards(reward_funcs, prompts, images, weights, retries=retries, **kwargs)
     except Exception as error:  # raised below, once every process knows
         failure = error
     if any_process(accelerator, failure is not None):
