@@ -31,22 +31,22 @@ from .distributed import check_backend, check_world_size, gradient_sync_deferred
 from .errors import TrainingError
 from .grpo_jagg_config import GRPOJaggConfig
 from .models import FlowMatchingAdapter, load_adapter
-from .prompts import prompt_dataset, prompt_text
+from .prompts import prompt_text
 from .rewards import reward_name
 from .trainer import checkpointing, hub
 from .trainer.backbone import has_active_dropout, prepare_backbone
 from .trainer.batch import split_rollout, without_zero_advantages
-from .trainer.checkpoint_checks import check_optimizer_shapes
 from .trainer.conditioning import PromptConditioner
 from .trainer.data import EpochSeededRepeatSampler, identity_collator
 from .trainer.ema import EMACallback, EMAWeights, ema_swapped_in
 from .trainer.evaluation import Evaluator, SampleImagesCallback
 from .trainer.files import EMA_DIR
-from .trainer.generation import RewardFailure, RolloutGenerator
+from .trainer.generation import RolloutGenerator
 from .trainer.guards import stop_if_non_finite
 from .trainer.image_logging import log_completions, log_image_grid, save_images
 from .trainer.inputs import checked_inputs
 from .trainer.placement import FrozenModules
+from .trainer.scoring import RewardFailure
 from .trainer.update import UpdateStage
 
 logger = logging.getLogger(__name__)
@@ -328,10 +328,7 @@ class DDPOJaggTrainer(_BaseTrainer):
         ``..._rewards/<name>/mean`` (W&B and the other ``report_to`` trackers show them as ``eval/...``); the first
         16 images are logged as a grid under ``eval_samples/``. Each process renders its share of the prompts.
         """
-        # Checked as the training prompts are: a list, a missing 'prompt' column or a bad row is named.
-        dataset = (
-            prompt_dataset(eval_dataset, 1, name="eval_dataset") if eval_dataset is not None else self.eval_dataset
-        )
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise ValueError(
                 "evaluate() needs held-out prompts: pass eval_dataset= to DDPOJaggTrainer or to evaluate()."
@@ -358,10 +355,8 @@ class DDPOJaggTrainer(_BaseTrainer):
             resume_from_checkpoint = checkpointing.last_checkpoint(self.args.output_dir)
         if resume_from_checkpoint:
             transformer = self.accelerator.unwrap_model(self.model)
-            self.weights.check(
-                resume_from_checkpoint, transformer, self.args, ema=self.ema is not None,
-                optimizer_files=not (self.is_deepspeed_enabled or self.is_fsdp_enabled),
-            )  # fmt: skip
+            plain = not (self.is_deepspeed_enabled or self.is_fsdp_enabled)  # resumes from optimizer.pt
+            self.weights.check(resume_from_checkpoint, transformer, self.args, ema=self.ema, optimizer_files=plain)
         return super().train(resume_from_checkpoint=resume_from_checkpoint or None, **kwargs)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
@@ -404,9 +399,7 @@ class DDPOJaggTrainer(_BaseTrainer):
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if not self.args.fully_shard_backbone or checkpoint is None:
             if checkpoint is not None and not (self.is_deepspeed_enabled or self.is_fsdp_enabled):
-                # Before the Trainer loads it: the state of another LoRA rank would load without a complaint.
-                params = [p for group in self.optimizer.param_groups for p in group["params"]]
-                check_optimizer_shapes(checkpoint, [tuple(p.shape) for p in params])
+                checkpointing.check_optimizer_state(checkpoint, self.optimizer)
             return super()._load_optimizer_and_scheduler(checkpoint)
         checkpointing.load_full_optimizer_state(self.model, self.optimizer, self.lr_scheduler, checkpoint)
 

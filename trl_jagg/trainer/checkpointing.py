@@ -37,6 +37,7 @@ from ..models import FlowMatchingAdapter
 from .checkpoint_checks import (
     check_checkpoint_dir,
     check_finite_weights,
+    check_optimizer_shapes,
     check_resume_files,
     check_state_files,
     check_step_agreement,
@@ -66,8 +67,9 @@ class WeightsIO:
         return f"{self.adapter.pipeline_class.transformer_name}."
 
     def check(
-        self, path: str, transformer: torch.nn.Module, args: GRPOJaggConfig, *, ema: bool, optimizer_files: bool
-    ) -> None:
+        self, path: str, transformer: torch.nn.Module, args: GRPOJaggConfig, *, ema: EMAWeights | None,
+        optimizer_files: bool,
+    ) -> None:  # fmt: skip
         """Refuse a checkpoint whose files are missing, unreadable, non-finite, of another model, or whose run
         state disagrees (names the file); with ``ema``, its ``ema/`` folder too. ``optimizer_files``: the Trainer
         resumes from ``optimizer.pt`` / ``scheduler.pt`` (not a DeepSpeed or FSDP-plugin folder)."""
@@ -80,7 +82,7 @@ class WeightsIO:
             expected, prefix = transformer.state_dict(), ""
         shapes = {key: tuple(value.shape) for key, value in expected.items()}
         folders = [path]
-        if ema:
+        if ema is not None:
             folders.append(os.path.join(path, EMA_DIR))
             if not os.path.isdir(folders[-1]):
                 raise CheckpointError(
@@ -164,6 +166,13 @@ class WeightsIO:
             self.load(transformer, os.path.join(checkpoint, EMA_DIR))
             ema.take_current_weights()
         self.load(transformer, checkpoint)
+
+
+def check_optimizer_state(checkpoint: str, optimizer: torch.optim.Optimizer) -> None:
+    """Before the Trainer loads ``checkpoint/optimizer.pt`` into ``optimizer``: its per-parameter state has the
+    shapes of the parameters (the state of another LoRA rank would load without a complaint)."""
+    params = [p for group in _torch_optimizer(optimizer).param_groups for p in group["params"]]
+    check_optimizer_shapes(checkpoint, [tuple(p.shape) for p in params])
 
 
 def last_checkpoint(output_dir: str) -> str:

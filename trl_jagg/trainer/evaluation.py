@@ -14,12 +14,12 @@ from transformers import TrainerCallback
 
 from ..grpo_jagg_config import GRPOJaggConfig
 from ..models import FlowMatchingAdapter
-from ..prompts import prompt_text
+from ..prompts import prompt_dataset, prompt_text
 from ..rollout import generate_images
 from .conditioning import negative_prompt
 from .ema import EMAWeights, ema_swapped_in
-from .generation import scored_rewards
 from .placement import FrozenModules, eval_mode
+from .scoring import scored_rewards
 
 
 class Evaluator:
@@ -80,6 +80,8 @@ class Evaluator:
         process's images and prompts."""
         args = self.args
         start = time.perf_counter()
+        # Checked as the training prompts are: a list is converted, a missing 'prompt' column or a bad row named.
+        dataset = prompt_dataset(dataset, 1, name="eval_dataset")
         with self.accelerator.split_between_processes(list(range(len(dataset)))) as rows:
             records = [dataset[i] for i in rows]
         prompts = [prompt_text(record["prompt"], "eval_dataset 'prompt'") for record in records]

@@ -19,22 +19,12 @@ from ..grpo import PerPromptStatTracker, group_advantages
 from ..grpo_jagg_config import GRPOJaggConfig
 from ..models import FlowMatchingAdapter
 from ..prompts import prompt_text
-from ..rewards import compute_rewards
 from ..rollout import Trajectory, sample_trajectories
 from .batch import rng_seed, velocity_key
 from .conditioning import PromptConditioner
-from .guards import any_process, stop_if_non_finite
+from .guards import stop_if_non_finite
 from .placement import FrozenModules, eval_mode
-
-
-class RewardFailure(Exception):
-    """A reward function failed on some process during a rollout; raised on every process alike, so the trainer
-    can save the steps trained so far (a collective) before stopping. ``error`` is this process's own failure,
-    ``None`` when another process failed."""
-
-    def __init__(self, error: Exception | None):
-        super().__init__(str(error) if error is not None else "a reward function failed on another process")
-        self.error = error
+from .scoring import scored_rewards
 
 
 def sde_window(args: GRPOJaggConfig, global_step: int) -> list[int] | None:
@@ -46,31 +36,6 @@ def sde_window(args: GRPOJaggConfig, global_step: int) -> list[int] | None:
         max_start = max(0, min(args.num_inference_steps // 2, args.num_inference_steps - args.sde_window_size))
     start = random.Random(rng_seed(args.seed, global_step, -1)).randint(0, max_start)
     return list(range(start, start + args.sde_window_size))
-
-
-def scored_rewards(
-    reward_funcs: Sequence[Callable[..., Any]],
-    accelerator: Any,
-    prompts: list[str],
-    images: list,
-    *,
-    weights: Sequence[float] | None,
-    retries: int,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """:func:`~trl_jagg.rewards.compute_rewards`, raising :class:`RewardFailure` on every process when it failed on
-    any of them. A process without prompts (an evaluation split over more processes than prompts) calls no reward
-    but joins the check."""
-    failure: Exception | None = None
-    return_value: tuple[torch.Tensor, dict[str, torch.Tensor]] = (torch.zeros(0), {})
-    try:
-        if prompts:
-            return_value = compute_rewards(reward_funcs, prompts, images, weights, retries=retries, **kwargs)
-    except Exception as error:  # raised below, once every process knows
-        failure = error
-    if any_process(accelerator, failure is not None):
-        raise RewardFailure(failure)
-    return return_value
 
 
 class RolloutGenerator:
