@@ -121,6 +121,29 @@ def test_nan_latents_after_the_rollout_stop_before_the_rewards(tiny_flux_path, t
     assert len(calls) == 1  # step 1 only: the black images of step 2 were never scored
 
 
+def test_a_vae_that_outputs_nan_from_finite_latents_stops_before_the_rewards(tiny_flux_path, tmp_path):
+    calls = []
+
+    def counting(prompts, images, **kwargs):
+        calls.append(len(images))
+        return reward(prompts, images)
+
+    trainer = make_trainer(tiny_flux_path, tmp_path, reward_func=counting)
+    vae = trainer.adapter.pipeline.vae
+    decode = vae.decode
+
+    def nan_on_the_second_rollout(*args, **kwargs):
+        pixels = decode(*args, **kwargs)
+        return (pixels[0] * float("nan"),) if calls else pixels
+
+    vae.decode = nan_on_the_second_rollout
+    with pytest.raises(
+        NonFiniteError, match=r"Non-finite decoded images \(the VAE output\) after the rollout at step 2"
+    ):
+        trainer.train()
+    assert len(calls) == 1  # the black images of step 2 were never scored
+
+
 def test_nan_gradient_with_a_finite_loss_stops_before_the_optimizer_step(tiny_flux_path, tmp_path):
     trainer = make_trainer(tiny_flux_path, tmp_path, max_steps=1)
     param = next(p for p in trainer.model.parameters() if p.requires_grad)

@@ -122,7 +122,7 @@ class RolloutGenerator:
             initial_noise = self.group_noise(len(prompts), global_step) if args.same_group_noise else None
             chunk = args.sample_batch_size or args.per_device_train_batch_size
             trajectories: list[Trajectory] = []
-            images = []
+            images, pixel_peaks = [], []
             # Rollouts of a large model take minutes: a transient bar under the Trainer's own.
             chunks = tqdm(
                 range(0, len(prompts), chunk),
@@ -144,13 +144,18 @@ class RolloutGenerator:
                 )  # fmt: skip
                 trajectories.append(trajectory)
                 with self.frozen.on_accelerator(self.frozen.vae):
-                    images.extend(adapter.decode(trajectory.latents[:, -1], args.height, args.width))
+                    pixels = adapter.decode_latents(trajectory.latents[:, -1], args.height, args.width)
+                # Kept on the device (NaN if any pixel is): one check for the whole rollout below.
+                pixel_peaks.append(pixels.detach().float().abs().amax())
+                images.extend(adapter.to_images(pixels))
         rollout_seconds = time.perf_counter() - start
         latents = torch.cat([t.latents for t in trajectories])
-        # NaN latents decode to black images with finite rewards: stop here, before the rewards hide them.
-        stop_if_non_finite(
-            self.accelerator, "latents after the rollout", latents, step=global_step + 1, run_dir=args.output_dir
-        )
+        # NaN latents, or a VAE that outputs NaN from finite ones, decode to black images with finite rewards: stop
+        # here, before the rewards hide them.
+        for quantity, value in (("latents", latents), ("decoded images (the VAE output)", torch.stack(pixel_peaks))):
+            stop_if_non_finite(
+                self.accelerator, f"{quantity} after the rollout", value, step=global_step + 1, run_dir=args.output_dir
+            )
 
         start = time.perf_counter()
         rewards, per_reward = scored_rewards(
