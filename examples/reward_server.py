@@ -9,32 +9,43 @@ Endpoints: ``POST /score/<name>`` with ``{"prompts": [...], "images": [base64 PN
 answers ``{"scores": [...]}``; ``GET /health`` answers ``{"rewards": [names]}``. Standard library only; models
 load once, on the first request or at start with ``--preload``.
 
-The server does not trust its clients: it listens on 127.0.0.1 unless told otherwise, serves at most
-``--max_connections`` requests at once (others get HTTP 503, which the client retries), gives each request
-``--request_timeout`` seconds in all to arrive, refuses bodies over ``--max_body_mb``, images that are not PNG,
-JPEG or WEBP or have more than ``--max_pixels`` pixels, and, with ``--token`` (or ``TRL_JAGG_REWARD_TOKEN``),
-requests without it. Client mistakes get a 4xx status (not retried); a failing reward gets HTTP 500 with a
-generic message, the details going to the server's log only.
+The server does not trust its clients: it listens on 127.0.0.1 unless told otherwise; reads each connection's
+request line and headers in one reception thread within ``--header_timeout`` seconds and checks the token
+(``--token`` or ``TRL_JAGG_REWARD_TOKEN``) there, before the connection takes one of the ``--max_connections``
+request slots (a full server answers HTTP 503, which the client retries), so connections that trickle headers or
+lack the token cannot hold slots; gives each request ``--request_timeout`` seconds in all to arrive; refuses
+bodies over ``--max_body_mb``, non-JSON bodies, images that are not PNG, JPEG or WEBP, more than ``--max_pixels``
+pixels per image and ``--max_request_pixels`` per request (read from the image headers before any pixel is
+decoded), and decodes at most ``--max_decoded_pixels`` pixels for all requests together (a request waits for its
+share until its deadline, then gets 503). Client mistakes get a 4xx status (not retried); a failing reward gets
+HTTP 500 with a generic message, the details going to the server's log only.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import hmac
+import http.client
 import io
 import json
 import logging
+import math
 import os
+import selectors
 import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Any
 
+from PIL import Image
+
 from trl_jagg.rewards import check_rewards, load_reward_funcs
-from trl_jagg.rewards.remote import MAX_PIXELS, TOKEN_ENV, DeadlineReader, RejectedImage, decode_image
+from trl_jagg.rewards.base import REWARD_KEYWORDS
+from trl_jagg.rewards.remote import MAX_PIXELS, TOKEN_ENV, DeadlineReader, RejectedImage, load_image, open_image
 
 logger = logging.getLogger("reward_server")
 
@@ -45,10 +56,35 @@ class Limits:
 
     max_body_bytes: int = 64 * 2**20
     max_pixels: int = MAX_PIXELS
+    """Per image (width x height)."""
+    max_request_pixels: int = 2 * MAX_PIXELS
+    """All images of one request together."""
+    max_decoded_pixels: int = 4 * MAX_PIXELS
+    """Decoded at once over all requests: with the body limit, what bounds the server's memory."""
     request_timeout: float = 30.0
     """Seconds for a whole request (line, headers and body) to arrive."""
+    header_timeout: float = 5.0
+    """Seconds for the request line and headers to arrive, before a request slot is taken (at most
+    ``request_timeout``)."""
     max_connections: int = 8
+    max_pending: int = 256
+    """Connections whose headers are still arriving; past it, the oldest one is closed."""
     token: str | None = None
+
+    def __post_init__(self) -> None:
+        # A limit of 0 would start a server that refuses every request.
+        for item in fields(self):
+            value = getattr(self, item.name)
+            if item.name != "token" and not (isinstance(value, (int, float)) and 0 < value < math.inf):
+                if item.name == "max_body_bytes":
+                    raise ValueError(f"--max_body_mb is {value / 2**20:g}: use a positive size in MiB.")
+                raise ValueError(f"--{item.name} is {value}: use a positive (finite) value.")
+        for smaller, larger in (("max_pixels", "max_request_pixels"), ("max_request_pixels", "max_decoded_pixels")):
+            if getattr(self, smaller) > getattr(self, larger):
+                raise ValueError(
+                    f"--{smaller} ({getattr(self, smaller)}) is larger than --{larger} ({getattr(self, larger)}): "
+                    f"use --{smaller} <= --{larger}."
+                )
 
 
 class ClientError(Exception):
@@ -59,9 +95,12 @@ class ClientError(Exception):
         self.status = status
 
 
-def _parse_request(body: bytes, max_pixels: int) -> tuple[list[str], list[Any], dict[str, Any]]:
+def _parse_request(body: bytes, limits: Limits) -> tuple[list[str], list[Image.Image], dict[str, Any]]:
+    """The prompts, the images (header checked, not decoded yet) and the metadata of a request body."""
     try:
         payload = json.loads(body)
+    except RecursionError:  # a deeply nested document: json's C parser recurses
+        raise ClientError(400, "The JSON body is nested too deeply.") from None
     except ValueError:
         raise ClientError(400, "The body is not JSON.") from None
     if not isinstance(payload, dict) or not {"prompts", "images"} <= set(payload):
@@ -73,23 +112,62 @@ def _parse_request(body: bytes, max_pixels: int) -> tuple[list[str], list[Any], 
         raise ClientError(400, "'images' must be a list as long as 'prompts'.")
     if not isinstance(metadata, dict):
         raise ClientError(400, "'metadata' must be an object of dataset columns.")
-    images = []
+    reserved = sorted(set(metadata) & {"prompts", "images", *REWARD_KEYWORDS})
+    if reserved:
+        raise ClientError(400, f"'metadata' keys {reserved} are reward keywords: rename those dataset columns.")
+    images, pixels = [], 0
     for index, data in enumerate(encoded):
         try:
-            images.append(decode_image(data, max_pixels=max_pixels))
+            images.append(open_image(data, max_pixels=limits.max_pixels))
         except RejectedImage as error:
             raise ClientError(error.status, f"images[{index}] {error}.") from None
+        pixels += images[-1].width * images[-1].height
+        if pixels > limits.max_request_pixels:
+            raise ClientError(
+                413,
+                f"The images up to images[{index}] have {pixels} pixels, more than the {limits.max_request_pixels} "
+                "allowed per request: send fewer images per request (remote(..., batch_size=...)).",
+            )
     return prompts, images, metadata
+
+
+class PixelBudget:
+    """Pixels decoded at once over all requests: a request takes its share before decoding and gives it back once
+    answered."""
+
+    def __init__(self, total: int) -> None:
+        self.free = total
+        self._changed = threading.Condition()
+
+    def acquire(self, pixels: int, deadline: float) -> bool:
+        """Take ``pixels`` (at most the total), waiting until ``deadline`` (``time.monotonic()``); False if not."""
+        with self._changed:
+            while self.free < pixels:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._changed.wait(remaining)
+            self.free -= pixels
+            return True
+
+    def release(self, pixels: int) -> None:
+        with self._changed:
+            self.free += pixels
+            self._changed.notify_all()
 
 
 def make_handler(rewards: Mapping[str, Callable[..., Any]], limits: Limits) -> type[BaseHTTPRequestHandler]:
     """A request-handler class serving ``rewards`` (name -> reward function) within ``limits``."""
 
     class RewardHandler(BaseHTTPRequestHandler):
+        server: RewardServer
+
         def setup(self) -> None:
             super().setup()
-            # One deadline for the request line, the headers and the body: a client trickling bytes is cut off.
-            self.rfile = io.BufferedReader(DeadlineReader(self.connection, time.monotonic() + limits.request_timeout))
+            # The headers the reception read come first; then one deadline for the rest of the request, counted
+            # from the connection's arrival: a client trickling bytes is cut off.
+            head, self.deadline = self.server.received.pop(self.connection)
+            self.rfile = io.BufferedReader(_Replay(head, DeadlineReader(self.connection, self.deadline)))
 
         def _send(self, status: int, payload: dict[str, Any]) -> None:
             body = json.dumps(payload).encode("utf-8")
@@ -99,14 +177,9 @@ def make_handler(rewards: Mapping[str, Callable[..., Any]], limits: Limits) -> t
             self.end_headers()
             self.wfile.write(body)
 
-        def _check_token(self) -> None:
-            if limits.token is None:
-                return
-            given = self.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {limits.token}".encode()):
-                raise ClientError(401, f"Missing or wrong token: send 'Authorization: Bearer <token>' ({TOKEN_ENV}).")
-
         def _read_body(self) -> bytes:
+            if self.headers.get_content_type() != "application/json":
+                raise ClientError(415, "Send the body as JSON, with 'Content-Type: application/json'.")
             length = self.headers.get("Content-Length")
             if length is None:
                 raise ClientError(411, "Send a Content-Length header.")
@@ -122,34 +195,45 @@ def make_handler(rewards: Mapping[str, Callable[..., Any]], limits: Limits) -> t
             return body
 
         def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
-            try:
-                self._check_token()
-                if self.path.rstrip("/") != "/health":
-                    raise ClientError(404, "Unknown path; use GET /health or POST /score/<name>.")
-            except ClientError as error:
-                self._send(error.status, {"error": str(error)})
+            if self.path.rstrip("/") != "/health":
+                self._send(404, {"error": "Unknown path; use GET /health or POST /score/<name>."})
             else:
                 self._send(200, {"rewards": sorted(rewards)})
 
         def do_POST(self) -> None:  # noqa: N802
+            self.close_connection = True
             try:
-                self._check_token()
                 name = self.path.rstrip("/").removeprefix("/score/")
                 if not self.path.startswith("/score/") or name not in rewards:
                     raise ClientError(404, f"Unknown reward path; served: /score/<{'|'.join(sorted(rewards))}>.")
-                prompts, images, metadata = _parse_request(self._read_body(), limits.max_pixels)
+                prompts, images, metadata = _parse_request(self._read_body(), limits)
             except ClientError as error:
-                self.close_connection = True
                 self._send(error.status, {"error": str(error)})
                 return
             except TimeoutError:
-                self.close_connection = True
                 self._send(408, {"error": f"The request did not arrive within {limits.request_timeout} s."})
+                return
+            pixels = sum(image.width * image.height for image in images)
+            if not self.server.budget.acquire(pixels, self.deadline):
+                self._send(503, {"error": "The server is busy decoding other requests; retry later."})
+                return
+            try:
+                self._score(name, prompts, images, metadata)
+            finally:
+                del images  # the decoded pixels go before their share of the budget is given back
+                self.server.budget.release(pixels)
+
+        def _score(self, name: str, prompts: list[str], images: list[Image.Image], metadata: dict[str, Any]) -> None:
+            try:
+                images = [load_image(image) for image in images]
+            except RejectedImage as error:
+                self._send(error.status, {"error": f"An image {error}."})
                 return
             try:
                 values = rewards[name](prompts, images, **metadata)
                 check_rewards(name, values, len(images))  # a NaN or a wrong count is an error, never sent
-                scores = [float(value) for value in values]  # full precision (the check casts to float32)
+                # Full precision (the check casts to float32); None (not applicable) travels as null.
+                scores = [None if value is None else float(value) for value in values]
             except Exception:  # the reward failed: log the details here, send none of them (they may be private)
                 logger.exception("Reward %s failed", name)
                 self._send(500, {"error": f"Reward {name!r} failed or returned invalid (non-finite, wrong count) "
@@ -163,29 +247,166 @@ def make_handler(rewards: Mapping[str, Callable[..., Any]], limits: Limits) -> t
     return RewardHandler
 
 
-class RewardServer(HTTPServer):
-    """An HTTP server with at most ``max_connections`` request threads: a further connection is answered HTTP 503
-    at once and closed, so idle or slow clients cannot pile up threads."""
+class _Replay(io.RawIOBase):
+    """``head`` (the bytes the reception already read), then the rest of the connection from ``reader``."""
 
-    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], max_connections: int):
+    def __init__(self, head: bytes, reader: io.RawIOBase) -> None:
+        super().__init__()
+        self._head, self._reader = memoryview(head), reader
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        if not self._head:
+            return self._reader.readinto(buffer)
+        count = min(len(buffer), len(self._head))
+        buffer[:count] = self._head[:count]
+        self._head = self._head[count:]
+        return count
+
+
+MAX_HEAD_BYTES = 64 * 2**10
+"""Request line and headers (http.server's line limit)."""
+
+
+@dataclass
+class _Pending:
+    """A connection in the reception: when it arrived, from where, and its bytes so far."""
+
+    arrived: float
+    address: Any
+    head: bytes = b""
+
+
+def _refuse(sock: socket.socket, status: int, reason: str, message: str) -> None:
+    """Answer ``status`` with a JSON error and close, without waiting on the peer (the answer fits the send
+    buffer of a fresh connection)."""
+    body = json.dumps({"error": message}).encode()
+    head = f"HTTP/1.0 {status} {reason}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+    if status == 503:
+        head += "Retry-After: 1\r\n"
+    try:
+        sock.settimeout(0)
+        sock.send(head.encode() + b"\r\n" + body)
+    except OSError:
+        pass
+    sock.close()
+
+
+class RewardServer(HTTPServer):
+    """An HTTP server whose request threads, at most ``limits.max_connections``, serve only connections whose
+    request line and headers have arrived within ``limits.header_timeout`` with the right token.
+
+    One reception thread reads the headers of every new connection (at most ``limits.max_pending``; past it the
+    oldest is closed) with a selector, so slow or unauthorised connections cost no thread and no request slot. A
+    connection past the headers with every slot busy is answered HTTP 503 at once and closed.
+    """
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], limits: Limits):
         super().__init__(address, handler)
-        self._slots = threading.BoundedSemaphore(max_connections)
+        self.limits = limits
+        self.budget = PixelBudget(limits.max_decoded_pixels)
+        self.received: dict[socket.socket, tuple[bytes, float]] = {}
+        """Connection -> (the bytes read by the reception, the request deadline), taken by the handler."""
+        self._slots = threading.BoundedSemaphore(limits.max_connections)
+        self._arrivals: collections.deque[tuple[socket.socket, Any]] = collections.deque()
+        self._wake_read, self._wake_write = socket.socketpair()
+        self._closing = False
+        self._reception = threading.Thread(target=self._receive, name="reception", daemon=True)
+        self._reception.start()
 
     def process_request(self, request: socket.socket, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
-            body = b'{"error": "The server is busy; retry later."}'
-            try:
-                request.settimeout(1.0)
-                request.sendall(
-                    b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
-                    + f"Content-Length: {len(body)}\r\n\r\n".encode()
-                    + body
-                )
-            except OSError:
-                pass
-            self.shutdown_request(request)
+        # Called by serve_forever for each accepted connection: hand it to the reception, never block here.
+        self._arrivals.append((request, client_address))
+        self._wake_write.send(b"x")
+
+    def server_close(self) -> None:
+        self._closing = True
+        self._wake_write.send(b"x")
+        self._reception.join(5)
+        super().server_close()
+        self._wake_read.close()
+        self._wake_write.close()
+
+    def _receive(self) -> None:
+        """The reception loop: read headers of pending connections until each completes or its deadline passes."""
+        selector = selectors.DefaultSelector()
+        selector.register(self._wake_read, selectors.EVENT_READ)
+        pending: dict[socket.socket, _Pending] = {}  # in arrival order: the oldest first
+        header_timeout = min(self.limits.header_timeout, self.limits.request_timeout)
+        while not self._closing:
+            now = time.monotonic()
+            wait = min([0.5] + [entry.arrived + header_timeout - now for entry in pending.values()])
+            for key, _ in selector.select(max(wait, 0.0)):
+                if key.fileobj is self._wake_read:
+                    self._wake_read.recv(4096)
+                    while self._arrivals:
+                        sock, address = self._arrivals.popleft()
+                        sock.setblocking(False)
+                        pending[sock] = _Pending(time.monotonic(), address)
+                        selector.register(sock, selectors.EVENT_READ)
+                        if len(pending) > self.limits.max_pending:
+                            oldest = next(iter(pending))
+                            selector.unregister(oldest)
+                            del pending[oldest]
+                            oldest.close()
+                    continue
+                sock = key.fileobj
+                try:
+                    data = sock.recv(MAX_HEAD_BYTES)
+                except (BlockingIOError, InterruptedError):
+                    continue
+                except OSError:
+                    data = b""
+                entry = pending[sock]
+                entry.head += data
+                if data and b"\r\n\r\n" not in entry.head and len(entry.head) <= MAX_HEAD_BYTES:
+                    continue
+                selector.unregister(sock)
+                del pending[sock]
+                try:
+                    self._admit(sock, entry, closed=not data)
+                except Exception:  # one bad connection must not stop the reception of the others
+                    logger.exception("Refused a connection from %s", entry.address)
+                    sock.close()
+            now = time.monotonic()
+            for sock in [sock for sock, entry in pending.items() if entry.arrived + header_timeout <= now]:
+                selector.unregister(sock)
+                del pending[sock]
+                _refuse(sock, 408, "Request Timeout", f"The headers did not arrive within {header_timeout} s.")
+        for sock in pending:
+            sock.close()
+        selector.close()
+
+    def _admit(self, sock: socket.socket, entry: _Pending, closed: bool) -> None:
+        """A connection whose headers have arrived (or whose peer ``closed`` first): check the headers and the
+        token, then serve it in a free slot (or answer 503)."""
+        if closed:
+            sock.close()
             return
-        threading.Thread(target=self._serve, args=(request, client_address), daemon=True).start()
+        block = entry.head.partition(b"\r\n\r\n")[0]
+        if len(block) > MAX_HEAD_BYTES:
+            _refuse(sock, 431, "Request Header Fields Too Large", "The request headers are too large.")
+            return
+        if self.limits.token is not None:
+            lines = block.split(b"\r\n", 1)
+            try:
+                headers = http.client.parse_headers(io.BytesIO(lines[1] + b"\r\n\r\n" if len(lines) > 1 else b"\r\n"))
+            except http.client.HTTPException:  # more than 100 headers, or a line over the limit
+                _refuse(sock, 431, "Request Header Fields Too Large", "Too many or too long request headers.")
+                return
+            given = headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {self.limits.token}".encode()):
+                _refuse(sock, 401, "Unauthorized",
+                        f"Missing or wrong token: send 'Authorization: Bearer <token>' ({TOKEN_ENV}).")  # fmt: skip
+                return
+        if not self._slots.acquire(blocking=False):
+            _refuse(sock, 503, "Service Unavailable", "The server is busy; retry later.")
+            return
+        sock.setblocking(True)
+        self.received[sock] = (entry.head, entry.arrived + self.limits.request_timeout)
+        threading.Thread(target=self._serve, args=(sock, entry.address), daemon=True).start()
 
     def _serve(self, request: socket.socket, client_address: Any) -> None:
         try:
@@ -193,6 +414,7 @@ class RewardServer(HTTPServer):
         except Exception:
             self.handle_error(request, client_address)
         finally:
+            self.received.pop(request, None)
             self.shutdown_request(request)
             self._slots.release()
 
@@ -203,7 +425,7 @@ def build_server(
     """A server for ``rewards`` on ``host`` (loopback by default); ``port=0`` picks a free port (see
     ``server.server_address``)."""
     limits = limits if limits is not None else Limits()
-    return RewardServer((host, port), make_handler(dict(rewards), limits), limits.max_connections)
+    return RewardServer((host, port), make_handler(dict(rewards), limits), limits)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -217,9 +439,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--token", default=os.environ.get(TOKEN_ENV), help=f"shared token (default: ${TOKEN_ENV})")
     parser.add_argument("--max_body_mb", type=float, default=Limits.max_body_bytes / 2**20)
     parser.add_argument("--max_pixels", type=int, default=Limits.max_pixels, help="per image (width x height)")
+    parser.add_argument("--max_request_pixels", type=int, default=Limits.max_request_pixels, help="per request")
+    parser.add_argument("--max_decoded_pixels", type=int, default=Limits.max_decoded_pixels,
+                        help="decoded at once over all requests (bounds the memory)")  # fmt: skip
     parser.add_argument("--request_timeout", type=float, default=Limits.request_timeout)
+    parser.add_argument("--header_timeout", type=float, default=Limits.header_timeout)
     parser.add_argument("--max_connections", type=int, default=Limits.max_connections)
+    parser.add_argument("--max_pending", type=int, default=Limits.max_pending, help="connections sending headers")
     args = parser.parse_args(argv)
+    try:  # before any model loads
+        limits = Limits(
+            max_body_bytes=int(args.max_body_mb * 2**20), max_pixels=args.max_pixels,
+            max_request_pixels=args.max_request_pixels, max_decoded_pixels=args.max_decoded_pixels,
+            request_timeout=args.request_timeout, header_timeout=args.header_timeout,
+            max_connections=args.max_connections, max_pending=args.max_pending, token=args.token or None,
+        )  # fmt: skip
+    except ValueError as error:
+        parser.error(str(error))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
 
     funcs = load_reward_funcs(args.rewards, device=args.device, dtype=args.dtype)
@@ -227,10 +463,6 @@ def main(argv: list[str] | None = None) -> None:
     if args.preload:
         for func in funcs:
             getattr(func, "load", lambda: None)()
-    limits = Limits(
-        max_body_bytes=int(args.max_body_mb * 2**20), max_pixels=args.max_pixels,
-        request_timeout=args.request_timeout, max_connections=args.max_connections, token=args.token or None,
-    )  # fmt: skip
     server = build_server(rewards, args.host, args.port, limits)
     host, port = server.server_address[:2]
     if limits.token is None and host not in ("127.0.0.1", "::1", "localhost"):

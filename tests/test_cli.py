@@ -506,6 +506,55 @@ def test_library_errors_are_one_line_with_the_traceback_under_debug(tiny_flux_pa
         cli.main(flags)
 
 
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("missing-dataset", "dataset_name {tmp}/prompts.txt: no such file or directory"),
+        ("missing-model", "model_name_or_path {tmp}/no-model: no such directory, and not a Hub id"),
+        ("not-a-pipeline", "model_name_or_path {tmp} is not a diffusers pipeline directory (no model_index.json)"),
+        ("garbage-accelerate", "accelerate_config {tmp}/acc.yaml is not an accelerate config (ParserError"),
+        ("malformed-yaml", "--config {tmp}/bad.yaml is not valid YAML: while parsing a flow sequence"),
+        ("lora-r-0", "lora_r is 0. Use a rank of 1 or more"),
+        ("fsdp-5", "GRPOJaggConfig.fsdp is 5 (int); expected true or false"),
+        ("output-dir-file", "GRPOJaggConfig.output_dir {tmp}/afile is a file"),
+    ],
+)
+def test_bad_paths_and_values_are_one_line_exit_2_before_anything_loads(tmp_path, monkeypatch, capsys, case, message):
+    monkeypatch.setattr(train, "run_train", lambda *args: pytest.fail("reached training"))
+    monkeypatch.delenv(train.LAUNCHED_ENV, raising=False)
+    model = tmp_path / "pipe"
+    model.mkdir()
+    (model / "model_index.json").write_text("{}")
+    values = dict(model_name_or_path=str(model), reward_funcs=["prompt_color"], prompts=["a", "b"],
+                  output_dir=str(tmp_path / "out"))  # fmt: skip
+    flags = []
+    if case == "missing-dataset":
+        values.pop("prompts")
+        flags = ["--dataset_name", str(tmp_path / "prompts.txt")]
+    elif case == "missing-model":
+        values["model_name_or_path"] = str(tmp_path / "no-model")
+    elif case == "not-a-pipeline":
+        values["model_name_or_path"] = str(tmp_path)
+    elif case == "garbage-accelerate":
+        (tmp_path / "acc.yaml").write_text("distributed_type: {{{\n")
+        flags = ["--accelerate_config", str(tmp_path / "acc.yaml")]
+    elif case == "lora-r-0":
+        flags = ["--use_peft", "--lora_r", "0"]
+    elif case == "fsdp-5":
+        values["fsdp"] = 5
+    elif case == "output-dir-file":
+        (tmp_path / "afile").write_text("")
+        values["output_dir"] = str(tmp_path / "afile")
+    config = write_yaml(tmp_path / "r.yaml", **values)
+    if case == "malformed-yaml":
+        config = str(tmp_path / "bad.yaml")
+        (tmp_path / "bad.yaml").write_text("prompts: [a, b\n")
+    code, _, err = run(["train", "--config", config, *flags], capsys)
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert err.startswith("trl-jagg train: error: " + message.format(tmp=tmp_path)), err
+
+
 def test_errors_from_outside_trl_jagg_keep_their_traceback(tmp_path, monkeypatch):
     def broken(argv):
         raise KeyError("a bug elsewhere")

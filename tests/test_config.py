@@ -69,6 +69,20 @@ def test_non_finite_reward_weight():
         (dict(max_steps=-1, num_train_epochs=0), "max_steps", "0 steps"),
         (dict(eval_prompts=["a cat", ""]), r"eval_prompts\[1\]", "empty"),
         (dict(eval_prompts=["a cat", None]), r"eval_prompts\[1\]", "NoneType"),
+        (
+            dict(per_device_eval_batch_size=0, eval_strategy="steps", eval_steps=1),
+            "per_device_eval_batch_size",
+            "1 or",
+        ),
+        (dict(save_steps=0, save_strategy="steps"), "save_steps", "ever be saved.*save_strategy='no'"),
+        (dict(jagg_frac=True), "jagg_frac", "not a fraction"),
+        (dict(noise_level=1e6), "noise_level", r"diverges.*\(0, 2\.0\]"),
+        (dict(noise_level=2.5, sampler="dance"), "noise_level", r"\(0, 2\.0\]"),
+        (dict(adam_epsilon=0.0), "adam_epsilon", "positive"),
+        (dict(seed=-1), "seed", r"\[0, 2\*\*32\)"),
+        (dict(seed=2**32), "seed", r"\[0, 2\*\*32\)"),
+        (dict(data_seed=2**32), "data_seed", r"\[0, 2\*\*32\)"),
+        (dict(eval_seed=-5), "eval_seed", r"\[0, 2\*\*32\)"),
     ],
     ids=lambda v: v if isinstance(v, str) else None,
 )
@@ -129,3 +143,25 @@ def test_group_that_fits_or_jagg_off_does_not_warn():
 def test_valid_config_passes_and_counts_prompts_per_rollout():
     args = config(steps_per_generation=3)
     assert args.prompts_per_rollout == 4 * 3 // 2
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            dict(ema_decay=0.9, ema_update_interval=8, max_steps=5),
+            r"ema_update_interval \(8\) is larger than max_steps",
+        ),
+        (dict(ema_offload=True), "ema_offload=True does nothing with ema_decay=0"),
+    ],
+)
+def test_ema_settings_that_do_nothing_warn(overrides, message):
+    with pytest.warns(UserWarning, match=message):
+        config(**overrides)
+
+
+def test_bounds_themselves_are_accepted():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        config(noise_level=2.0, seed=2**32 - 1, data_seed=0, adam_epsilon=1e-12, jagg_frac=1)
+        config(ema_decay=0.9, ema_update_interval=5, max_steps=5, ema_offload=True, save_steps=1)

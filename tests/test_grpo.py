@@ -38,7 +38,7 @@ def _hand_advantages(rewards, group_size, scale_by="group", clip=5.0, eps=1e-4):
             scale = statistics.stdev(rewards) + eps
         else:
             scale = 1.0
-        out.extend((r - mean) / scale for r in group)
+        out.extend(0.0 if r == mean else (r - mean) / scale for r in group)  # 0 / 0 in a constant group is 0
     return [max(-clip, min(clip, a)) for a in out] if clip is not None else out
 
 
@@ -348,3 +348,16 @@ def test_constant_groups_have_exactly_zero_advantages():
         assert torch.all(tracked[:3] == 0) and torch.all(tracked[3:] != 0)
     with pytest.raises(ValueError, match="ddof"):
         group_advantages(rewards, 3, ddof=2)
+
+
+@pytest.mark.parametrize("scale_by", ["group", "batch"])
+def test_eps_zero_gives_a_constant_group_zero_and_the_others_their_hand_value(scale_by):
+    # advantage_eps=0 is valid: a constant group must give 0, not 0 / 0 = NaN.
+    rewards = [0.5, 0.5, 0.5, 0.5, *REWARDS[4:]]
+    expected = torch.tensor(_hand_advantages(rewards, 4, scale_by=scale_by, clip=None, eps=0.0))
+    got = group_advantages(torch.tensor(rewards), 4, scale_by=scale_by, clip=None, eps=0.0)
+    tracker = PerPromptStatTracker(eps=0.0, global_std=scale_by == "batch")
+    tracked = tracker.update(["a"] * 4 + ["b"] * 4, torch.tensor(rewards), clip=None)
+    for advantages in (got, tracked):
+        assert torch.all(advantages[:4] == 0)  # exactly 0: drop_zero_advantages recognises such groups by it
+        torch.testing.assert_close(advantages, expected, rtol=1e-5, atol=1e-6)

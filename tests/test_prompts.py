@@ -77,6 +77,15 @@ def test_too_few_prompts_say_how_many_a_rollout_needs(size):
         prompt_dataset(Dataset.from_dict({"prompt": ["p"] * size}), 4)
 
 
+@pytest.mark.parametrize("column", ["prompts", "images", "completions", "trainer_state"])
+def test_columns_named_like_reward_keywords_are_refused_with_a_rename(column):
+    dataset = Dataset.from_dict({"prompt": ["a", "b"], column: [1, 2]})
+    with pytest.raises(ValueError, match=rf"eval_dataset has column\(s\) \['{column}'\].*rename_column\('{column}'"):
+        prompt_dataset(dataset, 1, name="eval_dataset")
+    with pytest.raises(ValueError, match=rf"\['{column}'\]"):
+        prompt_dataset([{"prompt": "a", column: 1}], 1)
+
+
 # ---------------------------------------------------------------- through the trainer: refused before loading
 @pytest.fixture
 def no_model_load(monkeypatch):
@@ -105,12 +114,25 @@ def reward(prompts, images, **kwargs):
         (Dataset.from_dict({"prompt": ["a", None]}), ValueError, "row 1 'prompt' is NoneType"),
         (Dataset.from_dict({"text": ["a", "b"]}), ValueError, "no 'prompt' column"),
         (IterableDataset.from_generator(lambda: iter([{"prompt": "a"}])), TypeError, "streaming"),
+        (Dataset.from_dict({"prompt": ["a", "b"], "images": [1, 2]}), ValueError, r"column\(s\) \['images'\]"),
+        (Dataset.from_dict({"prompt": ["a", "b"], "completions": ["x", "y"]}), ValueError, "'completions'"),
     ],
-    ids=["empty", "too-few", "none-row", "no-column", "streaming"],
+    ids=["empty", "too-few", "none-row", "no-column", "streaming", "images-column", "completions-column"],
 )
 def test_trainer_refuses_bad_datasets_before_loading(tmp_path, no_model_load, dataset, error, match):
     with pytest.raises(error, match=match):
         DDPOJaggTrainer("unused", reward, args=make_args(tmp_path), train_dataset=dataset)
+
+
+@pytest.mark.parametrize(
+    ("eval_dataset", "match"),
+    [([{"text": "a"}], "eval_dataset has no 'prompt' column"), ([{"prompt": "a", "prompts": "b"}], "'prompts'")],
+)
+def test_trainer_refuses_a_bad_eval_dataset_before_loading(tmp_path, no_model_load, eval_dataset, match):
+    with pytest.raises(ValueError, match=match):
+        DDPOJaggTrainer(
+            "unused", reward, args=make_args(tmp_path), train_dataset=["a", "b"], eval_dataset=eval_dataset
+        )
 
 
 def test_missing_resume_directory_is_refused_before_loading(tmp_path, no_model_load):

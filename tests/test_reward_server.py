@@ -9,8 +9,11 @@ import importlib.util
 import inspect
 import io
 import json
+import os
+import re
 import socket
 import struct
+import subprocess
 import sys
 import threading
 import time
@@ -95,7 +98,7 @@ def raw_request(url: str, data: bytes, timeout: float = 5.0) -> tuple[int, dict]
     return int(head.split()[1]), json.loads(body or b"{}")
 
 
-def post(url: str, path: str, payload, headers: str = "") -> tuple[int, dict]:
+def post(url: str, path: str, payload, headers: str = "Content-Type: application/json\r\n") -> tuple[int, dict]:
     body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
     head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n{headers}\r\n".encode()
     return raw_request(url, head + body)
@@ -156,11 +159,15 @@ def test_oversized_body_is_refused_before_it_is_read(server_url):
     start = time.monotonic()
     # Headers only: the server must answer without waiting for (or reading) the announced 10 GB.
     status, answer = raw_request(
-        server_url, b"POST /score/prompt_color HTTP/1.1\r\nContent-Length: 10000000000\r\n\r\n"
+        server_url,
+        b"POST /score/prompt_color HTTP/1.1\r\nContent-Type: application/json\r\nContent-Length: 10000000000\r\n\r\n",
     )
     assert status == 413 and "body exceeds 1048576 bytes" in answer["error"]
     assert time.monotonic() - start < 0.4  # before the 0.5 s request deadline
-    assert raw_request(server_url, b"POST /score/prompt_color HTTP/1.1\r\n\r\n")[0] == 411
+    assert (
+        raw_request(server_url, b"POST /score/prompt_color HTTP/1.1\r\nContent-Type: application/json\r\n\r\n")[0]
+        == 411
+    )
 
 
 def trickle(url: str, head: bytes, limit_s: float = 3.0) -> tuple[float, bytes]:
@@ -189,8 +196,12 @@ def test_slow_client_is_cut_off_at_the_request_deadline(server_url):
     elapsed, data = trickle(server_url, b"POST /score/prompt_color HTTP/1.1\r\nX-Slow: ")
     assert 0.4 < elapsed < 1.5 and data != b"still open"
     # Trickling the body: HTTP 408.
-    elapsed, data = trickle(server_url, b"POST /score/prompt_color HTTP/1.1\r\nContent-Length: 100000\r\n\r\n")
+    head = b"POST /score/prompt_color HTTP/1.1\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n"
+    elapsed, data = trickle(server_url, head)
     assert 0.4 < elapsed < 1.5 and data.startswith(b"HTTP/1.0 408")
+
+
+BODY_HEAD = b"POST /score/prompt_color HTTP/1.1\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
 
 
 def test_connections_are_bounded(server_module):
@@ -199,17 +210,24 @@ def test_connections_are_bounded(server_module):
     port = server.server_address[1]
     try:
         before = threading.active_count()
-        idle = [socket.create_connection(("127.0.0.1", port), timeout=2) for _ in range(6)]
-        time.sleep(0.2)
+        # Six requests past their headers, their bodies slow to come: two take the two slots.
+        slow = [socket.create_connection(("127.0.0.1", port), timeout=2) for _ in range(6)]
+        for sock in slow:
+            sock.sendall(BODY_HEAD)
+        time.sleep(0.3)
         assert threading.active_count() <= before + 2  # two request threads, not six
-        # The connections past the first two were answered 503 (retried by the client) and closed.
+        # The four others were answered 503 at once (retried by the client) and closed; the two served wait.
         answers = []
-        for sock in idle[2:]:
-            answers.append(sock.recv(1024))
-        assert all(a.startswith(b"HTTP/1.0 503") for a in answers)
-        for sock in idle:
+        for sock in slow:
+            sock.settimeout(0.2)
+            try:
+                answers.append(sock.recv(1024)[:12])
+            except TimeoutError:
+                answers.append(b"waiting")
+        assert sorted(answers) == [b"HTTP/1.0 503"] * 4 + [b"waiting"] * 2
+        for sock in slow:
             sock.close()
-        time.sleep(0.2)  # the two idle handlers see the close and free their slots
+        time.sleep(0.2)  # the two handlers see the close and free their slots
         assert rewards.remote(f"{url}/score/prompt_color", timeout=2, retries=0)(["red"], [solid((255, 0, 0))])
     finally:
         server.shutdown()
@@ -277,7 +295,7 @@ def test_shared_token(server_module):
         image = [b64(image_bytes(solid((255, 0, 0)), "PNG"))]
         assert post(url, "/score/prompt_color", {"prompts": ["red"], "images": image})[0] == 401
         assert post(url, "/score/prompt_color", {"prompts": ["red"], "images": image},
-                    "Authorization: Bearer wrong\r\n")[0] == 401  # fmt: skip
+                    "Content-Type: application/json\r\nAuthorization: Bearer wrong\r\n")[0] == 401  # fmt: skip
         assert rewards.remote(f"{url}/score/prompt_color", token="s3cret")(["red"], [solid((255, 0, 0))])
         start = time.monotonic()
         with pytest.raises(RuntimeError, match="HTTP 401"):
@@ -343,3 +361,158 @@ def test_client_bounds_the_answer_size():
     with pytest.raises(RuntimeError, match="more than max_response_bytes=4096 bytes"):
         rewards.remote(url, timeout=2, retries=0, max_response_bytes=4096)(["a"], [solid((0, 0, 0))])
     thread.join(5)
+
+
+# ------------------------------------------------------------------------------------------------ round two
+def test_decompression_bomb_and_deep_json_and_content_type_and_reserved_metadata_are_4xx(server_url):
+    # PIL refuses 100000 x 100000 at open (its own bomb limit): a 413, not a dropped connection.
+    status, answer = post(
+        server_url, "/score/prompt_color", {"prompts": ["a"], "images": [b64(png_claiming(100000, 100000))]}
+    )
+    assert status == 413 and "decompression bomb" in answer["error"]
+    status, answer = post(server_url, "/score/prompt_color", b"[" * 200_000 + b"]" * 200_000)
+    assert status == 400 and "nested too deeply" in answer["error"]
+    image = b64(image_bytes(solid((255, 0, 0)), "PNG"))
+    body = {"prompts": ["red"], "images": [image]}
+    status, answer = post(server_url, "/score/prompt_color", body, headers="Content-Type: text/plain\r\n")
+    assert status == 415 and "application/json" in answer["error"]
+    status, answer = post(server_url, "/score/prompt_color", {**body, "metadata": {"prompts": ["x"]}})
+    assert status == 400 and "'metadata' keys ['prompts'] are reward keywords" in answer["error"]
+
+
+def test_null_scores_travel_as_not_applicable(server_module):
+    def partial(prompts, images, **kwargs):
+        return [None if p == "skip" else 1.0 for p in prompts]
+
+    server, url = serve(server_module, {"partial": partial})
+    try:
+        assert rewards.remote(f"{url}/score/partial")(["a", "skip"], [solid((0, 0, 0))] * 2) == [1.0, None]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize("scores", [["0.5"], [True]], ids=["string", "boolean"])
+def test_client_refuses_scores_that_are_not_numbers(scores):
+    def behave(conn):
+        body = json.dumps({"scores": scores}).encode()
+        conn.sendall(f"HTTP/1.0 200 OK\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+
+    url, thread = one_shot_server(behave)
+    with pytest.raises(RuntimeError, match=r"scores that are not numbers at positions \[0\]"):
+        rewards.remote(url, timeout=2, retries=0)(["a"], [solid((0, 0, 0))])
+    thread.join(5)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        (dict(backoff=-1.0), "backoff"),
+        (dict(batch_size=0), "batch_size"),
+        (dict(batch_size=-1), "batch_size"),
+        (dict(timeout=float("inf")), "timeout"),
+        (dict(timeout=0), "timeout"),
+        (dict(retries=1.5), "retries"),
+    ],
+)
+def test_client_settings_are_checked_at_construction(kwargs, field):
+    with pytest.raises(ValueError, match=rf"remote\('http://127.0.0.1:9/score/x'\): {field} is "):
+        rewards.remote("http://127.0.0.1:9/score/x", **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--max_connections", "0"], "--max_connections is 0"),
+        (["--request_timeout", "0"], "--request_timeout is 0.0"),
+        (["--max_body_mb", "-1"], "--max_body_mb is -1"),
+        (["--max_pixels", "100", "--max_request_pixels", "50"], r"--max_pixels \(100\) is larger than --max_request"),
+    ],
+)
+def test_server_refuses_limits_that_refuse_every_request_at_start(server_module, capsys, flags, message):
+    with pytest.raises(SystemExit) as info:
+        server_module.main(["--rewards", "prompt_color", *flags])
+    assert info.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_decoded_pixels_are_bounded_per_request_and_over_all_requests(server_module):
+    release = threading.Event()
+
+    def slow(prompts, images, **kwargs):
+        release.wait(5)
+        return [0.0] * len(images)
+
+    side = 64
+    server, url = serve(server_module, {"slow": slow, "fast": rewards.prompt_color()}, max_pixels=side * side,
+                        max_request_pixels=2 * side * side, max_decoded_pixels=2 * side * side,
+                        request_timeout=1.0)  # fmt: skip
+    image = b64(image_bytes(solid((255, 0, 0), (side, side)), "PNG"))
+    try:
+        status, answer = post(url, "/score/fast", {"prompts": ["red"] * 3, "images": [image] * 3})
+        assert status == 413 and "12288 pixels, more than the 8192 allowed per request" in answer["error"]
+        # A request holding the whole budget (its reward still scoring) makes the next one wait, then 503 at its
+        # deadline; once it is answered the budget is back.
+        holder = threading.Thread(
+            target=post, args=(url, "/score/slow", {"prompts": ["a"] * 2, "images": [image] * 2})
+        )
+        holder.start()
+        time.sleep(0.2)
+        start = time.monotonic()
+        status, answer = post(url, "/score/fast", {"prompts": ["red"], "images": [image]})
+        assert status == 503 and "busy decoding" in answer["error"] and 0.5 < time.monotonic() - start < 1.5
+        release.set()
+        holder.join(5)
+        assert post(url, "/score/fast", {"prompts": ["red"], "images": [image]})[0] == 200
+    finally:
+        release.set()
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture(scope="module")
+def server_process():
+    """``examples/reward_server.py`` in its own process on 127.0.0.1 (a free port), with a token and 2 slots."""
+    process = subprocess.Popen(
+        [sys.executable, str(REPO / "examples" / "reward_server.py"), "--rewards", "prompt_color", "--port", "0",
+         "--token", "s3cret", "--max_connections", "2", "--header_timeout", "1", "--request_timeout", "5"],
+        stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    try:
+        url = None
+        for _ in range(200):  # bounded: the start-up logs a few lines
+            line = process.stderr.readline()
+            found = re.search(r"on (http://127\.0\.0\.1:\d+)/score", line)
+            if found or not line:
+                url = found and found.group(1)
+                break
+        assert url, "the server did not start"
+        yield url, process
+    finally:
+        process.kill()
+        process.wait(10)
+
+
+def test_connections_slow_to_send_headers_or_without_token_take_no_slot(server_process):
+    url, _ = server_process
+    port = int(url.rsplit(":", 1)[1])
+    # Eight connections trickling headers and eight without the token, against 2 request slots.
+    trickling = [socket.create_connection(("127.0.0.1", port), timeout=2) for _ in range(8)]
+    for sock in trickling:
+        sock.sendall(b"POST /score/prompt_color HTTP/1.1\r\nX-Slow: ")
+    wrong = [post(url, "/score/prompt_color", b"{}", "Content-Type: application/json\r\n")[0] for _ in range(8)]
+    assert wrong == [401] * 8
+    try:
+        start = time.monotonic()
+        reward = rewards.remote(f"{url}/score/prompt_color", token="s3cret", timeout=2, retries=0)
+        assert reward(["red"], [solid((255, 0, 0))]) == pytest.approx(
+            rewards.prompt_color()(["red"], [solid((255, 0, 0))])
+        )
+        assert time.monotonic() - start < 0.5  # served at once, not after the trickling connections' deadline
+        # The trickling connections are answered 408 at the 1 s header deadline.
+        for sock in trickling:
+            sock.settimeout(3)
+            assert sock.recv(1024).startswith(b"HTTP/1.0 408")
+    finally:
+        for sock in trickling:
+            sock.close()

@@ -193,3 +193,18 @@ def test_compute_rewards_passes_dataset_columns():
         [uses_column, rewards.prompt_color()], ["a", "b"], [solid((0, 0, 0))] * 2, target=[3, 4]
     )
     assert total.tolist() == [3.0, 4.0]
+
+
+def test_a_reward_without_kwargs_is_refused_when_loaded_with_its_name():
+    def strict(prompts, images):
+        return [0.0] * len(images)
+
+    class Scorer:
+        def __call__(self, prompts, images, trainer_state=None):
+            return [0.0] * len(images)
+
+    for func, name in ((strict, "strict"), (Scorer(), "Scorer")):
+        with pytest.raises(ValueError, match=rf"Reward '{name}' has no \*\*kwargs \(its parameters: prompts, images"):
+            load_reward_funcs(["prompt_color", func])
+    with pytest.raises(ValueError, match=r"Reward 'join' has no \*\*kwargs"):  # a dotted import path too
+        load_reward_funcs("os.path.join")

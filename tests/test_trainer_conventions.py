@@ -17,6 +17,7 @@ from testing_utils import PROMPTS, redness, step_functions_of
 from transformers import TrainerCallback
 
 from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
+from trl_jagg.errors import CheckpointError
 
 
 def make_trainer(path, tmp_path, *, reward=redness, eval_dataset=None, **overrides) -> DDPOJaggTrainer:
@@ -204,7 +205,7 @@ def test_ema_resumes_from_a_checkpoint(tiny_flux_path, tmp_path):
     second.train(resume_from_checkpoint=checkpoint)
     for a, b in zip(straight.ema.shadow_params, second.ema.shadow_params):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
-    with pytest.raises(ValueError, match="no ema/ folder"):
+    with pytest.raises(CheckpointError, match="no ema/ folder"):
         make_trainer(tiny_flux_path, tmp_path / "other", **ema).train(
             resume_from_checkpoint=_checkpoint_without_ema(tiny_flux_path, tmp_path)
         )

@@ -30,7 +30,9 @@ def reward(prompts, images, **kwargs):
     return [float(i % 3) for i in range(len(images))]
 
 
-def make_trainer(path, output_dir, *, lora=True, reward_func=reward, lora_rank=4, **overrides) -> DDPOJaggTrainer:
+def make_trainer(
+    path, output_dir, *, lora=True, reward_func=reward, lora_rank=4, eval_dataset=None, **overrides
+) -> DDPOJaggTrainer:
     values = dict(
         output_dir=str(output_dir), per_device_train_batch_size=4, num_generations=2, num_inference_steps=3,
         height=32, width=32, max_steps=2, learning_rate=1e-2, clip_range=1e-1, noise_level=0.9, jagg_group_size=2,
@@ -42,7 +44,8 @@ def make_trainer(path, output_dir, *, lora=True, reward_func=reward, lora_rank=4
                              init_lora_weights="gaussian")  # fmt: skip
     return DDPOJaggTrainer(
         model=path, reward_funcs=reward_func, args=GRPOJaggConfig(**values),
-        train_dataset=Dataset.from_dict({"prompt": PROMPTS}), peft_config=lora_config if lora else None,
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}), eval_dataset=eval_dataset,
+        peft_config=lora_config if lora else None,
     )  # fmt: skip
 
 
@@ -118,6 +121,29 @@ def test_nan_latents_after_the_rollout_stop_before_the_rewards(tiny_flux_path, t
     assert len(calls) == 1  # step 1 only: the black images of step 2 were never scored
 
 
+def test_a_vae_that_outputs_nan_from_finite_latents_stops_before_the_rewards(tiny_flux_path, tmp_path):
+    calls = []
+
+    def counting(prompts, images, **kwargs):
+        calls.append(len(images))
+        return reward(prompts, images)
+
+    trainer = make_trainer(tiny_flux_path, tmp_path, reward_func=counting)
+    vae = trainer.adapter.pipeline.vae
+    decode = vae.decode
+
+    def nan_on_the_second_rollout(*args, **kwargs):
+        pixels = decode(*args, **kwargs)
+        return (pixels[0] * float("nan"),) if calls else pixels
+
+    vae.decode = nan_on_the_second_rollout
+    with pytest.raises(
+        NonFiniteError, match=r"Non-finite decoded images \(the VAE output\) after the rollout at step 2"
+    ):
+        trainer.train()
+    assert len(calls) == 1  # the black images of step 2 were never scored
+
+
 def test_nan_gradient_with_a_finite_loss_stops_before_the_optimizer_step(tiny_flux_path, tmp_path):
     trainer = make_trainer(tiny_flux_path, tmp_path, max_steps=1)
     param = next(p for p in trainer.model.parameters() if p.requires_grad)
@@ -170,12 +196,12 @@ def test_training_args_bin_holds_no_hub_token(tiny_flux_path, tmp_path):
 # ---------------------------------------------------------------- resume errors
 @pytest.fixture(scope="module")
 def checkpoints(tiny_flux_path, tmp_path_factory):
-    """checkpoint-1 of a LoRA run and of a full fine-tuning run."""
+    """checkpoint-1 of a LoRA run, of a full fine-tuning run and of a LoRA run with EMA."""
     root = tmp_path_factory.mktemp("checkpoints")
     paths = {}
-    for kind in ("lora", "full"):
-        trainer = make_trainer(tiny_flux_path, root / kind, lora=kind == "lora", max_steps=1, save_strategy="steps",
-                               save_steps=1)  # fmt: skip
+    for kind in ("lora", "full", "ema"):
+        trainer = make_trainer(tiny_flux_path, root / kind, lora=kind != "full", max_steps=1, save_strategy="steps",
+                               save_steps=1, ema_decay=0.9 if kind == "ema" else 0.0)  # fmt: skip
         trainer.train()
         paths[kind] = str(root / kind / "checkpoint-1")
     return paths
@@ -247,6 +273,144 @@ def test_missing_resume_directory(tiny_flux_path, tmp_path):
     trainer = make_trainer(tiny_flux_path, tmp_path)
     with pytest.raises(CheckpointError, match="checkpoint-9'?: no such directory"):
         trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-9"))
+
+
+def write_json(value):
+    def damage(path: str) -> None:
+        with open(path, "w") as handle:
+            json.dump(value, handle)
+
+    return damage
+
+
+def nan_in_first_tensor(path: str) -> None:
+    state = load_file(path)
+    first = sorted(state)[0]
+    state[first] = torch.full_like(state[first], float("nan"))
+    save_file(state, path)
+
+
+def optimizer_of_rank_8(path: str) -> None:
+    state = torch.load(path, weights_only=True)
+    for values in state["state"].values():
+        for name, value in values.items():
+            if isinstance(value, torch.Tensor) and value.ndim == 2 and value.shape[0] == 4:  # a LoRA A of rank 4
+                values[name] = torch.zeros(8, value.shape[1])
+    torch.save(state, path)
+
+
+def ema_of_rank_8(path: str) -> None:
+    state = load_file(path)
+    save_file({k: torch.zeros(8, v.shape[1]) if v.shape[0] == 4 else v for k, v in state.items()}, path)
+
+
+@pytest.mark.parametrize(
+    ("kind", "name", "damage", "match"),
+    [
+        ("lora", "optimizer.pt", os.remove, r"has no optimizer.pt \(it holds .*\): resuming would restart"),
+        ("lora", "scheduler.pt", os.remove, "has no scheduler.pt"),
+        ("lora", "grpo_state.json", write_json({}), "grpo_state.json has step None, not an integer >= 0"),
+        ("lora", "grpo_state.json", write_json({"step": "1"}), "grpo_state.json has step '1'"),
+        ("lora", "grpo_state.json", write_json([1]), "grpo_state.json is a JSON list"),
+        (
+            "lora",
+            "grpo_state.json",
+            write_json({"step": 5, "stat_tracker": None}),
+            r"\(global_step 1\) and .* disagree",
+        ),
+        ("lora", "trainer_state.json", write_json({"global_step": -1}), "global_step -1, not an integer >= 0"),
+        ("lora", LORA_FILE, nan_in_first_tensor, f"{LORA_FILE}: .* holds NaN or infinite values"),
+        ("lora", "optimizer.pt", optimizer_of_rank_8, r"optimizer.pt: the exp_avg(_sq)? of parameter \d+ is \[8, "),
+        ("ema", f"ema/{LORA_FILE}", nan_in_first_tensor, f"ema/{LORA_FILE}: .* holds NaN"),
+        ("ema", f"ema/{LORA_FILE}", ema_of_rank_8, rf"ema/{LORA_FILE}: \d+ tensors have other shapes"),
+    ],
+    ids=[
+        "no-optimizer",
+        "no-scheduler",
+        "grpo-empty",
+        "grpo-string-step",
+        "grpo-list",
+        "steps-disagree",
+        "negative-step",
+        "nan-weights",
+        "optimizer-rank-8",
+        "nan-ema",
+        "ema-rank-8",
+    ],  # fmt: skip
+)
+def test_resume_checks_what_it_loads(tiny_flux_path, tmp_path, checkpoints, kind, name, damage, match):
+    path = broken_copy(checkpoints[kind], tmp_path, name, damage)
+    trainer = make_trainer(tiny_flux_path, tmp_path / "run", ema_decay=0.9 if kind == "ema" else 0.0)
+    with pytest.raises(CheckpointError, match=match) as info:
+        trainer.train(resume_from_checkpoint=path)
+    assert path in str(info.value)
+    assert trainer.state.global_step <= 1 and not os.path.exists(tmp_path / "run" / "checkpoint-2")
+
+
+def test_missing_optimizer_is_accepted_with_save_only_model(tiny_flux_path, tmp_path, checkpoints):
+    path = broken_copy(checkpoints["lora"], tmp_path, "optimizer.pt", os.remove)
+    os.remove(os.path.join(path, "scheduler.pt"))
+    trainer = make_trainer(tiny_flux_path, tmp_path / "run", save_only_model=True)
+    trainer.train(resume_from_checkpoint=path)
+    assert trainer.state.global_step == 2
+
+
+class NanInEma(TrainerCallback):
+    """Puts a NaN in the EMA shadow after optimizer step 1 (as a diverged average would hold)."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 1:
+            self.trainer.ema.shadow_params[0].view(-1)[0] = float("nan")
+
+
+def test_non_finite_ema_is_never_saved(tiny_flux_path, tmp_path):
+    trainer = make_trainer(tiny_flux_path, tmp_path, ema_decay=0.9, save_strategy="steps", save_steps=1)
+    trainer.add_callback(NanInEma(trainer))
+    with pytest.raises(NonFiniteError, match=r"The EMA weights hold NaN or infinite values at step 1: not saved"):
+        trainer.train()
+    assert not os.path.exists(tmp_path / "checkpoint-1") and not os.path.exists(tmp_path / "ema")
+
+
+def test_rotation_deletes_whole_checkpoints_and_a_killed_one_is_not_resumed(tiny_flux_path, tmp_path, monkeypatch):
+    import trl_jagg.trainer.checkpointing as checkpointing
+
+    trainer = make_trainer(tiny_flux_path, tmp_path, max_steps=2, save_strategy="steps", save_steps=1,
+                           save_total_limit=1)  # fmt: skip
+    real_rmtree = shutil.rmtree
+
+    def killed_at_rotation(path, *args, **kwargs):  # the process dies inside the first deletion
+        if path.endswith("checkpoint-1.deleting"):
+            os.remove(os.path.join(path, LORA_FILE))
+            raise KeyboardInterrupt
+        return real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpointing.shutil, "rmtree", killed_at_rotation)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    # The half-deleted folder is out of the checkpoint names: a resume takes the whole checkpoint-2.
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-2", "tmp-checkpoint-1.deleting"]
+    monkeypatch.setattr(checkpointing.shutil, "rmtree", real_rmtree)
+    resumed = make_trainer(tiny_flux_path, tmp_path, max_steps=3, save_strategy="steps", save_steps=1,
+                           save_total_limit=1)  # fmt: skip
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 3
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-3"]  # the next rotation removed the leftovers
+
+
+def test_write_failure_during_a_save_names_the_path(tiny_flux_path, tmp_path, monkeypatch):
+    import transformers.trainer
+
+    def disk_full(*args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed writing file")
+
+    trainer = make_trainer(tiny_flux_path, tmp_path, max_steps=1, save_strategy="steps", save_steps=1)
+    monkeypatch.setattr(transformers.trainer.torch, "save", disk_full)
+    with pytest.raises(CheckpointError, match=rf"Writing {tmp_path}/tmp-checkpoint-1 failed .*Free disk space"):
+        trainer.train()
+    assert not os.path.exists(tmp_path / "checkpoint-1")
 
 
 # ---------------------------------------------------------------- reward failures
@@ -343,3 +507,50 @@ def test_reward_failure_on_one_rank_saves_on_every_rank_and_stops_all(tiny_flux_
     assert errors[0]["type"] == "TrainingError" and "failed on another process at step 2" in errors[0]["message"]
     checkpoint = tmp_path / "checkpoint-1"
     assert {LORA_FILE, "optimizer.pt", "trainer_state.json"} <= set(os.listdir(checkpoint))
+
+
+# ---------------------------------------------------------------- evaluation
+def nan_on(call: int):
+    calls = []
+
+    def nan_reward(prompts, images, **kwargs):
+        calls.append(1)
+        return [float("nan") if len(calls) == call else 0.5] * len(images)
+
+    return nan_reward
+
+
+@pytest.mark.parametrize("failure", ["raises", "nan"])
+def test_a_failing_evaluation_reward_saves_the_trained_steps_first(tiny_flux_path, tmp_path, failure):
+    # Rewards are called once per step (one rollout a step); call 3 is the evaluation at step 2.
+    func = FailingReward({3}) if failure == "raises" else nan_on(3)
+    trainer = make_trainer(tiny_flux_path, tmp_path, reward_func=func, max_steps=3, save_strategy="steps",
+                           save_steps=100, eval_strategy="steps", eval_steps=2, eval_dataset=PROMPTS[:2])  # fmt: skip
+    error = ConnectionError if failure == "raises" else ValueError
+    with pytest.raises(error) as info:
+        trainer.train()
+    checkpoint = tmp_path / "checkpoint-2"
+    assert any(f"{checkpoint} holds the 2 trained steps" in note for note in getattr(info.value, "__notes__", []))
+    assert {LORA_FILE, "optimizer.pt", "trainer_state.json"} <= set(os.listdir(checkpoint))
+
+
+def test_evaluation_rewards_are_retried(tiny_flux_path, tmp_path):
+    flaky = FailingReward({3})
+    trainer = make_trainer(tiny_flux_path, tmp_path, reward_func=flaky, max_steps=2, reward_retries=1,
+                           eval_strategy="steps", eval_steps=2, eval_dataset=PROMPTS[:2])  # fmt: skip
+    trainer.train()
+    assert trainer.state.global_step == 2 and flaky.calls == 4
+
+
+@pytest.mark.parametrize(
+    ("dataset", "match"),
+    [
+        ([{"text": "a cat"}], "eval_dataset has no 'prompt' column"),
+        (["a cat", None], r"eval_dataset\[1\] is NoneType"),
+    ],
+)
+def test_evaluate_checks_its_dataset_as_the_train_set(tiny_flux_path, tmp_path, dataset, match):
+    trainer = make_trainer(tiny_flux_path, tmp_path)
+    with pytest.raises(ValueError, match=match):
+        trainer.evaluate(eval_dataset=dataset)
+    assert trainer.evaluate(eval_dataset=["a red circle"])["eval_samples"] == 1

@@ -15,7 +15,7 @@ import os
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from datasets import Dataset
@@ -23,11 +23,7 @@ from diffusers import DiffusionPipeline
 from peft import LoraConfig
 from torch.utils.data import Sampler
 from transformers import TrainerCallback, set_seed
-from transformers.trainer_utils import (
-    PREFIX_CHECKPOINT_DIR,
-    HubStrategy,
-    rotate_checkpoints,
-)
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, HubStrategy
 from transformers.utils.hub import PushInProgress
 from trl.trainer.base_trainer import _BaseTrainer
 
@@ -45,11 +41,12 @@ from .trainer.data import EpochSeededRepeatSampler, identity_collator
 from .trainer.ema import EMACallback, EMAWeights, ema_swapped_in
 from .trainer.evaluation import Evaluator, SampleImagesCallback
 from .trainer.files import EMA_DIR
-from .trainer.generation import RewardFailure, RolloutGenerator
+from .trainer.generation import RolloutGenerator
 from .trainer.guards import stop_if_non_finite
 from .trainer.image_logging import log_completions, log_image_grid, save_images
 from .trainer.inputs import checked_inputs
 from .trainer.placement import FrozenModules
+from .trainer.scoring import RewardFailure
 from .trainer.update import UpdateStage
 
 logger = logging.getLogger(__name__)
@@ -237,17 +234,20 @@ class DDPOJaggTrainer(_BaseTrainer):
                 trainer_state=self.state,
             )  # fmt: skip
         except RewardFailure as failure:
-            saved, step = self._save_after_failure(), self.state.global_step
-            note = f"{saved} holds the {step} trained steps: resume from it." if saved else ""
-            note = note or "No trained step was lost (none to save)."
-            if failure.error is None:
-                raise TrainingError(
-                    f"A reward function failed on another process at step {step + 1}. {note}"
-                ) from None
-            logger.warning("A reward function failed at step %d. %s", step + 1, note)
-            if hasattr(failure.error, "add_note"):  # Python >= 3.11: shown with the error
-                failure.error.add_note(note)
-            raise failure.error from None
+            self._stop_after_reward_failure(failure, f"at step {self.state.global_step + 1}")
+
+    def _stop_after_reward_failure(self, failure: RewardFailure, during: str) -> NoReturn:
+        """Save the steps trained so far (on every process), then raise the reward's error with a note naming the
+        checkpoint; ``during`` says when it failed (``"at step 3"``)."""
+        saved, step = self._save_after_failure(), self.state.global_step
+        note = f"{saved} holds the {step} trained steps: resume from it." if saved else ""
+        note = note or "No trained step was lost (none to save)."
+        if failure.error is None:
+            raise TrainingError(f"A reward function failed on another process {during}. {note}") from None
+        logger.warning("A reward function failed %s. %s", during, note)
+        if hasattr(failure.error, "add_note"):  # Python >= 3.11: shown with the error
+            failure.error.add_note(note)
+        raise failure.error from None
 
     def _save_after_failure(self) -> str | None:
         """Save ``checkpoint-N`` of the steps trained so far, unless there are none or it exists; on every process."""
@@ -333,10 +333,13 @@ class DDPOJaggTrainer(_BaseTrainer):
             raise ValueError(
                 "evaluate() needs held-out prompts: pass eval_dataset= to DDPOJaggTrainer or to evaluate()."
             )
-        metrics, images, prompts = self.evaluator.evaluate(
-            self.accelerator.unwrap_model(self.model), self.ema, dataset, metric_key_prefix=metric_key_prefix,
-            trainer_state=self.state,
-        )  # fmt: skip
+        try:
+            metrics, images, prompts = self.evaluator.evaluate(
+                self.accelerator.unwrap_model(self.model), self.ema, dataset, metric_key_prefix=metric_key_prefix,
+                trainer_state=self.state,
+            )  # fmt: skip
+        except RewardFailure as failure:
+            self._stop_after_reward_failure(failure, f"in the evaluation at step {self.state.global_step}")
         if self.is_world_process_zero() and images:
             name = f"{metric_key_prefix}_samples"
             log_image_grid(self, images[:16], prompts[:16], self.state.global_step, name=name)
@@ -352,7 +355,8 @@ class DDPOJaggTrainer(_BaseTrainer):
             resume_from_checkpoint = checkpointing.last_checkpoint(self.args.output_dir)
         if resume_from_checkpoint:
             transformer = self.accelerator.unwrap_model(self.model)
-            self.weights.check(resume_from_checkpoint, self.args.output_dir, transformer)
+            plain = not (self.is_deepspeed_enabled or self.is_fsdp_enabled)  # resumes from optimizer.pt
+            self.weights.check(resume_from_checkpoint, transformer, self.args, ema=self.ema, optimizer_files=plain)
         return super().train(resume_from_checkpoint=resume_from_checkpoint or None, **kwargs)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
@@ -361,8 +365,9 @@ class DDPOJaggTrainer(_BaseTrainer):
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         params = [p for p in self.model.parameters() if p.requires_grad]
         checkpointing.check_saveable(
-            self.accelerator, params, output_dir, global_step=self.state.global_step, run_dir=self.args.output_dir
-        )
+            self.accelerator, params, output_dir, global_step=self.state.global_step, run_dir=self.args.output_dir,
+            ema=self.ema,
+        )  # fmt: skip
         super().save_model(output_dir, _internal_call=_internal_call)
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
@@ -393,6 +398,8 @@ class DDPOJaggTrainer(_BaseTrainer):
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if not self.args.fully_shard_backbone or checkpoint is None:
+            if checkpoint is not None and not (self.is_deepspeed_enabled or self.is_fsdp_enabled):
+                checkpointing.check_optimizer_state(checkpoint, self.optimizer)
             return super()._load_optimizer_and_scheduler(checkpoint)
         checkpointing.load_full_optimizer_state(self.model, self.optimizer, self.lr_scheduler, checkpoint)
 
@@ -421,12 +428,7 @@ class DDPOJaggTrainer(_BaseTrainer):
         if args.push_to_hub:
             self._push_from_checkpoint(final_dir)
         if args.should_save:
-            rotate_checkpoints(
-                output_dir=run_dir,
-                save_total_limit=args.save_total_limit,
-                best_model_checkpoint=self.state.best_model_checkpoint,
-                use_mtime=True,
-            )
+            checkpointing.rotate_checkpoints(run_dir, args.save_total_limit, self.state.best_model_checkpoint)
 
     # ------------------------------------------------------------------ the Hub
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:

@@ -31,7 +31,9 @@ def flag_type(hint: Any) -> tuple[type, type | None, bool] | None:
     return None
 
 
-def _is(value: Any, kind: type) -> bool:
+def has_kind(value: Any, kind: type) -> bool:
+    """Whether ``value`` is a ``kind`` (int, float, bool or str) as a flag would convert it: a bool is neither an
+    integer nor a number, an integer is a number."""
     if kind is bool:
         return isinstance(value, bool)
     if kind is int:
@@ -51,13 +53,13 @@ def type_problem(value: Any, hint: Any) -> str | None:
     if value is None:
         ok = optional
     elif kind is list:
-        ok = _is(value, item) or (isinstance(value, (list, tuple)) and all(_is(v, item) for v in value))
+        ok = has_kind(value, item) or (isinstance(value, (list, tuple)) and all(has_kind(v, item) for v in value))
     else:
-        ok = _is(value, kind)
+        ok = has_kind(value, kind)
     if ok:
         return None
     name = f"a list of {_ITEM_NAMES[item]}" if kind is list else _KIND_NAMES[kind]
     return f"{name} or None" if optional else name
 
 
-__all__ = ["flag_type", "type_problem"]
+__all__ = ["flag_type", "has_kind", "type_problem"]

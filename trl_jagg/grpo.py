@@ -21,7 +21,8 @@ def group_advantages(
     """Advantages of consecutive groups of ``num_generations`` samples of the same prompt.
 
     ``A = (r - mean of the group) / (std + eps)``, then clipped to ``[-clip, clip]``. A group whose rewards are all
-    equal gets advantages of exactly 0 (not the rounding error of its mean), so that such samples can be recognised.
+    equal gets advantages of exactly 0 (not the rounding error of its mean, nor 0 / 0 at ``eps = 0``), so that such
+    samples can be recognised.
 
     Args:
         rewards: ``(num_groups * num_generations,)``, each prompt's samples consecutive.
@@ -50,7 +51,9 @@ def group_advantages(
         std = torch.ones(())
     else:
         raise ValueError(f"`scale_by` must be 'group', 'batch' or 'none', got {scale_by!r}.")
-    advantages = (centered / (std + eps) if scale_by != "none" else centered).view(-1)
+    # A constant group's 0 stays 0 at eps = 0 too (0 / 0 would be NaN).
+    scaled = centered / (std + eps) if scale_by != "none" else centered
+    advantages = scaled.masked_fill(constant, 0.0).view(-1)
     return advantages.clamp(-clip, clip) if clip is not None else advantages
 
 
@@ -100,8 +103,9 @@ class PerPromptStatTracker:
         for i, (prompt, reward) in enumerate(zip(prompts, rewards)):
             values = stats[prompt]
             std = batch_std if self.global_std else _std(values, self.ddof)
-            centered = reward - values.mean() if values.amax() != values.amin() else torch.zeros(())
-            advantages[i] = centered / (std + self.eps)
+            # A constant history gives 0, also at eps = 0 (not 0 / 0).
+            constant = values.amax() == values.amin()
+            advantages[i] = 0.0 if constant else (reward - values.mean()) / (std + self.eps)
         return advantages.clamp(-clip, clip) if clip is not None else advantages
 
 

@@ -6,6 +6,7 @@ import dataclasses
 import difflib
 import math
 import numbers
+import os
 import typing
 import warnings
 from dataclasses import dataclass, field, fields
@@ -26,6 +27,7 @@ SCALE_REWARDS = ("group", "batch", "none")
 KL_STDS = ("step", "flow_grpo")
 CFG_GRADIENTS = ("both", "conditional")
 DTYPES = ("float32", "bfloat16", "float16")
+MAX_NOISE_LEVEL = 2.0
 
 
 @dataclass
@@ -149,7 +151,10 @@ class GRPOJaggConfig(TrainingArguments):
     )
     noise_level: float = field(
         default=0.7,
-        metadata={"help": "SDE noise level `a` (0.7 for SD3.5, 0.9 for Flux in Flow-GRPO); eta for `dance`."},
+        metadata={
+            "help": "SDE noise level `a` (0.7 for SD3.5, 0.9 for Flux in Flow-GRPO); eta for `dance`. In (0, 2] "
+            "((0, 1] for `cps`): above 2 the steps amplify the latent."
+        },
     )
     sample_batch_size: int | None = field(
         default=None,
@@ -318,7 +323,11 @@ class GRPOJaggConfig(TrainingArguments):
         },
     )
     advantage_eps: float = field(
-        default=1e-4, metadata={"help": "Added to the advantage std (Flow-GRPO 1e-4, DanceGRPO 1e-8)."}
+        default=1e-4,
+        metadata={
+            "help": "Added to the advantage std (Flow-GRPO 1e-4, DanceGRPO 1e-8); 0 is valid (a constant group's "
+            "advantages are 0)."
+        },
     )
     per_prompt_stat_tracking: bool = field(
         default=False,
@@ -590,8 +599,21 @@ class GRPOJaggConfig(TrainingArguments):
             for number in values:
                 if isinstance(number, float) and not math.isfinite(number):
                     raise ValueError(f"GRPOJaggConfig.{item.name} is {value!r}. Use a finite number.")
+        fsdp = self.fsdp
+        if not (
+            fsdp is None
+            or isinstance(fsdp, (bool, str))
+            or (isinstance(fsdp, list) and all(isinstance(o, str) for o in fsdp))
+        ):
+            # transformers takes any truthy value as "FSDP on".
+            raise TypeError(
+                f"GRPOJaggConfig.fsdp is {fsdp!r} ({type(fsdp).__name__}); expected true or false, or a string of "
+                "FSDP options ('full_shard auto_wrap')."
+            )
         # Before `_resolve_generation_batch` divides by them, and before the multiple-of-G check, which 0 passes.
-        for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation"):
+        # per_device_eval_batch_size too: 0 would stop the first evaluation, which runs before that step's save.
+        names = ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps")
+        for name in (*names, "steps_per_generation"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"GRPOJaggConfig.{name} is {value}. Use 1 or more.")
@@ -600,6 +622,12 @@ class GRPOJaggConfig(TrainingArguments):
         def fail(name: str, problem: str, fix: str) -> None:
             raise ValueError(f"GRPOJaggConfig.{name} {problem}. {fix}")
 
+        if self.output_dir is not None and os.path.isfile(self.output_dir):
+            fail(
+                "output_dir",
+                f"{self.output_dir} is a file",
+                "Checkpoints and weights need a directory: use another path.",
+            )
         if self.dtype not in DTYPES:
             fail("dtype", f"is {self.dtype!r}", f"Use one of {DTYPES}.")
         if self.num_generations < 2:
@@ -618,6 +646,19 @@ class GRPOJaggConfig(TrainingArguments):
         for name in ("adam_beta1", "adam_beta2"):
             if not 0 <= getattr(self, name) < 1:
                 fail(name, f"is {getattr(self, name)}", "Use a value in [0, 1).")
+        if not self.adam_epsilon > 0:
+            # Adam divides by sqrt(v) + epsilon: a parameter whose gradient is 0 would become 0 / 0.
+            fail("adam_epsilon", f"is {self.adam_epsilon}", "Use a positive value (1e-8, the default).")
+        for name in ("seed", "data_seed", "eval_seed"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < 2**32:
+                fail(name, f"is {value}", "Use a seed in [0, 2**32) (numpy's seeds are 32-bit).")
+        if self.save_strategy == "steps" and not self.save_steps > 0:
+            fail(
+                "save_steps",
+                f"is {self.save_steps} with save_strategy='steps': no checkpoint would ever be saved",
+                "Use a positive interval, or save_strategy='no'.",
+            )
         if self.num_inference_steps < 2:
             fail("num_inference_steps", f"is {self.num_inference_steps}", "Use at least 2 steps.")
         for name in ("height", "width"):
@@ -635,6 +676,15 @@ class GRPOJaggConfig(TrainingArguments):
             )
         if self.sampler == "cps" and self.noise_level > 1:
             fail("noise_level", f"is {self.noise_level} with sampler='cps'", "CPS takes a value in (0, 1].")
+        if self.sampler != "cps" and self.noise_level > MAX_NOISE_LEVEL:
+            # The first SDE step (and dance's last) multiplies the latent by 1 - a^2 / 2 in its mean: above 2 the
+            # step amplifies it, and the rollout's latents grow without bound.
+            fail(
+                "noise_level",
+                f"is {self.noise_level} with sampler={self.sampler!r}: above {MAX_NOISE_LEVEL} a step's mean "
+                "amplifies the latent (by a^2 / 2 - 1) and the rollout diverges",
+                f"Use a value in (0, {MAX_NOISE_LEVEL}] (0.7 for SD3.5, 0.9 for Flux; eta 0.3 for dance).",
+            )
         if self.guidance_scale < 0:
             fail(
                 "guidance_scale", f"is {self.guidance_scale}", "Use a value >= 0 (3.5 for Flux.1-dev, 4.5 for SD3.5)."
@@ -721,8 +771,22 @@ class GRPOJaggConfig(TrainingArguments):
             )
         if not isinstance(self.ema_update_interval, int) or self.ema_update_interval < 1:
             fail("ema_update_interval", f"is {self.ema_update_interval!r}", "Use an integer >= 1.")
+        if self.ema_decay > 0 and 0 < self.max_steps < self.ema_update_interval:
+            self._warn(
+                f"GRPOJaggConfig.ema_update_interval ({self.ema_update_interval}) is larger than max_steps "
+                f"({self.max_steps}): the EMA is never updated and stays the initial weights. Use an interval <= "
+                "max_steps, or ema_decay=0."
+            )
+        if self.ema_offload and self.ema_decay == 0:
+            self._warn(
+                "GRPOJaggConfig.ema_offload=True does nothing with ema_decay=0 (no EMA is kept). Set ema_decay > 0 "
+                "(0.995 in DanceGRPO), or drop ema_offload."
+            )
         if not isinstance(self.jagg_group_size, int) or self.jagg_group_size < 1:
             fail("jagg_group_size", f"is {self.jagg_group_size!r}", "Use an integer >= 1 (4 or 8 are typical).")
+        if isinstance(self.jagg_frac, bool):
+            # bool is an int in Python: True would silently mean 1.0.
+            fail("jagg_frac", f"is {self.jagg_frac!r}, not a fraction", "Use a fraction in [0, 1] or 'auto'.")
         if isinstance(self.jagg_frac, str) and self.jagg_frac != "auto":
             try:
                 self.jagg_frac = float(self.jagg_frac)
@@ -757,14 +821,17 @@ class GRPOJaggConfig(TrainingArguments):
         trained = self.num_trained_steps
         routed = self.jagg_frac == "auto" or self.jagg_frac > 0
         if self.use_jagg and self.jagg_mode != "exact" and routed and self.jagg_group_size > trained:
-            warnings.warn(
+            self._warn(
                 f"GRPOJaggConfig.jagg_group_size ({self.jagg_group_size}) is larger than the {trained} trained "
                 f"step{'s' if trained != 1 else ''} (train_timesteps={self.train_timesteps!r}, num_inference_steps="
                 f"{self.num_inference_steps}): no group is full, so JAGG stays idle and every step takes an exact "
-                f"backward. Use jagg_group_size <= {trained}, or use_jagg=False.",
-                UserWarning,
-                stacklevel=3,
+                f"backward. Use jagg_group_size <= {trained}, or use_jagg=False."
             )
+
+    @staticmethod
+    def _warn(message: str) -> None:
+        """A setting that does nothing: a warning pointing at the user's GRPOJaggConfig(...) call."""
+        warnings.warn(message, UserWarning, stacklevel=5)
 
     @property
     def num_trained_steps(self) -> int:

@@ -65,7 +65,8 @@ def prompt_dataset(dataset: Any, prompts_per_rollout: int, name: str = "train_da
 
     Raises:
         TypeError: a streaming ``IterableDataset``, a ``DatasetDict`` or another type.
-        ValueError: no ``prompt`` column, a bad row (its index is named) or too few prompts.
+        ValueError: no ``prompt`` column, a column named like a reward keyword (``images``, ...), a bad row (its
+            index is named) or too few prompts.
     """
     from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
 
@@ -91,6 +92,17 @@ def prompt_dataset(dataset: Any, prompts_per_rollout: int, name: str = "train_da
         raise ValueError(
             f"{name} has no 'prompt' column (columns: {dataset.column_names}). "
             "Rename the text column, e.g. `dataset.rename_column('text', 'prompt')`."
+        )
+    from .rewards.base import REWARD_KEYWORDS
+
+    # Columns reach every reward as keywords beside these: a clash would fail at the first reward call, after a
+    # whole rollout.
+    clashing = [column for column in dataset.column_names if column in REWARD_KEYWORDS]
+    if clashing:
+        raise ValueError(
+            f"{name} has column(s) {clashing}, which clash with the keywords every reward is called with "
+            f"{REWARD_KEYWORDS}. Rename them, e.g. `dataset.rename_column({clashing[0]!r}, "
+            f"'dataset_{clashing[0]}')`."
         )
     for i, value in enumerate(dataset["prompt"]):
         prompt_text(value, f"{name} row {i} 'prompt'")

@@ -326,7 +326,11 @@ class FlowMatchingAdapter:
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, height: int, width: int) -> list[Image.Image]:
         """Latents to PIL images, through the pipeline's own image processor."""
-        pixels = self.decode_latents(latents, height, width)
+        return self.to_images(self.decode_latents(latents, height, width))
+
+    def to_images(self, pixels: torch.Tensor) -> list[Image.Image]:
+        """Decoded pixels (:meth:`decode_latents`) to PIL images, through the pipeline's own image processor (a NaN
+        becomes a black pixel: check the pixels first where it matters)."""
         return self.pipeline.image_processor.postprocess(pixels.float(), output_type="pil")
 
 

@@ -139,8 +139,8 @@ def load_reward_funcs(spec: RewardSpec, **factory_kwargs: Any) -> list[RewardFun
         loads on its first call.
 
     Raises:
-        ValueError: for an unknown name (listing the valid ones) or an entry that is neither a string nor
-            a callable.
+        ValueError: for an unknown name (listing the valid ones), an entry that is neither a string nor
+            a callable, or a callable without ``**kwargs`` (named).
     """
     items = [spec] if isinstance(spec, str) or callable(spec) else list(spec)
     if not items:
@@ -148,12 +148,29 @@ def load_reward_funcs(spec: RewardSpec, **factory_kwargs: Any) -> list[RewardFun
     funcs: list[RewardFunc] = []
     for item in items:
         if isinstance(item, str):
-            funcs.append(_build_from_name(item, factory_kwargs))
+            func = _build_from_name(item, factory_kwargs)
         elif callable(item):
-            funcs.append(item)
+            func = item
         else:
             raise ValueError(f"A reward must be a name or a callable, got {type(item).__name__}: {item!r}.")
+        _check_signature(func)
+        funcs.append(func)
     return funcs
+
+
+def _check_signature(func: RewardFunc) -> None:
+    """A reward must take ``**kwargs``: it is called with every keyword of :data:`REWARD_KEYWORDS` and every dataset
+    column, so without it the first call fails, after a whole rollout."""
+    try:
+        parameters = inspect.signature(func).parameters.values()
+    except (TypeError, ValueError):  # a builtin or extension callable without a signature: nothing to check
+        return
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        raise ValueError(
+            f"Reward {reward_name(func)!r} has no **kwargs (its parameters: {', '.join(p.name for p in parameters)}): "
+            f"every reward is called with the keywords {', '.join(REWARD_KEYWORDS)} and every dataset column. Add "
+            "**kwargs to its parameters."
+        )
 
 
 def check_rewards(name: str, values: Any, expected: int) -> torch.Tensor:

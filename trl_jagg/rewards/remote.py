@@ -19,6 +19,7 @@ import binascii
 import http.client
 import io
 import json
+import math
 import os
 import socket
 import time
@@ -28,6 +29,7 @@ from typing import Any
 
 from PIL import Image, UnidentifiedImageError
 
+from trl_jagg.field_types import has_kind
 from trl_jagg.rewards.lazy import check_pairs, to_rgb
 
 SERVER_HINT = "Start one with: python examples/reward_server.py --rewards pickscore --port 8000"
@@ -54,12 +56,13 @@ class RejectedImage(ValueError):
         self.status = status
 
 
-def decode_image(data: Any, max_pixels: int = MAX_PIXELS) -> Image.Image:
-    """Inverse of :func:`encode_image` for untrusted input: base64 of a PNG, JPEG or WEBP image of at most
-    ``max_pixels`` pixels, checked from its header before any pixel is decoded.
+def open_image(data: Any, max_pixels: int = MAX_PIXELS) -> Image.Image:
+    """The image ``data`` holds, for untrusted input: base64 of a PNG, JPEG or WEBP image of at most ``max_pixels``
+    pixels, checked from its header; no pixel is decoded yet (see :func:`load_image`), so that a server can bound
+    the pixels of a whole request before decoding any.
 
     Raises:
-        RejectedImage: not base64 (status 400), another format (415), too many pixels (413), corrupt (400).
+        RejectedImage: not base64 (status 400), another format (415), too many pixels (413).
     """
     if not isinstance(data, str):
         raise RejectedImage(f"is a {type(data).__name__}, not a base64 string", 400)
@@ -70,11 +73,24 @@ def decode_image(data: Any, max_pixels: int = MAX_PIXELS) -> Image.Image:
     try:
         # `formats` stops PIL from trying its other plugins (EPS would reach Ghostscript where installed).
         image = Image.open(io.BytesIO(raw), formats=IMAGE_FORMATS)
+    except Image.DecompressionBombError:  # PIL's own limit, checked from the header as ours is
+        raise RejectedImage(
+            f"claims more than {2 * Image.MAX_IMAGE_PIXELS} pixels (a decompression bomb)", 413
+        ) from None
     except (UnidentifiedImageError, OSError, ValueError):
         raise RejectedImage(f"is not a {', '.join(IMAGE_FORMATS)} image", 415) from None
     width, height = image.size
     if width * height > max_pixels:
         raise RejectedImage(f"has {width} x {height} pixels, more than the {max_pixels} allowed", 413)
+    return image
+
+
+def load_image(image: Image.Image) -> Image.Image:
+    """Decode the pixels of an image from :func:`open_image`.
+
+    Raises:
+        RejectedImage: truncated or corrupt data (status 400).
+    """
     try:
         image.load()
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
@@ -153,8 +169,18 @@ class RemoteReward:
     ) -> None:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"The reward server URL must start with http:// or https://, got {url!r}.")
-        if retries < 0 or not timeout > 0 or max_response_bytes < 1:
-            raise ValueError("timeout must be > 0, retries >= 0 and max_response_bytes >= 1.")
+        # Checked here, not at the first request: each would fail only after a whole rollout.
+        for field_name, value, valid, fix in (
+            ("timeout", timeout, has_kind(timeout, float) and 0 < timeout < math.inf, "a finite number of seconds > 0"),
+            ("retries", retries, has_kind(retries, int) and retries >= 0, "an integer >= 0"),
+            ("backoff", backoff, has_kind(backoff, float) and 0 <= backoff < math.inf, "a finite number of seconds >= 0"),
+            ("batch_size", batch_size, batch_size is None or (has_kind(batch_size, int) and batch_size >= 1),
+             "None (all images in one request) or an integer >= 1"),
+            ("max_response_bytes", max_response_bytes, has_kind(max_response_bytes, int) and max_response_bytes >= 1,
+             "an integer >= 1"),
+        ):  # fmt: skip
+            if not valid:
+                raise ValueError(f"remote({url!r}): {field_name} is {value!r}. Use {fix}.")
         self.url = url
         self.timeout = timeout
         self.retries = retries
@@ -229,20 +255,27 @@ class RemoteReward:
             f"Is it running and reachable? {SERVER_HINT}"
         )
 
-    def _score(self, prompts: list[str], images: list[Image.Image], metadata: dict[str, Any]) -> list[float]:
+    def _score(self, prompts: list[str], images: list[Image.Image], metadata: dict[str, Any]) -> list[float | None]:
         answer = self._post({"prompts": prompts, "images": [encode_image(im) for im in images], "metadata": metadata})
         scores = answer.get("scores") if isinstance(answer, dict) else None
         if not isinstance(scores, list) or len(scores) != len(images):
             shown = repr(answer)[:200]
             raise RuntimeError(f"Reward server {self.url} sent a malformed answer for {len(images)} images: {shown}")
-        return [float(score) for score in scores]
+        # A number or null (not applicable), never coerced: "0.5" or true is a server bug, not a score.
+        bad = [i for i, score in enumerate(scores) if score is not None and not has_kind(score, float)]
+        if bad:
+            raise RuntimeError(
+                f"Reward server {self.url} sent scores that are not numbers at positions {bad[:10]}: "
+                f"{[scores[i] for i in bad[:3]]!r}. Scores must be JSON numbers (or null for not applicable)."
+            )
+        return [None if score is None else float(score) for score in scores]
 
-    def __call__(self, prompts: Sequence[str], images: Sequence[Image.Image], **kwargs: Any) -> list[float]:
+    def __call__(self, prompts: Sequence[str], images: Sequence[Image.Image], **kwargs: Any) -> list[float | None]:
         """Score each (prompt, image) pair on the server; JSON-serialisable ``kwargs`` go along as metadata."""
         check_pairs(prompts, images)
         step = self.batch_size or max(len(images), 1)
         columns = _json_columns(kwargs)
-        scores: list[float] = []
+        scores: list[float | None] = []
         for start in range(0, len(images), step):
             # Per-sample columns (lists as long as the batch) are split with the batch; others are sent whole.
             metadata = {
@@ -287,7 +320,8 @@ def remote(
         timeout: Seconds one attempt may take in all (connect, send, score, read the answer): a deadline, not a
             per-read timeout.
         retries: Extra attempts after a connection failure, timeout or HTTP 5xx; waits ``backoff * 2**k`` s.
-        batch_size: Images per request (``None``: all at once); keep requests under the server's body limit.
+        batch_size: Images per request (``None``: all at once); keep requests under the server's body and pixel
+            limits.
         name: Metric name; default ``"remote_<last URL segment>"``.
         token: Shared token sent as ``Authorization: Bearer``; default the ``TRL_JAGG_REWARD_TOKEN`` variable.
         max_response_bytes: Largest answer read; a longer one is an error.

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .utils import CommandParser, UsageError, flag_value
+from .utils import CommandParser, UsageError, flag_value, one_line
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -107,6 +107,13 @@ class ScriptArguments:
             value = getattr(self, name)
             if isinstance(value, str):
                 setattr(self, name, [value])
+        # peft would refuse these only once the pipeline is loaded.
+        if self.lora_r < 1:
+            raise ValueError(f"lora_r is {self.lora_r}. Use a rank of 1 or more (16-64 are typical).")
+        if not self.lora_alpha > 0:
+            raise ValueError(f"lora_alpha is {self.lora_alpha}. Use a positive value (often 2 x lora_r).")
+        if not 0 <= self.lora_dropout < 1:
+            raise ValueError(f"lora_dropout is {self.lora_dropout}. Use a value in [0, 1).")
 
 
 DESCRIPTION = (
@@ -160,6 +167,40 @@ def check_script_args(script_args: ScriptArguments) -> None:
         )
     if script_args.dataset_name and script_args.prompts:
         raise UsageError("dataset_name and prompts are both set: give the prompts one way.")
+    check_local_paths(script_args)
+
+
+DATASET_FILE_TYPES = (".txt", ".json", ".jsonl", ".csv", ".parquet")
+"""The local prompt files ``dataset_name`` reads (see :func:`load_prompt_dataset`)."""
+
+
+def _is_hub_id(name: str) -> bool:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def check_local_paths(script_args: ScriptArguments) -> None:
+    """A model or dataset named by a local path exists and is of the right kind, checked before anything loads
+    (diffusers and datasets would first try the Hub and fail with a long network error)."""
+    model = script_args.model_name_or_path
+    if os.path.isfile(model) or (os.path.isdir(model) and not os.path.isfile(os.path.join(model, "model_index.json"))):
+        raise UsageError(
+            f"model_name_or_path {model} is not a diffusers pipeline directory (no model_index.json). Give a "
+            "directory saved with `pipe.save_pretrained(...)`, or a Hub id."
+        )
+    if not os.path.exists(model) and not _is_hub_id(model):
+        raise UsageError(f"model_name_or_path {model}: no such directory, and not a Hub id (owner/name).")
+    name = script_args.dataset_name
+    if name and not os.path.exists(name) and (name.lower().endswith(DATASET_FILE_TYPES) or not _is_hub_id(name)):
+        raise UsageError(
+            f"dataset_name {name}: no such file or directory. Give an existing {'/'.join(DATASET_FILE_TYPES)} file, a "
+            "directory saved with `save_to_disk`, or a Hub dataset id."
+        )
 
 
 def parse_train_args(argv: Sequence[str]) -> tuple[ScriptArguments, GRPOJaggConfig]:
@@ -314,16 +355,31 @@ def resolve_accelerate_config(name: str) -> str:
     """The file ``--accelerate_config name`` names: a path, else ``examples/accelerate_configs/<name>.yaml`` in the
     working directory or in the source checkout trl_jagg runs from."""
     if os.path.isfile(name):
-        return name
+        return _checked_accelerate_config(name)
     folders = [Path.cwd() / "examples" / "accelerate_configs", ACCELERATE_CONFIGS]
     for folder in folders:
         if (folder / f"{name}.yaml").is_file():
-            return str(folder / f"{name}.yaml")
+            return _checked_accelerate_config(str(folder / f"{name}.yaml"))
     names = sorted({path.stem for folder in folders if folder.is_dir() for path in folder.glob("*.yaml")})
     raise UsageError(
         f"accelerate_config {name!r} is neither a file nor a config in examples/accelerate_configs/ "
         f"({', '.join(names) or 'none found'}). Give a path to an accelerate config file or one of those names."
     )
+
+
+def _checked_accelerate_config(path: str) -> str:
+    """``path``, once accelerate reads it as a launch config (before relaunching, whose error would be a
+    traceback in the launched processes)."""
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    try:
+        load_config_from_file(path)
+    except Exception as error:  # YAML/JSON syntax, a non-mapping, unknown keys: accelerate raises each differently
+        raise UsageError(
+            f"accelerate_config {path} is not an accelerate config ({type(error).__name__}: {one_line(error)}). "
+            f"Write one with `accelerate config --config_file {path}`, or use a name in examples/accelerate_configs/."
+        ) from None
+    return path
 
 
 def accelerate_launch_args(argv: Sequence[str], config_file: str) -> list[str]:

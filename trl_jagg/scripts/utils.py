@@ -56,6 +56,11 @@ def flag_value(argv: Sequence[str], flag: str) -> str | None:
     return value
 
 
+def one_line(error: BaseException) -> str:
+    """``error``'s message on one line (YAML and accelerate messages span several)."""
+    return " ".join(str(error).split())
+
+
 def read_yaml(path: str) -> dict[str, Any]:
     """The mapping of a ``--config`` file (empty for an empty file)."""
     import yaml
@@ -63,7 +68,10 @@ def read_yaml(path: str) -> dict[str, Any]:
     if not os.path.isfile(path):
         raise UsageError(f"--config {path}: no such file.")
     with open(path) as handle:
-        config = yaml.safe_load(handle)
+        try:
+            config = yaml.safe_load(handle)
+        except yaml.YAMLError as error:
+            raise UsageError(f"--config {path} is not valid YAML: {one_line(error)}") from None
     if config is None:
         return {}
     if not isinstance(config, dict):

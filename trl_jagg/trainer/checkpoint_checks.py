@@ -10,11 +10,14 @@ import glob
 import json
 import os
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import Any
 
+import torch
 from safetensors import SafetensorError, safe_open
 
 from ..errors import CheckpointError
+from .files import GRPO_STATE_NAME
 
 # Files `torch.save` writes (zip archives) that Trainer reads back when resuming.
 TORCH_STATE_FILES = ("optimizer.pt", "scheduler.pt", "scaler.pt", "rng_state.pth", "rng_state_*.pth")
@@ -103,6 +106,116 @@ def check_state_files(path: str, json_files: tuple[str, ...] = (TRAINER_STATE_FI
             ) from error
 
 
+def check_resume_files(path: str, *, save_only_model: bool) -> None:
+    """``optimizer.pt`` and ``scheduler.pt`` are present (transformers resumes silently without them: Adam's moments
+    and the learning-rate schedule would restart, and the run drift from the one that wrote the checkpoint)."""
+    if save_only_model:
+        return
+    missing = [name for name in ("optimizer.pt", "scheduler.pt") if not os.path.isfile(os.path.join(path, name))]
+    if missing:
+        raise CheckpointError(
+            f"{path} has no {' and no '.join(missing)} (it holds {_listing(path)}): resuming would restart the "
+            "optimizer state and the learning-rate schedule. Resume from a checkpoint saved with them (not with "
+            "save_only_model=True), or start a new run from its weights."
+        )
+
+
+def read_grpo_state(path: str) -> dict[str, Any]:
+    """``path/grpo_state.json``: an object whose ``step`` (micro-batches consumed) is an integer >= 0 and whose
+    ``stat_tracker`` is None or maps each prompt to a list of rewards."""
+    file = os.path.join(path, GRPO_STATE_NAME)
+    state = _read_json(file)
+    problem = None
+    if not isinstance(state, dict):
+        problem = f"is a JSON {type(state).__name__}, not an object"
+    elif not isinstance(state.get("step"), int) or isinstance(state["step"], bool) or state["step"] < 0:
+        problem = f"has step {state.get('step')!r}, not an integer >= 0"
+    else:
+        tracker = state.get("stat_tracker")
+        if tracker is not None and not (
+            isinstance(tracker, dict)
+            and all(
+                isinstance(values, list)
+                and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+                for values in tracker.values()
+            )
+        ):
+            problem = "has a stat_tracker that is not None nor an object of reward lists"
+    if problem:
+        raise CheckpointError(f"{file} {problem}: not written by this trainer. Resume from an earlier checkpoint.")
+    return state
+
+
+def check_step_agreement(path: str, gradient_accumulation_steps: int) -> None:
+    """``trainer_state.json``'s optimizer step and ``grpo_state.json``'s micro-batch count belong to one save: each
+    optimizer step took 1 to ``gradient_accumulation_steps`` micro-batches (fewer only at an epoch's end)."""
+    trainer_file = os.path.join(path, TRAINER_STATE_FILE)
+    trainer_state = _read_json(trainer_file)
+    step = trainer_state.get("global_step") if isinstance(trainer_state, dict) else None
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(f"{trainer_file} has global_step {step!r}, not an integer >= 0. Resume from an earlier "
+                              "checkpoint.")  # fmt: skip
+    micro = read_grpo_state(path)["step"]
+    if not step <= micro <= step * gradient_accumulation_steps:
+        raise CheckpointError(
+            f"{trainer_file} (global_step {step}) and {os.path.join(path, GRPO_STATE_NAME)} (step {micro} "
+            f"micro-batches) disagree: {step} optimizer steps take {step} to {step * gradient_accumulation_steps} "
+            f"micro-batches at gradient_accumulation_steps={gradient_accumulation_steps}. The files come from "
+            "different saves: resume from an earlier checkpoint, or with the gradient_accumulation_steps that "
+            "wrote it."
+        )
+
+
+def check_optimizer_shapes(path: str, parameter_shapes: Sequence[tuple[int, ...]]) -> None:
+    """The per-parameter tensors of ``path/optimizer.pt`` (Adam's moments, ...) have the shapes of the parameters
+    the optimizer will hold, in order (``torch.optim.Optimizer.state_dict``'s layout; a fused optimizer would run
+    with the wrong shapes unchecked). A missing file is :func:`check_resume_files`'s concern."""
+    file = os.path.join(path, "optimizer.pt")
+    if not os.path.isfile(file):
+        return
+    try:
+        saved = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as error:  # noqa: BLE001 (torch raises many types for a damaged archive)
+        raise CheckpointError(
+            f"{file} is truncated or corrupt ({error}). Resume from an earlier checkpoint."
+        ) from error
+    indices = [index for group in saved.get("param_groups", []) for index in group.get("params", [])]
+    if len(indices) != len(parameter_shapes):
+        raise CheckpointError(
+            f"{file} holds the state of {len(indices)} parameters, the model trains {len(parameter_shapes)}: it was "
+            "written by a run with another model or LoRA config. Resume with the configuration that wrote it."
+        )
+    for position, (index, shape) in enumerate(zip(indices, parameter_shapes)):
+        for name, value in saved.get("state", {}).get(index, {}).items():
+            if isinstance(value, torch.Tensor) and value.ndim > 0 and tuple(value.shape) != tuple(shape):
+                raise CheckpointError(
+                    f"{file}: the {name} of parameter {position} is {list(value.shape)}, the parameter is "
+                    f"{list(shape)} (another LoRA rank?). Resume with the configuration that wrote it."
+                )
+
+
+def check_finite_weights(files: Sequence[str]) -> None:
+    """Every floating tensor of the safetensors ``files`` is finite (read one tensor at a time)."""
+    for file in files:
+        with safe_open(file, framework="pt") as handle:
+            for key in handle.keys():
+                tensor = handle.get_tensor(key)
+                if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+                    raise CheckpointError(
+                        f"{file}: {key} holds NaN or infinite values. Resume from an earlier checkpoint."
+                    )
+
+
+def _read_json(file: str) -> Any:
+    try:
+        with open(file) as handle:
+            return json.load(handle)
+    except (OSError, ValueError) as error:
+        raise CheckpointError(
+            f"{file} is missing, truncated or corrupt ({error}). Resume from an earlier checkpoint."
+        ) from error
+
+
 def weight_files(path: str, pattern: str, kind: str) -> list[str]:
     """The files of ``path`` matching ``pattern``; an error saying what the folder holds if there are none."""
     files = sorted(glob.glob(os.path.join(path, pattern)))
@@ -111,4 +224,15 @@ def weight_files(path: str, pattern: str, kind: str) -> list[str]:
     return files
 
 
-__all__ = ["check_checkpoint_dir", "check_state_files", "check_weights", "read_shapes", "weight_files"]
+__all__ = [
+    "check_checkpoint_dir",
+    "check_finite_weights",
+    "check_optimizer_shapes",
+    "check_resume_files",
+    "check_state_files",
+    "check_step_agreement",
+    "check_weights",
+    "read_grpo_state",
+    "read_shapes",
+    "weight_files",
+]

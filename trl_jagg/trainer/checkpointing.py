@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,14 +27,23 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_callback import ExportableState
-from transformers.trainer_utils import get_last_checkpoint
+from transformers.trainer_utils import get_last_checkpoint, sort_checkpoints
 
 from ..distributed import is_fully_sharded
 from ..errors import CheckpointError, NonFiniteError, TrainingError
 from ..grpo import PerPromptStatTracker
 from ..grpo_jagg_config import GRPOJaggConfig
 from ..models import FlowMatchingAdapter
-from .checkpoint_checks import check_checkpoint_dir, check_state_files, check_weights, weight_files
+from .checkpoint_checks import (
+    check_checkpoint_dir,
+    check_finite_weights,
+    check_optimizer_shapes,
+    check_resume_files,
+    check_state_files,
+    check_step_agreement,
+    check_weights,
+    weight_files,
+)
 from .ema import EMAWeights
 from .files import EMA_DIR, FULL_WEIGHTS_PATTERN, GRPO_STATE_NAME, LORA_WEIGHTS_NAME, SCHEDULER_FOLDER, without_secrets
 from .guards import NON_FINITE_FIX, all_finite, any_process, last_checkpoint_note
@@ -56,17 +66,37 @@ class WeightsIO:
         """The prefix of the backbone's keys in a diffusers LoRA file (``transformer.``)."""
         return f"{self.adapter.pipeline_class.transformer_name}."
 
-    def check(self, path: str, output_dir: str, transformer: torch.nn.Module) -> None:
-        """Refuse a checkpoint whose files are missing, unreadable or of another model (names the file)."""
-        check_checkpoint_dir(path, output_dir)
+    def check(
+        self, path: str, transformer: torch.nn.Module, args: GRPOJaggConfig, *, ema: EMAWeights | None,
+        optimizer_files: bool,
+    ) -> None:  # fmt: skip
+        """Refuse a checkpoint whose files are missing, unreadable, non-finite, of another model, or whose run
+        state disagrees (names the file); with ``ema``, its ``ema/`` folder too. ``optimizer_files``: the Trainer
+        resumes from ``optimizer.pt`` / ``scheduler.pt`` (not a DeepSpeed or FSDP-plugin folder)."""
+        check_checkpoint_dir(path, args.output_dir)
         if self.is_lora:
-            files = weight_files(path, LORA_WEIGHTS_NAME, "LoRA")
+            pattern, kind = LORA_WEIGHTS_NAME, "LoRA"
             expected, prefix = get_peft_model_state_dict(transformer), self.lora_prefix
         else:
-            files = weight_files(path, FULL_WEIGHTS_PATTERN, "full fine-tuning")
+            pattern, kind = FULL_WEIGHTS_PATTERN, "full fine-tuning"
             expected, prefix = transformer.state_dict(), ""
-        check_weights(files, {key: tuple(value.shape) for key, value in expected.items()}, prefix)
+        shapes = {key: tuple(value.shape) for key, value in expected.items()}
+        folders = [path]
+        if ema is not None:
+            folders.append(os.path.join(path, EMA_DIR))
+            if not os.path.isdir(folders[-1]):
+                raise CheckpointError(
+                    f"ema_decay={args.ema_decay} but {path} has no {EMA_DIR}/ folder (it was saved without EMA). "
+                    "Resume with ema_decay=0, or start a new run."
+                )
+        for folder in folders:
+            files = weight_files(folder, pattern, kind)
+            check_weights(files, shapes, prefix)
+            check_finite_weights(files)
         check_state_files(path, json_files=(TRAINER_STATE_NAME, GRPO_STATE_NAME))
+        check_step_agreement(path, args.gradient_accumulation_steps)
+        if optimizer_files:
+            check_resume_files(path, save_only_model=args.save_only_model)
 
     def gathered_state_dict(self, transformer: torch.nn.Module) -> dict[str, torch.Tensor] | None:
         """The full state dict of a backbone sharded by the trainer (``fully_shard_backbone``; a collective every
@@ -132,16 +162,17 @@ class WeightsIO:
     def load_resumed(self, transformer: torch.nn.Module, checkpoint: str, ema: EMAWeights | None) -> None:
         """Load a checkpoint's weights and, with EMA, its ``ema/`` average (through the model, taken as the
         average, then the trained weights are loaded)."""
-        if ema is not None:
-            ema_dir = os.path.join(checkpoint, EMA_DIR)
-            if not os.path.isdir(ema_dir):
-                raise ValueError(
-                    f"ema_decay={ema.args.ema_decay} but {checkpoint} has no {EMA_DIR}/ folder (it was saved "
-                    "without EMA). Resume with ema_decay=0, or start a new run."
-                )
-            self.load(transformer, ema_dir)
+        if ema is not None:  # `check` found the folder
+            self.load(transformer, os.path.join(checkpoint, EMA_DIR))
             ema.take_current_weights()
         self.load(transformer, checkpoint)
+
+
+def check_optimizer_state(checkpoint: str, optimizer: torch.optim.Optimizer) -> None:
+    """Before the Trainer loads ``checkpoint/optimizer.pt`` into ``optimizer``: its per-parameter state has the
+    shapes of the parameters (the state of another LoRA rank would load without a complaint)."""
+    params = [p for group in _torch_optimizer(optimizer).param_groups for p in group["params"]]
+    check_optimizer_shapes(checkpoint, [tuple(p.shape) for p in params])
 
 
 def last_checkpoint(output_dir: str) -> str:
@@ -156,15 +187,22 @@ def last_checkpoint(output_dir: str) -> str:
 
 
 def check_saveable(
-    accelerator: Any, params: list[torch.Tensor], output_dir: str, *, global_step: int, run_dir: str
+    accelerator: Any,
+    params: list[torch.Tensor],
+    output_dir: str,
+    *,
+    global_step: int,
+    run_dir: str,
+    ema: EMAWeights | None = None,
 ) -> None:
-    """Refuse to save non-finite weights, and to replace existing weights with a model that has trained 0 steps
-    (on every process alike)."""
-    if any_process(accelerator, not all_finite(params)):
-        raise NonFiniteError(
-            f"The weights hold NaN or infinite values at step {global_step}: not saved to {output_dir}. "
-            f"{last_checkpoint_note(run_dir)} {NON_FINITE_FIX}"
-        )
+    """Refuse to save non-finite weights or EMA weights, and to replace existing weights with a model that has
+    trained 0 steps (on every process alike)."""
+    for name, tensors in (("weights", params), ("EMA weights", ema.shadow_params if ema is not None else [])):
+        if any_process(accelerator, not all_finite(tensors)):
+            raise NonFiniteError(
+                f"The {name} hold NaN or infinite values at step {global_step}: not saved to {output_dir}. "
+                f"{last_checkpoint_note(run_dir)} {NON_FINITE_FIX}"
+            )
     existing = [f for f in (LORA_WEIGHTS_NAME, FULL_WEIGHTS_PATTERN) if glob.glob(os.path.join(output_dir, f))]
     if any_process(accelerator, global_step == 0 and bool(existing)):
         raise TrainingError(
@@ -244,13 +282,54 @@ def atomic_checkpoint(
     if should_save and os.path.isdir(staging_dir):
         shutil.rmtree(staging_dir)  # left by an interrupted save
     wait_for_everyone()
-    yield staging_dir
+    try:
+        yield staging_dir
+    except (OSError, RuntimeError, SafetensorError) as error:
+        # torch ("PytorchStreamWriter failed writing file") and safetensors report a full disk or a too-large file
+        # without the path; other errors (this trainer's own, a bug) pass unchanged.
+        written = isinstance(error, (OSError, SafetensorError)) or "writ" in str(error).lower()
+        if isinstance(error, TrainingError) or not written:
+            raise
+        raise CheckpointError(
+            f"Writing {staging_dir} failed ({type(error).__name__}: {error}). Free disk space (or raise the file "
+            f"size limit) and resume; the checkpoints already in {run_dir} are untouched."
+        ) from error
     wait_for_everyone()
     if should_save:
         if os.path.isdir(final_dir):
-            shutil.rmtree(final_dir)
+            delete_whole(final_dir)
         os.replace(staging_dir, final_dir)
     wait_for_everyone()
+
+
+DELETING_SUFFIX = ".deleting"
+"""A checkpoint being deleted is first renamed ``tmp-<name>.deleting`` (ignored by resumes and uploads)."""
+
+
+def delete_whole(folder: str) -> None:
+    """Delete ``folder`` so that it is never seen half-deleted: renamed out of the checkpoint names first."""
+    doomed = os.path.join(os.path.dirname(folder), f"tmp-{os.path.basename(folder)}{DELETING_SUFFIX}")
+    if os.path.isdir(doomed):
+        shutil.rmtree(doomed)
+    os.replace(folder, doomed)
+    shutil.rmtree(doomed)
+
+
+def rotate_checkpoints(run_dir: str, save_total_limit: int | None, best_model_checkpoint: str | None) -> None:
+    """transformers' rotation (the oldest ``checkpoint-N`` beyond ``save_total_limit``, never the best one),
+    deleting each checkpoint whole (:func:`delete_whole`), and what a killed rotation left."""
+    for leftover in glob.glob(os.path.join(run_dir, f"tmp-*{DELETING_SUFFIX}")):
+        shutil.rmtree(leftover, ignore_errors=True)
+    if save_total_limit is None or save_total_limit <= 0:
+        return
+    checkpoints = sort_checkpoints(run_dir, use_mtime=True)
+    # As transformers.trainer_utils.rotate_checkpoints: the latest (to resume) and the best are protected.
+    protected = {checkpoints[-1]} if checkpoints else set()
+    if best_model_checkpoint is not None:
+        protected.add(str(Path(best_model_checkpoint)))
+    excess = len(checkpoints) - max(save_total_limit, len(protected))
+    for folder in [folder for folder in checkpoints if folder not in protected][: max(excess, 0)]:
+        delete_whole(folder)
 
 
 def _load_safetensors(path: str) -> dict[str, torch.Tensor]:

@@ -14,12 +14,12 @@ from transformers import TrainerCallback
 
 from ..grpo_jagg_config import GRPOJaggConfig
 from ..models import FlowMatchingAdapter
-from ..prompts import prompt_text
-from ..rewards import compute_rewards
+from ..prompts import prompt_dataset, prompt_text
 from ..rollout import generate_images
 from .conditioning import negative_prompt
 from .ema import EMAWeights, ema_swapped_in
 from .placement import FrozenModules, eval_mode
+from .scoring import scored_rewards
 
 
 class Evaluator:
@@ -80,6 +80,8 @@ class Evaluator:
         process's images and prompts."""
         args = self.args
         start = time.perf_counter()
+        # Checked as the training prompts are: a list is converted, a missing 'prompt' column or a bad row named.
+        dataset = prompt_dataset(dataset, 1, name="eval_dataset")
         with self.accelerator.split_between_processes(list(range(len(dataset)))) as rows:
             records = [dataset[i] for i in rows]
         prompts = [prompt_text(record["prompt"], "eval_dataset 'prompt'") for record in records]
@@ -90,11 +92,15 @@ class Evaluator:
                 # A seed per batch, from its first row: deterministic for a given process count and batch size.
                 images.extend(self.render(batch, args.eval_seed + rows[begin]))
         per_reward: dict[str, list[float]] = {}
+        columns = (
+            {key: [record[key] for record in records] for key in records[0] if key != "prompt"} if records else {}
+        )
+        # As in training: retried, and a failure on any process raises RewardFailure on all (the trainer saves).
+        total, parts = scored_rewards(
+            self.reward_funcs, self.accelerator, prompts, images, weights=args.reward_weights,
+            retries=args.reward_retries, trainer_state=trainer_state, **columns,
+        )  # fmt: skip
         if prompts:
-            columns = {key: [record[key] for record in records] for key in records[0] if key != "prompt"}
-            total, parts = compute_rewards(
-                self.reward_funcs, prompts, images, args.reward_weights, trainer_state=trainer_state, **columns
-            )
             per_reward = {"reward": total.tolist(), **{name: value.tolist() for name, value in parts.items()}}
         gathered: dict[str, list[float]] = defaultdict(list)
         for part in gather_object([per_reward]):  # one dict per process, in rank order

@@ -18,23 +18,13 @@ from ..grpo import PerPromptStatTracker, group_advantages
 from ..grpo_jagg_config import GRPOJaggConfig
 from ..models import FlowMatchingAdapter
 from ..prompts import prompt_text
-from ..rewards import compute_rewards
 from ..rollout import Trajectory, sample_trajectories
 from ..sde_window import compressed_path, path_schedule, sde_window
 from .batch import rng_seed, velocity_key
 from .conditioning import PromptConditioner
-from .guards import any_process, stop_if_non_finite
+from .guards import stop_if_non_finite
 from .placement import FrozenModules, eval_mode
-
-
-class RewardFailure(Exception):
-    """A reward function failed on some process during a rollout; raised on every process alike, so the trainer
-    can save the steps trained so far (a collective) before stopping. ``error`` is this process's own failure,
-    ``None`` when another process failed."""
-
-    def __init__(self, error: Exception | None):
-        super().__init__(str(error) if error is not None else "a reward function failed on another process")
-        self.error = error
+from .scoring import scored_rewards
 
 
 def rollout_window(args: GRPOJaggConfig, global_step: int) -> list[int] | None:
@@ -52,28 +42,6 @@ def rollout_window(args: GRPOJaggConfig, global_step: int) -> list[int] | None:
         shift_interval=args.sde_window_shift_interval,
         seed=rng_seed(args.seed, global_step, -1),
     )
-
-
-def scored_rewards(
-    reward_funcs: Sequence[Callable[..., Any]],
-    accelerator: Any,
-    prompts: list[str],
-    images: list,
-    *,
-    weights: Sequence[float] | None,
-    retries: int,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """:func:`~trl_jagg.rewards.compute_rewards`, raising :class:`RewardFailure` on every process when it failed on
-    any of them."""
-    failure: Exception | None = None
-    try:
-        return_value = compute_rewards(reward_funcs, prompts, images, weights, retries=retries, **kwargs)
-    except Exception as error:  # raised below, once every process knows
-        failure = error
-    if any_process(accelerator, failure is not None):
-        raise RewardFailure(failure)
-    return return_value
 
 
 class RolloutGenerator:
@@ -170,7 +138,7 @@ class RolloutGenerator:
             groups = torch.tensor(self.groups(len(prompts)), device=device) if args.same_group_noise else None
             chunk = args.sample_batch_size or args.per_device_train_batch_size
             trajectories: list[Trajectory] = []
-            images = []
+            images, pixel_peaks = [], []
             # Rollouts of a large model take minutes: a transient bar under the Trainer's own.
             chunks = tqdm(
                 range(0, len(prompts), chunk),
@@ -193,13 +161,18 @@ class RolloutGenerator:
                 )  # fmt: skip
                 trajectories.append(trajectory)
                 with self.frozen.on_accelerator(self.frozen.vae):
-                    images.extend(adapter.decode(trajectory.latents[:, -1], args.height, args.width))
+                    pixels = adapter.decode_latents(trajectory.latents[:, -1], args.height, args.width)
+                # Kept on the device (NaN if any pixel is): one check for the whole rollout below.
+                pixel_peaks.append(pixels.detach().float().abs().amax())
+                images.extend(adapter.to_images(pixels))
         rollout_seconds = time.perf_counter() - start
         latents = torch.cat([t.latents for t in trajectories])
-        # NaN latents decode to black images with finite rewards: stop here, before the rewards hide them.
-        stop_if_non_finite(
-            self.accelerator, "latents after the rollout", latents, step=global_step + 1, run_dir=args.output_dir
-        )
+        # NaN latents, or a VAE that outputs NaN from finite ones, decode to black images with finite rewards: stop
+        # here, before the rewards hide them.
+        for quantity, value in (("latents", latents), ("decoded images (the VAE output)", torch.stack(pixel_peaks))):
+            stop_if_non_finite(
+                self.accelerator, f"{quantity} after the rollout", value, step=global_step + 1, run_dir=args.output_dir
+            )
 
         start = time.perf_counter()
         rewards, per_reward = scored_rewards(
