@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from datasets import Dataset
-from diffusers import FluxPipeline
+from diffusers import DiffusionPipeline, FluxPipeline
 
 from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
 from trl_jagg.models import load_adapter
@@ -18,16 +18,27 @@ from trl_jagg.recipes import RECIPES, get_recipe, list_recipes
 from trl_jagg.trainer import update
 
 YAML_DIR = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "recipes")
-NAMES = ["flow-grpo-sd35", "flow-grpo-flux", "flow-grpo-qwenimage", "flow-grpo-fast-flux", "dancegrpo-flux"]
+NAMES = [
+    "flow-grpo-sd35",
+    "flow-grpo-sd35-ocr",
+    "flow-grpo-flux",
+    "flow-grpo-qwenimage",
+    "flow-grpo-qwenimage-all-steps",
+    "flow-grpo-fast-flux",
+    "dancegrpo-flux",
+]
 
 # The public numbers (JAGG spec section 5), written out independently of trl_jagg/recipes.py.
+_SD35_PUBLISHED = dict(
+    height=512, width=512, num_inference_steps=10, guidance_scale=4.5, sampler="sde", noise_level=0.7,
+    num_generations=24, learning_rate=3e-4, train_timesteps="all_but_last",
+)  # fmt: skip
 PUBLISHED = {
-    "flow-grpo-sd35": dict(
-        height=512, width=512, num_inference_steps=10, guidance_scale=4.5, sampler="sde", noise_level=0.7,
-        num_generations=24, learning_rate=3e-4, beta=0.04, train_timesteps="all_but_last",
-    ),
+    "flow-grpo-sd35": _SD35_PUBLISHED,
+    "flow-grpo-sd35-ocr": _SD35_PUBLISHED,
     "flow-grpo-flux": dict(num_inference_steps=6, guidance_scale=3.5, sampler="sde", noise_level=0.9),
     "flow-grpo-qwenimage": dict(true_cfg_scale=4.0, sampler="sde", noise_level=1.2),
+    "flow-grpo-qwenimage-all-steps": dict(true_cfg_scale=4.0, sampler="sde", noise_level=1.2),
     "flow-grpo-fast-flux": dict(train_timesteps="sde_window", sde_window_size=3, sde_window_max_start=0),
     "dancegrpo-flux": dict(
         height=720, width=720, num_inference_steps=16, sampler="dance", noise_level=0.3, learning_rate=1e-5,
@@ -43,19 +54,23 @@ _FLOW_GRPO = dict(
     kl_std="flow_grpo", same_group_noise=False, quantize_timesteps=False,
 )  # fmt: skip
 _FLOW_GRPO_EMA = dict(ema_decay=0.9, ema_update_interval=8, ema_warmup=True)
+_SD35_CONVENTIONS = dict(
+    **_FLOW_GRPO, **_FLOW_GRPO_EMA, scale_rewards="batch", max_sequence_length=128, eval_num_inference_steps=40,
+    drop_zero_advantages=True, cfg_gradient="both",
+)  # fmt: skip
+_QWENIMAGE_CONVENTIONS = dict(
+    **_FLOW_GRPO, ema_decay=0.0, scale_rewards="batch", max_sequence_length=512, eval_num_inference_steps=50,
+    cfg_gradient="both",
+)  # fmt: skip
 PEER_CONVENTIONS = {
-    "flow-grpo-sd35": dict(
-        **_FLOW_GRPO, **_FLOW_GRPO_EMA, scale_rewards="batch", max_sequence_length=128, eval_num_inference_steps=40,
-        drop_zero_advantages=True, cfg_gradient="both",
-    ),
+    "flow-grpo-sd35": _SD35_CONVENTIONS,
+    "flow-grpo-sd35-ocr": _SD35_CONVENTIONS,
     "flow-grpo-flux": dict(
         **_FLOW_GRPO, **_FLOW_GRPO_EMA, scale_rewards="batch", max_sequence_length=128, eval_num_inference_steps=28,
         drop_zero_advantages=False,
     ),
-    "flow-grpo-qwenimage": dict(
-        **_FLOW_GRPO, ema_decay=0.0, scale_rewards="batch", max_sequence_length=512, eval_num_inference_steps=50,
-        cfg_gradient="both",
-    ),
+    "flow-grpo-qwenimage": _QWENIMAGE_CONVENTIONS,
+    "flow-grpo-qwenimage-all-steps": _QWENIMAGE_CONVENTIONS,
     "flow-grpo-fast-flux": dict(
         **_FLOW_GRPO, **_FLOW_GRPO_EMA, scale_rewards="group", max_sequence_length=128, eval_num_inference_steps=28,
     ),
@@ -65,17 +80,92 @@ PEER_CONVENTIONS = {
         ema_decay=0.0, beta=0.0,
     ),
 }  # fmt: skip
+
+# The training around the formulas (issue 18): one row per convention, the peer's value and where it is written.
+# FG = Flow-GRPO at zhtmike/flow_grpo@9745241, DG = DanceGRPO at XueZeyue/DanceGRPO@15cc71d.
+_FG_CONSTANT_LR = ("lr_scheduler_type", "constant", "FG scripts/train_sd3.py:465-471: an AdamW, no scheduler")
+PEER_TRAINING = {
+    "flow-grpo-sd35": [
+        _FG_CONSTANT_LR,
+        ("beta", 0.01, "FG config/grpo.py:227 (pickscore_sd3)"),
+        ("optimizer_steps_per_rollout", 2, "FG config/grpo.py:224 (GA = num_batches_per_epoch // 2)"),
+        ("num_iterations", 1, "FG config/grpo.py:225 (num_inner_epochs = 1)"),
+        ("dtype", "float32", "FG scripts/train_sd3.py:377, 415 (the transformer loaded and kept in float32)"),
+        ("mixed_precision", "fp16", "FG config/base.py:24 (mixed_precision = 'fp16'), not overridden"),
+    ],
+    "flow-grpo-sd35-ocr": [
+        _FG_CONSTANT_LR,
+        ("beta", 0.04, "FG config/grpo.py:106 (general_ocr_sd3)"),
+        ("reward_funcs", ("ocr",), "FG config/grpo.py:116-118"),
+        ("optimizer_steps_per_rollout", 2, "FG config/grpo.py:102"),
+    ],
+    "flow-grpo-flux": [
+        _FG_CONSTANT_LR,
+        ("optimizer_steps_per_rollout", 2, "FG config/grpo.py:503"),
+        ("per_device_train_batch_size", 3, "FG config/grpo.py:496, 502"),
+        ("dtype", "float32", "FG scripts/train_flux.py:370, 407"),
+        ("mixed_precision", "bf16", "FG config/grpo.py:511"),
+    ],
+    "flow-grpo-qwenimage": [
+        _FG_CONSTANT_LR,
+        ("optimizer_steps_per_rollout", 2, "FG config/grpo.py:711"),
+        ("per_device_train_batch_size", 4, "FG config/grpo.py:704, 710"),
+        ("train_timesteps", "sde_window", "FG config/grpo.py:718"),
+        ("sde_window_size", 2, "FG config/grpo.py:718"),
+        ("sde_window_max_start", 3, "FG config/grpo.py:719: range (0, 10 // 2) holds starts 0..5 - 2"),
+        ("jagg_group_size", 2, "W <= the 2 trained steps"),
+        ("dtype", "float32", "FG scripts/train_qwenimage.py:451 (FSDP over float32 weights)"),
+        ("mixed_precision", "bf16", "FG config/grpo.py:720, scripts/train_qwenimage.py:446"),
+    ],
+    "flow-grpo-qwenimage-all-steps": [
+        _FG_CONSTANT_LR,
+        ("optimizer_steps_per_rollout", 2, "FG config/grpo.py:711"),
+        ("train_timesteps", "all_but_last", "trl_jagg's variant, not the peer's"),
+        ("jagg_group_size", 4, "the paper's W"),
+    ],
+    "flow-grpo-fast-flux": [
+        _FG_CONSTANT_LR,
+        ("optimizer_steps_per_rollout", 2, "FG config/grpo.py:629"),
+        ("per_device_train_batch_size", 3, "FG config/grpo.py:622, 628"),
+        ("dtype", "float32", "FG scripts/train_flux_fast.py:375, 412"),
+        ("mixed_precision", "bf16", "FG config/grpo.py:640"),
+    ],
+    "dancegrpo-flux": [
+        ("lr_scheduler_type", "constant_with_warmup", "DG fastvideo/train_grpo_flux.py:1047-1049 (the default)"),
+        ("warmup_steps", 0, "DG scripts/finetune/finetune_flux_grpo.sh:47"),
+        ("per_device_train_batch_size", 1, "DG train_grpo_flux.py:571 (one sample a backward)"),
+        ("steps_per_generation", 12, "DG finetune_flux_grpo.sh:29, 52 (1 prompt x 12 generations per rank)"),
+        ("gradient_accumulation_steps", 4, "DG finetune_flux_grpo.sh:34, train_grpo_flux.py:609"),
+        ("optimizer_steps_per_rollout", 3, "12 samples, a step every 4"),
+        ("dtype", "float32", "DG train_grpo_flux.py:697-703 (float32 master weights)"),
+        ("mixed_precision", "bf16", "DG finetune_flux_grpo.sh:37"),
+    ],
+}
+# LoRA (rank, alpha, target modules) exactly as the peer's scripts list them.
+_FG_ATTENTION = (
+    "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
+    "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v",
+)  # fmt: skip
+_SD35_LORA = (32, 64, _FG_ATTENTION)  # FG scripts/train_sd3.py:419-432
+_FLUX_LORA = (64, 128, _FG_ATTENTION + ("ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2"))
+_QWEN_LORA = (
+    64, 128, _FG_ATTENTION + ("img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2")
+)  # FG scripts/train_qwenimage.py:410-427  # fmt: skip
 PUBLISHED_LORA = {
-    "flow-grpo-sd35": (32, 64),
-    "flow-grpo-flux": (64, 128),
-    "flow-grpo-qwenimage": (64, 128),
-    "flow-grpo-fast-flux": (64, 128),
+    "flow-grpo-sd35": _SD35_LORA,
+    "flow-grpo-sd35-ocr": _SD35_LORA,
+    "flow-grpo-flux": _FLUX_LORA,  # FG scripts/train_flux.py:411-428
+    "flow-grpo-qwenimage": _QWEN_LORA,
+    "flow-grpo-qwenimage-all-steps": _QWEN_LORA,
+    "flow-grpo-fast-flux": _FLUX_LORA,  # FG scripts/train_flux_fast.py:416-433
     "dancegrpo-flux": None,  # full fine-tuning
 }
 MODELS = {
     "flow-grpo-sd35": "stabilityai/stable-diffusion-3.5-medium",
+    "flow-grpo-sd35-ocr": "stabilityai/stable-diffusion-3.5-medium",
     "flow-grpo-flux": "black-forest-labs/FLUX.1-dev",
     "flow-grpo-qwenimage": "Qwen/Qwen-Image",
+    "flow-grpo-qwenimage-all-steps": "Qwen/Qwen-Image",
     "flow-grpo-fast-flux": "black-forest-labs/FLUX.1-dev",
     "dancegrpo-flux": "black-forest-labs/FLUX.1-dev",
 }
@@ -92,9 +182,9 @@ def test_preset_builds_a_valid_config(name, tmp_path):
     assert isinstance(config, GRPOJaggConfig) and config.output_dir == str(tmp_path)
     for key, value in {**recipe.config, **PUBLISHED[name], **PEER_CONVENTIONS[name]}.items():
         assert getattr(config, key) == value, key
-    # The paper's JAGG settings; the Fast preset's W is its window (a W = 4 group never fits in 3 trained steps).
+    # The paper's JAGG settings; a window preset's W is its window (a W = 4 group never fits in 2 or 3 trained steps).
     assert config.use_jagg and config.jagg_frac == 0.6 and config.jagg_mode == "jagg"
-    assert config.jagg_group_size == (config.sde_window_size if name == "flow-grpo-fast-flux" else 4)
+    assert config.jagg_group_size == (config.sde_window_size if config.train_timesteps == "sde_window" else 4)
     assert config.generation_batch_size % config.num_generations == 0
     assert recipe.model == MODELS[name]
     assert recipe.description and recipe.source and recipe.reward_funcs
@@ -102,8 +192,29 @@ def test_preset_builds_a_valid_config(name, tmp_path):
     if PUBLISHED_LORA[name] is None:
         assert lora is None
     else:
-        assert (lora.r, lora.lora_alpha) == PUBLISHED_LORA[name]
-        assert {"to_q", "to_k", "to_v", "to_out.0"} <= set(lora.target_modules)
+        rank, alpha, targets = PUBLISHED_LORA[name]
+        assert (lora.r, lora.lora_alpha, lora.init_lora_weights) == (rank, alpha, "gaussian")
+        assert sorted(lora.target_modules) == sorted(targets)
+
+
+@pytest.mark.parametrize(
+    ("name", "key", "peer_value", "source"),
+    [(name, *row) for name, rows in PEER_TRAINING.items() for row in rows],
+    ids=lambda value: value if isinstance(value, str) and " " not in value else None,
+)
+def test_preset_trains_as_the_peer(name, key, peer_value, source, tmp_path):
+    """One convention of the training around the formulas, against the peer's value at ``source``."""
+    recipe = get_recipe(name)
+    config = GRPOJaggConfig.from_recipe(name, output_dir=str(tmp_path))
+    if key == "optimizer_steps_per_rollout":  # each sample used once: num_iterations = 1
+        assert config.num_iterations == 1
+        value = config.steps_per_generation // config.gradient_accumulation_steps
+        assert config.steps_per_generation % config.gradient_accumulation_steps == 0
+    elif key in ("mixed_precision", "reward_funcs"):
+        value = getattr(recipe, key)
+    else:
+        value = getattr(config, key)
+    assert value == peer_value, f"{name}.{key} = {value!r}; the peer's is {peer_value!r} ({source})"
 
 
 def test_overrides_apply_and_are_validated(tmp_path):
@@ -166,7 +277,8 @@ def test_yaml_file_parses_to_the_preset_through_the_cli(name, tmp_path):
 # ---------------------------------------------------------------- the presets train what they say
 TINY = dict(
     height=32, width=32, per_device_train_batch_size=4, num_generations=2, gradient_accumulation_steps=1,
-    max_steps=1, dtype="float32", max_sequence_length=16, activation_checkpointing=False, report_to="none",
+    steps_per_generation=None, max_steps=1, dtype="float32", max_sequence_length=16, activation_checkpointing=False,
+    offload_frozen_modules=False, report_to="none",
     save_strategy="no", disable_tqdm=True, seed=0,
 )  # fmt: skip
 
@@ -254,3 +366,93 @@ def test_recipes_import_nothing_of_trl_jagg():
     code = "import sys, trl_jagg.recipes; print(sorted(m for m in sys.modules if m.startswith('trl_jagg.')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "['trl_jagg.recipes']"
+
+
+# ---------------------------------------------------------------- through the public trainer (issue 18)
+@pytest.fixture(scope="module")
+def tiny_dual_attention_sd3_path(tmp_path_factory) -> str:
+    """A tiny SD3.5-M-like pipeline whose first block has SD3.5's second attention ``attn2``."""
+    from trl_jagg.testing.tiny_models import save_tiny_pipeline
+
+    path = tmp_path_factory.mktemp("tiny-sd3-attn2")
+    return save_tiny_pipeline("sd3", path, seed=0, transformer={"dual_attention_layers": (0,)})
+
+
+def _peer_value(name: str, key: str):
+    return next(value for row_key, value, _ in PEER_TRAINING[name] if row_key == key)
+
+
+def _peer_lora_parameters(transformer: torch.nn.Module, rank: int, targets: tuple[str, ...]) -> int:
+    """LoRA parameters of rank ``rank`` on every linear layer a peer's target name selects: peft matches a name
+    against the module's full name or a suffix after a dot (peft/tuners/tuners_utils.py check_target_module_exists)."""
+    return sum(
+        rank * (module.in_features + module.out_features)
+        for name, module in transformer.named_modules()
+        if isinstance(module, torch.nn.Linear) and any(name == t or name.endswith(f".{t}") for t in targets)
+    )
+
+
+# Tiny sizes that keep the preset's split (gradient_accumulation_steps, steps_per_generation): micro-batches of one
+# image, groups of 4 (which divide every preset's steps_per_generation).
+PRESET_SPLIT_TINY = dict(
+    height=32, width=32, per_device_train_batch_size=1, num_generations=4, max_sequence_length=16, dtype="float32",
+    activation_checkpointing=False, offload_frozen_modules=False, report_to="none", save_strategy="no",
+    disable_tqdm=True, seed=0,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_preset_schedule_split_and_lora_through_the_trainer(name, request, tmp_path):
+    """The logged learning rate stays constant, one rollout feeds the peer's number of optimizer steps (2 for
+    Flow-GRPO, 3 for DanceGRPO), and the trained parameters are those of the peer's LoRA targets."""
+    recipe = get_recipe(name)
+    family = {"stabilityai": "sd3", "black-forest-labs": "flux", "Qwen": "qwenimage"}[recipe.model.split("/")[0]]
+    path = request.getfixturevalue("tiny_dual_attention_sd3_path" if family == "sd3" else f"tiny_{family}_path")
+    pipeline = recipe.apply_scheduler(DiffusionPipeline.from_pretrained(path))
+    steps_per_rollout = _peer_value(name, "optimizer_steps_per_rollout")
+    scored = []
+
+    def reward(prompts, images, **kwargs):
+        scored.extend(images)
+        return redness(prompts, images)
+
+    torch.manual_seed(0)
+    trainer = DDPOJaggTrainer(
+        model=pipeline,
+        reward_funcs=reward,
+        args=GRPOJaggConfig.from_recipe(
+            name,
+            output_dir=str(tmp_path),
+            **PRESET_SPLIT_TINY,
+            **{
+                "num_inference_steps": 8 if name == "dancegrpo-flux" else 5,
+                "max_steps": steps_per_rollout,
+            },
+        ),  # fmt: skip
+        train_dataset=Dataset.from_dict(
+            {"prompt": ["a red circle", "a green square", "a blue circle", "a red square"]}
+        ),
+        peft_config=recipe.lora_config(),
+    )
+    trainer.train()
+    args = trainer.args
+    assert trainer.state.global_step == steps_per_rollout
+    assert len(scored) == args.generation_batch_size  # one rollout fed all of them, each image used once
+    rates = [entry["learning_rate"] for entry in trainer.state.log_history if "learning_rate" in entry]
+    assert rates == [recipe.config["learning_rate"]] * steps_per_rollout  # constant, no warm-up
+
+    transformer = trainer.adapter.transformer
+    trainable = {n: p.numel() for n, p in transformer.named_parameters() if p.requires_grad}
+    fresh = DiffusionPipeline.from_pretrained(path).transformer
+    if PUBLISHED_LORA[name] is None:
+        assert sum(trainable.values()) == sum(p.numel() for p in fresh.parameters())  # full fine-tuning
+        return
+    rank, _, targets = PUBLISHED_LORA[name]
+    assert sum(trainable.values()) == _peer_lora_parameters(fresh, rank, targets)
+    if family == "sd3":  # SD3.5's second attention is left alone; bare names would adapt it too
+        assert any(".attn2." in n for n, _ in fresh.named_modules())
+        assert not any(".attn2." in n for n in trainable)
+    if family == "flux":
+        assert any(".ff_context." in n for n in trainable) and any(".ff.net." in n for n in trainable)
+    if family == "qwenimage":
+        assert any(".img_mlp." in n for n in trainable) and any(".txt_mlp." in n for n in trainable)
