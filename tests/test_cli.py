@@ -184,6 +184,7 @@ def test_unknown_recipe_suggests(tmp_path, capsys):
 RECIPES = [
     "flow-grpo-sd35",
     "flow-grpo-sd35-ocr",
+    "flow-grpo-guard-sd35",
     "flow-grpo-flux",
     "flow-grpo-qwenimage",
     "flow-grpo-qwenimage-all-steps",

@@ -4,6 +4,7 @@ Flow-GRPO-Fast preset trains only its SDE window and the DanceGRPO preset a rand
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 import numpy as np
@@ -21,6 +22,7 @@ YAML_DIR = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "recip
 NAMES = [
     "flow-grpo-sd35",
     "flow-grpo-sd35-ocr",
+    "flow-grpo-guard-sd35",
     "flow-grpo-flux",
     "flow-grpo-qwenimage",
     "flow-grpo-qwenimage-all-steps",
@@ -36,6 +38,7 @@ _SD35_PUBLISHED = dict(
 PUBLISHED = {
     "flow-grpo-sd35": _SD35_PUBLISHED,
     "flow-grpo-sd35-ocr": _SD35_PUBLISHED,
+    "flow-grpo-guard-sd35": {**_SD35_PUBLISHED, "learning_rate": 1e-4},
     "flow-grpo-flux": dict(num_inference_steps=6, guidance_scale=3.5, sampler="sde", noise_level=0.9),
     "flow-grpo-qwenimage": dict(true_cfg_scale=4.0, sampler="sde", noise_level=1.2),
     "flow-grpo-qwenimage-all-steps": dict(true_cfg_scale=4.0, sampler="sde", noise_level=1.2),
@@ -65,6 +68,7 @@ _QWENIMAGE_CONVENTIONS = dict(
 PEER_CONVENTIONS = {
     "flow-grpo-sd35": _SD35_CONVENTIONS,
     "flow-grpo-sd35-ocr": _SD35_CONVENTIONS,
+    "flow-grpo-guard-sd35": {**_SD35_CONVENTIONS, "scale_rewards": "group"},
     "flow-grpo-flux": dict(
         **_FLOW_GRPO, **_FLOW_GRPO_EMA, scale_rewards="batch", max_sequence_length=128, eval_num_inference_steps=28,
         drop_zero_advantages=False,
@@ -98,6 +102,18 @@ PEER_TRAINING = {
         ("beta", 0.04, "FG config/grpo.py:106 (general_ocr_sd3)"),
         ("reward_funcs", ("ocr",), "FG config/grpo.py:116-118"),
         ("optimizer_steps_per_rollout", 2, "FG config/grpo.py:102"),
+    ],
+    "flow-grpo-guard-sd35": [
+        _FG_CONSTANT_LR,
+        ("ratio_normalization", True, "FG config/grpo_guard.py:127, scripts/train_sd3_GRPO_Guard.py:915-919"),
+        ("step_gradient_reweighting", True, "FG config/grpo_guard.py:127, scripts/train_sd3_GRPO_Guard.py:931-932"),
+        ("clip_range", 4e-6, "FG config/grpo_guard.py:124 (and train_sd3_GRPO_Guard.py:925-926: both sides)"),
+        ("learning_rate", 1e-4, "FG config/grpo_guard.py:126"),
+        ("beta", 0.0, "FG config/grpo_guard.py:111"),
+        ("scale_rewards", "group", "FG config/grpo_guard.py:112 (global_std = False)"),
+        ("optimizer_steps_per_rollout", 2, "FG config/grpo_guard.py:108"),
+        ("mixed_precision", "fp16", "FG config/grpo_guard.py:123"),
+        ("reward_funcs", ("pickscore",), "FG config/grpo_guard.py:118-120"),
     ],
     "flow-grpo-flux": [
         _FG_CONSTANT_LR,
@@ -154,6 +170,7 @@ _QWEN_LORA = (
 PUBLISHED_LORA = {
     "flow-grpo-sd35": _SD35_LORA,
     "flow-grpo-sd35-ocr": _SD35_LORA,
+    "flow-grpo-guard-sd35": _SD35_LORA,  # FG scripts/train_sd3_GRPO_Guard.py:421-436
     "flow-grpo-flux": _FLUX_LORA,  # FG scripts/train_flux.py:411-428
     "flow-grpo-qwenimage": _QWEN_LORA,
     "flow-grpo-qwenimage-all-steps": _QWEN_LORA,
@@ -163,6 +180,7 @@ PUBLISHED_LORA = {
 MODELS = {
     "flow-grpo-sd35": "stabilityai/stable-diffusion-3.5-medium",
     "flow-grpo-sd35-ocr": "stabilityai/stable-diffusion-3.5-medium",
+    "flow-grpo-guard-sd35": "stabilityai/stable-diffusion-3.5-medium",
     "flow-grpo-flux": "black-forest-labs/FLUX.1-dev",
     "flow-grpo-qwenimage": "Qwen/Qwen-Image",
     "flow-grpo-qwenimage-all-steps": "Qwen/Qwen-Image",
@@ -456,3 +474,48 @@ def test_preset_schedule_split_and_lora_through_the_trainer(name, request, tmp_p
         assert any(".ff_context." in n for n in trainable) and any(".ff.net." in n for n in trainable)
     if family == "qwenimage":
         assert any(".img_mlp." in n for n in trainable) and any(".txt_mlp." in n for n in trainable)
+
+
+# One optimizer step of plain SGD (no clipping, no decay, no KL) on one trained step: step 0, the SDE window.
+GUARD_PROBE = dict(
+    per_device_train_batch_size=4, num_generations=4, num_inference_steps=5, train_timesteps="sde_window",
+    sde_window_size=1, sde_window_max_start=0, use_jagg=False, optim="sgd", learning_rate=1.0, weight_decay=0.0,
+    max_grad_norm=0.0, beta=0.0, drop_zero_advantages=False,
+)  # fmt: skip
+
+
+def test_guard_options_scale_the_on_policy_gradient_as_the_peer(tiny_sd3_path, tmp_path):
+    """Through the trainer, on-policy (the first optimizer step), at one trained step k: GRPO-Guard's normalised
+    ratio exp(s (log p - log p_old) + |mu - mu_old|^2 / (2 s)) has gradient s d(log p), s the step's std, and the
+    reweighting divides by |dt_k|. So with plain SGD the update is s times the plain one, and s / |dt_k| times with
+    both options (Flow-GRPO's s = std_dev_t sqrt(-dt), std_dev_t = a sqrt(sigma / (1 - sigma)) with sigma_max for
+    sigma = 1: flow_grpo/diffusers_patch/sd3_sde_with_logprob.py:50)."""
+
+    def update(**options) -> tuple[torch.Tensor, DDPOJaggTrainer]:
+        torch.manual_seed(0)
+        trainer = DDPOJaggTrainer(
+            model=tiny_sd3_path,
+            reward_funcs=redness,
+            args=GRPOJaggConfig.from_recipe(
+                "flow-grpo-sd35", output_dir=str(tmp_path), **(TINY | GUARD_PROBE | options)
+            ),
+            train_dataset=Dataset.from_dict({"prompt": ["a red circle", "a green square"]}),
+            peft_config=get_recipe("flow-grpo-sd35").lora_config(),
+        )
+        params = [p for p in trainer.adapter.transformer.parameters() if p.requires_grad]
+        before = torch.cat([p.detach().flatten().clone() for p in params])
+        trainer.train()
+        return torch.cat([p.detach().flatten() for p in params]) - before, trainer
+
+    plain, trainer = update()
+    normalised, _ = update(ratio_normalization=True)
+    guard, _ = update(ratio_normalization=True, step_gradient_reweighting=True)
+    sigmas, _ = trainer.adapter.schedule(5, 32, 32)
+    sigma, sigma_next, sigma_max = sigmas[0].item(), sigmas[1].item(), sigmas[1].item()  # the window is step 0
+    std_dev_t = 0.7 * math.sqrt(sigma / (1 - (sigma_max if sigma == 1 else sigma)))
+    s = std_dev_t * math.sqrt(sigma - sigma_next)
+    assert plain.abs().max() > 0
+    torch.testing.assert_close(normalised, s * plain, rtol=1e-3, atol=1e-6 * plain.abs().max().item())
+    torch.testing.assert_close(
+        guard, s / (sigma - sigma_next) * plain, rtol=1e-3, atol=1e-6 * plain.abs().max().item()
+    )

@@ -20,6 +20,7 @@ from .recipes import get_recipe
 from .sampling import SAMPLERS
 
 TRAIN_SAMPLERS = tuple(s for s in SAMPLERS if s != "ode")
+GAUSSIAN_SAMPLERS = ("sde", "dance")  # log-probs are true Gaussian log-densities (CPS drops the constants)
 TRAIN_TIMESTEPS = ("all_but_last", "all", "random", "random_but_last", "sde_window")
 SCALE_REWARDS = ("group", "batch", "none")
 KL_STDS = ("step", "flow_grpo")
@@ -52,7 +53,7 @@ class GRPOJaggConfig(TrainingArguments):
         > Training (which steps, which loss)
 
         train_timesteps, train_timestep_fraction, sde_window_size, sde_window_max_start, clip_range (TRL: epsilon),
-        epsilon_high, adv_clip_max, beta, kl_std, cfg_gradient, quantize_timesteps, same_group_noise, num_iterations,
+        epsilon_high, adv_clip_max, beta, kl_std, ratio_normalization, step_gradient_reweighting, cfg_gradient, quantize_timesteps, same_group_noise, num_iterations,
         scale_rewards, advantage_std_ddof, advantage_eps, per_prompt_stat_tracking, stat_tracking_buffer_size,
         drop_zero_advantages, reward_weights, reward_retries.
 
@@ -234,6 +235,22 @@ class GRPOJaggConfig(TrainingArguments):
             "the step), or `flow_grpo`, Flow-GRPO's `std_dev_t` (for `sde` the diffusion coefficient g without "
             "sqrt(|dt|), which makes the KL the exact one times |dt|; for `cps` the step std). `beta` means "
             "different things under the two."
+        },
+    )
+    ratio_normalization: bool = field(
+        default=False,
+        metadata={
+            "help": "GRPO-Guard's RatioNorm (arXiv 2510.22319, Flow-GRPO's `rationorm`): the PPO ratio of a step is "
+            "exp(s (log p - log p_old) + |mu - mu_old|^2 / (2 s)), s the step's std, which removes the ratio's "
+            "negative drift and puts every step on one scale. Gaussian samplers only (`sde`, `dance`); the rollout "
+            "keeps its velocities to recompute mu_old. Pair it with GRPO-Guard's clip range (4e-6, not 1e-4)."
+        },
+    )
+    step_gradient_reweighting: bool = field(
+        default=False,
+        metadata={
+            "help": "GRPO-Guard's per-step reweighting (Flow-GRPO's `rationorm` divides each step's policy loss by "
+            "|dt|): the policy term of step k is weighted by 1 / |sigma_k - sigma_{k+1}|; the KL term is not."
         },
     )
     cfg_gradient: str = field(
@@ -628,6 +645,12 @@ class GRPOJaggConfig(TrainingArguments):
             fail("advantage_eps", f"is {self.advantage_eps}", "Use a value >= 0 (1e-4 or 1e-8 are typical).")
         if self.kl_std not in KL_STDS:
             fail("kl_std", f"is {self.kl_std!r}", f"Use one of {KL_STDS}.")
+        if self.ratio_normalization and self.sampler not in GAUSSIAN_SAMPLERS:
+            fail(
+                "ratio_normalization",
+                f"is on with sampler={self.sampler!r}, whose log-prob has no Gaussian normalisation",
+                f"Use a sampler in {GAUSSIAN_SAMPLERS}, or ratio_normalization=False.",
+            )
         if self.cfg_gradient not in CFG_GRADIENTS:
             fail("cfg_gradient", f"is {self.cfg_gradient!r}", f"Use one of {CFG_GRADIENTS}.")
         if not 0 <= self.ema_decay < 1:

@@ -452,6 +452,27 @@ RECIPES: Mapping[str, Recipe] = MappingProxyType(
                 {"beta": 0.04},  # general_ocr_sd3 (and geneval_sd3)
                 reward_funcs=("ocr",),
             ),
+            _SD35.variant(
+                "flow-grpo-guard-sd35",
+                "GRPO-Guard on SD3.5-Medium with PickScore: flow-grpo-sd35 with the normalised ratio and 1/|dt| "
+                "step reweighting, clip range 4e-6, lr 1e-4, no KL, per-prompt std.",
+                {
+                    "ratio_normalization": True,  # config.rationorm = True
+                    "step_gradient_reweighting": True,  # the same switch divides each step's policy loss by |dt|
+                    "clip_range": 4e-6,
+                    "learning_rate": 1e-4,
+                    "beta": 0.0,
+                    "scale_rewards": "group",  # sample.global_std = False
+                },
+                source="GRPO-Guard (arXiv 2510.22319): config/grpo_guard.py pickscore_hps_sd3_ratio_norm and "
+                "scripts/train_sd3_GRPO_Guard.py at zhtmike/flow_grpo@9745241.",
+                notes=(
+                    "Flow-GRPO's one switch `rationorm` turns on both the ratio normalisation and the per-step "
+                    "reweighting; here they are two fields. Its `highclip_range` (also 4e-6) is unused by its "
+                    "script, which clips both sides with clip_range.",
+                    *_SD35.notes,
+                ),
+            ),
             _FLUX,
             _QWENIMAGE,
             _QWENIMAGE.variant(

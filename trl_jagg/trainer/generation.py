@@ -137,7 +137,8 @@ class RolloutGenerator:
         start = time.perf_counter()
         prompts = [prompt_text(x["prompt"], "train_dataset 'prompt'") for x in inputs]
         columns = {k: [x[k] for x in inputs] for k in inputs[0] if k != "prompt"}
-        record_velocities = args.use_jagg and args.jagg_cache_velocities
+        # JAGG's velocity cache, and GRPO-Guard's ratio, which needs the rollout's step means (a velocity gives one).
+        record_velocities = (args.use_jagg and args.jagg_cache_velocities) or args.ratio_normalization
         with eval_mode(transformer):
             adapter.refresh_placement()  # once per rollout, in case the backbone was moved or cast
             sigmas, timesteps = adapter.schedule(args.num_inference_steps, args.height, args.width)
