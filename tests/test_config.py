@@ -57,6 +57,7 @@ def test_non_finite_reward_weight():
         (dict(eval_num_inference_steps=0), "eval_num_inference_steps", "positive"),
         (dict(stat_tracking_buffer_size=0), "stat_tracking_buffer_size", "positive"),
         (dict(reward_retries=-1), "reward_retries", "0"),
+        (dict(ratio_normalization=True, sampler="cps"), "ratio_normalization", r"\('sde', 'dance'\)"),
         (dict(max_steps=-1, num_train_epochs=0), "max_steps", "0 steps"),
         (dict(eval_prompts=["a cat", ""]), r"eval_prompts\[1\]", "empty"),
         (dict(eval_prompts=["a cat", None]), r"eval_prompts\[1\]", "NoneType"),
