@@ -190,6 +190,7 @@ RECIPES = [
     "flow-grpo-qwenimage-all-steps",
     "flow-grpo-fast-flux",
     "dancegrpo-flux",
+    "dancegrpo-flux-8gpu",
 ]
 
 

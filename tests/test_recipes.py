@@ -28,12 +28,17 @@ NAMES = [
     "flow-grpo-qwenimage-all-steps",
     "flow-grpo-fast-flux",
     "dancegrpo-flux",
+    "dancegrpo-flux-8gpu",
 ]
 
 # The public numbers (JAGG spec section 5), written out independently of trl_jagg/recipes.py.
 _SD35_PUBLISHED = dict(
     height=512, width=512, num_inference_steps=10, guidance_scale=4.5, sampler="sde", noise_level=0.7,
     num_generations=24, learning_rate=3e-4, train_timesteps="all_but_last",
+)  # fmt: skip
+_DANCE_PUBLISHED = dict(
+    height=720, width=720, num_inference_steps=16, sampler="dance", noise_level=0.3, learning_rate=1e-5,
+    train_timestep_fraction=0.6,
 )  # fmt: skip
 PUBLISHED = {
     "flow-grpo-sd35": _SD35_PUBLISHED,
@@ -43,10 +48,8 @@ PUBLISHED = {
     "flow-grpo-qwenimage": dict(true_cfg_scale=4.0, sampler="sde", noise_level=1.2),
     "flow-grpo-qwenimage-all-steps": dict(true_cfg_scale=4.0, sampler="sde", noise_level=1.2),
     "flow-grpo-fast-flux": dict(train_timesteps="sde_window", sde_window_size=3, sde_window_max_start=0),
-    "dancegrpo-flux": dict(
-        height=720, width=720, num_inference_steps=16, sampler="dance", noise_level=0.3, learning_rate=1e-5,
-        train_timestep_fraction=0.6,
-    ),
+    "dancegrpo-flux": _DANCE_PUBLISHED,
+    "dancegrpo-flux-8gpu": _DANCE_PUBLISHED,
 }  # fmt: skip
 # The peers' conventions around the formulas, read from their code (docs/models.md lists file and line for each).
 # Flow-GRPO: config/grpo.py (pickscore_sd3, pickscore_flux, pickscore_flux_fast, pickscore_qwenimage),
@@ -56,7 +59,7 @@ _FLOW_GRPO = dict(
     per_prompt_stat_tracking=True, stat_tracking_buffer_size=None, advantage_std_ddof=0, advantage_eps=1e-4,
     kl_std="flow_grpo", same_group_noise=False, quantize_timesteps=False,
 )  # fmt: skip
-_FLOW_GRPO_EMA = dict(ema_decay=0.9, ema_update_interval=8, ema_warmup=True)
+_FLOW_GRPO_EMA = dict(ema_decay=0.9, ema_update_interval=8, ema_warmup=True, ema_schedule="flow_grpo")
 _SD35_CONVENTIONS = dict(
     **_FLOW_GRPO, **_FLOW_GRPO_EMA, scale_rewards="batch", max_sequence_length=128, eval_num_inference_steps=40,
     drop_zero_advantages=True, cfg_gradient="both",
@@ -64,6 +67,11 @@ _SD35_CONVENTIONS = dict(
 _QWENIMAGE_CONVENTIONS = dict(
     **_FLOW_GRPO, ema_decay=0.0, scale_rewards="batch", max_sequence_length=512, eval_num_inference_steps=50,
     cfg_gradient="both",
+)  # fmt: skip
+_DANCE_CONVENTIONS = dict(
+    per_prompt_stat_tracking=False, scale_rewards="group", advantage_std_ddof=1, advantage_eps=1e-8,
+    quantize_timesteps=True, same_group_noise=True, max_sequence_length=512, train_timesteps="random_but_last",
+    beta=0.0,
 )  # fmt: skip
 PEER_CONVENTIONS = {
     "flow-grpo-sd35": _SD35_CONVENTIONS,
@@ -78,11 +86,8 @@ PEER_CONVENTIONS = {
     "flow-grpo-fast-flux": dict(
         **_FLOW_GRPO, **_FLOW_GRPO_EMA, scale_rewards="group", max_sequence_length=128, eval_num_inference_steps=28,
     ),
-    "dancegrpo-flux": dict(
-        per_prompt_stat_tracking=False, scale_rewards="group", advantage_std_ddof=1, advantage_eps=1e-8,
-        quantize_timesteps=True, same_group_noise=True, max_sequence_length=512, train_timesteps="random_but_last",
-        ema_decay=0.0, beta=0.0,
-    ),
+    "dancegrpo-flux": dict(**_DANCE_CONVENTIONS, ema_decay=0.0),
+    "dancegrpo-flux-8gpu": dict(**_DANCE_CONVENTIONS, ema_decay=0.995, ema_warmup=False, ema_offload=True),
 }  # fmt: skip
 
 # The training around the formulas (issue 18): one row per convention, the peer's value and where it is written.
@@ -156,6 +161,17 @@ PEER_TRAINING = {
         ("dtype", "float32", "DG train_grpo_flux.py:697-703 (float32 master weights)"),
         ("mixed_precision", "bf16", "DG finetune_flux_grpo.sh:37"),
     ],
+    "dancegrpo-flux-8gpu": [
+        ("lr_scheduler_type", "constant_with_warmup", "DG fastvideo/train_grpo_flux.py:1047-1049 (the default)"),
+        ("steps_per_generation", 24, "DG finetune_flux_grpo_8gpus.sh:26, 49 (2 prompts x 12 generations)"),
+        ("gradient_accumulation_steps", 12, "DG finetune_flux_grpo_8gpus.sh:31"),
+        ("optimizer_steps_per_rollout", 2, "24 samples, a step every 12"),
+        ("ema_decay", 0.995, "DG finetune_flux_grpo_8gpus.sh:56-57"),
+        ("ema_update_interval", 2, "DG train_grpo_flux.py:866-867: once per train_one_step, i.e. per rollout"),
+        ("ema_warmup", False, "DG train_grpo_flux.py:81-85: decay * ema + (1 - decay) * w, no warm-up"),
+        ("ema_offload", True, "DG train_grpo_flux.py:69-73 (full state dict, cpu_offload=True, on rank 0)"),
+        ("max_grad_norm", 0.01, "DG finetune_flux_grpo_8gpus.sh:46"),
+    ],
 }
 # LoRA (rank, alpha, target modules) exactly as the peer's scripts list them.
 _FG_ATTENTION = (
@@ -176,6 +192,7 @@ PUBLISHED_LORA = {
     "flow-grpo-qwenimage-all-steps": _QWEN_LORA,
     "flow-grpo-fast-flux": _FLUX_LORA,  # FG scripts/train_flux_fast.py:416-433
     "dancegrpo-flux": None,  # full fine-tuning
+    "dancegrpo-flux-8gpu": None,
 }
 MODELS = {
     "flow-grpo-sd35": "stabilityai/stable-diffusion-3.5-medium",
@@ -186,6 +203,7 @@ MODELS = {
     "flow-grpo-qwenimage-all-steps": "Qwen/Qwen-Image",
     "flow-grpo-fast-flux": "black-forest-labs/FLUX.1-dev",
     "dancegrpo-flux": "black-forest-labs/FLUX.1-dev",
+    "dancegrpo-flux-8gpu": "black-forest-labs/FLUX.1-dev",
 }
 
 
@@ -448,7 +466,7 @@ def test_preset_schedule_split_and_lora_through_the_trainer(name, request, tmp_p
             },
         ),  # fmt: skip
         train_dataset=Dataset.from_dict(
-            {"prompt": ["a red circle", "a green square", "a blue circle", "a red square"]}
+            {"prompt": ["a red circle", "a green square", "a blue circle", "a red square", "a cat", "a dog"]}
         ),
         peft_config=recipe.lora_config(),
     )

@@ -24,6 +24,7 @@ GAUSSIAN_SAMPLERS = ("sde", "dance")  # log-probs are true Gaussian log-densitie
 TRAIN_TIMESTEPS = ("all_but_last", "all", "random", "random_but_last", "sde_window")
 SCALE_REWARDS = ("group", "batch", "none")
 KL_STDS = ("step", "flow_grpo")
+EMA_SCHEDULES = ("step", "flow_grpo")
 CFG_GRADIENTS = ("both", "conditional")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -59,7 +60,7 @@ class GRPOJaggConfig(TrainingArguments):
 
         > EMA of the trained weights
 
-        ema_decay, ema_update_interval, ema_warmup, ema_offload.
+        ema_decay, ema_update_interval, ema_schedule, ema_warmup, ema_offload.
 
         > JAGG
 
@@ -418,7 +419,21 @@ class GRPOJaggConfig(TrainingArguments):
         },
     )
     ema_update_interval: int = field(
-        default=1, metadata={"help": "Update the EMA every N optimizer steps (Flow-GRPO 8, DanceGRPO 1)."}
+        default=1,
+        metadata={
+            "help": "Update the EMA every N optimizer steps (Flow-GRPO 8; DanceGRPO's 8-GPU script once per rollout: "
+            "its optimizer steps per rollout, steps_per_generation / gradient_accumulation_steps)."
+        },
+    )
+    ema_schedule: str = field(
+        default="step",
+        metadata={
+            "help": f"When the EMA updates, one of {EMA_SCHEDULES}: `step`, once after optimizer step t when "
+            "t % ema_update_interval == 0; `flow_grpo`, Flow-GRPO's, which calls its EMA after every micro-batch "
+            "with the optimizer steps taken so far t and updates when (t + 1) % ema_update_interval == 0: "
+            "gradient_accumulation_steps updates with the weights after step t (an effective decay of "
+            "ema_decay ** gradient_accumulation_steps), the warm-up decay at t."
+        },
     )
     ema_warmup: bool = field(
         default=False,
@@ -661,6 +676,8 @@ class GRPOJaggConfig(TrainingArguments):
             )
         if not isinstance(self.ema_update_interval, int) or self.ema_update_interval < 1:
             fail("ema_update_interval", f"is {self.ema_update_interval!r}", "Use an integer >= 1.")
+        if self.ema_schedule not in EMA_SCHEDULES:
+            fail("ema_schedule", f"is {self.ema_schedule!r}", f"Use one of {EMA_SCHEDULES}.")
         if not isinstance(self.jagg_group_size, int) or self.jagg_group_size < 1:
             fail("jagg_group_size", f"is {self.jagg_group_size!r}", "Use an integer >= 1 (4 or 8 are typical).")
         if isinstance(self.jagg_frac, str) and self.jagg_frac != "auto":

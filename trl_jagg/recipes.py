@@ -86,8 +86,9 @@ _FLOW_GRPO_ADVANTAGES = {
     "advantage_eps": 1e-4,
     "kl_std": "flow_grpo",
 }
-# Flow-GRPO's EMAModuleWrapper(decay=0.9, update_step_interval=8) with its (1 + t) / (10 + t) warm-up.
-_FLOW_GRPO_EMA = {"ema_decay": 0.9, "ema_update_interval": 8, "ema_warmup": True}
+# Flow-GRPO's EMAModuleWrapper(decay=0.9, update_step_interval=8) with its (1 + t) / (10 + t) warm-up, called after
+# every micro-batch (so gradient_accumulation_steps updates when (t + 1) % 8 == 0).
+_FLOW_GRPO_EMA = {"ema_decay": 0.9, "ema_update_interval": 8, "ema_warmup": True, "ema_schedule": "flow_grpo"}
 
 
 def _two_updates_per_rollout(per_device: int, images_per_process: int) -> dict[str, int]:
@@ -436,8 +437,8 @@ _DANCE = Recipe(
         "sample as in DanceGRPO.",
         "Full fine-tuning of a 12B backbone needs FSDP (optimizer state sharded) and bf16=True on GPUs "
         "(DanceGRPO's --mixed_precision bf16 over float32 weights).",
-        "EMA is off as in finetune_flux_grpo.sh; the 8-GPU script adds --use_ema --ema_decay 0.995 (kept on the "
-        "CPU) and --max_grad_norm 0.01: set ema_decay=0.995, ema_offload=True, max_grad_norm=0.01 to follow it.",
+        "EMA is off as in finetune_flux_grpo.sh; dancegrpo-flux-8gpu follows the 8-GPU script (EMA 0.995 once "
+        "per rollout, on the CPU, max_grad_norm 0.01).",
     ),
 )
 
@@ -493,6 +494,33 @@ RECIPES: Mapping[str, Recipe] = MappingProxyType(
             ),
             _FAST_FLUX,
             _DANCE,
+            _DANCE.variant(
+                "dancegrpo-flux-8gpu",
+                "dancegrpo-flux as DanceGRPO's 8-GPU script: 2 prompts x 12 samples per process, two optimizer steps "
+                "per rollout, EMA 0.995 once per rollout, gradient clipping at 0.01.",
+                {
+                    # --train_batch_size 2 x --num_generations 12, --gradient_accumulation_steps 12
+                    "steps_per_generation": 24,
+                    "gradient_accumulation_steps": 12,
+                    # --use_ema --ema_decay 0.995: FSDP_EMA.update after every train_one_step (one rollout), no
+                    # warm-up, the average on rank 0's CPU
+                    "ema_decay": 0.995,
+                    "ema_update_interval": 2,  # the optimizer steps of one rollout
+                    "ema_warmup": False,
+                    "ema_offload": True,
+                    "max_grad_norm": 0.01,
+                },
+                source="DanceGRPO (Xue et al. 2025, arXiv 2505.07818): fastvideo/train_grpo_flux.py and "
+                "scripts/finetune/finetune_flux_grpo_8gpus.sh at XueZeyue/DanceGRPO@15cc71d.",
+                notes=(
+                    "--init_same_noise draws one noise per sampling call shared by the process's 24 samples, i.e. "
+                    "by its two groups; same_group_noise gives each group its own.",
+                    "The EMA is not supported with FSDP yet (GRPOJaggConfig refuses ema_decay > 0 under FSDP), "
+                    "which full fine-tuning of the 12B backbone needs: this variant runs only where one process "
+                    "holds the whole backbone and its optimizer state.",
+                    *_DANCE.notes[:-1],
+                ),
+            ),
         )
     }
 )
