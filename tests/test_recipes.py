@@ -158,6 +158,7 @@ PEER_TRAINING = {
         ("steps_per_generation", 12, "DG finetune_flux_grpo.sh:29, 52 (1 prompt x 12 generations per rank)"),
         ("gradient_accumulation_steps", 4, "DG finetune_flux_grpo.sh:34, train_grpo_flux.py:609"),
         ("optimizer_steps_per_rollout", 3, "12 samples, a step every 4"),
+        ("reward_on_predicted_x0", True, "DG train_grpo_flux.py:145, 254, 379-382 (pred_original decoded)"),
         ("dtype", "float32", "DG train_grpo_flux.py:697-703 (float32 master weights)"),
         ("mixed_precision", "bf16", "DG finetune_flux_grpo.sh:37"),
     ],
@@ -537,3 +538,42 @@ def test_guard_options_scale_the_on_policy_gradient_as_the_peer(tiny_sd3_path, t
     torch.testing.assert_close(
         guard, s / (sigma - sigma_next) * plain, rtol=1e-3, atol=1e-6 * plain.abs().max().item()
     )
+
+
+def test_dance_preset_rewards_score_the_last_steps_predicted_x0(tiny_flux_path, tmp_path):
+    """DanceGRPO's reward decodes the last step's pred_original_sample = z - sigma v (fastvideo/train_grpo_flux.py:145,
+    254, 379-382 at XueZeyue/DanceGRPO@15cc71d), not the final latent, which still carries that step's noise."""
+    recipe = get_recipe("dancegrpo-flux")
+    received, rollouts = [], []
+
+    def reward(prompts, images, **kwargs):
+        received.extend(np.asarray(image, dtype=np.float32) for image in images)
+        return redness(prompts, images)
+
+    torch.manual_seed(0)
+    trainer = DDPOJaggTrainer(
+        model=recipe.apply_scheduler(FluxPipeline.from_pretrained(tiny_flux_path)),
+        reward_funcs=reward,
+        args=GRPOJaggConfig.from_recipe(recipe.name, output_dir=str(tmp_path), **(TINY | {"num_inference_steps": 4})),
+        train_dataset=Dataset.from_dict({"prompt": ["a red circle", "a green square"]}),
+    )
+    generate = trainer.generation.generate
+
+    def spy(*args, **kwargs):
+        rollouts.append(generate(*args, **kwargs))
+        return rollouts[-1]
+
+    trainer.generation.generate = spy
+    trainer.train()
+    (rollout,) = rollouts
+    sigmas, latents, velocities = rollout["sigmas"], rollout["latents"], rollout["velocities"]  # the JAGG cache
+    x0_hat = latents[:, -2] - sigmas[-2] * velocities[:, -1].float()  # the last step starts at z_{N-1}, sigma_{N-1}
+    adapter = trainer.adapter
+
+    def decoded(batch):
+        return [np.asarray(image, dtype=np.float32) for image in adapter.decode(batch, 32, 32)]
+
+    assert len(received) == len(x0_hat) == 4
+    for got, want, final in zip(received, decoded(x0_hat), decoded(latents[:, -1])):
+        np.testing.assert_allclose(got, want, atol=1.0)  # uint8 images: one level for float rounding
+        assert np.abs(got - final).max() > 1.0  # the final latent decodes to another image

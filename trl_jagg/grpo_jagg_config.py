@@ -49,7 +49,8 @@ class GRPOJaggConfig(TrainingArguments):
         > Sampling (rollouts)
 
         num_generations, num_inference_steps, height, width, guidance_scale, true_cfg_scale, negative_prompt,
-        sampler, noise_level, sample_batch_size, max_sequence_length, steps_per_generation, generation_batch_size.
+        sampler, noise_level, reward_on_predicted_x0, sample_batch_size, max_sequence_length, steps_per_generation,
+        generation_batch_size.
 
         > Training (which steps, which loss)
 
@@ -146,6 +147,14 @@ class GRPOJaggConfig(TrainingArguments):
     noise_level: float = field(
         default=0.7,
         metadata={"help": "SDE noise level `a` (0.7 for SD3.5, 0.9 for Flux in Flow-GRPO); eta for `dance`."},
+    )
+    reward_on_predicted_x0: bool = field(
+        default=False,
+        metadata={
+            "help": "Decode for the rewards the last step's prediction of the clean latent, x0-hat = z - sigma v at "
+            "its start (DanceGRPO), instead of the final latent, which still carries the last stochastic step's "
+            "noise. The sample images and evaluations (ODE) are unchanged."
+        },
     )
     sample_batch_size: int | None = field(
         default=None,

@@ -416,6 +416,7 @@ _DANCE = Recipe(
         "advantage_eps": 1e-8,
         "quantize_timesteps": True,
         "same_group_noise": True,
+        "reward_on_predicted_x0": True,  # its reward decodes the last step's pred_original_sample
         "max_sequence_length": 512,
         "learning_rate": 1e-5,
         "lr_scheduler_type": "constant_with_warmup",  # its --lr_scheduler default, with --lr_warmup_steps 0

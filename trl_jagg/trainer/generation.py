@@ -177,7 +177,8 @@ class RolloutGenerator:
                 )  # fmt: skip
                 trajectories.append(trajectory)
                 with self.frozen.on_accelerator(self.frozen.vae):
-                    images.extend(adapter.decode(trajectory.latents[:, -1], args.height, args.width))
+                    scored = trajectory.predicted_x0 if args.reward_on_predicted_x0 else trajectory.latents[:, -1]
+                    images.extend(adapter.decode(scored, args.height, args.width))
         rollout_seconds = time.perf_counter() - start
         latents = torch.cat([t.latents for t in trajectories])
         # NaN latents decode to black images with finite rewards: stop here, before the rewards hide them.
