@@ -1,8 +1,9 @@
 """DanceGRPO on FLUX.1-dev with the HPSv2.1 reward: full fine-tuning, constant-eta SDE, a random 60% of steps trained.
 
 The `dancegrpo-flux` preset (trl_jagg/recipes.py, docs/models.md): 720 px, 16 sampling steps with a fixed time shift
-3 (a scheduler override, applied to the pipeline below), eta 0.3, full fine-tuning at lr 1e-5, a random 60% of the
-denoising steps trained at every update, G = 12; JAGG as in the paper, W = 4 and jagg_frac = 0.6 over the trained
+3 (a scheduler override, applied to the pipeline below), eta 0.3, full fine-tuning at a constant lr 1e-5, a random
+60% of the first 15 denoising steps trained per sample, G = 12 samples per process and three optimizer steps on them
+(each used once), bf16 autocast over float32 weights; JAGG as in the paper, W = 4 and jagg_frac = 0.6 over the trained
 steps. Full fine-tuning a 12B backbone needs its optimizer state sharded, so FSDP2 (per transformer block) is
 switched on when launched on more than one process:
 
@@ -36,8 +37,9 @@ def main() -> None:
     args = parser.parse_args()
 
     recipe, distributed = get_recipe("dancegrpo-flux"), int(os.environ.get("WORLD_SIZE", "1")) > 1
-    config = dict(output_dir=args.output_dir, bf16=True, max_steps=300, save_steps=50, report_to="tensorboard",
+    config = dict(output_dir=args.output_dir, max_steps=300, save_steps=50, report_to="tensorboard",
                   push_to_hub=args.push_to_hub)  # fmt: skip
+    config[recipe.mixed_precision] = True  # the peer's mixed precision (fp16 or bf16 autocast, GPUs)
     if distributed:  # FSDP2, one shard unit per transformer block
         config.update(fsdp=True, fsdp_config=FSDP_CONFIG)
     model, reward = "black-forest-labs/FLUX.1-dev", "hpsv2.1"

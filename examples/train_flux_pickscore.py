@@ -1,8 +1,9 @@
 """Flow-GRPO on FLUX.1-dev with the PickScore reward: LoRA, JAGG on the high-noise 60% of the step groups.
 
 The `flow-grpo-flux` preset (trl_jagg/recipes.py, docs/models.md): 6 sampling steps, embedded guidance 3.5, SDE noise
-level a = 0.9, LoRA r 64 / alpha 128 on the attention projections, G = 24, every step trained but the last; JAGG as
-in the paper, W = 4 and jagg_frac = 0.6 (the 5 trained steps make one JAGG group and one exact step).
+level a = 0.9, LoRA r 64 / alpha 128 on the attention projections and the feed-forward layers, G = 24, every step
+trained but the last, two optimizer steps per rollout, bf16 autocast over float32 weights; JAGG as in the paper, W = 4
+and jagg_frac = 0.6 (the 5 trained steps make one JAGG group and one exact step).
 
     accelerate launch --num_processes 8 examples/train_flux_pickscore.py --output_dir flux-pickscore-grpo
     python examples/train_flux_pickscore.py --tiny --output_dir /tmp/flux-tiny   # CPU smoke test, seconds
@@ -29,8 +30,9 @@ def main() -> None:
     args = parser.parse_args()
 
     recipe = get_recipe("flow-grpo-flux")
-    config = dict(output_dir=args.output_dir, bf16=True, max_steps=1000, save_steps=100, report_to="tensorboard",
+    config = dict(output_dir=args.output_dir, max_steps=1000, save_steps=100, report_to="tensorboard",
                   push_to_hub=args.push_to_hub)  # fmt: skip
+    config[recipe.mixed_precision] = True  # the peer's mixed precision (fp16 or bf16 autocast, GPUs)
     model, reward = "black-forest-labs/FLUX.1-dev", "pickscore"
     if args.tiny:  # the same architecture built small from config, a weight-free reward: seconds on a CPU
         tiny = tiny_run("flux")

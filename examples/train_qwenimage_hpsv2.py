@@ -1,8 +1,10 @@
 """Flow-GRPO on Qwen-Image with the HPSv2.1 reward: LoRA, FSDP2 across GPUs, JAGG in the update stage.
 
 The `flow-grpo-qwenimage` preset (trl_jagg/recipes.py, docs/models.md): true CFG 4 with norm rescaling, SDE noise
-level a = 1.2, 10 steps, G = 16, LoRA r 64 / alpha 128, activation checkpointing; JAGG as in the paper, W = 4 and
-jagg_frac = 0.6. The preset's reward is PickScore; this example trains on HPSv2.1 (`pip install -e ".[rewards]"`).
+level a = 1.2 in a 2-step window of the 10 steps (the trained steps), G = 16, LoRA r 64 / alpha 128 on the attention
+projections and both MLPs, two optimizer steps per rollout, bf16 over float32 weights, activation checkpointing; JAGG
+with W = 2, the window (exact at W = 2: one joint backward instead of two). The preset's reward is PickScore; this
+example trains on HPSv2.1 (`pip install -e ".[rewards]"`).
 
 FSDP comes from the training arguments below (`fsdp`, `fsdp_config`): each QwenImageTransformerBlock is sharded,
 and JAGG's joint backward gathers each block's parameters once for both endpoint forwards. The Trainer refuses
@@ -36,8 +38,9 @@ def main() -> None:
     args = parser.parse_args()
 
     recipe, distributed = get_recipe("flow-grpo-qwenimage"), int(os.environ.get("WORLD_SIZE", "1")) > 1
-    config = dict(output_dir=args.output_dir, bf16=True, max_steps=1000, save_steps=100, report_to="tensorboard",
+    config = dict(output_dir=args.output_dir, max_steps=1000, save_steps=100, report_to="tensorboard",
                   push_to_hub=args.push_to_hub)  # fmt: skip
+    config[recipe.mixed_precision] = True  # the peer's mixed precision (fp16 or bf16 autocast, GPUs)
     if distributed:  # FSDP2, one shard unit per transformer block
         config.update(fsdp=True, fsdp_config=FSDP_CONFIG)
     model, reward = "Qwen/Qwen-Image", "hpsv2.1"

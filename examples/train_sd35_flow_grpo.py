@@ -1,9 +1,11 @@
 """Flow-GRPO on Stable Diffusion 3.5 Medium with the PickScore reward (LoRA), JAGG in the update stage.
 
 The `flow-grpo-sd35` preset (trl_jagg/recipes.py, docs/models.md): 512 px, 10 sampling steps, CFG 4.5, SDE noise
-level a = 0.7, G = 24 images per prompt, LoRA r 32 / alpha 64 on the attention projections, lr 3e-4, KL beta 0.04,
-every step trained but the last; JAGG as in the paper, W = 4 and jagg_frac = 0.6 (the 9 trained steps make two JAGG
-groups and one exact step). Each process samples 8 x 3 = 24 images, one whole group, per optimizer step.
+level a = 0.7, G = 24 images per prompt, LoRA r 32 / alpha 64 on the attention projections of `attn` (not SD3.5's
+`attn2`), constant lr 3e-4, KL beta 0.01 (Flow-GRPO's PickScore value), every step trained but the last; JAGG as in
+the paper, W = 4 and jagg_frac = 0.6 (the 9 trained steps make two JAGG groups and one exact step). Each process
+samples 24 images, one whole group, per rollout and takes two optimizer steps on them (each image used once), in fp16
+autocast over float32 weights, as Flow-GRPO.
 
     accelerate launch --num_processes 8 examples/train_sd35_flow_grpo.py --output_dir sd35-flow-grpo
     python examples/train_sd35_flow_grpo.py --tiny --output_dir /tmp/sd35-tiny   # CPU smoke test, seconds
@@ -30,8 +32,9 @@ def main() -> None:
     args = parser.parse_args()
 
     recipe = get_recipe("flow-grpo-sd35")
-    config = dict(output_dir=args.output_dir, bf16=True, max_steps=1000, save_steps=100, report_to="tensorboard",
+    config = dict(output_dir=args.output_dir, max_steps=1000, save_steps=100, report_to="tensorboard",
                   push_to_hub=args.push_to_hub)  # fmt: skip
+    config[recipe.mixed_precision] = True  # the peer's mixed precision (fp16 or bf16 autocast, GPUs)
     model, reward = "stabilityai/stable-diffusion-3.5-medium", "pickscore"
     if args.tiny:  # the same architecture built small from config, a weight-free reward: seconds on a CPU
         tiny = tiny_run("sd3")

@@ -181,7 +181,17 @@ def test_unknown_recipe_suggests(tmp_path, capsys):
     assert "recipe: Unknown recipe 'flow-grpo-flx'. Did you mean 'flow-grpo-flux'?" in err
 
 
-RECIPES = ["flow-grpo-sd35", "flow-grpo-flux", "flow-grpo-qwenimage", "flow-grpo-fast-flux", "dancegrpo-flux"]
+RECIPES = [
+    "flow-grpo-sd35",
+    "flow-grpo-sd35-ocr",
+    "flow-grpo-guard-sd35",
+    "flow-grpo-flux",
+    "flow-grpo-qwenimage",
+    "flow-grpo-qwenimage-all-steps",
+    "flow-grpo-fast-flux",
+    "dancegrpo-flux",
+    "dancegrpo-flux-8gpu",
+]
 
 
 @pytest.mark.parametrize("name", RECIPES)
@@ -197,6 +207,7 @@ def test_every_preset_parses(name, tmp_path):
 def test_recipe_scheduler_override_is_applied(tiny_flux_path, tmp_path):
     flags = ["--recipe", "dancegrpo-flux", "--model_name_or_path", tiny_flux_path, "--prompts", "a red", "a blue"]
     flags += ["--reward_funcs", "prompt_color", "--output_dir", str(tmp_path), "--gradient_accumulation_steps", "1"]
+    flags += ["--steps_per_generation", "1"]  # the preset's 12 micro-batches a rollout would need 6 prompts
     for key, value in TINY.items():
         flags += [f"--{key}", str(value)]
     script_args, args = train.parse_train_args(flags)

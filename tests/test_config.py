@@ -66,6 +66,7 @@ def test_non_finite_reward_weight():
         (dict(sde_window_stride=0, **WINDOW), "sde_window_stride", ">= 1"),
         (dict(sde_window_shift_interval=0, **WINDOW), "sde_window_shift_interval", ">= 1"),
         (dict(compile_repeated_blocks=True, compile_backend="inductr"), "compile_backend", "inductor"),
+        (dict(ratio_normalization=True, sampler="cps"), "ratio_normalization", r"\('sde', 'dance'\)"),
         (dict(max_steps=-1, num_train_epochs=0), "max_steps", "0 steps"),
         (dict(eval_prompts=["a cat", ""]), r"eval_prompts\[1\]", "empty"),
         (dict(eval_prompts=["a cat", None]), r"eval_prompts\[1\]", "NoneType"),

@@ -9,7 +9,13 @@ import pytest
 import torch
 from torch.distributions import Normal, kl_divergence
 
-from trl_jagg.grpo import PerPromptStatTracker, group_advantages, kl_to_reference, ppo_step_loss
+from trl_jagg.grpo import (
+    PerPromptStatTracker,
+    group_advantages,
+    guard_log_ratio,
+    kl_to_reference,
+    ppo_step_loss,
+)
 from trl_jagg.jagg import upstream_signal
 from trl_jagg.sampling import sampler_step
 
@@ -361,3 +367,96 @@ def test_eps_zero_gives_a_constant_group_zero_and_the_others_their_hand_value(sc
     for advantages in (got, tracked):
         assert torch.all(advantages[:4] == 0)  # exactly 0: drop_zero_advantages recognises such groups by it
         torch.testing.assert_close(advantages, expected, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- GRPO-Guard (arXiv 2510.22319)
+def _peer_sde_step(v, x, sigma, sigma_prev, sigma_max, noise_level, prev_sample):
+    """Flow-GRPO's sde_step_with_logprob (flow_grpo/diffusers_patch/sd3_sde_with_logprob.py:44-68, 89-92 at
+    zhtmike/flow_grpo@9745241), transcribed: log_prob, prev_sample_mean, std_dev_t, sqrt(-dt)."""
+    shape = (x.shape[0],) + (1,) * (x.ndim - 1)
+    sigma = torch.full(shape, sigma, dtype=torch.float32)
+    sigma_prev = torch.full(shape, sigma_prev, dtype=torch.float32)
+    dt = sigma_prev - sigma
+    std_dev_t = torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigma_max, sigma))) * noise_level
+    mean = x * (1 + std_dev_t**2 / (2 * sigma) * dt) + v * (1 + std_dev_t**2 * (1 - sigma) / (2 * sigma)) * dt
+    log_prob = (
+        -((prev_sample.detach() - mean) ** 2) / (2 * ((std_dev_t * torch.sqrt(-1 * dt)) ** 2))
+        - torch.log(std_dev_t * torch.sqrt(-1 * dt))
+        - torch.log(torch.sqrt(2 * torch.as_tensor(math.pi)))
+    )
+    return log_prob.mean(dim=tuple(range(1, log_prob.ndim))), mean, std_dev_t, torch.sqrt(-1 * dt)
+
+
+def _peer_guard_policy_loss(log_prob, old_log_prob, mean, old_mean, std_dev_t, sqrt_dt, advantages, clip_range):
+    """scripts/train_sd3_GRPO_Guard.py:915-932 at zhtmike/flow_grpo@9745241 with config.rationorm = True."""
+    sigma_t = std_dev_t.mean()
+    ratio_mean_bias = (mean - old_mean).pow(2).mean(dim=tuple(range(1, log_prob.ndim + 3)))
+    ratio_mean_bias = ratio_mean_bias / (2 * (sqrt_dt.mean() * sigma_t) ** 2)
+    ratio = torch.exp((log_prob - old_log_prob + ratio_mean_bias) * (sqrt_dt.mean() * sigma_t))
+    unclipped_loss = -advantages * ratio
+    clipped_loss = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
+    policy_loss = torch.mean(torch.maximum(unclipped_loss, clipped_loss))
+    return policy_loss / (sqrt_dt.mean() ** 2), ratio
+
+
+@pytest.mark.parametrize(("sigma", "sigma_next"), [(1.0, 0.9), (0.6, 0.45), (0.2, 0.08)])
+def test_guard_loss_equals_flow_grpo_grpo_guard(sigma, sigma_next):
+    """GRPO-Guard's normalised ratio and 1/|dt| reweighting through ppo_step_loss equal the peer's code, loss and
+    gradient, at a high-, a mid- and a low-noise step (the peer's clip range 4e-6: some samples clip, some do not)."""
+    gen = torch.Generator().manual_seed(3)
+    x, v_old = torch.randn(6, 4, 3, 3, generator=gen), torch.randn(6, 4, 3, 3, generator=gen)
+    # The current policy moved the velocity a little, by a different amount for each sample.
+    v = (v_old + 2e-4 * torch.randn(6, 4, 3, 3, generator=gen) * torch.arange(6.0).view(-1, 1, 1, 1)).requires_grad_()
+    advantages = torch.tensor([1.2, -0.7, 0.3, -1.5, 2.0, -0.1])
+    sigma_max, noise_level, clip_range = 0.97, 0.7, 4e-6
+    old = sampler_step(v_old, x, sigma, sigma_next, sampler="sde", noise_level=noise_level, sigma_max=sigma_max)
+    prev_sample = old.prev_sample  # the rollout's next latent
+    new = sampler_step(
+        v, x, sigma, sigma_next, sampler="sde", noise_level=noise_level, sigma_max=sigma_max, prev_sample=prev_sample
+    )
+    ours = ppo_step_loss(
+        new.log_prob, old.log_prob, advantages, clip_range,
+        log_ratio=guard_log_ratio(new.log_prob, old.log_prob, new.mean, old.mean, new.std),
+        policy_weight=1.0 / (sigma - sigma_next),
+    )  # fmt: skip
+
+    peer_old = _peer_sde_step(v_old, x, sigma, sigma_next, sigma_max, noise_level, prev_sample)
+    log_prob, mean, std_dev_t, sqrt_dt = _peer_sde_step(v, x, sigma, sigma_next, sigma_max, noise_level, prev_sample)
+    peer, ratio = _peer_guard_policy_loss(
+        log_prob, peer_old[0], mean, peer_old[1], std_dev_t, sqrt_dt, advantages, clip_range
+    )
+    assert 0 < ((ratio - 1).abs() > clip_range).sum() < 6  # both branches of the clip are exercised
+    assert ours.loss.item() == pytest.approx(peer.item(), rel=1e-5, abs=1e-9)
+    assert ours.clip_fraction.item() == pytest.approx(((ratio - 1).abs() > clip_range).float().mean().item())
+    (grad,) = torch.autograd.grad(ours.loss, v)
+    (peer_grad,) = torch.autograd.grad(peer, v)
+    torch.testing.assert_close(grad, peer_grad, rtol=1e-4, atol=1e-9 * peer_grad.abs().max().item())
+    assert peer_grad.abs().max() > 0
+
+
+def test_guard_log_ratio_is_the_drift_free_ratio_on_one_scale():
+    """For a Gaussian step, s (log p - log p_old) + |mu - mu_old|^2 / (2 s) = mean((mu - mu_old) (x' - mu_old)) / s,
+    i.e. mean((mu - mu_old) eps) for the rollout's noise eps: no negative drift, and the same scale at every step."""
+    gen = torch.Generator().manual_seed(0)
+    mean_old, delta, eps = (torch.randn(3, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    std = torch.tensor([0.5, 0.05, 0.005], dtype=torch.float64)
+    mean, x_next = mean_old + 1e-3 * delta, mean_old + std[:, None] * eps
+
+    def log_density(mu):
+        return Normal(mu, std[:, None]).log_prob(x_next).mean(dim=1)
+
+    ratio = guard_log_ratio(log_density(mean), log_density(mean_old), mean, mean_old, std)
+    # guard_log_ratio works in float32, as the sampler: a float32 tolerance.
+    expected = ((mean - mean_old) * eps).mean(dim=1)
+    torch.testing.assert_close(ratio, expected, rtol=1e-4, atol=1e-8)
+    with pytest.raises(ValueError, match="one value per sample"):
+        guard_log_ratio(log_density(mean), log_density(mean_old), mean, mean_old, std[:2])
+
+
+def test_policy_weight_scales_only_the_policy_term():
+    adv, log_prob, old = torch.tensor([1.0, -2.0]), torch.tensor([0.5e-4, -0.2e-4]), torch.zeros(2)
+    kl = torch.tensor([0.3, 0.1])
+    plain = ppo_step_loss(log_prob, old, adv, 1e-4, kl=kl, beta=0.1)
+    weighted = ppo_step_loss(log_prob, old, adv, 1e-4, kl=kl, beta=0.1, policy_weight=7.0)
+    assert weighted.policy_loss.item() == pytest.approx(7.0 * plain.policy_loss.item(), rel=1e-6)
+    assert weighted.loss.item() == pytest.approx(7.0 * plain.policy_loss.item() + 0.1 * 0.2, rel=1e-6)

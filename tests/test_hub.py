@@ -195,6 +195,7 @@ def test_recipe_scheduler_is_saved_and_reproduces_training_sampling(tiny_flux_pa
     flags = ["--recipe", "dancegrpo-flux", "--model_name_or_path", tiny_flux_path, "--prompts", "a red circle"]
     flags += ["--reward_funcs", "prompt_color", "--output_dir", str(out), "--use_peft", "--lora_r", "4"]
     flags += ["--per_device_train_batch_size", "2", "--num_generations", "2", "--gradient_accumulation_steps", "1"]
+    flags += ["--steps_per_generation", "1"]
     flags += ["--height", "32", "--width", "32", "--num_inference_steps", "4", "--max_sequence_length", "16"]
     flags += ["--max_steps", "1", "--report_to", "none", "--save_strategy", "no", "--disable_tqdm", "true"]
     trainer = build_trainer(*parse_train_args(flags))

@@ -4,13 +4,14 @@ Flow-GRPO-Fast preset trains only its SDE window and the DanceGRPO preset a rand
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 import numpy as np
 import pytest
 import torch
 from datasets import Dataset
-from diffusers import FluxPipeline
+from diffusers import DiffusionPipeline, FluxPipeline
 
 from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
 from trl_jagg.models import load_adapter
@@ -19,22 +20,37 @@ from trl_jagg.trainer import update
 
 YAML_DIR = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "recipes")
 NAMES = [
-    "flow-grpo-sd35", "flow-grpo-flux", "flow-grpo-qwenimage", "flow-grpo-fast-flux", "dancegrpo-flux", "mixgrpo-flux",
-]  # fmt: skip
+    "flow-grpo-sd35",
+    "flow-grpo-sd35-ocr",
+    "flow-grpo-guard-sd35",
+    "flow-grpo-flux",
+    "flow-grpo-qwenimage",
+    "flow-grpo-qwenimage-all-steps",
+    "flow-grpo-fast-flux",
+    "dancegrpo-flux",
+    "dancegrpo-flux-8gpu",
+    "mixgrpo-flux",
+]
 
 # The public numbers (JAGG spec section 5), written out independently of trl_jagg/recipes.py.
+_SD35_PUBLISHED = dict(
+    height=512, width=512, num_inference_steps=10, guidance_scale=4.5, sampler="sde", noise_level=0.7,
+    num_generations=24, learning_rate=3e-4, train_timesteps="all_but_last",
+)  # fmt: skip
+_DANCE_PUBLISHED = dict(
+    height=720, width=720, num_inference_steps=16, sampler="dance", noise_level=0.3, learning_rate=1e-5,
+    train_timestep_fraction=0.6,
+)  # fmt: skip
 PUBLISHED = {
-    "flow-grpo-sd35": dict(
-        height=512, width=512, num_inference_steps=10, guidance_scale=4.5, sampler="sde", noise_level=0.7,
-        num_generations=24, learning_rate=3e-4, beta=0.04, train_timesteps="all_but_last",
-    ),
+    "flow-grpo-sd35": _SD35_PUBLISHED,
+    "flow-grpo-sd35-ocr": _SD35_PUBLISHED,
+    "flow-grpo-guard-sd35": {**_SD35_PUBLISHED, "learning_rate": 1e-4},
     "flow-grpo-flux": dict(num_inference_steps=6, guidance_scale=3.5, sampler="sde", noise_level=0.9),
     "flow-grpo-qwenimage": dict(true_cfg_scale=4.0, sampler="sde", noise_level=1.2),
+    "flow-grpo-qwenimage-all-steps": dict(true_cfg_scale=4.0, sampler="sde", noise_level=1.2),
     "flow-grpo-fast-flux": dict(train_timesteps="sde_window", sde_window_size=3, sde_window_max_start=0),
-    "dancegrpo-flux": dict(
-        height=720, width=720, num_inference_steps=16, sampler="dance", noise_level=0.3, learning_rate=1e-5,
-        train_timestep_fraction=0.6,
-    ),
+    "dancegrpo-flux": _DANCE_PUBLISHED,
+    "dancegrpo-flux-8gpu": _DANCE_PUBLISHED,
     # MixGRPO-Flash (Tencent-Hunyuan/MixGRPO scripts/finetune/finetune_flux_grpo_MixGRPO_Flash.sh).
     "mixgrpo-flux": dict(
         height=720, width=720, num_inference_steps=25, sampler="sde", noise_level=0.7, num_generations=12,
@@ -50,48 +66,158 @@ _FLOW_GRPO = dict(
     per_prompt_stat_tracking=True, stat_tracking_buffer_size=None, advantage_std_ddof=0, advantage_eps=1e-4,
     kl_std="flow_grpo", same_group_noise=False, quantize_timesteps=False,
 )  # fmt: skip
-_FLOW_GRPO_EMA = dict(ema_decay=0.9, ema_update_interval=8, ema_warmup=True)
+_FLOW_GRPO_EMA = dict(ema_decay=0.9, ema_update_interval=8, ema_warmup=True, ema_schedule="flow_grpo")
+_SD35_CONVENTIONS = dict(
+    **_FLOW_GRPO, **_FLOW_GRPO_EMA, scale_rewards="batch", max_sequence_length=128, eval_num_inference_steps=40,
+    drop_zero_advantages=True, cfg_gradient="both",
+)  # fmt: skip
+_QWENIMAGE_CONVENTIONS = dict(
+    **_FLOW_GRPO, ema_decay=0.0, scale_rewards="batch", max_sequence_length=512, eval_num_inference_steps=50,
+    cfg_gradient="both",
+)  # fmt: skip
+_DANCE_CONVENTIONS = dict(
+    per_prompt_stat_tracking=False, scale_rewards="group", advantage_std_ddof=1, advantage_eps=1e-8,
+    quantize_timesteps=True, same_group_noise=True, max_sequence_length=512, train_timesteps="random_but_last",
+    beta=0.0,
+)  # fmt: skip
 PEER_CONVENTIONS = {
-    "flow-grpo-sd35": dict(
-        **_FLOW_GRPO, **_FLOW_GRPO_EMA, scale_rewards="batch", max_sequence_length=128, eval_num_inference_steps=40,
-        drop_zero_advantages=True, cfg_gradient="both",
-    ),
+    "flow-grpo-sd35": _SD35_CONVENTIONS,
+    "flow-grpo-sd35-ocr": _SD35_CONVENTIONS,
+    "flow-grpo-guard-sd35": {**_SD35_CONVENTIONS, "scale_rewards": "group"},
     "flow-grpo-flux": dict(
         **_FLOW_GRPO, **_FLOW_GRPO_EMA, scale_rewards="batch", max_sequence_length=128, eval_num_inference_steps=28,
         drop_zero_advantages=False,
     ),
-    "flow-grpo-qwenimage": dict(
-        **_FLOW_GRPO, ema_decay=0.0, scale_rewards="batch", max_sequence_length=512, eval_num_inference_steps=50,
-        cfg_gradient="both",
-    ),
+    "flow-grpo-qwenimage": _QWENIMAGE_CONVENTIONS,
+    "flow-grpo-qwenimage-all-steps": _QWENIMAGE_CONVENTIONS,
     "flow-grpo-fast-flux": dict(
         **_FLOW_GRPO, **_FLOW_GRPO_EMA, scale_rewards="group", max_sequence_length=128, eval_num_inference_steps=28,
     ),
-    "dancegrpo-flux": dict(
-        per_prompt_stat_tracking=False, scale_rewards="group", advantage_std_ddof=1, advantage_eps=1e-8,
-        quantize_timesteps=True, same_group_noise=True, max_sequence_length=512, train_timesteps="random_but_last",
-        ema_decay=0.0, beta=0.0,
-    ),
+    "dancegrpo-flux": dict(**_DANCE_CONVENTIONS, ema_decay=0.0),
+    "dancegrpo-flux-8gpu": dict(**_DANCE_CONVENTIONS, ema_decay=0.995, ema_warmup=False, ema_offload=True),
     "mixgrpo-flux": dict(
         per_prompt_stat_tracking=False, scale_rewards="group", advantage_std_ddof=1, advantage_eps=1e-8,
         quantize_timesteps=True, same_group_noise=True, beta=0.0, clip_range=1e-4, adv_clip_max=5.0,
     ),
 }  # fmt: skip
+
+# The training around the formulas (issue 18): one row per convention, the peer's value and where it is written.
+# FG = Flow-GRPO at zhtmike/flow_grpo@9745241, DG = DanceGRPO at XueZeyue/DanceGRPO@15cc71d.
+_FG_CONSTANT_LR = ("lr_scheduler_type", "constant", "FG scripts/train_sd3.py:465-471: an AdamW, no scheduler")
+PEER_TRAINING = {
+    "flow-grpo-sd35": [
+        _FG_CONSTANT_LR,
+        ("beta", 0.01, "FG config/grpo.py:227 (pickscore_sd3)"),
+        ("optimizer_steps_per_rollout", 2, "FG config/grpo.py:224 (GA = num_batches_per_epoch // 2)"),
+        ("num_iterations", 1, "FG config/grpo.py:225 (num_inner_epochs = 1)"),
+        ("dtype", "float32", "FG scripts/train_sd3.py:377, 415 (the transformer loaded and kept in float32)"),
+        ("mixed_precision", "fp16", "FG config/base.py:24 (mixed_precision = 'fp16'), not overridden"),
+    ],
+    "flow-grpo-sd35-ocr": [
+        _FG_CONSTANT_LR,
+        ("beta", 0.04, "FG config/grpo.py:106 (general_ocr_sd3)"),
+        ("reward_funcs", ("ocr",), "FG config/grpo.py:116-118"),
+        ("optimizer_steps_per_rollout", 2, "FG config/grpo.py:102"),
+    ],
+    "flow-grpo-guard-sd35": [
+        _FG_CONSTANT_LR,
+        ("ratio_normalization", True, "FG config/grpo_guard.py:127, scripts/train_sd3_GRPO_Guard.py:915-919"),
+        ("step_gradient_reweighting", True, "FG config/grpo_guard.py:127, scripts/train_sd3_GRPO_Guard.py:931-932"),
+        ("clip_range", 4e-6, "FG config/grpo_guard.py:124 (and train_sd3_GRPO_Guard.py:925-926: both sides)"),
+        ("learning_rate", 1e-4, "FG config/grpo_guard.py:126"),
+        ("beta", 0.0, "FG config/grpo_guard.py:111"),
+        ("scale_rewards", "group", "FG config/grpo_guard.py:112 (global_std = False)"),
+        ("optimizer_steps_per_rollout", 2, "FG config/grpo_guard.py:108"),
+        ("mixed_precision", "fp16", "FG config/grpo_guard.py:123"),
+        ("reward_funcs", ("pickscore",), "FG config/grpo_guard.py:118-120"),
+    ],
+    "flow-grpo-flux": [
+        _FG_CONSTANT_LR,
+        ("optimizer_steps_per_rollout", 2, "FG config/grpo.py:503"),
+        ("per_device_train_batch_size", 3, "FG config/grpo.py:496, 502"),
+        ("dtype", "float32", "FG scripts/train_flux.py:370, 407"),
+        ("mixed_precision", "bf16", "FG config/grpo.py:511"),
+    ],
+    "flow-grpo-qwenimage": [
+        _FG_CONSTANT_LR,
+        ("optimizer_steps_per_rollout", 2, "FG config/grpo.py:711"),
+        ("per_device_train_batch_size", 4, "FG config/grpo.py:704, 710"),
+        ("train_timesteps", "sde_window", "FG config/grpo.py:718"),
+        ("sde_window_size", 2, "FG config/grpo.py:718"),
+        ("sde_window_max_start", 3, "FG config/grpo.py:719: range (0, 10 // 2) holds starts 0..5 - 2"),
+        ("jagg_group_size", 2, "W <= the 2 trained steps"),
+        ("dtype", "float32", "FG scripts/train_qwenimage.py:451 (FSDP over float32 weights)"),
+        ("mixed_precision", "bf16", "FG config/grpo.py:720, scripts/train_qwenimage.py:446"),
+    ],
+    "flow-grpo-qwenimage-all-steps": [
+        _FG_CONSTANT_LR,
+        ("optimizer_steps_per_rollout", 2, "FG config/grpo.py:711"),
+        ("train_timesteps", "all_but_last", "trl_jagg's variant, not the peer's"),
+        ("jagg_group_size", 4, "the paper's W"),
+    ],
+    "flow-grpo-fast-flux": [
+        _FG_CONSTANT_LR,
+        ("optimizer_steps_per_rollout", 2, "FG config/grpo.py:629"),
+        ("per_device_train_batch_size", 3, "FG config/grpo.py:622, 628"),
+        ("dtype", "float32", "FG scripts/train_flux_fast.py:375, 412"),
+        ("mixed_precision", "bf16", "FG config/grpo.py:640"),
+    ],
+    "dancegrpo-flux": [
+        ("lr_scheduler_type", "constant_with_warmup", "DG fastvideo/train_grpo_flux.py:1047-1049 (the default)"),
+        ("warmup_steps", 0, "DG scripts/finetune/finetune_flux_grpo.sh:47"),
+        ("per_device_train_batch_size", 1, "DG train_grpo_flux.py:571 (one sample a backward)"),
+        ("steps_per_generation", 12, "DG finetune_flux_grpo.sh:29, 52 (1 prompt x 12 generations per rank)"),
+        ("gradient_accumulation_steps", 4, "DG finetune_flux_grpo.sh:34, train_grpo_flux.py:609"),
+        ("optimizer_steps_per_rollout", 3, "12 samples, a step every 4"),
+        ("reward_on_predicted_x0", True, "DG train_grpo_flux.py:145, 254, 379-382 (pred_original decoded)"),
+        ("dtype", "float32", "DG train_grpo_flux.py:697-703 (float32 master weights)"),
+        ("mixed_precision", "bf16", "DG finetune_flux_grpo.sh:37"),
+    ],
+    "dancegrpo-flux-8gpu": [
+        ("lr_scheduler_type", "constant_with_warmup", "DG fastvideo/train_grpo_flux.py:1047-1049 (the default)"),
+        ("steps_per_generation", 24, "DG finetune_flux_grpo_8gpus.sh:26, 49 (2 prompts x 12 generations)"),
+        ("gradient_accumulation_steps", 12, "DG finetune_flux_grpo_8gpus.sh:31"),
+        ("optimizer_steps_per_rollout", 2, "24 samples, a step every 12"),
+        ("ema_decay", 0.995, "DG finetune_flux_grpo_8gpus.sh:56-57"),
+        ("ema_update_interval", 2, "DG train_grpo_flux.py:866-867: once per train_one_step, i.e. per rollout"),
+        ("ema_warmup", False, "DG train_grpo_flux.py:81-85: decay * ema + (1 - decay) * w, no warm-up"),
+        ("ema_offload", True, "DG train_grpo_flux.py:69-73 (full state dict, cpu_offload=True, on rank 0)"),
+        ("max_grad_norm", 0.01, "DG finetune_flux_grpo_8gpus.sh:46"),
+    ],
+}
+# LoRA (rank, alpha, target modules) exactly as the peer's scripts list them.
+_FG_ATTENTION = (
+    "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
+    "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v",
+)  # fmt: skip
+_SD35_LORA = (32, 64, _FG_ATTENTION)  # FG scripts/train_sd3.py:419-432
+_FLUX_LORA = (64, 128, _FG_ATTENTION + ("ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2"))
+_QWEN_LORA = (
+    64, 128, _FG_ATTENTION + ("img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2")
+)  # FG scripts/train_qwenimage.py:410-427  # fmt: skip
 PUBLISHED_LORA = {
-    "flow-grpo-sd35": (32, 64),
-    "flow-grpo-flux": (64, 128),
-    "flow-grpo-qwenimage": (64, 128),
-    "flow-grpo-fast-flux": (64, 128),
+    "flow-grpo-sd35": _SD35_LORA,
+    "flow-grpo-sd35-ocr": _SD35_LORA,
+    "flow-grpo-guard-sd35": _SD35_LORA,  # FG scripts/train_sd3_GRPO_Guard.py:421-436
+    "flow-grpo-flux": _FLUX_LORA,  # FG scripts/train_flux.py:411-428
+    "flow-grpo-qwenimage": _QWEN_LORA,
+    "flow-grpo-qwenimage-all-steps": _QWEN_LORA,
+    "flow-grpo-fast-flux": _FLUX_LORA,  # FG scripts/train_flux_fast.py:416-433
     "dancegrpo-flux": None,  # full fine-tuning
     "mixgrpo-flux": None,
+    "dancegrpo-flux-8gpu": None,
 }
 MODELS = {
     "flow-grpo-sd35": "stabilityai/stable-diffusion-3.5-medium",
+    "flow-grpo-sd35-ocr": "stabilityai/stable-diffusion-3.5-medium",
+    "flow-grpo-guard-sd35": "stabilityai/stable-diffusion-3.5-medium",
     "flow-grpo-flux": "black-forest-labs/FLUX.1-dev",
     "flow-grpo-qwenimage": "Qwen/Qwen-Image",
+    "flow-grpo-qwenimage-all-steps": "Qwen/Qwen-Image",
     "flow-grpo-fast-flux": "black-forest-labs/FLUX.1-dev",
     "dancegrpo-flux": "black-forest-labs/FLUX.1-dev",
     "mixgrpo-flux": "black-forest-labs/FLUX.1-dev",
+    "dancegrpo-flux-8gpu": "black-forest-labs/FLUX.1-dev",
 }
 
 
@@ -106,9 +232,9 @@ def test_preset_builds_a_valid_config(name, tmp_path):
     assert isinstance(config, GRPOJaggConfig) and config.output_dir == str(tmp_path)
     for key, value in {**recipe.config, **PUBLISHED[name], **PEER_CONVENTIONS[name]}.items():
         assert getattr(config, key) == value, key
-    # The paper's JAGG settings; the Fast preset's W is its window (a W = 4 group never fits in 3 trained steps).
+    # The paper's JAGG settings; a window preset's W is its window (a W = 4 group never fits in 2 or 3 trained steps).
     assert config.use_jagg and config.jagg_frac == 0.6 and config.jagg_mode == "jagg"
-    assert config.jagg_group_size == (config.sde_window_size if name == "flow-grpo-fast-flux" else 4)
+    assert config.jagg_group_size == (config.sde_window_size if config.train_timesteps == "sde_window" else 4)
     assert config.generation_batch_size % config.num_generations == 0
     assert recipe.model == MODELS[name]
     assert recipe.description and recipe.source and recipe.reward_funcs
@@ -116,8 +242,29 @@ def test_preset_builds_a_valid_config(name, tmp_path):
     if PUBLISHED_LORA[name] is None:
         assert lora is None
     else:
-        assert (lora.r, lora.lora_alpha) == PUBLISHED_LORA[name]
-        assert {"to_q", "to_k", "to_v", "to_out.0"} <= set(lora.target_modules)
+        rank, alpha, targets = PUBLISHED_LORA[name]
+        assert (lora.r, lora.lora_alpha, lora.init_lora_weights) == (rank, alpha, "gaussian")
+        assert sorted(lora.target_modules) == sorted(targets)
+
+
+@pytest.mark.parametrize(
+    ("name", "key", "peer_value", "source"),
+    [(name, *row) for name, rows in PEER_TRAINING.items() for row in rows],
+    ids=lambda value: value if isinstance(value, str) and " " not in value else None,
+)
+def test_preset_trains_as_the_peer(name, key, peer_value, source, tmp_path):
+    """One convention of the training around the formulas, against the peer's value at ``source``."""
+    recipe = get_recipe(name)
+    config = GRPOJaggConfig.from_recipe(name, output_dir=str(tmp_path))
+    if key == "optimizer_steps_per_rollout":  # each sample used once: num_iterations = 1
+        assert config.num_iterations == 1
+        value = config.steps_per_generation // config.gradient_accumulation_steps
+        assert config.steps_per_generation % config.gradient_accumulation_steps == 0
+    elif key in ("mixed_precision", "reward_funcs"):
+        value = getattr(recipe, key)
+    else:
+        value = getattr(config, key)
+    assert value == peer_value, f"{name}.{key} = {value!r}; the peer's is {peer_value!r} ({source})"
 
 
 def test_overrides_apply_and_are_validated(tmp_path):
@@ -180,7 +327,8 @@ def test_yaml_file_parses_to_the_preset_through_the_cli(name, tmp_path):
 # ---------------------------------------------------------------- the presets train what they say
 TINY = dict(
     height=32, width=32, per_device_train_batch_size=4, num_generations=2, gradient_accumulation_steps=1,
-    max_steps=1, dtype="float32", max_sequence_length=16, activation_checkpointing=False, report_to="none",
+    steps_per_generation=None, max_steps=1, dtype="float32", max_sequence_length=16, activation_checkpointing=False,
+    offload_frozen_modules=False, report_to="none",
     save_strategy="no", disable_tqdm=True, seed=0,
 )  # fmt: skip
 
@@ -303,3 +451,177 @@ def test_recipes_import_nothing_of_trl_jagg():
     code = "import sys, trl_jagg.recipes; print(sorted(m for m in sys.modules if m.startswith('trl_jagg.')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "['trl_jagg.recipes']"
+
+
+# ---------------------------------------------------------------- through the public trainer (issue 18)
+@pytest.fixture(scope="module")
+def tiny_dual_attention_sd3_path(tmp_path_factory) -> str:
+    """A tiny SD3.5-M-like pipeline whose first block has SD3.5's second attention ``attn2``."""
+    from trl_jagg.testing.tiny_models import save_tiny_pipeline
+
+    path = tmp_path_factory.mktemp("tiny-sd3-attn2")
+    return save_tiny_pipeline("sd3", path, seed=0, transformer={"dual_attention_layers": (0,)})
+
+
+def _peer_value(name: str, key: str):
+    return next(value for row_key, value, _ in PEER_TRAINING[name] if row_key == key)
+
+
+def _peer_lora_parameters(transformer: torch.nn.Module, rank: int, targets: tuple[str, ...]) -> int:
+    """LoRA parameters of rank ``rank`` on every linear layer a peer's target name selects: peft matches a name
+    against the module's full name or a suffix after a dot (peft/tuners/tuners_utils.py check_target_module_exists)."""
+    return sum(
+        rank * (module.in_features + module.out_features)
+        for name, module in transformer.named_modules()
+        if isinstance(module, torch.nn.Linear) and any(name == t or name.endswith(f".{t}") for t in targets)
+    )
+
+
+# Tiny sizes that keep the preset's split (gradient_accumulation_steps, steps_per_generation): micro-batches of one
+# image, groups of 4 (which divide every preset's steps_per_generation).
+PRESET_SPLIT_TINY = dict(
+    height=32, width=32, per_device_train_batch_size=1, num_generations=4, max_sequence_length=16, dtype="float32",
+    activation_checkpointing=False, offload_frozen_modules=False, report_to="none", save_strategy="no",
+    disable_tqdm=True, seed=0,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_preset_schedule_split_and_lora_through_the_trainer(name, request, tmp_path):
+    """The logged learning rate stays constant, one rollout feeds the peer's number of optimizer steps (2 for
+    Flow-GRPO, 3 for DanceGRPO), and the trained parameters are those of the peer's LoRA targets."""
+    recipe = get_recipe(name)
+    family = {"stabilityai": "sd3", "black-forest-labs": "flux", "Qwen": "qwenimage"}[recipe.model.split("/")[0]]
+    path = request.getfixturevalue("tiny_dual_attention_sd3_path" if family == "sd3" else f"tiny_{family}_path")
+    pipeline = recipe.apply_scheduler(DiffusionPipeline.from_pretrained(path))
+    steps_per_rollout = _peer_value(name, "optimizer_steps_per_rollout")
+    scored = []
+
+    def reward(prompts, images, **kwargs):
+        scored.extend(images)
+        return redness(prompts, images)
+
+    torch.manual_seed(0)
+    trainer = DDPOJaggTrainer(
+        model=pipeline,
+        reward_funcs=reward,
+        args=GRPOJaggConfig.from_recipe(
+            name,
+            output_dir=str(tmp_path),
+            **PRESET_SPLIT_TINY,
+            **{
+                "num_inference_steps": 8 if name == "dancegrpo-flux" else 5,
+                "max_steps": steps_per_rollout,
+            },
+        ),  # fmt: skip
+        train_dataset=Dataset.from_dict(
+            {"prompt": ["a red circle", "a green square", "a blue circle", "a red square", "a cat", "a dog"]}
+        ),
+        peft_config=recipe.lora_config(),
+    )
+    trainer.train()
+    args = trainer.args
+    assert trainer.state.global_step == steps_per_rollout
+    assert len(scored) == args.generation_batch_size  # one rollout fed all of them, each image used once
+    rates = [entry["learning_rate"] for entry in trainer.state.log_history if "learning_rate" in entry]
+    assert rates == [recipe.config["learning_rate"]] * steps_per_rollout  # constant, no warm-up
+
+    transformer = trainer.adapter.transformer
+    trainable = {n: p.numel() for n, p in transformer.named_parameters() if p.requires_grad}
+    fresh = DiffusionPipeline.from_pretrained(path).transformer
+    if PUBLISHED_LORA[name] is None:
+        assert sum(trainable.values()) == sum(p.numel() for p in fresh.parameters())  # full fine-tuning
+        return
+    rank, _, targets = PUBLISHED_LORA[name]
+    assert sum(trainable.values()) == _peer_lora_parameters(fresh, rank, targets)
+    if family == "sd3":  # SD3.5's second attention is left alone; bare names would adapt it too
+        assert any(".attn2." in n for n, _ in fresh.named_modules())
+        assert not any(".attn2." in n for n in trainable)
+    if family == "flux":
+        assert any(".ff_context." in n for n in trainable) and any(".ff.net." in n for n in trainable)
+    if family == "qwenimage":
+        assert any(".img_mlp." in n for n in trainable) and any(".txt_mlp." in n for n in trainable)
+
+
+# One optimizer step of plain SGD (no clipping, no decay, no KL) on one trained step: step 0, the SDE window.
+GUARD_PROBE = dict(
+    per_device_train_batch_size=4, num_generations=4, num_inference_steps=5, train_timesteps="sde_window",
+    sde_window_size=1, sde_window_max_start=0, use_jagg=False, optim="sgd", learning_rate=1.0, weight_decay=0.0,
+    max_grad_norm=0.0, beta=0.0, drop_zero_advantages=False,
+)  # fmt: skip
+
+
+def test_guard_options_scale_the_on_policy_gradient_as_the_peer(tiny_sd3_path, tmp_path):
+    """Through the trainer, on-policy (the first optimizer step), at one trained step k: GRPO-Guard's normalised
+    ratio exp(s (log p - log p_old) + |mu - mu_old|^2 / (2 s)) has gradient s d(log p), s the step's std, and the
+    reweighting divides by |dt_k|. So with plain SGD the update is s times the plain one, and s / |dt_k| times with
+    both options (Flow-GRPO's s = std_dev_t sqrt(-dt), std_dev_t = a sqrt(sigma / (1 - sigma)) with sigma_max for
+    sigma = 1: flow_grpo/diffusers_patch/sd3_sde_with_logprob.py:50)."""
+
+    def update(**options) -> tuple[torch.Tensor, DDPOJaggTrainer]:
+        torch.manual_seed(0)
+        trainer = DDPOJaggTrainer(
+            model=tiny_sd3_path,
+            reward_funcs=redness,
+            args=GRPOJaggConfig.from_recipe(
+                "flow-grpo-sd35", output_dir=str(tmp_path), **(TINY | GUARD_PROBE | options)
+            ),
+            train_dataset=Dataset.from_dict({"prompt": ["a red circle", "a green square"]}),
+            peft_config=get_recipe("flow-grpo-sd35").lora_config(),
+        )
+        params = [p for p in trainer.adapter.transformer.parameters() if p.requires_grad]
+        before = torch.cat([p.detach().flatten().clone() for p in params])
+        trainer.train()
+        return torch.cat([p.detach().flatten() for p in params]) - before, trainer
+
+    plain, trainer = update()
+    normalised, _ = update(ratio_normalization=True)
+    guard, _ = update(ratio_normalization=True, step_gradient_reweighting=True)
+    sigmas, _ = trainer.adapter.schedule(5, 32, 32)
+    sigma, sigma_next, sigma_max = sigmas[0].item(), sigmas[1].item(), sigmas[1].item()  # the window is step 0
+    std_dev_t = 0.7 * math.sqrt(sigma / (1 - (sigma_max if sigma == 1 else sigma)))
+    s = std_dev_t * math.sqrt(sigma - sigma_next)
+    assert plain.abs().max() > 0
+    torch.testing.assert_close(normalised, s * plain, rtol=1e-3, atol=1e-6 * plain.abs().max().item())
+    torch.testing.assert_close(
+        guard, s / (sigma - sigma_next) * plain, rtol=1e-3, atol=1e-6 * plain.abs().max().item()
+    )
+
+
+def test_dance_preset_rewards_score_the_last_steps_predicted_x0(tiny_flux_path, tmp_path):
+    """DanceGRPO's reward decodes the last step's pred_original_sample = z - sigma v (fastvideo/train_grpo_flux.py:145,
+    254, 379-382 at XueZeyue/DanceGRPO@15cc71d), not the final latent, which still carries that step's noise."""
+    recipe = get_recipe("dancegrpo-flux")
+    received, rollouts = [], []
+
+    def reward(prompts, images, **kwargs):
+        received.extend(np.asarray(image, dtype=np.float32) for image in images)
+        return redness(prompts, images)
+
+    torch.manual_seed(0)
+    trainer = DDPOJaggTrainer(
+        model=recipe.apply_scheduler(FluxPipeline.from_pretrained(tiny_flux_path)),
+        reward_funcs=reward,
+        args=GRPOJaggConfig.from_recipe(recipe.name, output_dir=str(tmp_path), **(TINY | {"num_inference_steps": 4})),
+        train_dataset=Dataset.from_dict({"prompt": ["a red circle", "a green square"]}),
+    )
+    generate = trainer.generation.generate
+
+    def spy(*args, **kwargs):
+        rollouts.append(generate(*args, **kwargs))
+        return rollouts[-1]
+
+    trainer.generation.generate = spy
+    trainer.train()
+    (rollout,) = rollouts
+    sigmas, latents, velocities = rollout["sigmas"], rollout["latents"], rollout["velocities"]  # the JAGG cache
+    x0_hat = latents[:, -2] - sigmas[-2] * velocities[:, -1].float()  # the last step starts at z_{N-1}, sigma_{N-1}
+    adapter = trainer.adapter
+
+    def decoded(batch):
+        return [np.asarray(image, dtype=np.float32) for image in adapter.decode(batch, 32, 32)]
+
+    assert len(received) == len(x0_hat) == 4
+    for got, want, final in zip(received, decoded(x0_hat), decoded(latents[:, -1])):
+        np.testing.assert_allclose(got, want, atol=1.0)  # uint8 images: one level for float rounding
+        assert np.abs(got - final).max() > 1.0  # the final latent decodes to another image

@@ -187,6 +187,36 @@ def test_ema_equals_the_closed_form_of_the_recorded_weights(tiny_flux_path, tmp_
     pipe.load_lora_weights(os.path.join(out, "ema"))  # loads as any LoRA
 
 
+def flow_grpo_ema(weights: dict[int, list[torch.Tensor]], steps, accumulation, decay, interval) -> list[torch.Tensor]:
+    """Flow-GRPO's EMA, written from its loop (zhtmike/flow_grpo@9745241): scripts/train_sd3.py calls
+    ``ema.step(params, global_step)`` after every micro-batch (L960), ``global_step`` counting the optimizer steps
+    taken, one every ``accumulation`` micro-batches (L360, L947-952); flow_grpo/ema.py:33-49 updates when
+    ``(t + 1) % interval == 0`` with decay ``min(decay, (1 + t) / (10 + t))``, from the initial weights (L17)."""
+    ema = [w.double() for w in weights[0]]
+    for micro_batch in range(steps * accumulation):
+        t = (micro_batch + 1) // accumulation  # optimizer steps taken after this micro-batch's backward
+        if (t + 1) % interval == 0:
+            d = min(decay, (1 + t) / (10 + t))
+            ema = [e + (1 - d) * (w.double() - e) for e, w in zip(ema, weights[t])]
+    return ema
+
+
+@pytest.mark.parametrize("accumulation", [2, 3])
+def test_flow_grpo_ema_schedule_equals_the_peer_sequence(tiny_flux_path, tmp_path, accumulation):
+    trainer = make_trainer(
+        tiny_flux_path, tmp_path, max_steps=5, per_device_train_batch_size=2, gradient_accumulation_steps=accumulation,
+        ema_decay=0.9, ema_update_interval=2, ema_warmup=True, ema_schedule="flow_grpo",
+    )  # fmt: skip
+    record = Record(trainer)
+    trainer.add_callback(record)
+    trainer.train()
+    expected = flow_grpo_ema(record.weights, 5, accumulation, 0.9, 2)
+    once = closed_form_ema(record.weights, 5, 0.9, 2, True)  # the `step` schedule: one update at t % 2 == 0
+    for got, want, other in zip(trainer.ema.shadow_params, expected, once):
+        torch.testing.assert_close(got.double(), want, atol=1e-6, rtol=1e-5)
+        assert not torch.allclose(want, other, atol=1e-6, rtol=1e-5)  # the schedules differ on these weights
+
+
 def test_ema_resumes_from_a_checkpoint(tiny_flux_path, tmp_path):
     ema = dict(ema_decay=0.7, ema_update_interval=1, ema_warmup=True, max_steps=4)
     straight = make_trainer(tiny_flux_path, tmp_path / "straight", **ema)

@@ -1,4 +1,5 @@
-"""GRPO pieces shared by every model: group advantages, the PPO-clipped step loss, the KL term (pure torch)."""
+"""GRPO pieces shared by every model: group advantages, the PPO-clipped step loss, GRPO-Guard's normalised ratio,
+the KL term (pure torch)."""
 
 from __future__ import annotations
 
@@ -120,6 +121,30 @@ def kl_to_reference(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tenso
     return kl.mean(dim=tuple(range(1, kl.ndim)))
 
 
+def guard_log_ratio(
+    log_prob: torch.Tensor, old_log_prob: torch.Tensor, mean: torch.Tensor, old_mean: torch.Tensor, std: torch.Tensor
+) -> torch.Tensor:
+    """GRPO-Guard's normalised log-ratio of one Gaussian step (RatioNorm, arXiv 2510.22319).
+
+    ``log r = s (log p - log p_old + mean((mu - mu_old)^2) / (2 s^2))`` with ``s`` the step's std: the added term
+    removes the ratio's negative drift ``-|mu - mu_old|^2 / (2 s^2)``, and the factor ``s`` puts every step's ratio on
+    one scale (without it, the narrow low-noise steps have ratios far from 1 for the same change of the mean). This is
+    Flow-GRPO's scripts/train_sd3_GRPO_Guard.py (its ``s`` is ``std_dev_t * sqrt(-dt)`` averaged over the batch,
+    which shares one step).
+
+    Args:
+        log_prob, old_log_prob: ``(batch,)`` log-densities (averaged over latent dims) of the rollout's next latent
+            under the current policy and at rollout time.
+        mean, old_mean: the step's Gaussian mean under the current policy and at rollout time, latent-shaped.
+        std: the step's std, ``(batch,)`` or broadcastable to the latent.
+    """
+    if std.numel() != log_prob.numel():
+        raise ValueError(f"`std` must hold one value per sample ({log_prob.numel()}), got {tuple(std.shape)}.")
+    std = std.float().reshape(log_prob.shape)
+    drift = (mean.float() - old_mean.float()).pow(2).mean(dim=tuple(range(1, mean.ndim)))
+    return (log_prob - old_log_prob + drift / (2 * std**2)) * std
+
+
 @dataclass
 class StepLoss:
     """The PPO loss of one denoising step and its diagnostics (detached 0-dim tensors, left on the device so that a
@@ -142,8 +167,10 @@ def ppo_step_loss(
     kl: torch.Tensor | None = None,
     beta: float = 0.0,
     clip_range_high: float | None = None,
+    log_ratio: torch.Tensor | None = None,
+    policy_weight: float | torch.Tensor = 1.0,
 ) -> StepLoss:
-    """PPO-clipped loss of one step: ``mean(max(-A r, -A clip(r, 1-eps, 1+eps_high))) + beta * mean(KL)``.
+    """PPO-clipped loss of one step: ``w mean(max(-A r, -A clip(r, 1-eps, 1+eps_high))) + beta * mean(KL)``.
 
     Args:
         log_prob: ``(batch,)`` log-probs of the rollout's next latents under the current policy.
@@ -153,21 +180,25 @@ def ppo_step_loss(
         clip_range_high: the upper bound ``1 + eps_high`` (DAPO's clip-higher); ``None`` uses ``clip_range``.
         kl: optional ``(batch,)`` KL to the reference (see :func:`kl_to_reference`).
         beta: weight of the KL term.
+        log_ratio: ``(batch,)`` the log of ``r`` when it is not ``log_prob - old_log_prob``, e.g. GRPO-Guard's
+            normalised one (:func:`guard_log_ratio`); ``approx_kl`` stays that of the plain log-ratio.
+        policy_weight: ``w``, a weight of the policy term only (GRPO-Guard's per-step reweighting ``1 / |dt|``).
     """
     if log_prob.ndim != 1:
         raise ValueError(f"`log_prob` must have shape (batch,), got {tuple(log_prob.shape)}.")
     # Mismatched (batch,) and (batch, 1) tensors would broadcast to (batch, batch) and silently average nonsense.
-    for name, value in (("old_log_prob", old_log_prob), ("advantages", advantages), ("kl", kl)):
+    checked = (("old_log_prob", old_log_prob), ("advantages", advantages), ("kl", kl), ("log_ratio", log_ratio))
+    for name, value in checked:
         if value is not None and value.shape != log_prob.shape:
             raise ValueError(
                 f"`{name}` must have the shape of `log_prob` {tuple(log_prob.shape)}, got {tuple(value.shape)}."
             )
-    log_ratio = log_prob - old_log_prob
-    ratio = torch.exp(log_ratio)
+    plain_log_ratio = log_prob - old_log_prob
+    ratio = torch.exp(plain_log_ratio if log_ratio is None else log_ratio)
     unclipped = -advantages * ratio
     high = clip_range if clip_range_high is None else clip_range_high
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + high)
-    policy_loss = torch.maximum(unclipped, clipped).mean()
+    policy_loss = policy_weight * torch.maximum(unclipped, clipped).mean()
     kl_mean = kl.mean() if kl is not None else torch.zeros((), device=log_prob.device)
     loss = policy_loss + beta * kl_mean if beta else policy_loss
     with torch.no_grad():
@@ -177,5 +208,5 @@ def ppo_step_loss(
             kl=kl_mean.detach(),
             ratio_mean=ratio.mean(),
             clip_fraction=((ratio < 1.0 - clip_range) | (ratio > 1.0 + high)).float().mean(),
-            approx_kl=(0.5 * log_ratio**2).mean(),
+            approx_kl=(0.5 * plain_log_ratio.detach() ** 2).mean(),
         )

@@ -22,9 +22,11 @@ from .sampling import SAMPLERS
 from .sde_window import WINDOW_SCHEDULES
 
 TRAIN_SAMPLERS = tuple(s for s in SAMPLERS if s != "ode")
+GAUSSIAN_SAMPLERS = ("sde", "dance")  # log-probs are true Gaussian log-densities (CPS drops the constants)
 TRAIN_TIMESTEPS = ("all_but_last", "all", "random", "random_but_last", "sde_window")
 SCALE_REWARDS = ("group", "batch", "none")
 KL_STDS = ("step", "flow_grpo")
+EMA_SCHEDULES = ("step", "flow_grpo")
 CFG_GRADIENTS = ("both", "conditional")
 DTYPES = ("float32", "bfloat16", "float16")
 MAX_NOISE_LEVEL = 2.0
@@ -50,19 +52,21 @@ class GRPOJaggConfig(TrainingArguments):
         > Sampling (rollouts)
 
         num_generations, num_inference_steps, height, width, guidance_scale, true_cfg_scale, negative_prompt,
-        sampler, noise_level, sample_batch_size, max_sequence_length, steps_per_generation, generation_batch_size.
+        sampler, noise_level, reward_on_predicted_x0, sample_batch_size, max_sequence_length, steps_per_generation,
+        generation_batch_size.
 
         > Training (which steps, which loss)
 
         train_timesteps, train_timestep_fraction, sde_window_size, sde_window_max_start, sde_window_schedule,
         sde_window_stride, sde_window_shift_interval, ode_solver_order, ode_step_ratio, clip_range (TRL: epsilon),
-        epsilon_high, adv_clip_max, beta, kl_std, cfg_gradient, quantize_timesteps, same_group_noise, num_iterations,
+        epsilon_high, adv_clip_max, beta, kl_std, ratio_normalization, step_gradient_reweighting, cfg_gradient,
+        quantize_timesteps, same_group_noise, num_iterations,
         scale_rewards, advantage_std_ddof, advantage_eps, per_prompt_stat_tracking, stat_tracking_buffer_size,
         drop_zero_advantages, reward_weights, reward_retries.
 
         > EMA of the trained weights
 
-        ema_decay, ema_update_interval, ema_warmup, ema_offload.
+        ema_decay, ema_update_interval, ema_schedule, ema_warmup, ema_offload.
 
         > JAGG
 
@@ -154,6 +158,14 @@ class GRPOJaggConfig(TrainingArguments):
         metadata={
             "help": "SDE noise level `a` (0.7 for SD3.5, 0.9 for Flux in Flow-GRPO); eta for `dance`. In (0, 2] "
             "((0, 1] for `cps`): above 2 the steps amplify the latent."
+        },
+    )
+    reward_on_predicted_x0: bool = field(
+        default=False,
+        metadata={
+            "help": "Decode for the rewards the last step's prediction of the clean latent, x0-hat = z - sigma v at "
+            "its start (DanceGRPO), instead of the final latent, which still carries the last stochastic step's "
+            "noise. The sample images and evaluations (ODE) are unchanged."
         },
     )
     sample_batch_size: int | None = field(
@@ -280,6 +292,22 @@ class GRPOJaggConfig(TrainingArguments):
             "the step), or `flow_grpo`, Flow-GRPO's `std_dev_t` (for `sde` the diffusion coefficient g without "
             "sqrt(|dt|), which makes the KL the exact one times |dt|; for `cps` the step std). `beta` means "
             "different things under the two."
+        },
+    )
+    ratio_normalization: bool = field(
+        default=False,
+        metadata={
+            "help": "GRPO-Guard's RatioNorm (arXiv 2510.22319, Flow-GRPO's `rationorm`): the PPO ratio of a step is "
+            "exp(s (log p - log p_old) + |mu - mu_old|^2 / (2 s)), s the step's std, which removes the ratio's "
+            "negative drift and puts every step on one scale. Gaussian samplers only (`sde`, `dance`); the rollout "
+            "keeps its velocities to recompute mu_old. Pair it with GRPO-Guard's clip range (4e-6, not 1e-4)."
+        },
+    )
+    step_gradient_reweighting: bool = field(
+        default=False,
+        metadata={
+            "help": "GRPO-Guard's per-step reweighting (Flow-GRPO's `rationorm` divides each step's policy loss by "
+            "|dt|): the policy term of step k is weighted by 1 / |sigma_k - sigma_{k+1}|; the KL term is not."
         },
     )
     cfg_gradient: str = field(
@@ -469,7 +497,21 @@ class GRPOJaggConfig(TrainingArguments):
         },
     )
     ema_update_interval: int = field(
-        default=1, metadata={"help": "Update the EMA every N optimizer steps (Flow-GRPO 8, DanceGRPO 1)."}
+        default=1,
+        metadata={
+            "help": "Update the EMA every N optimizer steps (Flow-GRPO 8; DanceGRPO's 8-GPU script once per rollout: "
+            "its optimizer steps per rollout, steps_per_generation / gradient_accumulation_steps)."
+        },
+    )
+    ema_schedule: str = field(
+        default="step",
+        metadata={
+            "help": f"When the EMA updates, one of {EMA_SCHEDULES}: `step`, once after optimizer step t when "
+            "t % ema_update_interval == 0; `flow_grpo`, Flow-GRPO's, which calls its EMA after every micro-batch "
+            "with the optimizer steps taken so far t and updates when (t + 1) % ema_update_interval == 0: "
+            "gradient_accumulation_steps updates with the weights after step t (an effective decay of "
+            "ema_decay ** gradient_accumulation_steps), the warm-up decay at t."
+        },
     )
     ema_warmup: bool = field(
         default=False,
@@ -761,6 +803,12 @@ class GRPOJaggConfig(TrainingArguments):
             fail("advantage_eps", f"is {self.advantage_eps}", "Use a value >= 0 (1e-4 or 1e-8 are typical).")
         if self.kl_std not in KL_STDS:
             fail("kl_std", f"is {self.kl_std!r}", f"Use one of {KL_STDS}.")
+        if self.ratio_normalization and self.sampler not in GAUSSIAN_SAMPLERS:
+            fail(
+                "ratio_normalization",
+                f"is on with sampler={self.sampler!r}, whose log-prob has no Gaussian normalisation",
+                f"Use a sampler in {GAUSSIAN_SAMPLERS}, or ratio_normalization=False.",
+            )
         if self.cfg_gradient not in CFG_GRADIENTS:
             fail("cfg_gradient", f"is {self.cfg_gradient!r}", f"Use one of {CFG_GRADIENTS}.")
         if not 0 <= self.ema_decay < 1:
@@ -782,6 +830,8 @@ class GRPOJaggConfig(TrainingArguments):
                 "GRPOJaggConfig.ema_offload=True does nothing with ema_decay=0 (no EMA is kept). Set ema_decay > 0 "
                 "(0.995 in DanceGRPO), or drop ema_offload."
             )
+        if self.ema_schedule not in EMA_SCHEDULES:
+            fail("ema_schedule", f"is {self.ema_schedule!r}", f"Use one of {EMA_SCHEDULES}.")
         if not isinstance(self.jagg_group_size, int) or self.jagg_group_size < 1:
             fail("jagg_group_size", f"is {self.jagg_group_size!r}", "Use an integer >= 1 (4 or 8 are typical).")
         if isinstance(self.jagg_frac, bool):

@@ -18,8 +18,9 @@ This module holds data only and imports nothing of trl_jagg: the config reads it
 A :class:`Recipe` holds the base model's Hub id, the :class:`~trl_jagg.GRPOJaggConfig` values, the LoRA settings
 (``None`` for full fine-tuning), a scheduler override where the recipe changes the model's schedule (DanceGRPO's
 fixed shift 3), the reward it was published with, and where the numbers come from. Every preset uses the JAGG
-settings of the paper: groups of ``W = 4`` trained steps, the high-noise 60% of the groups routed to JAGG (the
-Flow-GRPO-Fast preset trains only 3 steps, so its ``W`` is 3: a shorter group would always run exact).
+settings of the paper: groups of ``W = 4`` trained steps, the high-noise 60% of the groups routed to JAGG, except
+where fewer steps are trained (Flow-GRPO-Fast trains 3, so its ``W`` is 3; Flow-GRPO's Qwen-Image 2, so ``W = 2``:
+a group longer than the trained steps would always run exact).
 
 The CLI's YAML files (``examples/recipes/<name>.yaml``) are generated from these presets, never edited by hand::
 
@@ -33,7 +34,7 @@ import os
 import sys
 import textwrap
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
@@ -61,8 +62,21 @@ ATTENTION_PROJECTIONS: tuple[str, ...] = (
 )  # fmt: skip
 """The attention projections of both streams, named alike in the SD3, Flux and Qwen-Image transformers."""
 
-# Optimiser settings of Flow-GRPO's base config shared by its recipes (AdamW betas/eps are the defaults).
-_FLOW_GRPO_OPTIM = {"learning_rate": 3e-4, "weight_decay": 1e-4, "max_grad_norm": 1.0}
+# Flow-GRPO's LoRA targets (scripts/train_*.py at zhtmike/flow_grpo@9745241). peft matches a listed name against a
+# module's full name or any suffix after a dot, so `attn.to_q` adapts `transformer_blocks.0.attn.to_q` but not
+# SD3.5's second attention `transformer_blocks.0.attn2.to_q`, which a bare `to_q` would also adapt.
+_FLOW_GRPO_ATTENTION = tuple(f"attn.{name}" for name in ATTENTION_PROJECTIONS)
+_FLUX_FEED_FORWARD = ("ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2")
+_QWENIMAGE_FEED_FORWARD = ("img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2")
+
+# Optimiser settings of Flow-GRPO's base config shared by its recipes (AdamW betas/eps are the defaults). Flow-GRPO
+# builds no learning-rate scheduler: the rate is constant.
+_FLOW_GRPO_OPTIM = {
+    "learning_rate": 3e-4,
+    "weight_decay": 1e-4,
+    "max_grad_norm": 1.0,
+    "lr_scheduler_type": "constant",
+}
 _FLOW_GRPO_LOSS = {"clip_range": 1e-4, "adv_clip_max": 5.0}
 # Flow-GRPO's advantages (flow_grpo/stat_tracking.py): the prompt's mean over a tracker cleared every epoch, numpy's
 # population std + 1e-4; its KL divides by the sampler's std_dev_t (scripts/train_*.py).
@@ -72,18 +86,26 @@ _FLOW_GRPO_ADVANTAGES = {
     "advantage_eps": 1e-4,
     "kl_std": "flow_grpo",
 }
-# Flow-GRPO's EMAModuleWrapper(decay=0.9, update_step_interval=8) with its (1 + t) / (10 + t) warm-up.
-_FLOW_GRPO_EMA = {"ema_decay": 0.9, "ema_update_interval": 8, "ema_warmup": True}
+# Flow-GRPO's EMAModuleWrapper(decay=0.9, update_step_interval=8) with its (1 + t) / (10 + t) warm-up, called after
+# every micro-batch (so gradient_accumulation_steps updates when (t + 1) % 8 == 0).
+_FLOW_GRPO_EMA = {"ema_decay": 0.9, "ema_update_interval": 8, "ema_warmup": True, "ema_schedule": "flow_grpo"}
 
 
-def _attention_lora(rank: int) -> dict[str, Any]:
-    """Flow-GRPO's LoRA: rank ``rank`` and alpha ``2 * rank`` on the attention projections."""
+def _two_updates_per_rollout(per_device: int, images_per_process: int) -> dict[str, int]:
+    """Flow-GRPO's split: gradient_accumulation_steps = num_batches_per_epoch // 2, i.e. two optimizer steps per
+    rollout, each sample used once. ``images_per_process`` images are sampled per rollout in micro-batches of
+    ``per_device``."""
+    micro_batches = images_per_process // per_device
     return {
-        "r": rank,
-        "lora_alpha": 2 * rank,
-        "target_modules": ATTENTION_PROJECTIONS,
-        "init_lora_weights": "gaussian",
+        "per_device_train_batch_size": per_device,
+        "steps_per_generation": micro_batches,
+        "gradient_accumulation_steps": micro_batches // 2,
     }
+
+
+def _lora(rank: int, targets: tuple[str, ...]) -> dict[str, Any]:
+    """Flow-GRPO's LoRA: rank ``rank``, alpha ``2 * rank``, gaussian init, on ``targets``."""
+    return {"r": rank, "lora_alpha": 2 * rank, "target_modules": targets, "init_lora_weights": "gaussian"}
 
 
 @dataclass(frozen=True)
@@ -100,6 +122,11 @@ class Recipe:
         scheduler: scheduler config overrides the recipe applies to the pipeline (``None``: the model's own).
             :meth:`apply_scheduler` applies them; a pipeline loaded from ``model`` does not have them.
         reward_funcs: the reward names the recipe was published with (see ``docs/rewards.md``).
+        mixed_precision: the Trainer's mixed-precision flag the recipe trains with on GPUs, ``"fp16"`` or
+            ``"bf16"`` (``None``: none). It is not in ``config`` because a CPU-only machine refuses it: pass
+            ``**{recipe.mixed_precision: True}`` to :meth:`GRPOJaggConfig.from_recipe` (or ``--bf16 true`` /
+            ``--fp16 true`` to the CLI). With ``config["dtype"] == "float32"`` this is the peer's precision: float32
+            weights, the backbone's forward under autocast.
         notes: what the preset does not express, or chose where the source is silent.
     """
 
@@ -111,6 +138,7 @@ class Recipe:
     lora: Mapping[str, Any] | None = None
     scheduler: Mapping[str, Any] | None = None
     reward_funcs: tuple[str, ...] = ()
+    mixed_precision: str | None = None
     notes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -118,6 +146,13 @@ class Recipe:
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, MappingProxyType(dict(value)))
+        if self.mixed_precision not in (None, "fp16", "bf16"):
+            raise ValueError(f"Recipe.mixed_precision is {self.mixed_precision!r}. Use 'fp16', 'bf16' or None.")
+
+    def variant(self, name: str, description: str, config: Mapping[str, Any], **fields: Any) -> Recipe:
+        """This recipe under another ``name``, with ``config`` values on top and other attributes replaced by
+        ``fields`` (e.g. ``notes``, ``reward_funcs``)."""
+        return replace(self, name=name, description=description, config={**self.config, **config}, **fields)
 
     def lora_config(self) -> LoraConfig | None:
         """The recipe's LoRA adapter as a :class:`~peft.LoraConfig` (``None`` for full fine-tuning)."""
@@ -163,6 +198,11 @@ class Recipe:
             "there, not this file (tests/test_recipes.py fails on drift).",
             f"Usage: {usage}",
         ]
+        if self.mixed_precision:
+            lines.append(
+                f"On GPUs add --{self.mixed_precision} true: the recipe's mixed precision (a CPU-only machine refuses "
+                "it, so it is not among the values below)."
+            )
         if self.scheduler:
             lines.append(
                 f"The scheduler override {dict(self.scheduler)} is not a config field: the CLI applies it because "
@@ -178,213 +218,308 @@ class Recipe:
         return header + yaml.safe_dump(values, sort_keys=False, default_flow_style=False, width=119)
 
 
+_SD35 = Recipe(
+    name="flow-grpo-sd35",
+    model="stabilityai/stable-diffusion-3.5-medium",
+    description="Flow-GRPO on SD3.5-Medium with PickScore: LoRA, CFG 4.5, SDE a = 0.7, all steps but the last trained.",
+    source="Flow-GRPO (Liu et al. 2025, arXiv 2505.05470): config/grpo.py pickscore_sd3 and scripts/train_sd3.py "
+    "at zhtmike/flow_grpo@9745241; JAGG spec section 5.",
+    config={
+        "height": 512,
+        "width": 512,
+        "num_inference_steps": 10,
+        "guidance_scale": 4.5,  # SD3's classifier-free guidance (negative prompt "")
+        "sampler": "sde",
+        "noise_level": 0.7,
+        "num_generations": 24,
+        # Flow-GRPO samples 9 images a batch; here 6, so that a rollout is one whole group of 24 per process.
+        **_two_updates_per_rollout(per_device=6, images_per_process=24),
+        "train_timesteps": "all_but_last",
+        "beta": 0.01,  # pickscore_sd3; the OCR and GenEval configs use 0.04 (flow-grpo-sd35-ocr)
+        **_FLOW_GRPO_LOSS,
+        **_FLOW_GRPO_ADVANTAGES,
+        "scale_rewards": "batch",  # config/grpo.py: sample.global_std = True
+        "drop_zero_advantages": True,  # scripts/train_sd3.py masks zero-advantage samples
+        "max_sequence_length": 128,
+        "eval_num_inference_steps": 40,
+        **_FLOW_GRPO_EMA,
+        **_FLOW_GRPO_OPTIM,
+        **PAPER_JAGG,
+        "dtype": "float32",  # with fp16=True: float32 weights, fp16 autocast (Flow-GRPO's mixed_precision="fp16")
+    },
+    lora=_lora(32, _FLOW_GRPO_ATTENTION),
+    reward_funcs=("pickscore",),
+    mixed_precision="fp16",
+    notes=(
+        "Both CFG branches get gradients, as Flow-GRPO's train_sd3.py before 2025-07-15 (2d76907) and again since "
+        "2025-08-19 (a482878); in between it detached the unconditional prediction: cfg_gradient='conditional' "
+        "reproduces that and halves the update's backward (its gradient is larger, about the CFG scale times when "
+        "the branches' Jacobians are alike: mind max_grad_norm).",
+        "Two optimizer steps per rollout, each image used once, as Flow-GRPO (gradient_accumulation_steps = "
+        "num_batches_per_epoch // 2). Every process samples one whole group of G = 24; Flow-GRPO samples 48 "
+        "prompts per epoch on 32 GPUs.",
+        "On GPUs add fp16=True: Flow-GRPO's precision (the pipeline in float32, the backbone's forward under fp16 "
+        "autocast). The float32 transformer takes 2x the memory of a bf16 one (about 10 GB for SD3.5-M).",
+    ),
+)
+
+_FLUX = Recipe(
+    name="flow-grpo-flux",
+    model="black-forest-labs/FLUX.1-dev",
+    description="Flow-GRPO on FLUX.1-dev: LoRA on attention and feed-forward, embedded guidance 3.5, SDE a = 0.9, "
+    "6 steps.",
+    source="Flow-GRPO (Liu et al. 2025, arXiv 2505.05470): config/grpo.py pickscore_flux and scripts/train_flux.py "
+    "at zhtmike/flow_grpo@9745241; JAGG spec section 5.",
+    config={
+        "height": 512,
+        "width": 512,
+        "num_inference_steps": 6,
+        "guidance_scale": 3.5,  # Flux.1-dev's embedded (distilled) guidance, no negative branch
+        "sampler": "sde",
+        "noise_level": 0.9,
+        "num_generations": 24,
+        **_two_updates_per_rollout(per_device=3, images_per_process=24),  # Flow-GRPO's 3 images a batch
+        "train_timesteps": "all_but_last",
+        "beta": 0.0,
+        **_FLOW_GRPO_LOSS,
+        **_FLOW_GRPO_ADVANTAGES,
+        "scale_rewards": "batch",
+        "max_sequence_length": 128,
+        "eval_num_inference_steps": 28,
+        **_FLOW_GRPO_EMA,
+        **_FLOW_GRPO_OPTIM,
+        **PAPER_JAGG,
+        "dtype": "float32",  # with bf16=True: Flow-GRPO's float32 weights and bf16 autocast
+        "offload_frozen_modules": True,  # the float32 T5 (19 GB) stays on the CPU outside prompt encoding
+    },
+    lora=_lora(64, _FLOW_GRPO_ATTENTION + _FLUX_FEED_FORWARD),
+    reward_funcs=("pickscore",),
+    mixed_precision="bf16",
+    notes=(
+        "6 steps train 5: one JAGG group of W = 4, the remaining step exact.",
+        "Two optimizer steps per rollout, each image used once, as Flow-GRPO.",
+        "On GPUs add bf16=True: Flow-GRPO's precision. The float32 transformer takes 48 GB (24 GB in bf16), as in "
+        "Flow-GRPO; dtype='bfloat16' halves it (the matmuls round the weights to bf16 under autocast either way).",
+    ),
+)
+
+_FAST_FLUX = Recipe(
+    name="flow-grpo-fast-flux",
+    model="black-forest-labs/FLUX.1-dev",
+    description="Flow-GRPO-Fast on FLUX.1-dev: SDE only in a 3-step window in the first half, ODE elsewhere; only "
+    "the window is trained.",
+    source="Flow-GRPO-Fast: config/grpo.py pickscore_flux_fast and scripts/train_flux_fast.py at "
+    "zhtmike/flow_grpo@9745241; JAGG spec section 5.",
+    config={
+        **_FLUX.config,
+        "sampler": "cps",
+        "noise_level": 0.8,
+        "clip_range": 1e-5,  # CPS log-probs have no 1/std^2: a smaller clip range
+        "train_timesteps": "sde_window",
+        "sde_window_size": 3,
+        "sde_window_max_start": 0,  # the window lies in the first half: steps 0-2 of 6
+        "scale_rewards": "group",  # pickscore_flux_fast: sample.global_std = False
+        "jagg_group_size": 3,  # the whole window is one group: W = 4 would never fit in 3 steps
+    },
+    lora=_FLUX.lora,  # train_flux_fast.py adapts the same modules as train_flux.py
+    reward_funcs=("pickscore",),
+    mixed_precision="bf16",
+    notes=(
+        "jagg_group_size is 3, not the paper's 4: only the 3 window steps are trained and a group must fill W "
+        "steps, so with W = 4 JAGG would silently never run.",
+        "CPS sampler with a = 0.8 and clip range 1e-5 as in Flow-GRPO-Fast's FLUX config. For a longer schedule, "
+        "raise num_inference_steps and sde_window_max_start (<= steps // 2 - window) together.",
+        _FLUX.notes[-1],
+    ),
+)
+
+_QWENIMAGE = Recipe(
+    name="flow-grpo-qwenimage",
+    model="Qwen/Qwen-Image",
+    description="Flow-GRPO on Qwen-Image: LoRA on attention and MLPs, true CFG 4 with norm rescaling, SDE a = 1.2 "
+    "in a 2-step window, FSDP.",
+    source="Flow-GRPO (Liu et al. 2025, arXiv 2505.05470): config/grpo.py pickscore_qwenimage and "
+    "scripts/train_qwenimage.py at zhtmike/flow_grpo@9745241; JAGG spec section 5.",
+    config={
+        "height": 512,
+        "width": 512,
+        "num_inference_steps": 10,
+        "true_cfg_scale": 4.0,  # two backbone calls per step, rescaled to the conditional norm
+        "negative_prompt": " ",  # Qwen-Image's and Flow-GRPO's empty negative prompt
+        "sampler": "sde",
+        "noise_level": 1.2,
+        "num_generations": 16,
+        **_two_updates_per_rollout(per_device=4, images_per_process=16),  # Flow-GRPO's 4 images a batch
+        # SDE in a 2-step window drawn in steps 0-4 (sde_window_range = (0, num_steps // 2)), ODE elsewhere.
+        "train_timesteps": "sde_window",
+        "sde_window_size": 2,
+        "sde_window_max_start": 3,
+        "beta": 0.0,
+        **_FLOW_GRPO_LOSS,
+        **_FLOW_GRPO_ADVANTAGES,
+        "scale_rewards": "batch",
+        "max_sequence_length": 512,  # QwenImagePipeline's default, which Flow-GRPO keeps
+        "eval_num_inference_steps": 50,
+        **_FLOW_GRPO_OPTIM,
+        **PAPER_JAGG,
+        "jagg_group_size": 2,  # W <= the 2 trained steps: the window is one group, exact by construction
+        "dtype": "float32",  # with bf16=True: Flow-GRPO's float32 FSDP shards and bf16 compute
+        "offload_frozen_modules": True,  # the float32 Qwen2.5-VL encoder (33 GB) stays on the CPU
+        "activation_checkpointing": True,
+    },
+    lora=_lora(64, _FLOW_GRPO_ATTENTION + _QWENIMAGE_FEED_FORWARD),
+    reward_funcs=("pickscore",),
+    mixed_precision="bf16",
+    notes=(
+        "FSDP: launch with `accelerate launch --config_file <fsdp.yaml>` (FULL_SHARD, wrapping "
+        "QwenImageTransformerBlock; Flow-GRPO also offloads the optimizer state).",
+        "The 2-step SDE window is Flow-GRPO's (sde_window_size=2, range (0, 5)); its pipeline reseeds Python's "
+        "random with process_index=0 (which train_qwenimage.py never passes) before drawing the start, so in practice "
+        "it always trains steps 3-4. The preset draws the start in 0-3 each rollout, as the config intends.",
+        "JAGG needs W <= the trained steps: with 2 trained steps W = 2, where JAGG is exact (both Jacobians are "
+        "kept) and saves only the second backward call (one joint backward, parameters gathered once under FSDP). "
+        "flow-grpo-qwenimage-all-steps trains every step but the last with W = 4 (the preset before issue 18).",
+        "On GPUs add bf16=True: Flow-GRPO's precision. The float32 transformer is 82 GB (41 GB in bf16) before "
+        "FSDP sharding.",
+    ),
+)
+
+_DANCE = Recipe(
+    name="dancegrpo-flux",
+    model="black-forest-labs/FLUX.1-dev",
+    description="DanceGRPO on FLUX.1-dev: full fine-tuning, constant-eta SDE (eta 0.3), 720 px, 16 steps with "
+    "shift 3, a random 60% of the first 15 steps trained per sample.",
+    source="DanceGRPO (Xue et al. 2025, arXiv 2505.07818): fastvideo/train_grpo_flux.py and "
+    "scripts/finetune/finetune_flux_grpo.sh at XueZeyue/DanceGRPO@15cc71d; JAGG spec section 5.",
+    config={
+        "height": 720,
+        "width": 720,
+        "num_inference_steps": 16,
+        "guidance_scale": 3.5,
+        "sampler": "dance",
+        "noise_level": 0.3,  # eta
+        "num_generations": 12,
+        # 12 samples per process (--train_batch_size 1 x --num_generations 12), trained one at a time, an optimizer
+        # step every --gradient_accumulation_steps 4: three per rollout, each sample used once.
+        "per_device_train_batch_size": 1,
+        "steps_per_generation": 12,
+        "gradient_accumulation_steps": 4,
+        "train_timesteps": "random_but_last",  # its samples drop the last step
+        "train_timestep_fraction": 0.6,
+        "beta": 0.0,
+        "clip_range": 1e-4,
+        "adv_clip_max": 5.0,
+        # Per-group torch std (unbiased) + 1e-8, the model fed int(sigma * 1000) / 1000, one initial noise per
+        # group, prompts at FluxPipeline's 512 tokens (fastvideo/train_grpo_flux.py).
+        "scale_rewards": "group",
+        "advantage_std_ddof": 1,
+        "advantage_eps": 1e-8,
+        "quantize_timesteps": True,
+        "same_group_noise": True,
+        "reward_on_predicted_x0": True,  # its reward decodes the last step's pred_original_sample
+        "max_sequence_length": 512,
+        "learning_rate": 1e-5,
+        "lr_scheduler_type": "constant_with_warmup",  # its --lr_scheduler default, with --lr_warmup_steps 0
+        "warmup_steps": 0,
+        "weight_decay": 1e-4,
+        "max_grad_norm": 1.0,
+        **PAPER_JAGG,
+        "dtype": "float32",  # full fine-tuning keeps float32 master weights, as DanceGRPO
+        "activation_checkpointing": True,
+    },
+    scheduler={"shift": 3.0, "use_dynamic_shifting": False},
+    reward_funcs=("hpsv2.1",),
+    mixed_precision="bf16",
+    notes=(
+        "Shift 3 is a scheduler override (a static time shift sigma' = 3 sigma / (1 + 2 sigma) instead of "
+        "Flux's resolution-dependent one). The CLI applies it for `--recipe dancegrpo-flux`; in Python, "
+        "pass get_recipe('dancegrpo-flux').apply_scheduler(pipeline) to DDPOJaggTrainer.",
+        "Micro-batches of one sample, as DanceGRPO: the random trained steps are drawn per micro-batch, so per "
+        "sample as in DanceGRPO.",
+        "Full fine-tuning of a 12B backbone needs FSDP (optimizer state sharded) and bf16=True on GPUs "
+        "(DanceGRPO's --mixed_precision bf16 over float32 weights).",
+        "EMA is off as in finetune_flux_grpo.sh; dancegrpo-flux-8gpu follows the 8-GPU script (EMA 0.995 once "
+        "per rollout, on the CPU, max_grad_norm 0.01).",
+    ),
+)
+
 RECIPES: Mapping[str, Recipe] = MappingProxyType(
     {
         recipe.name: recipe
         for recipe in (
-            Recipe(
-                name="flow-grpo-sd35",
-                model="stabilityai/stable-diffusion-3.5-medium",
-                description="Flow-GRPO on SD3.5-Medium: LoRA, CFG 4.5, SDE a = 0.7, all steps but the last trained.",
-                source="Flow-GRPO (Liu et al. 2025, arXiv 2505.05470), SD3.5-M configs; JAGG spec section 5.",
-                config={
-                    "height": 512,
-                    "width": 512,
-                    "num_inference_steps": 10,
-                    "guidance_scale": 4.5,  # SD3's classifier-free guidance (negative prompt "")
-                    "sampler": "sde",
-                    "noise_level": 0.7,
-                    "num_generations": 24,
-                    "per_device_train_batch_size": 8,
-                    "gradient_accumulation_steps": 3,  # one rollout = 24 images = one prompt group per process
+            _SD35,
+            _SD35.variant(
+                "flow-grpo-sd35-ocr",
+                "Flow-GRPO on SD3.5-Medium with the OCR reward: flow-grpo-sd35 with beta 0.04.",
+                {"beta": 0.04},  # general_ocr_sd3 (and geneval_sd3)
+                reward_funcs=("ocr",),
+            ),
+            _SD35.variant(
+                "flow-grpo-guard-sd35",
+                "GRPO-Guard on SD3.5-Medium with PickScore: flow-grpo-sd35 with the normalised ratio and 1/|dt| "
+                "step reweighting, clip range 4e-6, lr 1e-4, no KL, per-prompt std.",
+                {
+                    "ratio_normalization": True,  # config.rationorm = True
+                    "step_gradient_reweighting": True,  # the same switch divides each step's policy loss by |dt|
+                    "clip_range": 4e-6,
+                    "learning_rate": 1e-4,
+                    "beta": 0.0,
+                    "scale_rewards": "group",  # sample.global_std = False
+                },
+                source="GRPO-Guard (arXiv 2510.22319): config/grpo_guard.py pickscore_hps_sd3_ratio_norm and "
+                "scripts/train_sd3_GRPO_Guard.py at zhtmike/flow_grpo@9745241.",
+                notes=(
+                    "Flow-GRPO's one switch `rationorm` turns on both the ratio normalisation and the per-step "
+                    "reweighting; here they are two fields. Its `highclip_range` (also 4e-6) is unused by its "
+                    "script, which clips both sides with clip_range.",
+                    *_SD35.notes,
+                ),
+            ),
+            _FLUX,
+            _QWENIMAGE,
+            _QWENIMAGE.variant(
+                "flow-grpo-qwenimage-all-steps",
+                "flow-grpo-qwenimage trained on every step but the last (SDE everywhere) with W = 4 JAGG groups.",
+                {
                     "train_timesteps": "all_but_last",
-                    "beta": 0.04,
-                    **_FLOW_GRPO_LOSS,
-                    **_FLOW_GRPO_ADVANTAGES,
-                    "scale_rewards": "batch",  # config/grpo.py: sample.global_std = True
-                    "drop_zero_advantages": True,  # scripts/train_sd3.py masks zero-advantage samples
-                    "max_sequence_length": 128,
-                    "eval_num_inference_steps": 40,
-                    **_FLOW_GRPO_EMA,
-                    **_FLOW_GRPO_OPTIM,
-                    **PAPER_JAGG,
-                    "dtype": "bfloat16",
-                },
-                lora=_attention_lora(32),
-                reward_funcs=("pickscore",),
+                    "sde_window_size": 0,
+                    "sde_window_max_start": None,
+                    "jagg_group_size": 4,
+                },  # fmt: skip
                 notes=(
-                    "beta 0.04 is Flow-GRPO's GenEval/OCR value (its PickScore run uses 0.01).",
-                    "Both CFG branches get gradients, as Flow-GRPO's train_sd3.py since its FLUX/Fast releases; its "
-                    "July 2025 version detached the unconditional prediction: cfg_gradient='conditional' reproduces "
-                    "that and halves the update's backward (its gradient is larger, about the CFG scale times when "
-                    "the branches' Jacobians are alike: mind max_grad_norm).",
-                    "Batch sizes are chosen so that every process samples whole groups of G = 24 for any number of "
-                    "processes; Flow-GRPO samples 48 prompts per epoch on 32 GPUs. Add bf16=True on GPUs.",
+                    "Not Flow-GRPO's run (its Qwen-Image config trains a 2-step window): 9 trained steps in JAGG "
+                    "groups of 4 + 4 + 1, for the update-stage saving the window cannot give.",
+                    *_QWENIMAGE.notes[:1],
+                    *_QWENIMAGE.notes[-1:],
                 ),
             ),
-            Recipe(
-                name="flow-grpo-flux",
-                model="black-forest-labs/FLUX.1-dev",
-                description="Flow-GRPO on FLUX.1-dev: LoRA, embedded guidance 3.5, SDE a = 0.9, 6 steps.",
-                source="Flow-GRPO (Liu et al. 2025, arXiv 2505.05470), FLUX.1-dev config; JAGG spec section 5.",
-                config={
-                    "height": 512,
-                    "width": 512,
-                    "num_inference_steps": 6,
-                    "guidance_scale": 3.5,  # Flux.1-dev's embedded (distilled) guidance, no negative branch
-                    "sampler": "sde",
-                    "noise_level": 0.9,
-                    "num_generations": 24,
-                    "per_device_train_batch_size": 4,
-                    "gradient_accumulation_steps": 6,
-                    "train_timesteps": "all_but_last",
-                    "beta": 0.0,
-                    **_FLOW_GRPO_LOSS,
-                    **_FLOW_GRPO_ADVANTAGES,
-                    "scale_rewards": "batch",
-                    "max_sequence_length": 128,
-                    "eval_num_inference_steps": 28,
-                    **_FLOW_GRPO_EMA,
-                    **_FLOW_GRPO_OPTIM,
-                    **PAPER_JAGG,
-                    "dtype": "bfloat16",
+            _FAST_FLUX,
+            _DANCE,
+            _DANCE.variant(
+                "dancegrpo-flux-8gpu",
+                "dancegrpo-flux as DanceGRPO's 8-GPU script: 2 prompts x 12 samples per process, two optimizer steps "
+                "per rollout, EMA 0.995 once per rollout, gradient clipping at 0.01.",
+                {
+                    # --train_batch_size 2 x --num_generations 12, --gradient_accumulation_steps 12
+                    "steps_per_generation": 24,
+                    "gradient_accumulation_steps": 12,
+                    # --use_ema --ema_decay 0.995: FSDP_EMA.update after every train_one_step (one rollout), no
+                    # warm-up, the average on rank 0's CPU
+                    "ema_decay": 0.995,
+                    "ema_update_interval": 2,  # the optimizer steps of one rollout
+                    "ema_warmup": False,
+                    "ema_offload": True,
+                    "max_grad_norm": 0.01,
                 },
-                lora=_attention_lora(64),
-                reward_funcs=("pickscore",),
+                source="DanceGRPO (Xue et al. 2025, arXiv 2505.07818): fastvideo/train_grpo_flux.py and "
+                "scripts/finetune/finetune_flux_grpo_8gpus.sh at XueZeyue/DanceGRPO@15cc71d.",
                 notes=(
-                    "6 steps train 5: one JAGG group of W = 4, the remaining step exact.",
-                    "Add bf16=True on GPUs.",
-                ),
-            ),
-            Recipe(
-                name="flow-grpo-qwenimage",
-                model="Qwen/Qwen-Image",
-                description="Flow-GRPO on Qwen-Image: LoRA, true CFG 4 with norm rescaling, SDE a = 1.2, FSDP.",
-                source="Flow-GRPO (Liu et al. 2025, arXiv 2505.05470), Qwen-Image config; JAGG spec section 5.",
-                config={
-                    "height": 512,
-                    "width": 512,
-                    "num_inference_steps": 10,
-                    "true_cfg_scale": 4.0,  # two backbone calls per step, rescaled to the conditional norm
-                    "negative_prompt": " ",  # Qwen-Image's and Flow-GRPO's empty negative prompt
-                    "sampler": "sde",
-                    "noise_level": 1.2,
-                    "num_generations": 16,
-                    "per_device_train_batch_size": 4,
-                    "gradient_accumulation_steps": 4,
-                    "train_timesteps": "all_but_last",
-                    "beta": 0.0,
-                    **_FLOW_GRPO_LOSS,
-                    **_FLOW_GRPO_ADVANTAGES,
-                    "scale_rewards": "batch",
-                    "max_sequence_length": 512,  # QwenImagePipeline's default, which Flow-GRPO keeps
-                    "eval_num_inference_steps": 50,
-                    **_FLOW_GRPO_OPTIM,
-                    **PAPER_JAGG,
-                    "dtype": "bfloat16",
-                    "activation_checkpointing": True,
-                },
-                lora=_attention_lora(64),
-                reward_funcs=("pickscore",),
-                notes=(
-                    "FSDP: launch with `accelerate launch --config_file <fsdp.yaml>` (FULL_SHARD, wrapping "
-                    "QwenImageTransformerBlock; Flow-GRPO also offloads the optimizer state). Add bf16=True on GPUs.",
-                    "The spec gives no LoRA size for Qwen-Image: r 64 / alpha 128 as for FLUX.1-dev, a model of "
-                    "similar size.",
-                    "Flow-GRPO's public Qwen-Image config samples SDE only in a 2-step window (the Fast variant): "
-                    "set train_timesteps='sde_window', sde_window_size=2 to match it (a W = 4 group does not fit "
-                    "in 2 steps, so JAGG then stays idle).",
-                ),
-            ),
-            Recipe(
-                name="flow-grpo-fast-flux",
-                model="black-forest-labs/FLUX.1-dev",
-                description="Flow-GRPO-Fast on FLUX.1-dev: SDE only in a 3-step window in the first half, ODE "
-                "elsewhere; only the window is trained.",
-                source="Flow-GRPO-Fast (Flow-GRPO repository, FLUX.1-dev fast config); JAGG spec section 5.",
-                config={
-                    "height": 512,
-                    "width": 512,
-                    "num_inference_steps": 6,
-                    "guidance_scale": 3.5,
-                    "sampler": "cps",
-                    "noise_level": 0.8,
-                    "clip_range": 1e-5,  # CPS log-probs have no 1/std^2: a smaller clip range
-                    "adv_clip_max": 5.0,
-                    "num_generations": 24,
-                    "per_device_train_batch_size": 4,
-                    "gradient_accumulation_steps": 6,
-                    "train_timesteps": "sde_window",
-                    "sde_window_size": 3,
-                    "sde_window_max_start": 0,  # the window lies in the first half: steps 0-2 of 6
-                    "beta": 0.0,
-                    **_FLOW_GRPO_ADVANTAGES,
-                    "scale_rewards": "group",  # pickscore_flux_fast: sample.global_std = False
-                    "max_sequence_length": 128,
-                    "eval_num_inference_steps": 28,
-                    **_FLOW_GRPO_EMA,
-                    **_FLOW_GRPO_OPTIM,
-                    **PAPER_JAGG,
-                    "jagg_group_size": 3,  # the whole window is one group: W = 4 would never fit in 3 steps
-                    "dtype": "bfloat16",
-                },
-                lora=_attention_lora(64),
-                reward_funcs=("pickscore",),
-                notes=(
-                    "jagg_group_size is 3, not the paper's 4: only the 3 window steps are trained and a group must "
-                    "fill W steps, so with W = 4 JAGG would silently never run.",
-                    "CPS sampler with a = 0.8 and clip range 1e-5 as in Flow-GRPO-Fast's FLUX config. For a longer "
-                    "schedule, raise num_inference_steps and sde_window_max_start (<= steps // 2 - window) together.",
-                    "Add bf16=True on GPUs.",
-                ),
-            ),
-            Recipe(
-                name="dancegrpo-flux",
-                model="black-forest-labs/FLUX.1-dev",
-                description="DanceGRPO on FLUX.1-dev: full fine-tuning, constant-eta SDE (eta 0.3), 720 px, 16 steps "
-                "with shift 3, a random 60% of the first 15 steps trained per update.",
-                source="DanceGRPO (Xue et al. 2025, arXiv 2505.07818), FLUX script; JAGG spec section 5.",
-                config={
-                    "height": 720,
-                    "width": 720,
-                    "num_inference_steps": 16,
-                    "guidance_scale": 3.5,
-                    "sampler": "dance",
-                    "noise_level": 0.3,  # eta
-                    "num_generations": 12,
-                    "per_device_train_batch_size": 2,
-                    "gradient_accumulation_steps": 6,
-                    "train_timesteps": "random_but_last",  # its samples drop the last step
-                    "train_timestep_fraction": 0.6,
-                    "beta": 0.0,
-                    "clip_range": 1e-4,
-                    "adv_clip_max": 5.0,
-                    # Per-group torch std (unbiased) + 1e-8, the model fed int(sigma * 1000) / 1000, one initial
-                    # noise per group, prompts at FluxPipeline's 512 tokens (fastvideo/train_grpo_flux.py).
-                    "scale_rewards": "group",
-                    "advantage_std_ddof": 1,
-                    "advantage_eps": 1e-8,
-                    "quantize_timesteps": True,
-                    "same_group_noise": True,
-                    "max_sequence_length": 512,
-                    "learning_rate": 1e-5,
-                    "weight_decay": 1e-4,
-                    "max_grad_norm": 1.0,
-                    **PAPER_JAGG,
-                    "dtype": "float32",  # full fine-tuning keeps float32 master weights
-                    "activation_checkpointing": True,
-                },
-                scheduler={"shift": 3.0, "use_dynamic_shifting": False},
-                reward_funcs=("hpsv2.1",),
-                notes=(
-                    "Shift 3 is a scheduler override (a static time shift sigma' = 3 sigma / (1 + 2 sigma) instead of "
-                    "Flux's resolution-dependent one). The CLI applies it for `--recipe dancegrpo-flux`; in Python, "
-                    "pass get_recipe('dancegrpo-flux').apply_scheduler(pipeline) to DDPOJaggTrainer.",
-                    "Full fine-tuning of a 12B backbone needs FSDP (optimizer state sharded) and bf16=True mixed "
-                    "precision on GPUs, as DanceGRPO trains.",
-                    "EMA is off as in finetune_flux_grpo.sh; the 8-GPU script adds --use_ema --ema_decay 0.995 (kept "
-                    "on the CPU) and --max_grad_norm 0.01: set ema_decay=0.995, ema_offload=True, max_grad_norm=0.01 "
-                    "to follow it.",
+                    "--init_same_noise draws one noise per sampling call shared by the process's 24 samples, i.e. "
+                    "by its two groups; same_group_noise gives each group its own.",
+                    "The EMA is not supported with FSDP yet (GRPOJaggConfig refuses ema_decay > 0 under FSDP), "
+                    "which full fine-tuning of the 12B backbone needs: this variant runs only where one process "
+                    "holds the whole backbone and its optimizer state.",
+                    *_DANCE.notes[:-1],
                 ),
             ),
             Recipe(

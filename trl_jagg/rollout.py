@@ -23,6 +23,8 @@ class Trajectory:
         timesteps: ``(num_steps,)`` scheduler timesteps the backbone was called with.
         velocities: ``(batch, num_steps, *latent_shape)`` guided velocity of every step, in the backbone's output
             dtype, when recorded (``record_velocities``): JAGG's on-policy velocity cache.
+        predicted_x0: ``(batch, *latent_shape)`` float32, the last step's prediction of the clean latent,
+            ``z - sigma v`` at its start (what DanceGRPO decodes for the reward).
     """
 
     latents: torch.Tensor
@@ -30,6 +32,7 @@ class Trajectory:
     sigmas: torch.Tensor
     timesteps: torch.Tensor
     velocities: torch.Tensor | None = None
+    predicted_x0: torch.Tensor | None = None
 
 
 @torch.no_grad()
@@ -118,12 +121,16 @@ def sample_trajectories(
             log_probs.append(torch.zeros(latents[-1].shape[0], device=latents[-1].device))
     if branch is not None and prefix == num_steps:  # fully deterministic: the groups never branched
         latents, log_probs, velocities = ([x[inverse] for x in xs] for xs in (latents, log_probs, velocities))
+        velocity = velocity[inverse]
+    # x0-hat of the last step: free of the noise its stochastic step adds (DanceGRPO's `pred_original_sample`).
+    predicted_x0 = latents[-2] - sigmas[num_steps - 1].float() * velocity.float()
     return Trajectory(
         torch.stack(latents, dim=1),
         torch.stack(log_probs, dim=1),
         sigmas,
         timesteps,
         torch.stack(velocities, dim=1) if record_velocities else None,
+        predicted_x0,
     )
 
 

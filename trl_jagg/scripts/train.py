@@ -47,8 +47,9 @@ class ScriptArguments:
     recipe: str | None = field(
         default=None,
         metadata={
-            "help": "Preset to start from (trl_jagg/recipes.py): flow-grpo-sd35, flow-grpo-flux, "
-            "flow-grpo-qwenimage, flow-grpo-fast-flux or dancegrpo-flux. It sets the model, rewards, LoRA and config "
+            "help": "Preset to start from (trl_jagg/recipes.py): flow-grpo-sd35, flow-grpo-sd35-ocr, "
+            "flow-grpo-guard-sd35, flow-grpo-flux, flow-grpo-qwenimage, flow-grpo-qwenimage-all-steps, "
+            "flow-grpo-fast-flux, dancegrpo-flux or dancegrpo-flux-8gpu. It sets the model, rewards, LoRA and config "
             "values and applies its scheduler override (DanceGRPO's shift 3); the YAML config and the flags override "
             "its values."
         },

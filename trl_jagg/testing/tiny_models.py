@@ -638,8 +638,9 @@ def tiny_run(family: str, *, num_inference_steps: int = 5) -> TinyRun:
 
     config = dict(
         height=32, width=32, num_inference_steps=num_inference_steps, num_generations=2,
-        per_device_train_batch_size=4, gradient_accumulation_steps=1, max_steps=2, max_sequence_length=16,
-        dtype="float32", bf16=False, report_to="none", save_strategy="no",
+        per_device_train_batch_size=4, gradient_accumulation_steps=1, steps_per_generation=None, max_steps=2,
+        max_sequence_length=16, dtype="float32", bf16=False, fp16=False, offload_frozen_modules=False,
+        report_to="none", save_strategy="no",
     )  # fmt: skip
     model = save_tiny_pipeline(family, tempfile.mkdtemp(prefix=f"tiny-{family}-"))
     return TinyRun(model, "prompt_color", Dataset.from_dict({"prompt": list(TINY_PROMPTS)}), config)

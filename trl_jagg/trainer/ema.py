@@ -70,11 +70,24 @@ def ema_swapped_in(ema: EMAWeights | None) -> Iterator[None]:
 
 
 class EMACallback(TrainerCallback):
-    """Updates the EMA every ``ema_update_interval`` optimizer steps (after the step)."""
+    """Updates the EMA on ``args.ema_schedule``: ``step``, after every ``ema_update_interval``-th optimizer step;
+    ``flow_grpo``, as Flow-GRPO's loop, which calls ``ema.step(params, t)`` after every micro-batch with the optimizer
+    steps taken so far ``t`` (scripts/train_sd3.py:960 at zhtmike/flow_grpo@9745241) and updates when
+    ``(t + 1) % interval == 0`` (flow_grpo/ema.py:45): the micro-batch that completes step ``t`` and the
+    ``gradient_accumulation_steps - 1`` that follow it, before step ``t + 1``, all see the weights after step ``t``."""
 
     def __init__(self, ema: EMAWeights):
         self.ema = ema
 
+    def on_pre_optimizer_step(self, args: GRPOJaggConfig, state: Any, control: Any, **kwargs: Any) -> None:
+        # The weights are still those after step t = global_step: Flow-GRPO's calls inside step t + 1's window.
+        t = state.global_step
+        if args.ema_schedule == "flow_grpo" and (t + 1) % args.ema_update_interval == 0:
+            for _ in range(args.gradient_accumulation_steps - 1):
+                self.ema.update_at(t)
+
     def on_step_end(self, args: GRPOJaggConfig, state: Any, control: Any, **kwargs: Any) -> None:
-        if state.global_step % args.ema_update_interval == 0:
-            self.ema.update_at(state.global_step)
+        t = state.global_step
+        due = (t + 1) if args.ema_schedule == "flow_grpo" else t
+        if due % args.ema_update_interval == 0:
+            self.ema.update_at(t)

@@ -115,7 +115,8 @@ class RolloutGenerator:
         start = time.perf_counter()
         prompts = [prompt_text(x["prompt"], "train_dataset 'prompt'") for x in inputs]
         columns = {k: [x[k] for x in inputs] for k in inputs[0] if k != "prompt"}
-        record_velocities = args.use_jagg and args.jagg_cache_velocities
+        # JAGG's velocity cache, and GRPO-Guard's ratio, which needs the rollout's step means (a velocity gives one).
+        record_velocities = (args.use_jagg and args.jagg_cache_velocities) or args.ratio_normalization
         with eval_mode(transformer):
             adapter.refresh_placement()  # once per rollout, in case the backbone was moved or cast
             sigmas, timesteps = adapter.schedule(args.num_inference_steps, args.height, args.width)
@@ -161,7 +162,8 @@ class RolloutGenerator:
                 )  # fmt: skip
                 trajectories.append(trajectory)
                 with self.frozen.on_accelerator(self.frozen.vae):
-                    pixels = adapter.decode_latents(trajectory.latents[:, -1], args.height, args.width)
+                    scored = trajectory.predicted_x0 if args.reward_on_predicted_x0 else trajectory.latents[:, -1]
+                    pixels = adapter.decode_latents(scored, args.height, args.width)
                 # Kept on the device (NaN if any pixel is): one check for the whole rollout below.
                 pixel_peaks.append(pixels.detach().float().abs().amax())
                 images.extend(adapter.to_images(pixels))

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from accelerate.utils import DistributedType
 
-from ..grpo import kl_to_reference, ppo_step_loss
+from ..grpo import guard_log_ratio, kl_to_reference, ppo_step_loss
 from ..grpo_jagg_config import GRPOJaggConfig
 from ..jagg import EngineResult, JaggEngine, StepGroup, gradient_diagnostic, leading_jagg_fraction, plan_groups
 from ..models import FlowMatchingAdapter
@@ -195,18 +195,27 @@ class UpdateStage:
         ref_means = self.kept_reference_means(unwrapped, batch, trained) if args.beta > 0 else {}
         stats: dict[str, list[torch.Tensor]] = defaultdict(list)
 
-        def loss_fn(i: int, v: torch.Tensor) -> torch.Tensor:
-            k = trained[i]
-            step = sampler_step(
+        def step_at(k: int, v: torch.Tensor):
+            return sampler_step(
                 v, latents[:, k], sigmas[k], sigmas[k + 1], sampler=args.sampler, noise_level=args.noise_level,
                 sigma_max=sigmas[1], prev_sample=latents[:, k + 1],
             )  # fmt: skip
+
+        def loss_fn(i: int, v: torch.Tensor) -> torch.Tensor:
+            k = trained[i]
+            step = step_at(k, v)
             kl = None
             if k in ref_means:
                 kl = kl_to_reference(step.mean, ref_means[k], step.std if args.kl_std == "step" else step.noise_scale)
+            log_ratio = None
+            if args.ratio_normalization:  # GRPO-Guard: the rollout's mean from the velocity it recorded
+                with torch.no_grad():
+                    old_mean = step_at(k, batch["velocities"][:, k]).mean
+                log_ratio = guard_log_ratio(step.log_prob, old_log_probs[:, k], step.mean, old_mean, step.std)
             out = ppo_step_loss(
                 step.log_prob, old_log_probs[:, k], advantages, args.clip_range, kl=kl, beta=args.beta,
-                clip_range_high=args.epsilon_high,
+                clip_range_high=args.epsilon_high, log_ratio=log_ratio,
+                policy_weight=1.0 / (sigmas[k] - sigmas[k + 1]) if args.step_gradient_reweighting else 1.0,
             )  # fmt: skip
             for key in STEP_STATS:
                 stats[key].append(getattr(out, key))
