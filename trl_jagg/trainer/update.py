@@ -24,6 +24,7 @@ from ..jagg import EngineResult, JaggEngine, StepGroup, gradient_diagnostic, lea
 from ..models import FlowMatchingAdapter
 from ..sampling import sampler_step
 from .batch import rng_seed, velocity_key
+from .guards import any_process
 from .placement import adapters_disabled, reshard
 
 STEP_STATS = ("policy_loss", "kl", "ratio_mean", "clip_fraction", "approx_kl")
@@ -246,9 +247,17 @@ class UpdateStage:
     ) -> float:
         """``jagg_frac="auto"``: every ``jagg_probe_steps`` optimizer steps, the JAGG-vs-exact gradient cosine of
         every full group on this micro-batch; the leading groups with cosine >= ``jagg_cos_threshold`` are routed
-        to JAGG until the next probe. Cosines are averaged over processes, so every process routes alike."""
+        to JAGG until the next probe. Cosines are averaged over processes, so every process routes alike. A probe due
+        on a zero-gradient micro-batch (all advantages 0, no KL) moves to the next micro-batch; meanwhile the last
+        routing holds (exact backward before the first probe)."""
         args = self.args
-        if self.last_probe_step is None or global_step - self.last_probe_step >= args.jagg_probe_steps:
+        due = self.last_probe_step is None or global_step - self.last_probe_step >= args.jagg_probe_steps
+        # Without a KL term, a micro-batch whose advantages are all 0 (constant rewards) has a zero gradient: its
+        # cosines would read 1.0 and route every group to JAGG. The probe waits for a micro-batch with a gradient.
+        if due and args.beta == 0 and not any_process(self.accelerator, bool(batch["advantages"].any())):
+            self.metrics["jagg/probe_deferred"].append(1.0)
+            return self.routed_frac if self.routed_frac is not None else 0.0
+        if due:
             # The unwrapped module: autograd.grad through a DDP wrapper would leave its reducer waiting.
             unwrapped = self.accelerator.unwrap_model(model)
             params = [p for p in unwrapped.parameters() if p.requires_grad]
