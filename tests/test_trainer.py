@@ -458,6 +458,13 @@ def test_auto_routing_probes_and_logs(tiny_flux_path, tmp_path):
             assert all(entry[f"jagg/probe_cosine/group_{i}"] == pytest.approx(1.0, abs=1e-4) for i in range(4))
 
 
+def test_conditional_cfg_gradient_without_cfg_warns(tiny_flux_path, tmp_path):
+    with pytest.warns(
+        UserWarning, match="cfg_gradient='conditional' does nothing: FluxPipeline runs no unconditional"
+    ):
+        make_trainer(tiny_flux_path, tmp_path, cfg_gradient="conditional")  # true_cfg_scale=1: no CFG
+
+
 def test_auto_routing_defers_the_probe_of_a_zero_gradient_batch(tiny_flux_path, tmp_path):
     calls = []
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -99,6 +100,16 @@ class UpdateStage:
         self.metrics = metrics
         self.ref_transformer = ref_transformer
         self.has_dropout = has_dropout
+        if args.cfg_gradient == "conditional" and not adapter.needs_negative_prompt(
+            args.guidance_scale, args.true_cfg_scale
+        ):
+            warnings.warn(
+                f"GRPOJaggConfig.cfg_gradient='conditional' does nothing: {adapter.pipeline_class.__name__} runs no "
+                f"unconditional branch at guidance_scale={args.guidance_scale}, true_cfg_scale={args.true_cfg_scale}. "
+                "Drop it, or turn classifier-free guidance on.",
+                UserWarning,
+                stacklevel=2,
+            )
         # `jagg_frac="auto"`: the routed fraction and the optimizer step of the probe that set it.
         self.routed_frac: float | None = None
         self.last_probe_step: int | None = None
