@@ -537,6 +537,30 @@ def test_auto_routing_probes_and_logs(tiny_flux_path, tmp_path):
             assert all(entry[f"jagg/probe_cosine/group_{i}"] == pytest.approx(1.0, abs=1e-4) for i in range(4))
 
 
+def test_conditional_cfg_gradient_without_cfg_warns(tiny_flux_path, tmp_path):
+    with pytest.warns(
+        UserWarning, match="cfg_gradient='conditional' does nothing: FluxPipeline runs no unconditional"
+    ):
+        make_trainer(tiny_flux_path, tmp_path, cfg_gradient="conditional")  # true_cfg_scale=1: no CFG
+
+
+def test_auto_routing_defers_the_probe_of_a_zero_gradient_batch(tiny_flux_path, tmp_path):
+    calls = []
+
+    def constant_then_redness(prompts, images, **kwargs):  # step 1: every group constant, all advantages 0
+        calls.append(1)
+        return [0.5] * len(images) if len(calls) == 1 else redness(prompts, images)
+
+    trainer = make_trainer(tiny_flux_path, tmp_path, reward=constant_then_redness, jagg_frac="auto",
+                           jagg_cos_threshold=1.0, max_steps=2)  # fmt: skip
+    trainer.train()
+    first, second = [e for e in trainer.state.log_history if "reward" in e]
+    # A probe of step 1 would read cosine 1.0 (0 / 0) and route every group to JAGG for jagg_probe_steps steps.
+    assert first["jagg/probe_deferred"] == 1.0 and "jagg/auto_frac" not in first
+    assert first["jagg/groups_jagg"] == 0  # exact until the first probe
+    assert second["jagg/auto_frac"] == 0.0 and second["jagg/probe_cosine/group_0"] < 1.0
+
+
 def test_auto_routing_with_an_unreachable_threshold_is_exact(tiny_flux_path, tmp_path):
     exact = make_trainer(tiny_flux_path, tmp_path / "a", use_jagg=False, max_steps=1)
     exact.train()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from ..jagg import EngineResult, JaggEngine, StepGroup, gradient_diagnostic, lea
 from ..models import FlowMatchingAdapter
 from ..sampling import sampler_step
 from .batch import rng_seed, velocity_key
+from .guards import any_process
 from .placement import adapters_disabled, reshard
 
 STEP_STATS = ("policy_loss", "kl", "ratio_mean", "clip_fraction", "approx_kl")
@@ -98,6 +100,16 @@ class UpdateStage:
         self.metrics = metrics
         self.ref_transformer = ref_transformer
         self.has_dropout = has_dropout
+        if args.cfg_gradient == "conditional" and not adapter.needs_negative_prompt(
+            args.guidance_scale, args.true_cfg_scale
+        ):
+            warnings.warn(
+                f"GRPOJaggConfig.cfg_gradient='conditional' does nothing: {adapter.pipeline_class.__name__} runs no "
+                f"unconditional branch at guidance_scale={args.guidance_scale}, true_cfg_scale={args.true_cfg_scale}. "
+                "Drop it, or turn classifier-free guidance on.",
+                UserWarning,
+                stacklevel=2,
+            )
         # `jagg_frac="auto"`: the routed fraction and the optimizer step of the probe that set it.
         self.routed_frac: float | None = None
         self.last_probe_step: int | None = None
@@ -267,9 +279,17 @@ class UpdateStage:
     ) -> float:
         """``jagg_frac="auto"``: every ``jagg_probe_steps`` optimizer steps, the JAGG-vs-exact gradient cosine of
         every full group on this micro-batch; the leading groups with cosine >= ``jagg_cos_threshold`` are routed
-        to JAGG until the next probe. Cosines are averaged over processes, so every process routes alike."""
+        to JAGG until the next probe. Cosines are averaged over processes, so every process routes alike. A probe due
+        on a zero-gradient micro-batch (all advantages 0, no KL) moves to the next micro-batch; meanwhile the last
+        routing holds (exact backward before the first probe)."""
         args = self.args
-        if self.last_probe_step is None or global_step - self.last_probe_step >= args.jagg_probe_steps:
+        due = self.last_probe_step is None or global_step - self.last_probe_step >= args.jagg_probe_steps
+        # Without a KL term, a micro-batch whose advantages are all 0 (constant rewards) has a zero gradient: its
+        # cosines would read 1.0 and route every group to JAGG. The probe waits for a micro-batch with a gradient.
+        if due and args.beta == 0 and not any_process(self.accelerator, bool(batch["advantages"].any())):
+            self.metrics["jagg/probe_deferred"].append(1.0)
+            return self.routed_frac if self.routed_frac is not None else 0.0
+        if due:
             # The unwrapped module: autograd.grad through a DDP wrapper would leave its reducer waiting.
             unwrapped = self.accelerator.unwrap_model(model)
             params = [p for p in unwrapped.parameters() if p.requires_grad]
