@@ -346,6 +346,7 @@ def test_trainer_gradients_on_two_processes(tiny_flux_path, tmp_path):
         name = "pytorch_lora_weights.safetensors" if kind == "lora" else "diffusion_pytorch_model.safetensors"
         straight, resumed = (load_file(str(tmp_path / f"{kind}_{end}" / name)) for end in ("saved", "resumed"))
         assert straight.keys() == resumed.keys()
+        # Bit-identical on purpose: the resumed run repeats the same calls on the same shapes with the restored RNG.
         assert all(torch.equal(straight[k], resumed[k]) for k in straight), kind
         assert (tmp_path / kind / "checkpoint-1" / "optimizer.pt").is_file()
 
