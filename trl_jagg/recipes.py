@@ -21,7 +21,9 @@ fixed shift 3), the reward it was published with, and where the numbers come fro
 settings of the paper: groups of ``W = 4`` trained steps, the high-noise 60% of the groups routed to JAGG (the
 Flow-GRPO-Fast preset trains only 3 steps, so its ``W`` is 3: a shorter group would always run exact).
 
-The CLI's YAML files (``examples/recipes/<name>.yaml``) are generated from these presets, never edited by hand::
+The CLI's YAML files are generated from these presets, never edited by hand; they ship in the package
+(``trl_jagg/configs/recipes/<name>.yaml``, :func:`trl_jagg.configs.config_dir`), which a checkout links as
+``examples/recipes/``::
 
     python -m trl_jagg.recipes examples/recipes
 """

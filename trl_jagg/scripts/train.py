@@ -17,7 +17,6 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .utils import CommandParser, UsageError, flag_value
@@ -97,7 +96,8 @@ class ScriptArguments:
         default=None,
         metadata={
             "help": "Relaunch this command through `accelerate launch --config_file <file>`, as `trl` does: a path, "
-            "or a name in examples/accelerate_configs/ (single_gpu, multi_gpu, fsdp2, deepspeed_zero2)."
+            "or the name of a config shipped in the package, trl_jagg/configs/accelerate/ (single_gpu, multi_gpu, "
+            "fsdp2, deepspeed_zero2)."
         },
     )
 
@@ -303,26 +303,23 @@ def run_train(script_args: ScriptArguments, training_args: GRPOJaggConfig) -> DD
     return trainer
 
 
-ACCELERATE_CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "accelerate_configs"
-"""The launch configurations of a source checkout (``examples/accelerate_configs/<name>.yaml``)."""
-
 LAUNCHED_ENV = "TRL_JAGG_ACCELERATE_LAUNCHED"
 """Set in the processes ``--accelerate_config`` starts, so that they train instead of relaunching."""
 
 
 def resolve_accelerate_config(name: str) -> str:
-    """The file ``--accelerate_config name`` names: a path, else ``examples/accelerate_configs/<name>.yaml`` in the
-    working directory or in the source checkout trl_jagg runs from."""
+    """The file ``--accelerate_config name`` names: a path, else a launch configuration shipped in the package
+    (``trl_jagg/configs/accelerate/<name>.yaml``, also ``examples/accelerate_configs/`` in a checkout)."""
     if os.path.isfile(name):
         return name
-    folders = [Path.cwd() / "examples" / "accelerate_configs", ACCELERATE_CONFIGS]
-    for folder in folders:
-        if (folder / f"{name}.yaml").is_file():
-            return str(folder / f"{name}.yaml")
-    names = sorted({path.stem for folder in folders if folder.is_dir() for path in folder.glob("*.yaml")})
+    from trl_jagg.configs import config_dir, config_names
+
+    path = config_dir("accelerate") / f"{name}.yaml"
+    if path.is_file():
+        return str(path)
     raise UsageError(
-        f"accelerate_config {name!r} is neither a file nor a config in examples/accelerate_configs/ "
-        f"({', '.join(names) or 'none found'}). Give a path to an accelerate config file or one of those names."
+        f"accelerate_config {name!r} is neither a file nor a shipped accelerate config "
+        f"({', '.join(config_names('accelerate'))}). Give a path to an accelerate config file or one of those names."
     )
 
 
