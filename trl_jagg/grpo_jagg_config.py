@@ -16,7 +16,7 @@ from transformers import TrainingArguments
 from .field_types import type_problem
 from .jagg import ENDPOINT_BACKWARDS, JAGG_MODES
 from .prompts import check_prompts
-from .recipes import get_recipe
+from .recipes import RECIPES, get_recipe
 from .sampling import SAMPLERS
 
 TRAIN_SAMPLERS = tuple(s for s in SAMPLERS if s != "ode")
@@ -25,6 +25,8 @@ SCALE_REWARDS = ("group", "batch", "none")
 KL_STDS = ("step", "flow_grpo")
 CFG_GRADIENTS = ("both", "conditional")
 DTYPES = ("float32", "bfloat16", "float16")
+CLIP_RANGE_SLACK = 1000.0
+"""How far (a factor) a clip range may lie outside the recipes' before the config warns about its scale."""
 
 
 @dataclass
@@ -682,6 +684,24 @@ class GRPOJaggConfig(TrainingArguments):
                 UserWarning,
                 stacklevel=3,
             )
+        self._warn_clip_range_scale()
+
+    def _warn_clip_range_scale(self) -> None:
+        """Warn when the clip range is far from the flow-model recipes' (TRL's token default 0.2 is 2000x Flow-GRPO's
+        1e-4): it then clips nearly nothing or nearly everything."""
+        used = sorted({recipe.config["clip_range"] for recipe in RECIPES.values()})
+        if used[0] / CLIP_RANGE_SLACK <= self.clip_range <= used[-1] * CLIP_RANGE_SLACK:
+            return
+        name = "epsilon" if self.epsilon is not None else "clip_range"
+        recipes = ", ".join(f"{recipe.name} {recipe.config['clip_range']:g}" for recipe in RECIPES.values())
+        warnings.warn(
+            f"GRPOJaggConfig.{name} is {self.clip_range:g}, more than {CLIP_RANGE_SLACK:g}x outside the clip ranges of "
+            f"the flow-model recipes ({recipes}): a step's log-prob is a mean over latent dimensions, so its ratio "
+            "moves far less than a token's, and a token-scale value such as TRL's 0.2 effectively never clips. Use "
+            "1e-4 (SDE / Dance samplers) or 1e-5 (CPS).",
+            UserWarning,
+            stacklevel=3,
+        )
 
     @property
     def num_trained_steps(self) -> int:
