@@ -449,6 +449,61 @@ def test_trl_config_names_on_the_command_line(capsys):
     assert code == 2 and "max_sequence_length" in err
 
 
+def test_a_trl_grpo_yaml_runs_with_only_the_method_keys_changed(tmp_path, capsys):
+    """The keys of a `trl grpo` config (TRL's ScriptArguments, ModelConfig and GRPOConfig) that are not about
+    tokens parse; the token-level ones are refused with the reason."""
+    trl_yaml = dict(
+        model_name_or_path="x", dataset_name="prompts/dataset", dataset_train_split="train", dataset_test_split="eval",
+        torch_dtype="bfloat16", attn_implementation="sdpa", epsilon=2e-4, beta=0.0, num_generations=2,
+        per_device_train_batch_size=4, output_dir=str(tmp_path), bf16=False, use_peft=True, lora_r=8,
+    )  # fmt: skip
+    config = write_yaml(tmp_path / "grpo.yaml", **trl_yaml)
+    script_args, args = train.parse_train_args(["--config", config, "--reward_funcs", "prompt_color"])
+    assert (script_args.dataset_train_split, script_args.dataset_test_split) == ("train", "eval")
+    assert (args.dtype, args.clip_range, script_args.lora_r) == ("bfloat16", 2e-4, 8)
+    _, args = train.parse_train_args(
+        ["--config", config, "--reward_funcs", "prompt_color", "--torch_dtype", "float16"]
+    )
+    assert args.dtype == "float16"  # the flag spelling too
+    script_args, _ = train.parse_train_args(["--dataset_split", "x", "--model_name_or_path", "x", "--prompts", "p",
+                                             "--reward_funcs", "prompt_color"])  # fmt: skip
+    assert script_args.dataset_train_split == "x"  # the former name
+    for key, value, reason in [
+        ("loss_type", "dapo", "token-level loss aggregation"),
+        ("importance_sampling_level", "sequence", "token- or sequence-level importance ratios"),
+        ("attn_implementation", "flash_attention_2", "set_attention_backend"),
+        ("torch_dtype", "auto", "diffusers pipelines have no 'auto' dtype"),
+        ("dtype", "auto", "Name it: bfloat16"),
+    ]:
+        bad = write_yaml(tmp_path / f"{key}.yaml", **{**trl_yaml, key: value})
+        code, _, err = run(["train", "--config", bad, "--reward_funcs", "prompt_color"], capsys)
+        assert code == 2 and f"{key} in {bad} is {value!r}" in err and reason in err, err
+        code, _, err = run(["train", "--config", config, "--reward_funcs", "prompt_color", f"--{key}", value], capsys)
+        assert code == 2 and f"{key} (--{key}) is {value!r}" in err, err
+
+
+def test_eval_dataset_from_a_test_split_or_another_source(tmp_path, capsys):
+    from datasets import Dataset, DatasetDict
+
+    splits = DatasetDict({"train": Dataset.from_dict({"prompt": ["a", "b"]}),
+                          "test": Dataset.from_dict({"prompt": ["c"]})})  # fmt: skip
+    splits.save_to_disk(str(tmp_path / "splits"))
+    (tmp_path / "held_out.txt").write_text("d\ne\n")
+    base = ["--model_name_or_path", "x", "--reward_funcs", "prompt_color", "--output_dir", str(tmp_path / "out")]
+    script_args, args = train.parse_train_args([*base, "--dataset_name", str(tmp_path / "splits")])
+    assert train.load_eval_dataset(script_args, args) is None  # eval_strategy no
+    script_args, args = train.parse_train_args(
+        [*base, "--dataset_name", str(tmp_path / "splits"), "--eval_strategy", "steps", "--eval_steps", "1"]
+    )
+    assert train.load_prompt_dataset(script_args)["prompt"] == ["a", "b"]
+    assert train.load_eval_dataset(script_args, args)["prompt"] == ["c"]  # trl grpo's dataset_test_split
+    script_args.eval_dataset_name = str(tmp_path / "held_out.txt")
+    assert train.load_eval_dataset(script_args, args)["prompt"] == ["d", "e"]
+    script_args, args = train.parse_train_args([*base, "--prompts", "p", "--eval_strategy", "steps"])
+    with pytest.raises(train.UsageError, match="inline prompts have no test split.*eval_dataset_name"):
+        train.load_eval_dataset(script_args, args)
+
+
 # ---------------------------------------------------------------- YAML types and one-line errors
 @pytest.mark.parametrize(
     ("values", "message"),

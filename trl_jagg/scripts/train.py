@@ -60,7 +60,23 @@ class ScriptArguments:
         },
     )
     dataset_config: str | None = field(default=None, metadata={"help": "Configuration name of the Hub dataset."})
-    dataset_split: str = field(default="train", metadata={"help": "Split of the dataset to train on."})
+    dataset_train_split: str = field(
+        default="train", metadata={"help": "Split of the dataset to train on (trl grpo's name; also dataset_split)."}
+    )
+    dataset_test_split: str = field(
+        default="test",
+        metadata={
+            "help": "As in trl grpo: the split of the dataset (or of eval_dataset_name) that evaluate() scores when "
+            "eval_strategy is not 'no'."
+        },
+    )
+    eval_dataset_name: str | None = field(
+        default=None,
+        metadata={
+            "help": "Held-out prompts from another source than dataset_name (the same kinds: a Hub dataset, a "
+            "saved directory or a local file, whose rows are all evaluated), scored when eval_strategy is not 'no'."
+        },
+    )
     dataset_prompt_column: str = field(
         default="prompt",
         metadata={"help": "Column holding the prompts (renamed to `prompt`); other columns reach the rewards."},
@@ -176,15 +192,46 @@ def parse_train_args(argv: Sequence[str]) -> tuple[ScriptArguments, GRPOJaggConf
 
 def load_prompt_dataset(script_args: ScriptArguments) -> Dataset:
     """The training prompts as a :class:`datasets.Dataset` with a ``prompt`` column."""
+    from datasets import Dataset
+
+    if script_args.prompts:
+        return Dataset.from_dict({"prompt": list(script_args.prompts)})
+    return read_prompts(script_args, script_args.dataset_name, script_args.dataset_train_split, "dataset_name")
+
+
+def load_eval_dataset(script_args: ScriptArguments, training_args: GRPOJaggConfig) -> Dataset | None:
+    """The held-out prompts ``evaluate()`` scores, as ``trl grpo`` picks them: ``eval_dataset_name`` when given,
+    else the ``dataset_test_split`` of ``dataset_name``; ``None`` when ``eval_strategy`` is ``"no"``."""
+    if training_args.eval_strategy == "no":
+        return None
+    if script_args.eval_dataset_name:
+        return read_prompts(
+            script_args, script_args.eval_dataset_name, script_args.dataset_test_split, "eval_dataset_name"
+        )
+    name = script_args.dataset_name
+    # A Hub dataset or a saved DatasetDict has splits; inline prompts, a file or a saved Dataset have one.
+    if name and (not os.path.exists(name) or os.path.isfile(os.path.join(name, "dataset_dict.json"))):
+        return read_prompts(script_args, name, script_args.dataset_test_split, "dataset_name")
+    source = "the inline prompts have" if script_args.prompts else f"dataset_name {name} has"
+    raise UsageError(
+        f"eval_strategy is {training_args.eval_strategy.value!r} but {source} no test split to evaluate. Set "
+        "eval_dataset_name (a file or dataset of held-out prompts), or eval_strategy no."
+    )
+
+
+def read_prompts(script_args: ScriptArguments, name: str, split: str, field_name: str) -> Dataset:
+    """Split ``split`` of dataset ``name`` (a Hub id, a ``save_to_disk`` directory or a local file, whose rows are
+    all read) with its ``dataset_prompt_column`` renamed ``prompt``; errors name ``field_name``."""
     from datasets import Dataset, load_dataset, load_from_disk
 
     column = script_args.dataset_prompt_column
-    if script_args.prompts:
-        return Dataset.from_dict({"prompt": list(script_args.prompts)})
-    name = script_args.dataset_name
     if os.path.isdir(name) and os.path.isfile(os.path.join(name, "dataset_info.json")):
         dataset = load_from_disk(name)
-        dataset = dataset[script_args.dataset_split] if hasattr(dataset, "keys") else dataset
+    elif os.path.isdir(name) and os.path.isfile(os.path.join(name, "dataset_dict.json")):
+        dataset = load_from_disk(name)
+        if split not in dataset:
+            raise UsageError(f"{field_name} {name}: no split {split!r} (splits: {list(dataset)}).")
+        dataset = dataset[split]
     elif os.path.isfile(name):
         extension = os.path.splitext(name)[1].lower()
         if extension == ".txt":
@@ -196,15 +243,15 @@ def load_prompt_dataset(script_args: ScriptArguments) -> Dataset:
             if isinstance(records, list) and all(isinstance(r, str) for r in records):
                 records = [{column: r} for r in records]
             if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
-                raise UsageError(f"dataset_name {name}: a .json file must hold a list of prompts or of records.")
+                raise UsageError(f"{field_name} {name}: a .json file must hold a list of prompts or of records.")
             dataset = Dataset.from_list(records)
         else:
             builder = {".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}.get(extension)
             if builder is None:
-                raise UsageError(f"dataset_name {name}: unsupported file type {extension!r}.")
+                raise UsageError(f"{field_name} {name}: unsupported file type {extension!r}.")
             dataset = load_dataset(builder, data_files=name, split="train")
     else:
-        dataset = load_dataset(name, script_args.dataset_config, split=script_args.dataset_split)
+        dataset = load_dataset(name, script_args.dataset_config, split=split)
     if column not in dataset.column_names:
         raise UsageError(
             f"dataset_prompt_column: the dataset has no column {column!r} (columns: {dataset.column_names})."
@@ -252,6 +299,7 @@ def build_trainer(script_args: ScriptArguments, training_args: GRPOJaggConfig) -
     except ValueError as error:
         raise UsageError(f"reward_funcs: {error}") from None
     dataset = load_prompt_dataset(script_args)
+    eval_dataset = load_eval_dataset(script_args, training_args)
     model: Any = script_args.model_name_or_path
     scheduler = recipe_scheduler(script_args.recipe)
     if scheduler:
@@ -275,6 +323,7 @@ def build_trainer(script_args: ScriptArguments, training_args: GRPOJaggConfig) -
         reward_funcs=reward_funcs,
         args=training_args,
         train_dataset=dataset,
+        eval_dataset=eval_dataset,
         peft_config=build_lora_config(script_args, training_args.model_revision),
     )
 
