@@ -228,7 +228,11 @@ def test_local_prompt_files(tmp_path):
 
 
 # ---------------------------------------------------------------- a real (tiny) run
-def test_tiny_train_run_from_yaml(tiny_flux_path, tmp_path, capsys):
+def test_tiny_train_run_from_yaml(tiny_flux_path, tmp_path, capsys, monkeypatch):
+    from transformers import Trainer
+
+    ended = []
+    monkeypatch.setattr(Trainer, "end", lambda self: ended.append(self.state.global_step), raising=False)
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps(["a red circle", "a green square", "a blue circle", "a red square"]))
     output_dir = tmp_path / "out"
@@ -251,6 +255,7 @@ def test_tiny_train_run_from_yaml(tiny_flux_path, tmp_path, capsys):
     logged = [ast.literal_eval(line) for line in out.splitlines() if line.startswith("{'loss'")]
     assert len(logged) == 2
     assert all(float(entry["jagg/groups_jagg"]) == 1 for entry in logged)
+    assert ended == [2]  # as TRL's grpo script: the trackers finish (and the process group ends) after the save
 
 
 def test_calibrate_suggests_jagg_frac(tiny_flux_path, tmp_path, capsys):

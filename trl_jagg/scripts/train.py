@@ -338,7 +338,8 @@ def recipe_scheduler(name: str | None) -> dict[str, Any]:
 
 
 def run_train(script_args: ScriptArguments, training_args: GRPOJaggConfig) -> DDPOJaggTrainer:
-    """Build the trainer, train (resuming when asked), save to ``output_dir`` and push when ``push_to_hub``."""
+    """Build the trainer, train (resuming when asked), save to ``output_dir``, push when ``push_to_hub`` and end
+    (the trackers finish: nothing that talks to the other processes may follow)."""
     trainer = build_trainer(script_args, training_args)
     resume: str | bool | None = training_args.resume_from_checkpoint
     if isinstance(resume, str) and resume.lower() in ("true", "last"):
@@ -349,6 +350,9 @@ def run_train(script_args: ScriptArguments, training_args: GRPOJaggConfig) -> DD
         print(f"Saved the trained weights to {training_args.output_dir}")
     if training_args.push_to_hub:
         trainer.push_to_hub(dataset_name=script_args.dataset_name)
+    # As TRL's grpo script: finish the trackers and destroy the process group (Trainer.end, transformers >= 5.x).
+    if hasattr(trainer, "end"):
+        trainer.end()
     return trainer
 
 
