@@ -205,6 +205,23 @@ def test_trl_style_rewards_get_keywords_state_and_columns_and_may_return_none(ti
     assert logged and all(e["rewards/trl_reward/mean"] == 1.0 for e in logged)  # the mean over applicable samples
 
 
+def test_a_rollout_where_a_reward_applies_nowhere_is_left_out_of_the_logged_mean(tiny_flux_path, tmp_path):
+    # Two rollouts per logged step (logging_steps=2): the reward applies to no image of the first one (None for
+    # all: its batch mean is NaN) and scores 0.5 on every image of the second. As TRL, the logged mean is 0.5,
+    # not NaN; a metric with no value at all is not logged.
+    def sometimes(prompts, trainer_state, **kwargs):
+        return [None if trainer_state.global_step == 0 else 0.5] * len(prompts)
+
+    def never(prompts, **kwargs):
+        return [None] * len(prompts)
+
+    trainer = make_trainer(tiny_flux_path, tmp_path, reward=[sometimes, never, redness], max_steps=2, logging_steps=2)
+    trainer.train()
+    (entry,) = [e for e in trainer.state.log_history if "reward" in e]
+    assert entry["rewards/sometimes/mean"] == 0.5
+    assert "rewards/never/mean" not in entry and math.isfinite(entry["reward"])
+
+
 def test_trl_config_names(tmp_path):
     # epsilon is TRL's name of the clip range; epsilon_high its upper side.
     config = make_config(tmp_path, epsilon=0.3, epsilon_high=0.5)

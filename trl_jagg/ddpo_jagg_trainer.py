@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import time
 from collections import defaultdict
@@ -47,7 +48,7 @@ from .trainer.evaluation import Evaluator, SampleImagesCallback
 from .trainer.files import EMA_DIR
 from .trainer.generation import RewardFailure, RolloutGenerator
 from .trainer.guards import stop_if_non_finite
-from .trainer.image_logging import log_completions, log_image_grid, save_images
+from .trainer.image_logging import eval_images_key, log_completions, log_image_grid, save_images
 from .trainer.inputs import checked_inputs
 from .trainer.placement import FrozenModules
 from .trainer.update import UpdateStage
@@ -285,13 +286,22 @@ class DDPOJaggTrainer(_BaseTrainer):
 
     # ------------------------------------------------------------------ logging and evaluation
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        logs.update({key: sum(values) / len(values) for key, values in self._metrics.items() if values})
+        for key, values in self._metrics.items():
+            # As TRL: NaN entries (a reward that returned None for every image of a rollout) are left out of the
+            # mean, and a metric with no value left is not logged (JSON loggers reject NaN).
+            valid = [value for value in values if not math.isnan(value)]
+            if valid:
+                logs[key] = sum(valid) / len(valid)
         super().log(logs, start_time)
         self._metrics.clear()
         completions, self.generation.completions = self.generation.completions, None  # each rollout logged once
         if completions is not None and self.is_world_process_zero():
             prompts, images, scores = completions
-            log_completions(self, prompts, images, scores, self.state.global_step, self.args.num_generations)
+            # After Trainer.log: the tracker callbacks are set up and the step's scalars went first.
+            log_completions(
+                self.callback_handler.callbacks, self.args.output_dir, prompts, images, scores,
+                self.state.global_step, self.args.num_generations,
+            )  # fmt: skip
 
     def ema_weights(self) -> contextlib.AbstractContextManager:
         """The EMA weights in place of the trained ones for the duration of the block (a no-op without EMA)."""
@@ -311,7 +321,7 @@ class DDPOJaggTrainer(_BaseTrainer):
         images = self.sample_images()
         if self.is_world_process_zero():
             prompts = list(self.args.eval_prompts)
-            log_image_grid(self, images, prompts, step)
+            log_image_grid(self.callback_handler.callbacks, self.args.output_dir, images, prompts, step)
             paths = save_images(images, self.args.output_dir, os.path.join("samples", "latest"))
             self._card_samples = list(zip(prompts, paths))
 
@@ -326,7 +336,8 @@ class DDPOJaggTrainer(_BaseTrainer):
 
         Metrics follow the ``Trainer`` convention, ``{metric_key_prefix}_reward``, ``..._reward_std`` and
         ``..._rewards/<name>/mean`` (W&B and the other ``report_to`` trackers show them as ``eval/...``); the first
-        16 images are logged as a grid under ``eval_samples/``. Each process renders its share of the prompts.
+        16 images are saved as a grid in ``output_dir/eval_samples/`` and sent to the trackers as
+        ``eval/sample_images``. Each process renders its share of the prompts.
         """
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
@@ -337,10 +348,12 @@ class DDPOJaggTrainer(_BaseTrainer):
             self.accelerator.unwrap_model(self.model), self.ema, dataset, metric_key_prefix=metric_key_prefix,
             trainer_state=self.state,
         )  # fmt: skip
-        if self.is_world_process_zero() and images:
-            name = f"{metric_key_prefix}_samples"
-            log_image_grid(self, images[:16], prompts[:16], self.state.global_step, name=name)
         super().log(metrics)  # not self.log: the training metrics of the current step are not evaluation metrics
+        if self.is_world_process_zero() and images:  # after the scalars, which set the tracker callbacks up
+            log_image_grid(
+                self.callback_handler.callbacks, self.args.output_dir, images[:16], prompts[:16],
+                self.state.global_step, folder=f"{metric_key_prefix}_samples", key=eval_images_key(metric_key_prefix),
+            )  # fmt: skip
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
 

@@ -436,8 +436,8 @@ class GRPOJaggConfig(TrainingArguments):
         default=False,
         metadata={
             "help": "As in TRL: every `logging_steps`, log the latest rollout's images with their prompts and "
-            "rewards to the `report_to` trackers (a captioned grid, one row per prompt group; a table on W&B) and "
-            "to `output_dir/completions/`."
+            "rewards to the `report_to` trackers (a captioned grid, one row per prompt group; a table on W&B and "
+            "trackio) and to `output_dir/completions/`."
         },
     )
 

@@ -155,12 +155,13 @@ class RolloutGenerator:
             chunk = args.sample_batch_size or args.per_device_train_batch_size
             trajectories: list[Trajectory] = []
             images = []
-            # Rollouts of a large model take minutes: a transient bar under the Trainer's own.
+            # Rollouts of a large model take minutes: a transient bar under the Trainer's own, on a terminal only
+            # (disable=None: tqdm's "off unless a TTY"; in a log file its carriage returns leave fragments).
             chunks = tqdm(
                 range(0, len(prompts), chunk),
                 desc="rollout",
                 leave=False,
-                disable=args.disable_tqdm or not self.accelerator.is_local_main_process,
+                disable=True if args.disable_tqdm or not self.accelerator.is_local_main_process else None,
             )
             for begin in chunks:
                 index = slice(begin, begin + chunk)
