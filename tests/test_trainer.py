@@ -222,6 +222,15 @@ def test_a_rollout_where_a_reward_applies_nowhere_is_left_out_of_the_logged_mean
     assert "rewards/never/mean" not in entry and math.isfinite(entry["reward"])
 
 
+def test_rollout_bar_only_on_a_terminal(tiny_flux_path, tmp_path, capfd):
+    # Written to a file (CI, nohup, Slurm), the nested per-rollout bar would leave carriage-return fragments.
+    trainer = make_trainer(tiny_flux_path, tmp_path, max_steps=1, disable_tqdm=False)
+    trainer.train()
+    err = capfd.readouterr().err
+    assert "1/1" in err  # the Trainer's own bar
+    assert "rollout" not in err
+
+
 def test_trl_config_names(tmp_path):
     # epsilon is TRL's name of the clip range; epsilon_high its upper side.
     config = make_config(tmp_path, epsilon=0.3, epsilon_high=0.5)
