@@ -417,6 +417,7 @@ class DDPOJaggTrainer(_BaseTrainer):
         """Write ``checkpoint-N`` atomically (a staging folder, renamed once complete), push it, rotate."""
         args, run_dir = self.args, self._get_output_dir(trial=trial)
         name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        self._track_best_checkpoint(run_dir)  # before trainer_state.json is written, as Trainer does
         with checkpointing.atomic_checkpoint(
             run_dir, name, should_save=args.should_save, wait_for_everyone=self.accelerator.wait_for_everyone
         ) as staging_dir:
@@ -440,6 +441,29 @@ class DDPOJaggTrainer(_BaseTrainer):
                 best_model_checkpoint=self.state.best_model_checkpoint,
                 use_mtime=True,
             )
+
+    def _track_best_checkpoint(self, run_dir: str) -> None:
+        """Trainer's best-model bookkeeping, which its ``_save_checkpoint`` (replaced here) does: the checkpoint of
+        the best evaluation so far (``metric_for_best_model``, e.g. ``eval_reward``) is ``best_model_checkpoint``,
+        which ``save_total_limit`` keeps and ``load_best_model_at_end`` loads."""
+        if self.args.save_strategy == "no" or not self.state.best_global_step:
+            return
+        best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
+        if self.state.best_global_step == self.state.global_step or os.path.isdir(best):  # the one being written
+            self.state.best_model_checkpoint = best
+
+    def _load_best_model(self) -> None:
+        """``load_best_model_at_end``: the weights (and EMA average) of ``best_model_checkpoint``, in this trainer's
+        format (Trainer's own reader knows only transformers' file names)."""
+        transformer = self.accelerator.unwrap_model(self.model)
+        self.weights.load_resumed(transformer, self.state.best_model_checkpoint, self.ema)
+
+    def predict(self, *args: Any, **kwargs: Any) -> Any:
+        """Refused: a text-to-image policy has no predictions to gather against labels."""
+        raise NotImplementedError(
+            "GRPOJaggTrainer.predict() is not supported: there are no labels to predict for prompts. Use "
+            "evaluate(eval_dataset) for reward scores of held-out prompts, or sample_images(prompts) for the images."
+        )
 
     # ------------------------------------------------------------------ the Hub
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
