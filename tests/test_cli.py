@@ -461,11 +461,13 @@ def test_a_trl_grpo_yaml_runs_with_only_the_method_keys_changed(tmp_path, capsys
         model_name_or_path="x", dataset_name="prompts/dataset", dataset_train_split="train", dataset_test_split="eval",
         torch_dtype="bfloat16", attn_implementation="sdpa", epsilon=2e-4, beta=0.0, num_generations=2,
         per_device_train_batch_size=4, output_dir=str(tmp_path), bf16=False, use_peft=True, lora_r=8,
+        shuffle_dataset=False, num_completions_to_print=4, log_completions=True,
     )  # fmt: skip
     config = write_yaml(tmp_path / "grpo.yaml", **trl_yaml)
     script_args, args = train.parse_train_args(["--config", config, "--reward_funcs", "prompt_color"])
     assert (script_args.dataset_train_split, script_args.dataset_test_split) == ("train", "eval")
     assert (args.dtype, args.clip_range, script_args.lora_r) == ("bfloat16", 2e-4, 8)
+    assert (args.shuffle_dataset, args.num_completions_to_print) == (False, 4)
     _, args = train.parse_train_args(
         ["--config", config, "--reward_funcs", "prompt_color", "--torch_dtype", "float16"]
     )

@@ -12,6 +12,7 @@ import torch
 from datasets import Dataset
 from diffusers import FluxPipeline
 from peft import LoraConfig
+from PIL import Image
 from safetensors.torch import load_file
 from testing_utils import PROMPTS, redness, step_functions_of
 from transformers import TrainerCallback
@@ -278,6 +279,23 @@ def test_best_checkpoint_by_eval_reward_is_kept_and_loaded_at_the_end(tiny_flux_
     saved = load_file(os.path.join(best, "pytorch_lora_weights.safetensors"))
     assert final.keys() == saved.keys() and all(torch.equal(final[k], saved[k]) for k in saved)
     assert any(not torch.equal(a, b) for a, b in zip(trainable(trainer), last_step.values()))
+
+
+def test_shuffle_dataset_false_keeps_the_dataset_order(tiny_flux_path, tmp_path):
+    def order(**overrides) -> list[int]:
+        return list(make_trainer(tiny_flux_path, tmp_path, **overrides)._get_train_sampler())
+
+    # generation_batch_size 4 = 2 prompts x G = 2 per rollout: each index twice in a row.
+    assert order(shuffle_dataset=False) == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert sorted(order()) == sorted(order(shuffle_dataset=False)) != order()  # TRL's default: shuffled
+
+
+def test_num_completions_to_print_limits_the_logged_rollout_images(tiny_flux_path, tmp_path):
+    trainer = make_trainer(tiny_flux_path, tmp_path, max_steps=1, log_completions=True, num_completions_to_print=2)
+    trainer.train()
+    grid = Image.open(os.path.join(trainer.args.output_dir, "completions", "step-000001.png"))
+    # One row of G = 2 images of 32 px with a 12 px caption strip, instead of the rollout's 2 rows.
+    assert grid.size == (2 * 32, 32 + 12)
 
 
 def test_predict_is_refused_with_what_to_use_instead(tiny_flux_path, tmp_path):

@@ -197,7 +197,7 @@ class DDPOJaggTrainer(_BaseTrainer):
             mini_repeat_count=self.args.num_generations,
             batch_size=self.args.generation_batch_size // self.args.num_generations,
             repeat_count=self.args.num_iterations * self.args.steps_per_generation,
-            shuffle=True,
+            shuffle=self.args.shuffle_dataset,
             seed=self.args.seed,
         )
 
@@ -296,7 +296,9 @@ class DDPOJaggTrainer(_BaseTrainer):
         self._metrics.clear()
         completions, self.generation.completions = self.generation.completions, None  # each rollout logged once
         if completions is not None and self.is_world_process_zero():
-            prompts, images, scores = completions
+            keep = slice(self.args.num_completions_to_print)  # None: all
+            prompts, images = completions[0][keep], completions[1][keep]
+            scores = {name: values[keep] for name, values in completions[2].items()}
             # After Trainer.log: the tracker callbacks are set up and the step's scalars went first.
             log_completions(
                 self.callback_handler.callbacks, self.args.output_dir, prompts, images, scores,

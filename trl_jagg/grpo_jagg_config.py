@@ -440,6 +440,20 @@ class GRPOJaggConfig(TrainingArguments):
             "trackio) and to `output_dir/completions/`."
         },
     )
+    num_completions_to_print: int | None = field(
+        default=None,
+        metadata={
+            "help": "As in TRL (which prints that many completions): how many of the rollout's images "
+            "`log_completions` logs, in rollout order (whole prompt groups first); None logs them all."
+        },
+    )
+    shuffle_dataset: bool = field(
+        default=True,
+        metadata={
+            "help": "As in TRL: draw the training prompts in a shuffled order (per epoch, from `seed`); False keeps "
+            "the dataset's order."
+        },
+    )
 
     @classmethod
     def from_recipe(cls, name: str, **overrides: Any) -> GRPOJaggConfig:
@@ -666,6 +680,7 @@ class GRPOJaggConfig(TrainingArguments):
             "max_sequence_length",
             "eval_num_inference_steps",
             "stat_tracking_buffer_size",
+            "num_completions_to_print",
         ):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 fail(name, f"is {getattr(self, name)}", "Use a positive value, or None for the default.")
