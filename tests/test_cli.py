@@ -415,6 +415,26 @@ def test_accelerate_config_relaunches_through_accelerate(tmp_path, monkeypatch, 
     assert f"--config_file {custom}" in out
 
 
+def test_accelerate_config_passes_the_process_and_machine_options(monkeypatch, capsys):
+    import accelerate.commands.launch as launch
+
+    launched = []
+    monkeypatch.setattr(launch, "launch_command", lambda args: launched.append(args))
+    monkeypatch.delenv(train.LAUNCHED_ENV, raising=False)
+    flags = ["--model_name_or_path", "x", "--reward_funcs", "prompt_color", "--prompts", "a red circle"]
+    machine = ["--num_processes", "16", "--num_machines", "2", "--machine_rank", "1", "--main_process_ip", "10.0.0.1",
+               "--main_process_port=29600", "--rdzv_backend", "c10d"]  # fmt: skip
+    code, _, err = run(["train", "--accelerate_config", "multi_gpu", *machine, *flags], capsys)
+    assert code == 0, err
+    (args,) = launched  # parsed by accelerate's own launch parser: they override the config file
+    assert (args.num_processes, args.num_machines, args.machine_rank) == (16, 2, 1)
+    assert (args.main_process_ip, args.main_process_port, args.rdzv_backend) == ("10.0.0.1", 29600, "c10d")
+    assert args.training_script_args == ["train", *flags]
+    os.environ.pop(train.LAUNCHED_ENV)
+    code, _, err = run(["train", "--num_machines", "2", *flags], capsys)
+    assert code == 2 and "--num_machines is an accelerate launch option: give it with --accelerate_config" in err
+
+
 @pytest.mark.parametrize("name", ["single_gpu", "multi_gpu", "fsdp2", "deepspeed_zero2"])
 def test_accelerate_config_names_resolve_to_the_example_configs(name):
     path = train.resolve_accelerate_config(name)

@@ -376,18 +376,40 @@ def resolve_accelerate_config(name: str) -> str:
     )
 
 
+LAUNCH_OPTIONS = (
+    "num_processes",
+    "num_machines",
+    "machine_rank",
+    "main_process_ip",
+    "main_process_port",
+    "rdzv_backend",
+)
+"""``accelerate launch`` options that ``trl-jagg train --accelerate_config`` passes on (they override the config
+file): the process count, and the machines of a multi-node job."""
+
+
+def split_launch_options(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """``(launch, rest)``: the :data:`LAUNCH_OPTIONS` flags of ``argv`` (``--name value`` pairs) and the other
+    tokens, without ``--accelerate_config``."""
+    launch: list[str] = []
+    rest: list[str] = []
+    tokens = iter(argv)
+    for token in tokens:
+        name, eq, value = token[2:].partition("=") if token.startswith("--") else ("", "", "")
+        if name == "accelerate_config" or name in LAUNCH_OPTIONS:
+            value = value if eq else next(tokens, "")
+            if name in LAUNCH_OPTIONS:
+                launch += [f"--{name}", value]
+        else:
+            rest.append(token)
+    return launch, rest
+
+
 def accelerate_launch_args(argv: Sequence[str], config_file: str) -> list[str]:
     """The ``accelerate launch`` arguments that run ``trl-jagg train argv`` (without ``--accelerate_config``) with
-    ``config_file``: ``--config_file <file> -m trl_jagg.cli train ...``."""
-    rest, skip = [], False
-    for token in argv:
-        if skip:
-            skip = False
-        elif token == "--accelerate_config":
-            skip = True
-        elif not token.startswith("--accelerate_config="):
-            rest.append(token)
-    return ["--config_file", config_file, "-m", "trl_jagg.cli", "train", *rest]
+    ``config_file``: ``--config_file <file> [launch options] -m trl_jagg.cli train ...``."""
+    launch, rest = split_launch_options(argv)
+    return ["--config_file", config_file, *launch, "-m", "trl_jagg.cli", "train", *rest]
 
 
 def launch_with_accelerate(argv: Sequence[str], accelerate_config: str) -> int:
@@ -414,8 +436,14 @@ def main(argv: Sequence[str]) -> int:
     if not os.environ.get(LAUNCHED_ENV) and not {"-h", "--help"} & set(argv):
         argv, config, path = parser.read_config(argv)
         accelerate_config = flag_value(argv, "--accelerate_config") or config.get("accelerate_config")
+        launch, rest = split_launch_options(argv)
+        if launch and not accelerate_config:
+            raise UsageError(
+                f"{launch[0]} is an accelerate launch option: give it with --accelerate_config NAME (e.g. "
+                "multi_gpu), or run `accelerate launch ... -m trl_jagg.cli train` yourself."
+            )
         if accelerate_config:
-            parser.check_names(argv, config, path)
+            parser.check_names(rest, config, path)
             return launch_with_accelerate(argv, accelerate_config)
     parsed = parser.parse_command_line(argv, recipe_defaults)
     if parsed is None:
