@@ -284,7 +284,7 @@ def test_log_completions_logs_the_rollout_with_its_rewards(tiny_flux_path, tmp_p
     (events,) = [root for root, _, files in os.walk(tmp_path) if any(f.startswith("events.out") for f in files)]
     accumulator = EventAccumulator(events)
     accumulator.Reload()
-    assert "completions" in accumulator.Tags()["images"]
+    assert "train/completion_images" in accumulator.Tags()["images"]
 
 
 # ---------------------------------------------------------------- bad input fails early and clearly

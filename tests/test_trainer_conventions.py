@@ -255,7 +255,8 @@ def test_best_checkpoint_by_eval_reward_is_kept_and_loaded_at_the_end(tiny_flux_
         return [-10.0 * (trainer_state.global_step - 2) ** 2] * len(prompts)
 
     trainer = make_trainer(
-        tiny_flux_path, tmp_path, reward=[redness, peak_at_step_2], eval_dataset=Dataset.from_dict({"prompt": ["a red circle"]}),
+        tiny_flux_path, tmp_path, reward=[redness, peak_at_step_2],
+        eval_dataset=Dataset.from_dict({"prompt": ["a red circle", "a blue square"]}),
         max_steps=3, eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1, save_total_limit=1,
         load_best_model_at_end=True, metric_for_best_model="eval_reward", greater_is_better=True,
     )  # fmt: skip
