@@ -222,6 +222,26 @@ def test_a_rollout_where_a_reward_applies_nowhere_is_left_out_of_the_logged_mean
     assert "rewards/never/mean" not in entry and math.isfinite(entry["reward"])
 
 
+def test_rewards_log_metrics_and_extra_columns_as_in_trl(tiny_flux_path, tmp_path, monkeypatch):
+    import trl_jagg.ddpo_jagg_trainer as trainer_module
+
+    tables = []
+    monkeypatch.setattr(trainer_module, "log_completions", lambda *args: tables.append(args[4]))
+
+    def judged(prompts, trainer_state, log_metric, log_extra, **kwargs):
+        log_metric("judge/calls", trainer_state.global_step + 1.0)  # 1 at the first rollout, 2 at the second
+        log_extra("verdict", [f"ok {i}" for i in range(len(prompts))])
+        return [0.5] * len(prompts)
+
+    trainer = make_trainer(tiny_flux_path, tmp_path, reward=[judged, redness], max_steps=2, log_completions=True)
+    trainer.train()
+    logged = [e["judge/calls"] for e in trainer.state.log_history if "judge/calls" in e]
+    assert logged == [1.0, 2.0]  # one value per rollout, logged as a training metric
+    assert [table["verdict"] for table in tables] == [["ok 0", "ok 1", "ok 2", "ok 3"]] * 2  # a completions column
+    metrics = trainer.evaluate(Dataset.from_dict({"prompt": ["a red circle", "a blue square"]}))
+    assert metrics["eval_judge/calls"] == 3.0  # evaluate() gives rewards the same keywords (global_step 2)
+
+
 def test_rollout_bar_only_on_a_terminal(tiny_flux_path, tmp_path, capfd):
     # Written to a file (CI, nohup, Slurm), the nested per-rollout bar would leave carriage-return fragments.
     trainer = make_trainer(tiny_flux_path, tmp_path, max_steps=1, disable_tqdm=False)

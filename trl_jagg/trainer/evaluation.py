@@ -90,17 +90,25 @@ class Evaluator:
                 # A seed per batch, from its first row: deterministic for a given process count and batch size.
                 images.extend(self.render(batch, args.eval_seed + rows[begin]))
         per_reward: dict[str, list[float]] = {}
+        reward_metrics: dict[str, list[float]] = defaultdict(list)
         if prompts:
             columns = {key: [record[key] for record in records] for key in records[0] if key != "prompt"}
             total, parts = compute_rewards(
-                self.reward_funcs, prompts, images, args.reward_weights, trainer_state=trainer_state, **columns
-            )
+                self.reward_funcs, prompts, images, args.reward_weights, trainer_state=trainer_state,
+                # TRL's reward keywords; evaluation has no completions table, so log_extra's columns are dropped.
+                log_metric=lambda name, value: reward_metrics[name].append(float(value)),
+                log_extra=lambda column, values: None,
+                **columns,
+            )  # fmt: skip
             per_reward = {"reward": total.tolist(), **{name: value.tolist() for name, value in parts.items()}}
         gathered: dict[str, list[float]] = defaultdict(list)
-        for part in gather_object([per_reward]):  # one dict per process, in rank order
+        logged: dict[str, list[float]] = defaultdict(list)
+        for part, part_metrics in gather_object([(per_reward, dict(reward_metrics))]):  # one pair per process
             for name, values in part.items():
                 gathered[name].extend(values)
-        metrics = {}
+            for name, values in part_metrics.items():
+                logged[name].extend(values)
+        metrics = {f"{metric_key_prefix}_{name}": sum(values) / len(values) for name, values in logged.items()}
         for name, values in gathered.items():
             values = torch.tensor(values, dtype=torch.float64)
             values = values[~values.isnan()]  # a reward's None (not applicable) is NaN
