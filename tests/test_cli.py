@@ -239,7 +239,11 @@ def test_local_prompt_files(tmp_path):
 
 
 # ---------------------------------------------------------------- a real (tiny) run
-def test_tiny_train_run_from_yaml(tiny_flux_path, tmp_path, capsys):
+def test_tiny_train_run_from_yaml(tiny_flux_path, tmp_path, capsys, monkeypatch):
+    from transformers import Trainer
+
+    ended = []
+    monkeypatch.setattr(Trainer, "end", lambda self: ended.append(self.state.global_step), raising=False)
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps(["a red circle", "a green square", "a blue circle", "a red square"]))
     output_dir = tmp_path / "out"
@@ -262,6 +266,7 @@ def test_tiny_train_run_from_yaml(tiny_flux_path, tmp_path, capsys):
     logged = [ast.literal_eval(line) for line in out.splitlines() if line.startswith("{'loss'")]
     assert len(logged) == 2
     assert all(float(entry["jagg/groups_jagg"]) == 1 for entry in logged)
+    assert ended == [2]  # as TRL's grpo script: the trackers finish (and the process group ends) after the save
 
 
 def test_calibrate_suggests_jagg_frac(tiny_flux_path, tmp_path, capsys):
@@ -423,6 +428,26 @@ def test_accelerate_config_relaunches_through_accelerate(tmp_path, monkeypatch, 
     assert f"--config_file {custom}" in out
 
 
+def test_accelerate_config_passes_the_process_and_machine_options(monkeypatch, capsys):
+    import accelerate.commands.launch as launch
+
+    launched = []
+    monkeypatch.setattr(launch, "launch_command", lambda args: launched.append(args))
+    monkeypatch.delenv(train.LAUNCHED_ENV, raising=False)
+    flags = ["--model_name_or_path", "x", "--reward_funcs", "prompt_color", "--prompts", "a red circle"]
+    machine = ["--num_processes", "16", "--num_machines", "2", "--machine_rank", "1", "--main_process_ip", "10.0.0.1",
+               "--main_process_port=29600", "--rdzv_backend", "c10d"]  # fmt: skip
+    code, _, err = run(["train", "--accelerate_config", "multi_gpu", *machine, *flags], capsys)
+    assert code == 0, err
+    (args,) = launched  # parsed by accelerate's own launch parser: they override the config file
+    assert (args.num_processes, args.num_machines, args.machine_rank) == (16, 2, 1)
+    assert (args.main_process_ip, args.main_process_port, args.rdzv_backend) == ("10.0.0.1", 29600, "c10d")
+    assert args.training_script_args == ["train", *flags]
+    os.environ.pop(train.LAUNCHED_ENV)
+    code, _, err = run(["train", "--num_machines", "2", *flags], capsys)
+    assert code == 2 and "--num_machines is an accelerate launch option: give it with --accelerate_config" in err
+
+
 @pytest.mark.parametrize("name", ["single_gpu", "multi_gpu", "fsdp2", "deepspeed_zero2"])
 def test_accelerate_config_names_resolve_to_the_example_configs(name):
     path = train.resolve_accelerate_config(name)
@@ -460,6 +485,63 @@ def test_trl_config_names_on_the_command_line(capsys):
     assert code == 2 and "Did you mean 'epsilon'?" in err
     code, _, err = run(["train", *base, "--max_prompt_length", "64"], capsys)
     assert code == 2 and "max_sequence_length" in err
+
+
+def test_a_trl_grpo_yaml_runs_with_only_the_method_keys_changed(tmp_path, capsys):
+    """The keys of a `trl grpo` config (TRL's ScriptArguments, ModelConfig and GRPOConfig) that are not about
+    tokens parse; the token-level ones are refused with the reason."""
+    trl_yaml = dict(
+        model_name_or_path="x", dataset_name="prompts/dataset", dataset_train_split="train", dataset_test_split="eval",
+        torch_dtype="bfloat16", attn_implementation="sdpa", epsilon=2e-4, beta=0.0, num_generations=2,
+        per_device_train_batch_size=4, output_dir=str(tmp_path), bf16=False, use_peft=True, lora_r=8,
+        shuffle_dataset=False, num_completions_to_print=4, log_completions=True,
+    )  # fmt: skip
+    config = write_yaml(tmp_path / "grpo.yaml", **trl_yaml)
+    script_args, args = train.parse_train_args(["--config", config, "--reward_funcs", "prompt_color"])
+    assert (script_args.dataset_train_split, script_args.dataset_test_split) == ("train", "eval")
+    assert (args.dtype, args.clip_range, script_args.lora_r) == ("bfloat16", 2e-4, 8)
+    assert (args.shuffle_dataset, args.num_completions_to_print) == (False, 4)
+    _, args = train.parse_train_args(
+        ["--config", config, "--reward_funcs", "prompt_color", "--torch_dtype", "float16"]
+    )
+    assert args.dtype == "float16"  # the flag spelling too
+    script_args, _ = train.parse_train_args(["--dataset_split", "x", "--model_name_or_path", "x", "--prompts", "p",
+                                             "--reward_funcs", "prompt_color"])  # fmt: skip
+    assert script_args.dataset_train_split == "x"  # the former name
+    for key, value, reason in [
+        ("loss_type", "dapo", "token-level loss aggregation"),
+        ("importance_sampling_level", "sequence", "token- or sequence-level importance ratios"),
+        ("attn_implementation", "flash_attention_2", "set_attention_backend"),
+        ("torch_dtype", "auto", "diffusers pipelines have no 'auto' dtype"),
+        ("dtype", "auto", "Name it: bfloat16"),
+    ]:
+        bad = write_yaml(tmp_path / f"{key}.yaml", **{**trl_yaml, key: value})
+        code, _, err = run(["train", "--config", bad, "--reward_funcs", "prompt_color"], capsys)
+        assert code == 2 and f"{key} in {bad} is {value!r}" in err and reason in err, err
+        code, _, err = run(["train", "--config", config, "--reward_funcs", "prompt_color", f"--{key}", value], capsys)
+        assert code == 2 and f"{key} (--{key}) is {value!r}" in err, err
+
+
+def test_eval_dataset_from_a_test_split_or_another_source(tmp_path, capsys):
+    from datasets import Dataset, DatasetDict
+
+    splits = DatasetDict({"train": Dataset.from_dict({"prompt": ["a", "b"]}),
+                          "test": Dataset.from_dict({"prompt": ["c"]})})  # fmt: skip
+    splits.save_to_disk(str(tmp_path / "splits"))
+    (tmp_path / "held_out.txt").write_text("d\ne\n")
+    base = ["--model_name_or_path", "x", "--reward_funcs", "prompt_color", "--output_dir", str(tmp_path / "out")]
+    script_args, args = train.parse_train_args([*base, "--dataset_name", str(tmp_path / "splits")])
+    assert train.load_eval_dataset(script_args, args) is None  # eval_strategy no
+    script_args, args = train.parse_train_args(
+        [*base, "--dataset_name", str(tmp_path / "splits"), "--eval_strategy", "steps", "--eval_steps", "1"]
+    )
+    assert train.load_prompt_dataset(script_args)["prompt"] == ["a", "b"]
+    assert train.load_eval_dataset(script_args, args)["prompt"] == ["c"]  # trl grpo's dataset_test_split
+    script_args.eval_dataset_name = str(tmp_path / "held_out.txt")
+    assert train.load_eval_dataset(script_args, args)["prompt"] == ["d", "e"]
+    script_args, args = train.parse_train_args([*base, "--prompts", "p", "--eval_strategy", "steps"])
+    with pytest.raises(train.UsageError, match="inline prompts have no test split.*eval_dataset_name"):
+        train.load_eval_dataset(script_args, args)
 
 
 # ---------------------------------------------------------------- YAML types and one-line errors

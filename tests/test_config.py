@@ -141,6 +141,24 @@ def test_group_that_fits_or_jagg_off_does_not_warn():
         config(num_inference_steps=4, jagg_group_size=4, use_jagg=False)
 
 
+@pytest.mark.parametrize(
+    ("overrides", "name"), [(dict(epsilon=0.2), "epsilon"), (dict(clip_range=1e-9), "clip_range")]
+)
+def test_clip_range_far_from_the_recipes_warns_naming_their_values(overrides, name):
+    # TRL's token default 0.2 is 2000x the Flow-GRPO recipes' 1e-4.
+    with pytest.warns(
+        UserWarning, match=rf"{name} is {overrides[name]:g}.*flow-grpo-flux 0.0001.*flow-grpo-fast-flux 1e-05"
+    ):
+        config(**overrides)
+
+
+def test_clip_ranges_of_the_diffusion_scale_do_not_warn():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for value in (1e-5, 1e-4, 2e-4, 1e-2):
+            config(clip_range=value)
+
+
 def test_valid_config_passes_and_counts_prompts_per_rollout():
     args = config(steps_per_generation=3)
     assert args.prompts_per_rollout == 4 * 3 // 2

@@ -346,6 +346,7 @@ def test_trainer_gradients_on_two_processes(tiny_flux_path, tmp_path):
         name = "pytorch_lora_weights.safetensors" if kind == "lora" else "diffusion_pytorch_model.safetensors"
         straight, resumed = (load_file(str(tmp_path / f"{kind}_{end}" / name)) for end in ("saved", "resumed"))
         assert straight.keys() == resumed.keys()
+        # Bit-identical on purpose: the resumed run repeats the same calls on the same shapes with the restored RNG.
         assert all(torch.equal(straight[k], resumed[k]) for k in straight), kind
         assert (tmp_path / kind / "checkpoint-1" / "optimizer.pt").is_file()
 
@@ -435,3 +436,45 @@ def test_same_group_noise_is_shared_by_a_group_split_across_two_processes(tiny_f
         assert prompts[2 * group] == prompts[2 * group + 1]
         assert torch.equal(noise[2 * group], noise[2 * group + 1])
     assert not torch.allclose(noise[0], noise[2]) and not torch.allclose(noise[2], noise[4])
+
+
+# ---------------------------------------------------------------- several machines
+@pytest.mark.slow  # two launchers, each importing torch twice: ~50 s alone on 2 cores, ~2 min when shared
+def test_two_machine_launch_on_one_host_trains_identical_weights(tiny_flux_path, tmp_path):
+    """Machine ranks 0 and 1 of a 2-machine job (`trl-jagg train --accelerate_config multi_gpu --num_machines 2
+    --machine_rank R --main_process_ip 127.0.0.1`, one CPU process each) train one step together: different local
+    rollouts (each rank's own noise), one all-reduced update, so each machine saves the same weights bit for bit."""
+    import ast
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    port = str(_free_port())
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}
+    env.pop("TRL_JAGG_ACCELERATE_LAUNCHED", None)
+    launches = []
+    for rank in (0, 1):
+        command = [
+            sys.executable, "-m", "trl_jagg.cli", "train", "--accelerate_config", "multi_gpu", "--num_processes", "2",
+            "--num_machines", "2", "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1",
+            "--main_process_port", port, "--model_name_or_path", tiny_flux_path, "--reward_funcs", "prompt_color",
+            "--prompts", "a red circle", "a blue square", "--use_peft", "--lora_r", "4", "--lora_alpha", "8",
+            "--per_device_train_batch_size", "2", "--num_generations", "2", "--num_inference_steps", "3",
+            "--jagg_group_size", "2", "--height", "32", "--width", "32", "--max_sequence_length", "16",
+            "--max_steps", "1", "--use_cpu", "true", "--report_to", "none", "--save_strategy", "no",
+            "--save_on_each_node", "true", "--disable_tqdm", "true", "--output_dir", str(tmp_path / f"machine{rank}"),
+        ]  # fmt: skip
+        launches.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+    outputs = [launch.communicate(timeout=300) for launch in launches]
+    for launch, (_, err) in zip(launches, outputs):
+        assert launch.returncode == 0, err[-3000:]
+    logs = [[ast.literal_eval(line) for line in out.splitlines() if line.startswith("{'loss'")] for out, _ in outputs]
+    assert [len(log) for log in logs] == [1, 1]
+    (first,), (second,) = logs
+    assert first["reward"] == second["reward"]  # gathered over both machines
+    assert first["latents/final_std"] != second["latents/final_std"]  # two ranks, not two copies of one process
+    weights = [load_file(str(tmp_path / f"machine{r}" / "pytorch_lora_weights.safetensors")) for r in (0, 1)]
+    assert weights[0].keys() == weights[1].keys()
+    # Bit-identical on purpose: both machines apply the same all-reduced gradient to the same initial weights.
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])

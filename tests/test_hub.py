@@ -5,6 +5,7 @@ travels with the weights."""
 from __future__ import annotations
 
 import concurrent.futures
+import importlib.metadata
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -145,6 +146,15 @@ def test_model_card_content(tiny_flux_path, tmp_path):
     # A local base pipeline is no Hub id: no base_model (it would render as a broken Hub link), no license guess.
     assert "base_model" not in data and "license" not in data and tiny_flux_path not in card
     assert {"flux", "lora", "trl", "grpo", "diffusers", "text-to-image"} <= set(data["tags"])
+    assert {"diffusers-training", "template:sd-lora"} <= set(data["tags"])  # diffusers' LoRA training cards' tags
+    # As TRL's cards: the framework versions that trained it and the citations (GRPO's paper, TRL).
+    for name, distribution in [("Diffusers", "diffusers"), ("TRL", "trl"), ("PyTorch", "torch"), ("PEFT", "peft")]:
+        assert f"- {name}: {importlib.metadata.version(distribution)}\n" in card
+    assert "arXiv:2402.03300" in card and "@software{vonwerra2020trl" in card and "arXiv:2607.17572" in card
+    # The card's link to trl_jagg is pyproject's repository URL.
+    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    (repository,) = re.findall(r'^Repository = "(.+)"$', pyproject, flags=re.M)  # tomllib needs Python 3.11
+    assert f"[trl_jagg]({repository})" in card
     assert data["library_name"] == "diffusers" and data["pipeline_tag"] == "text-to-image"
     assert data["widget"] == [{"text": "a red circle", "output": {"url": "samples/latest/0.png"}}]
     assert "torch_dtype" not in card and "dtype=torch.float32" in card
@@ -167,7 +177,8 @@ def test_usage_snippet_runs_and_reproduces_the_trained_model(tiny_flux_path, tmp
     out = tmp_path / "out"
     (snippet,) = re.findall(r"```python\n(.*?)```", (out / "README.md").read_text(), flags=re.S)
     # The one documented substitution: the placeholders for the base pipeline and the repository, and the CPU.
-    code = snippet.replace("path/to/the/base/pipeline", tiny_flux_path).replace('"out"', f'"{out}"')
+    assert "# The base was a local FluxPipeline (no Hub id)" in snippet  # said, instead of a bare placeholder
+    code = snippet.replace("path/to/the/local/base/pipeline", tiny_flux_path).replace('"out"', f'"{out}"')
     code = code.replace('.to("cuda")', "")
     code = code.replace('"a photo of a red fox in the snow",', '"a red circle", generator=g,')
     namespace = {"g": torch.Generator().manual_seed(3)}

@@ -12,6 +12,7 @@ import torch
 from datasets import Dataset
 from diffusers import FluxPipeline
 from peft import LoraConfig
+from PIL import Image
 from safetensors.torch import load_file
 from testing_utils import PROMPTS, redness, step_functions_of
 from transformers import TrainerCallback
@@ -276,3 +277,62 @@ def test_evaluation_on_the_eval_dataset_every_eval_steps(tiny_flux_path, tmp_pat
     assert metrics["eval_samples"] == 3
     with pytest.raises(ValueError, match="no 'prompt' column"):
         make_trainer(tiny_flux_path, tmp_path, eval_dataset=Dataset.from_dict({"text": eval_prompts}))
+
+
+def test_best_checkpoint_by_eval_reward_is_kept_and_loaded_at_the_end(tiny_flux_path, tmp_path):
+    # A reward peaking at the second optimizer step (a function of the live trainer state, 10x any redness
+    # difference), so the best checkpoint is not the last one; redness keeps the training gradients non-zero.
+    def peak_at_step_2(prompts, trainer_state, **kwargs):
+        return [-10.0 * (trainer_state.global_step - 2) ** 2] * len(prompts)
+
+    trainer = make_trainer(
+        tiny_flux_path, tmp_path, reward=[redness, peak_at_step_2],
+        eval_dataset=Dataset.from_dict({"prompt": ["a red circle", "a blue square"]}),
+        max_steps=3, eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1, save_total_limit=1,
+        load_best_model_at_end=True, metric_for_best_model="eval_reward", greater_is_better=True,
+    )  # fmt: skip
+    last_step = {}
+
+    class KeepLastWeights(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            last_step.update({i: p.detach().clone() for i, p in enumerate(trainable(trainer))})
+
+    trainer.add_callback(KeepLastWeights())
+    trainer.train()
+    evals = {e["step"]: e["eval_reward"] for e in trainer.state.log_history if "eval_reward" in e}
+    assert max(evals, key=evals.get) == 2
+    best = os.path.join(trainer.args.output_dir, "checkpoint-2")
+    assert trainer.state.best_model_checkpoint == best
+    # Rotation never deleted the best checkpoint; at the end Trainer keeps only it (save_total_limit=1).
+    assert [f for f in os.listdir(trainer.args.output_dir) if f.startswith("checkpoint-")] == ["checkpoint-2"]
+    # The weights in memory at the end are the best checkpoint's (a file round trip: bit-identical), not step 3's.
+    trainer.save_model(str(tmp_path / "final"))
+    final = load_file(str(tmp_path / "final" / "pytorch_lora_weights.safetensors"))
+    saved = load_file(os.path.join(best, "pytorch_lora_weights.safetensors"))
+    assert final.keys() == saved.keys() and all(torch.equal(final[k], saved[k]) for k in saved)
+    assert any(not torch.equal(a, b) for a, b in zip(trainable(trainer), last_step.values()))
+
+
+def test_shuffle_dataset_false_keeps_the_dataset_order(tiny_flux_path, tmp_path):
+    def order(**overrides) -> list[int]:
+        return list(make_trainer(tiny_flux_path, tmp_path, **overrides)._get_train_sampler())
+
+    # generation_batch_size 4 = 2 prompts x G = 2 per rollout: each index twice in a row.
+    assert order(shuffle_dataset=False) == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert sorted(order()) == sorted(order(shuffle_dataset=False)) != order()  # TRL's default: shuffled
+
+
+def test_num_completions_to_print_limits_the_logged_rollout_images(tiny_flux_path, tmp_path):
+    trainer = make_trainer(tiny_flux_path, tmp_path, max_steps=1, log_completions=True, num_completions_to_print=2)
+    trainer.train()
+    grid = Image.open(os.path.join(trainer.args.output_dir, "completions", "step-000001.png"))
+    # One row of G = 2 images of 32 px with a 12 px caption strip, instead of the rollout's 2 rows.
+    assert grid.size == (2 * 32, 32 + 12)
+
+
+def test_predict_is_refused_with_what_to_use_instead(tiny_flux_path, tmp_path):
+    trainer = make_trainer(tiny_flux_path, tmp_path)
+    with pytest.raises(
+        NotImplementedError, match=r"predict\(\) is not supported.*evaluate\(eval_dataset\).*sample_images"
+    ):
+        trainer.predict(Dataset.from_dict({"prompt": ["a red circle"]}))

@@ -12,19 +12,24 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _LAZY = {
-    "DDPOJaggTrainer": "trl_jagg.ddpo_jagg_trainer",
-    "GRPOJaggConfig": "trl_jagg.grpo_jagg_config",
+    # One class, two names: GRPOJaggTrainer pairs with GRPOJaggConfig as TRL's GRPOTrainer with GRPOConfig (the
+    # documented name); DDPOJaggTrainer is its first name, kept for existing code.
+    "GRPOJaggTrainer": ("trl_jagg.ddpo_jagg_trainer", "DDPOJaggTrainer"),
+    "DDPOJaggTrainer": ("trl_jagg.ddpo_jagg_trainer", "DDPOJaggTrainer"),
+    "GRPOJaggConfig": ("trl_jagg.grpo_jagg_config", "GRPOJaggConfig"),
 }
 
 if TYPE_CHECKING:
     from .ddpo_jagg_trainer import DDPOJaggTrainer
+    from .ddpo_jagg_trainer import DDPOJaggTrainer as GRPOJaggTrainer
     from .grpo_jagg_config import GRPOJaggConfig
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
+        module, attribute = _LAZY[name]
+        return getattr(importlib.import_module(module), attribute)
     raise AttributeError(f"module 'trl_jagg' has no attribute {name!r}")
 
 
-__all__ = ["DDPOJaggTrainer", "GRPOJaggConfig", "__version__"]
+__all__ = ["DDPOJaggTrainer", "GRPOJaggConfig", "GRPOJaggTrainer", "__version__"]

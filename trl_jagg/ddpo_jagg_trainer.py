@@ -10,7 +10,6 @@ scheduler, logging, ``report_to``, checkpoints, resume, ``push_to_hub``) is ``tr
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import time
 from collections import defaultdict
@@ -28,7 +27,6 @@ from transformers.utils.hub import PushInProgress
 from trl.trainer.base_trainer import _BaseTrainer
 
 from .distributed import check_backend, check_world_size, gradient_sync_deferred, shard_backbones
-from .errors import TrainingError
 from .grpo_jagg_config import GRPOJaggConfig
 from .models import FlowMatchingAdapter, load_adapter
 from .prompts import prompt_text
@@ -43,13 +41,13 @@ from .trainer.evaluation import Evaluator, SampleImagesCallback
 from .trainer.files import EMA_DIR
 from .trainer.generation import RolloutGenerator
 from .trainer.guards import stop_if_non_finite
-from .trainer.image_logging import log_completions, log_image_grid, save_images
+from .trainer.image_logging import eval_images_key, log_completions, log_image_grid, save_images
 from .trainer.inputs import checked_inputs
+from .trainer.metrics import first_completions, logged_means
 from .trainer.placement import FrozenModules
 from .trainer.scoring import RewardFailure
 from .trainer.update import UpdateStage
 
-logger = logging.getLogger(__name__)
 RewardFunc = Callable[..., list[float]]
 
 
@@ -127,12 +125,11 @@ class DDPOJaggTrainer(_BaseTrainer):
             callbacks=callbacks,
             optimizers=optimizers,
         )
+        accelerator = self.accelerator
         check_backend(
-            self.accelerator.distributed_type,
-            self.accelerator.num_processes,
-            fsdp_requested=bool(args.fsdp),
+            accelerator.distributed_type, accelerator.num_processes, fsdp_requested=bool(args.fsdp),
             fully_shard_backbone=args.fully_shard_backbone,
-        )
+        )  # fmt: skip
         self.frozen = FrozenModules(self.adapter, self.accelerator.device, offload=args.offload_frozen_modules)
         self.frozen.place(transformer)
         self.conditioner = PromptConditioner(self.adapter, args, self.frozen)
@@ -193,7 +190,7 @@ class DDPOJaggTrainer(_BaseTrainer):
             mini_repeat_count=self.args.num_generations,
             batch_size=self.args.generation_batch_size // self.args.num_generations,
             repeat_count=self.args.num_iterations * self.args.steps_per_generation,
-            shuffle=True,
+            shuffle=self.args.shuffle_dataset,
             seed=self.args.seed,
         )
 
@@ -219,8 +216,8 @@ class DDPOJaggTrainer(_BaseTrainer):
             rollout = self._generate_and_score(generation_batch)
             self._buffered_inputs = split_rollout(rollout, self.args.steps_per_generation)
             if self.args.drop_zero_advantages:
-                num_processes = self.accelerator.num_processes
-                self._buffered_inputs = [without_zero_advantages(c, num_processes) for c in self._buffered_inputs]
+                world = self.accelerator.num_processes
+                self._buffered_inputs = [without_zero_advantages(c, world) for c in self._buffered_inputs]
         inputs = self._buffered_inputs[self._step % self.args.steps_per_generation]
         self._step += 1
         return inputs
@@ -237,27 +234,12 @@ class DDPOJaggTrainer(_BaseTrainer):
             self._stop_after_reward_failure(failure, f"at step {self.state.global_step + 1}")
 
     def _stop_after_reward_failure(self, failure: RewardFailure, during: str) -> NoReturn:
-        """Save the steps trained so far (on every process), then raise the reward's error with a note naming the
-        checkpoint; ``during`` says when it failed (``"at step 3"``)."""
-        saved, step = self._save_after_failure(), self.state.global_step
-        note = f"{saved} holds the {step} trained steps: resume from it." if saved else ""
-        note = note or "No trained step was lost (none to save)."
-        if failure.error is None:
-            raise TrainingError(f"A reward function failed on another process {during}. {note}") from None
-        logger.warning("A reward function failed %s. %s", during, note)
-        if hasattr(failure.error, "add_note"):  # Python >= 3.11: shown with the error
-            failure.error.add_note(note)
-        raise failure.error from None
-
-    def _save_after_failure(self) -> str | None:
-        """Save ``checkpoint-N`` of the steps trained so far, unless there are none or it exists; on every process."""
+        """Save ``checkpoint-N`` of the steps trained so far (every process), then raise the error naming it."""
         step = self.state.global_step
-        path = os.path.join(self.args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
-        if not self.is_in_train or step == 0:
-            return None
-        if not os.path.isdir(path):
+        saved = os.path.join(self.args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}") if self.is_in_train else None
+        if saved and step and not os.path.isdir(saved):
             self._save_checkpoint(self.model, trial=None)
-        return path
+        failure.raise_with_note(saved if step else None, step, during)
 
     def _stop_if_non_finite(self, quantity: str, value: torch.Tensor | float | None) -> None:
         stop_if_non_finite(
@@ -285,13 +267,17 @@ class DDPOJaggTrainer(_BaseTrainer):
 
     # ------------------------------------------------------------------ logging and evaluation
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        logs.update({key: sum(values) / len(values) for key, values in self._metrics.items() if values})
+        logs.update(logged_means(self._metrics))
         super().log(logs, start_time)
         self._metrics.clear()
         completions, self.generation.completions = self.generation.completions, None  # each rollout logged once
         if completions is not None and self.is_world_process_zero():
-            prompts, images, scores = completions
-            log_completions(self, prompts, images, scores, self.state.global_step, self.args.num_generations)
+            prompts, images, scores = first_completions(completions, self.args.num_completions_to_print)
+            # After Trainer.log: the tracker callbacks are set up and the step's scalars went first.
+            log_completions(
+                self.callback_handler.callbacks, self.args.output_dir, prompts, images, scores,
+                self.state.global_step, self.args.num_generations,
+            )  # fmt: skip
 
     def ema_weights(self) -> contextlib.AbstractContextManager:
         """The EMA weights in place of the trained ones for the duration of the block (a no-op without EMA)."""
@@ -311,7 +297,7 @@ class DDPOJaggTrainer(_BaseTrainer):
         images = self.sample_images()
         if self.is_world_process_zero():
             prompts = list(self.args.eval_prompts)
-            log_image_grid(self, images, prompts, step)
+            log_image_grid(self.callback_handler.callbacks, self.args.output_dir, images, prompts, step)
             paths = save_images(images, self.args.output_dir, os.path.join("samples", "latest"))
             self._card_samples = list(zip(prompts, paths))
 
@@ -326,13 +312,10 @@ class DDPOJaggTrainer(_BaseTrainer):
 
         Metrics follow the ``Trainer`` convention, ``{metric_key_prefix}_reward``, ``..._reward_std`` and
         ``..._rewards/<name>/mean`` (W&B and the other ``report_to`` trackers show them as ``eval/...``); the first
-        16 images are logged as a grid under ``eval_samples/``. Each process renders its share of the prompts.
+        16 images are saved as a grid in ``output_dir/eval_samples/`` and sent to the trackers as
+        ``eval/sample_images``. Each process renders its share of the prompts.
         """
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
-        if dataset is None:
-            raise ValueError(
-                "evaluate() needs held-out prompts: pass eval_dataset= to DDPOJaggTrainer or to evaluate()."
-            )
         try:
             metrics, images, prompts = self.evaluator.evaluate(
                 self.accelerator.unwrap_model(self.model), self.ema, dataset, metric_key_prefix=metric_key_prefix,
@@ -340,10 +323,12 @@ class DDPOJaggTrainer(_BaseTrainer):
             )  # fmt: skip
         except RewardFailure as failure:
             self._stop_after_reward_failure(failure, f"in the evaluation at step {self.state.global_step}")
-        if self.is_world_process_zero() and images:
-            name = f"{metric_key_prefix}_samples"
-            log_image_grid(self, images[:16], prompts[:16], self.state.global_step, name=name)
         super().log(metrics)  # not self.log: the training metrics of the current step are not evaluation metrics
+        if self.is_world_process_zero() and images:  # after the scalars, which set the tracker callbacks up
+            log_image_grid(
+                self.callback_handler.callbacks, self.args.output_dir, images[:16], prompts[:16],
+                self.state.global_step, folder=f"{metric_key_prefix}_samples", key=eval_images_key(metric_key_prefix),
+            )  # fmt: skip
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
 
@@ -411,6 +396,8 @@ class DDPOJaggTrainer(_BaseTrainer):
         """Write ``checkpoint-N`` atomically (a staging folder, renamed once complete), push it, rotate."""
         args, run_dir = self.args, self._get_output_dir(trial=trial)
         name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        # Trainer's best-model bookkeeping (its `_save_checkpoint`, replaced here), before trainer_state.json.
+        self.state.best_model_checkpoint = checkpointing.best_checkpoint(run_dir, self.state, args.save_strategy)
         with checkpointing.atomic_checkpoint(
             run_dir, name, should_save=args.should_save, wait_for_everyone=self.accelerator.wait_for_everyone
         ) as staging_dir:
@@ -429,6 +416,19 @@ class DDPOJaggTrainer(_BaseTrainer):
             self._push_from_checkpoint(final_dir)
         if args.should_save:
             checkpointing.rotate_checkpoints(run_dir, args.save_total_limit, self.state.best_model_checkpoint)
+
+    def _load_best_model(self) -> None:
+        """``load_best_model_at_end``: the weights (and EMA average) of ``best_model_checkpoint``, in this trainer's
+        format (Trainer's own reader knows only transformers' file names)."""
+        transformer = self.accelerator.unwrap_model(self.model)
+        self.weights.load_resumed(transformer, self.state.best_model_checkpoint, self.ema)
+
+    def predict(self, *args: Any, **kwargs: Any) -> Any:
+        """Refused: a text-to-image policy has no predictions to gather against labels."""
+        raise NotImplementedError(
+            "GRPOJaggTrainer.predict() is not supported: there are no labels to predict for prompts. Use "
+            "evaluate(eval_dataset) for reward scores of held-out prompts, or sample_images(prompts) for the images."
+        )
 
     # ------------------------------------------------------------------ the Hub
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:

@@ -17,7 +17,7 @@ from transformers import TrainingArguments
 from .field_types import type_problem
 from .jagg import ENDPOINT_BACKWARDS, JAGG_MODES
 from .prompts import check_prompts
-from .recipes import get_recipe
+from .recipes import RECIPES, get_recipe
 from .sampling import SAMPLERS
 from .sde_window import WINDOW_SCHEDULES
 
@@ -30,6 +30,8 @@ EMA_SCHEDULES = ("step", "flow_grpo")
 CFG_GRADIENTS = ("both", "conditional")
 DTYPES = ("float32", "bfloat16", "float16")
 MAX_NOISE_LEVEL = 2.0
+CLIP_RANGE_SLACK = 1000.0
+"""How far (a factor) a clip range may lie outside the recipes' before the config warns about its scale."""
 
 
 @dataclass
@@ -544,8 +546,22 @@ class GRPOJaggConfig(TrainingArguments):
         default=False,
         metadata={
             "help": "As in TRL: every `logging_steps`, log the latest rollout's images with their prompts and "
-            "rewards to the `report_to` trackers (a captioned grid, one row per prompt group; a table on W&B) and "
-            "to `output_dir/completions/`."
+            "rewards to the `report_to` trackers (a captioned grid, one row per prompt group; a table on W&B and "
+            "trackio) and to `output_dir/completions/`."
+        },
+    )
+    num_completions_to_print: int | None = field(
+        default=None,
+        metadata={
+            "help": "As in TRL (which prints that many completions): how many of the rollout's images "
+            "`log_completions` logs, in rollout order (whole prompt groups first); None logs them all."
+        },
+    )
+    shuffle_dataset: bool = field(
+        default=True,
+        metadata={
+            "help": "As in TRL: draw the training prompts in a shuffled order (per epoch, from `seed`); False keeps "
+            "the dataset's order."
         },
     )
 
@@ -861,6 +877,7 @@ class GRPOJaggConfig(TrainingArguments):
             "max_sequence_length",
             "eval_num_inference_steps",
             "stat_tracking_buffer_size",
+            "num_completions_to_print",
         ):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 fail(name, f"is {getattr(self, name)}", "Use a positive value, or None for the default.")
@@ -877,6 +894,24 @@ class GRPOJaggConfig(TrainingArguments):
                 f"{self.num_inference_steps}): no group is full, so JAGG stays idle and every step takes an exact "
                 f"backward. Use jagg_group_size <= {trained}, or use_jagg=False."
             )
+        self._warn_clip_range_scale()
+
+    def _warn_clip_range_scale(self) -> None:
+        """Warn when the clip range is far from the flow-model recipes' (TRL's token default 0.2 is 2000x Flow-GRPO's
+        1e-4): it then clips nearly nothing or nearly everything."""
+        used = sorted({recipe.config["clip_range"] for recipe in RECIPES.values()})
+        if used[0] / CLIP_RANGE_SLACK <= self.clip_range <= used[-1] * CLIP_RANGE_SLACK:
+            return
+        name = "epsilon" if self.epsilon is not None else "clip_range"
+        recipes = ", ".join(f"{recipe.name} {recipe.config['clip_range']:g}" for recipe in RECIPES.values())
+        warnings.warn(
+            f"GRPOJaggConfig.{name} is {self.clip_range:g}, more than {CLIP_RANGE_SLACK:g}x outside the clip ranges of "
+            f"the flow-model recipes ({recipes}): a step's log-prob is a mean over latent dimensions, so its ratio "
+            "moves far less than a token's, and a token-scale value such as TRL's 0.2 effectively never clips. Use "
+            "1e-4 (SDE / Dance samplers) or 1e-5 (CPS).",
+            UserWarning,
+            stacklevel=3,
+        )
 
     @staticmethod
     def _warn(message: str) -> None:

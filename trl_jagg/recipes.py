@@ -22,7 +22,9 @@ settings of the paper: groups of ``W = 4`` trained steps, the high-noise 60% of 
 where fewer steps are trained (Flow-GRPO-Fast trains 3, so its ``W`` is 3; Flow-GRPO's Qwen-Image 2, so ``W = 2``:
 a group longer than the trained steps would always run exact).
 
-The CLI's YAML files (``examples/recipes/<name>.yaml``) are generated from these presets, never edited by hand::
+The CLI's YAML files are generated from these presets, never edited by hand; they ship in the package
+(``trl_jagg/configs/recipes/<name>.yaml``, :func:`trl_jagg.configs.config_dir`), which a checkout links as
+``examples/recipes/``::
 
     python -m trl_jagg.recipes examples/recipes
 """

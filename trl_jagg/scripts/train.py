@@ -17,7 +17,6 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .utils import CommandParser, UsageError, flag_value, one_line
@@ -62,7 +61,23 @@ class ScriptArguments:
         },
     )
     dataset_config: str | None = field(default=None, metadata={"help": "Configuration name of the Hub dataset."})
-    dataset_split: str = field(default="train", metadata={"help": "Split of the dataset to train on."})
+    dataset_train_split: str = field(
+        default="train", metadata={"help": "Split of the dataset to train on (trl grpo's name; also dataset_split)."}
+    )
+    dataset_test_split: str = field(
+        default="test",
+        metadata={
+            "help": "As in trl grpo: the split of the dataset (or of eval_dataset_name) that evaluate() scores when "
+            "eval_strategy is not 'no'."
+        },
+    )
+    eval_dataset_name: str | None = field(
+        default=None,
+        metadata={
+            "help": "Held-out prompts from another source than dataset_name (the same kinds: a Hub dataset, a "
+            "saved directory or a local file, whose rows are all evaluated), scored when eval_strategy is not 'no'."
+        },
+    )
     dataset_prompt_column: str = field(
         default="prompt",
         metadata={"help": "Column holding the prompts (renamed to `prompt`); other columns reach the rewards."},
@@ -98,7 +113,8 @@ class ScriptArguments:
         default=None,
         metadata={
             "help": "Relaunch this command through `accelerate launch --config_file <file>`, as `trl` does: a path, "
-            "or a name in examples/accelerate_configs/ (single_gpu, multi_gpu, fsdp2, deepspeed_zero2)."
+            "or the name of a config shipped in the package, trl_jagg/configs/accelerate/ (single_gpu, multi_gpu, "
+            "fsdp2, deepspeed_zero2)."
         },
     )
 
@@ -218,15 +234,46 @@ def parse_train_args(argv: Sequence[str]) -> tuple[ScriptArguments, GRPOJaggConf
 
 def load_prompt_dataset(script_args: ScriptArguments) -> Dataset:
     """The training prompts as a :class:`datasets.Dataset` with a ``prompt`` column."""
+    from datasets import Dataset
+
+    if script_args.prompts:
+        return Dataset.from_dict({"prompt": list(script_args.prompts)})
+    return read_prompts(script_args, script_args.dataset_name, script_args.dataset_train_split, "dataset_name")
+
+
+def load_eval_dataset(script_args: ScriptArguments, training_args: GRPOJaggConfig) -> Dataset | None:
+    """The held-out prompts ``evaluate()`` scores, as ``trl grpo`` picks them: ``eval_dataset_name`` when given,
+    else the ``dataset_test_split`` of ``dataset_name``; ``None`` when ``eval_strategy`` is ``"no"``."""
+    if training_args.eval_strategy == "no":
+        return None
+    if script_args.eval_dataset_name:
+        return read_prompts(
+            script_args, script_args.eval_dataset_name, script_args.dataset_test_split, "eval_dataset_name"
+        )
+    name = script_args.dataset_name
+    # A Hub dataset or a saved DatasetDict has splits; inline prompts, a file or a saved Dataset have one.
+    if name and (not os.path.exists(name) or os.path.isfile(os.path.join(name, "dataset_dict.json"))):
+        return read_prompts(script_args, name, script_args.dataset_test_split, "dataset_name")
+    source = "the inline prompts have" if script_args.prompts else f"dataset_name {name} has"
+    raise UsageError(
+        f"eval_strategy is {training_args.eval_strategy.value!r} but {source} no test split to evaluate. Set "
+        "eval_dataset_name (a file or dataset of held-out prompts), or eval_strategy no."
+    )
+
+
+def read_prompts(script_args: ScriptArguments, name: str, split: str, field_name: str) -> Dataset:
+    """Split ``split`` of dataset ``name`` (a Hub id, a ``save_to_disk`` directory or a local file, whose rows are
+    all read) with its ``dataset_prompt_column`` renamed ``prompt``; errors name ``field_name``."""
     from datasets import Dataset, load_dataset, load_from_disk
 
     column = script_args.dataset_prompt_column
-    if script_args.prompts:
-        return Dataset.from_dict({"prompt": list(script_args.prompts)})
-    name = script_args.dataset_name
     if os.path.isdir(name) and os.path.isfile(os.path.join(name, "dataset_info.json")):
         dataset = load_from_disk(name)
-        dataset = dataset[script_args.dataset_split] if hasattr(dataset, "keys") else dataset
+    elif os.path.isdir(name) and os.path.isfile(os.path.join(name, "dataset_dict.json")):
+        dataset = load_from_disk(name)
+        if split not in dataset:
+            raise UsageError(f"{field_name} {name}: no split {split!r} (splits: {list(dataset)}).")
+        dataset = dataset[split]
     elif os.path.isfile(name):
         extension = os.path.splitext(name)[1].lower()
         if extension == ".txt":
@@ -238,15 +285,15 @@ def load_prompt_dataset(script_args: ScriptArguments) -> Dataset:
             if isinstance(records, list) and all(isinstance(r, str) for r in records):
                 records = [{column: r} for r in records]
             if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
-                raise UsageError(f"dataset_name {name}: a .json file must hold a list of prompts or of records.")
+                raise UsageError(f"{field_name} {name}: a .json file must hold a list of prompts or of records.")
             dataset = Dataset.from_list(records)
         else:
             builder = {".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}.get(extension)
             if builder is None:
-                raise UsageError(f"dataset_name {name}: unsupported file type {extension!r}.")
+                raise UsageError(f"{field_name} {name}: unsupported file type {extension!r}.")
             dataset = load_dataset(builder, data_files=name, split="train")
     else:
-        dataset = load_dataset(name, script_args.dataset_config, split=script_args.dataset_split)
+        dataset = load_dataset(name, script_args.dataset_config, split=split)
     if column not in dataset.column_names:
         raise UsageError(
             f"dataset_prompt_column: the dataset has no column {column!r} (columns: {dataset.column_names})."
@@ -294,6 +341,7 @@ def build_trainer(script_args: ScriptArguments, training_args: GRPOJaggConfig) -
     except ValueError as error:
         raise UsageError(f"reward_funcs: {error}") from None
     dataset = load_prompt_dataset(script_args)
+    eval_dataset = load_eval_dataset(script_args, training_args)
     model: Any = script_args.model_name_or_path
     scheduler = recipe_scheduler(script_args.recipe)
     if scheduler:
@@ -317,6 +365,7 @@ def build_trainer(script_args: ScriptArguments, training_args: GRPOJaggConfig) -
         reward_funcs=reward_funcs,
         args=training_args,
         train_dataset=dataset,
+        eval_dataset=eval_dataset,
         peft_config=build_lora_config(script_args, training_args.model_revision),
     )
 
@@ -331,7 +380,8 @@ def recipe_scheduler(name: str | None) -> dict[str, Any]:
 
 
 def run_train(script_args: ScriptArguments, training_args: GRPOJaggConfig) -> DDPOJaggTrainer:
-    """Build the trainer, train (resuming when asked), save to ``output_dir`` and push when ``push_to_hub``."""
+    """Build the trainer, train (resuming when asked), save to ``output_dir``, push when ``push_to_hub`` and end
+    (the trackers finish: nothing that talks to the other processes may follow)."""
     trainer = build_trainer(script_args, training_args)
     resume: str | bool | None = training_args.resume_from_checkpoint
     if isinstance(resume, str) and resume.lower() in ("true", "last"):
@@ -342,29 +392,29 @@ def run_train(script_args: ScriptArguments, training_args: GRPOJaggConfig) -> DD
         print(f"Saved the trained weights to {training_args.output_dir}")
     if training_args.push_to_hub:
         trainer.push_to_hub(dataset_name=script_args.dataset_name)
+    # As TRL's grpo script: finish the trackers and destroy the process group (Trainer.end, transformers >= 5.x).
+    if hasattr(trainer, "end"):
+        trainer.end()
     return trainer
 
-
-ACCELERATE_CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "accelerate_configs"
-"""The launch configurations of a source checkout (``examples/accelerate_configs/<name>.yaml``)."""
 
 LAUNCHED_ENV = "TRL_JAGG_ACCELERATE_LAUNCHED"
 """Set in the processes ``--accelerate_config`` starts, so that they train instead of relaunching."""
 
 
 def resolve_accelerate_config(name: str) -> str:
-    """The file ``--accelerate_config name`` names: a path, else ``examples/accelerate_configs/<name>.yaml`` in the
-    working directory or in the source checkout trl_jagg runs from."""
+    """The file ``--accelerate_config name`` names: a path, else a launch configuration shipped in the package
+    (``trl_jagg/configs/accelerate/<name>.yaml``, also ``examples/accelerate_configs/`` in a checkout)."""
     if os.path.isfile(name):
         return _checked_accelerate_config(name)
-    folders = [Path.cwd() / "examples" / "accelerate_configs", ACCELERATE_CONFIGS]
-    for folder in folders:
-        if (folder / f"{name}.yaml").is_file():
-            return _checked_accelerate_config(str(folder / f"{name}.yaml"))
-    names = sorted({path.stem for folder in folders if folder.is_dir() for path in folder.glob("*.yaml")})
+    from trl_jagg.configs import config_dir, config_names
+
+    path = config_dir("accelerate") / f"{name}.yaml"
+    if path.is_file():
+        return _checked_accelerate_config(str(path))
     raise UsageError(
-        f"accelerate_config {name!r} is neither a file nor a config in examples/accelerate_configs/ "
-        f"({', '.join(names) or 'none found'}). Give a path to an accelerate config file or one of those names."
+        f"accelerate_config {name!r} is neither a file nor a shipped accelerate config "
+        f"({', '.join(config_names('accelerate'))}). Give a path to an accelerate config file or one of those names."
     )
 
 
@@ -378,23 +428,45 @@ def _checked_accelerate_config(path: str) -> str:
     except Exception as error:  # YAML/JSON syntax, a non-mapping, unknown keys: accelerate raises each differently
         raise UsageError(
             f"accelerate_config {path} is not an accelerate config ({type(error).__name__}: {one_line(error)}). "
-            f"Write one with `accelerate config --config_file {path}`, or use a name in examples/accelerate_configs/."
+            f"Write one with `accelerate config --config_file {path}`, or use a shipped config's name."
         ) from None
     return path
 
 
+LAUNCH_OPTIONS = (
+    "num_processes",
+    "num_machines",
+    "machine_rank",
+    "main_process_ip",
+    "main_process_port",
+    "rdzv_backend",
+)
+"""``accelerate launch`` options that ``trl-jagg train --accelerate_config`` passes on (they override the config
+file): the process count, and the machines of a multi-node job."""
+
+
+def split_launch_options(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """``(launch, rest)``: the :data:`LAUNCH_OPTIONS` flags of ``argv`` (``--name value`` pairs) and the other
+    tokens, without ``--accelerate_config``."""
+    launch: list[str] = []
+    rest: list[str] = []
+    tokens = iter(argv)
+    for token in tokens:
+        name, eq, value = token[2:].partition("=") if token.startswith("--") else ("", "", "")
+        if name == "accelerate_config" or name in LAUNCH_OPTIONS:
+            value = value if eq else next(tokens, "")
+            if name in LAUNCH_OPTIONS:
+                launch += [f"--{name}", value]
+        else:
+            rest.append(token)
+    return launch, rest
+
+
 def accelerate_launch_args(argv: Sequence[str], config_file: str) -> list[str]:
     """The ``accelerate launch`` arguments that run ``trl-jagg train argv`` (without ``--accelerate_config``) with
-    ``config_file``: ``--config_file <file> -m trl_jagg.cli train ...``."""
-    rest, skip = [], False
-    for token in argv:
-        if skip:
-            skip = False
-        elif token == "--accelerate_config":
-            skip = True
-        elif not token.startswith("--accelerate_config="):
-            rest.append(token)
-    return ["--config_file", config_file, "-m", "trl_jagg.cli", "train", *rest]
+    ``config_file``: ``--config_file <file> [launch options] -m trl_jagg.cli train ...``."""
+    launch, rest = split_launch_options(argv)
+    return ["--config_file", config_file, *launch, "-m", "trl_jagg.cli", "train", *rest]
 
 
 def launch_with_accelerate(argv: Sequence[str], accelerate_config: str) -> int:
@@ -421,8 +493,14 @@ def main(argv: Sequence[str]) -> int:
     if not os.environ.get(LAUNCHED_ENV) and not {"-h", "--help"} & set(argv):
         argv, config, path = parser.read_config(argv)
         accelerate_config = flag_value(argv, "--accelerate_config") or config.get("accelerate_config")
+        launch, rest = split_launch_options(argv)
+        if launch and not accelerate_config:
+            raise UsageError(
+                f"{launch[0]} is an accelerate launch option: give it with --accelerate_config NAME (e.g. "
+                "multi_gpu), or run `accelerate launch ... -m trl_jagg.cli train` yourself."
+            )
         if accelerate_config:
-            parser.check_names(argv, config, path)
+            parser.check_names(rest, config, path)
             return launch_with_accelerate(argv, accelerate_config)
     parsed = parser.parse_command_line(argv, recipe_defaults)
     if parsed is None:

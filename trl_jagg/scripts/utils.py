@@ -27,6 +27,49 @@ The names TRL and trl_jagg share (``epsilon``, ``epsilon_high``, ``beta``, ``num
 ``generation_batch_size``, ``steps_per_generation``, ``log_completions``, ``reward_weights``, ...) are fields."""
 
 
+TRL_ALIASES: Mapping[str, str] = {"torch_dtype": "dtype", "dataset_split": "dataset_train_split"}
+"""Other names of a field: transformers' former ``torch_dtype`` (in ``trl grpo`` configs) and trl_jagg's former
+``dataset_split``; renamed to the field before parsing, in the YAML and on the command line."""
+
+
+def _attention(value: Any) -> str | None:
+    if value in (None, "sdpa"):
+        return None
+    return (
+        f"is {value!r}, a transformers attention implementation; diffusers backbones run PyTorch's "
+        "scaled_dot_product_attention ('sdpa', accepted) and choose other kernels with "
+        "`transformer.set_attention_backend(...)`, not from this config. Remove the key or set it to sdpa."
+    )
+
+
+def _token_level(name: str, meaning: str) -> Callable[[Any], str]:
+    return lambda value: (
+        f"is {value!r}: {meaning} has no meaning for images, whose step log-prob is a mean over latent dimensions "
+        f"and whose loss is the mean of the per-step PPO losses (Flow-GRPO's). Remove {name} from the config."
+    )
+
+
+TRL_ONLY: Mapping[str, Callable[[Any], str | None]] = {
+    "attn_implementation": _attention,
+    "loss_type": _token_level("loss_type", "a token-level loss aggregation (grpo, dr_grpo, dapo, bnpo, ...)"),
+    "importance_sampling_level": _token_level(
+        "importance_sampling_level", "choosing token- or sequence-level importance ratios"
+    ),
+}
+"""Keys of ``trl grpo`` configs that are no field here: each maps a value to why it is refused, or to ``None``
+when the value is what trl_jagg does anyway (then the key is dropped)."""
+
+TRL_VALUES: Mapping[str, Callable[[Any], str | None]] = {
+    "dtype": lambda value: (
+        "is 'auto', which transformers resolves from the checkpoint; diffusers pipelines have no 'auto' dtype. "
+        "Name it: bfloat16 (as the recipes), float16 or float32."
+        if value == "auto"
+        else None
+    ),
+}
+"""Values ``trl grpo`` accepts that a field here refuses, with the reason (checked before parsing)."""
+
+
 class UsageError(ValueError):
     """A problem with the command line or the YAML config: reported as ``trl-jagg <command>: error: ...``."""
 
@@ -133,14 +176,46 @@ class CommandParser(TrlParser):
         value it causes.
         """
         valid = self.field_names()
-        for key in config:
-            if key != "env" and key not in valid:
+        for key, value in config.items():
+            self._check_trl_value(str(key), value, f" in {path}")
+            if key != "env" and TRL_ALIASES.get(key, key) not in valid and key not in TRL_ONLY:
                 raise UsageError(f"unknown field '{key}' in {path}.{suggest(str(key), valid)}")
         options = self.option_names()
-        for token in argv:
+        for i, token in enumerate(argv):
             flag = token.split("=", 1)[0]
-            if token.startswith("--") and flag not in options and flag != "--":
-                raise UsageError(f"unknown field '{flag[2:]}' ({flag}).{suggest(flag[2:], valid)}")
+            if not token.startswith("--") or flag == "--":
+                continue
+            name = flag[2:]
+            value = token.split("=", 1)[1] if "=" in token else (argv[i + 1] if i + 1 < len(argv) else None)
+            self._check_trl_value(name, value, f" ({flag})")
+            if f"--{TRL_ALIASES.get(name, name)}" not in options and name not in TRL_ONLY:
+                raise UsageError(f"unknown field '{name}' ({flag}).{suggest(name, valid)}")
+
+    @staticmethod
+    def _check_trl_value(name: str, value: Any, where: str) -> None:
+        check = TRL_ONLY.get(name) or TRL_VALUES.get(TRL_ALIASES.get(name, name))
+        reason = check(value) if check is not None else None
+        if reason is not None:
+            raise UsageError(f"{name}{where} {reason}")
+
+    @staticmethod
+    def trl_argv(argv: Sequence[str]) -> list[str]:
+        """``argv`` with the TRL aliases renamed to their fields and the accepted TRL-only flags dropped."""
+        out: list[str] = []
+        tokens = iter(argv)
+        for token in tokens:
+            name, eq, value = token[2:].partition("=") if token.startswith("--") else ("", "", "")
+            if name in TRL_ONLY:
+                if not eq:
+                    next(tokens, None)
+                continue
+            out.append(f"--{TRL_ALIASES[name]}{eq}{value}" if name in TRL_ALIASES else token)
+        return out
+
+    def set_defaults_with_config(self, **kwargs: Any) -> list[str]:
+        # TrlParser reads the --config YAML itself: rename its TRL aliases and drop the accepted TRL-only keys here.
+        kwargs = {TRL_ALIASES.get(k, k): v for k, v in kwargs.items() if k not in TRL_ONLY}
+        return super().set_defaults_with_config(**kwargs)
 
     def check_yaml_types(self, config: Mapping[str, Any], path: str | None) -> None:
         """YAML values have the types their flags convert to. TrlParser sets them as argparse defaults, which
@@ -195,7 +270,7 @@ class CommandParser(TrlParser):
             self.set_defaults(**defaults(argv, config))
         try:
             *parsed, _, leftover = self.parse_args_and_config(
-                argv, return_remaining_strings=True, separate_remaining_strings=True
+                self.trl_argv(argv), return_remaining_strings=True, separate_remaining_strings=True
             )
         except (ValueError, TypeError) as error:
             if isinstance(error, UsageError):

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_callback import ExportableState
-from transformers.trainer_utils import get_last_checkpoint, sort_checkpoints
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, sort_checkpoints
 
 from ..distributed import is_fully_sharded
 from ..errors import CheckpointError, NonFiniteError, TrainingError
@@ -209,6 +209,18 @@ def check_saveable(
             f"Refusing to replace the weights in {output_dir} with a model that has trained 0 steps. Train first, "
             "or save to another directory."
         )
+
+
+def best_checkpoint(run_dir: str, state: Any, save_strategy: str) -> str | None:
+    """The checkpoint of the best evaluation so far (``metric_for_best_model``, e.g. ``eval_reward``), which
+    ``save_total_limit`` keeps and ``load_best_model_at_end`` loads: the one being written or an existing one; else
+    ``state.best_model_checkpoint`` unchanged."""
+    if save_strategy == "no" or not state.best_global_step:
+        return state.best_model_checkpoint
+    best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.best_global_step}")
+    if state.best_global_step == state.global_step or os.path.isdir(best):
+        return best
+    return state.best_model_checkpoint
 
 
 def save_run_state(

@@ -78,6 +78,10 @@ class Evaluator:
         """Render ``dataset``'s prompts (each process its share, a seed per batch from its first row) and score
         them; returns the metrics (``{prefix}_reward``, ``..._reward_std``, ``..._rewards/<name>/mean``), and this
         process's images and prompts."""
+        if dataset is None:
+            raise ValueError(
+                "evaluate() needs held-out prompts: pass eval_dataset= to DDPOJaggTrainer or to evaluate()."
+            )
         args = self.args
         start = time.perf_counter()
         # Checked as the training prompts are: a list is converted, a missing 'prompt' column or a bad row named.
@@ -92,21 +96,29 @@ class Evaluator:
                 # A seed per batch, from its first row: deterministic for a given process count and batch size.
                 images.extend(self.render(batch, args.eval_seed + rows[begin]))
         per_reward: dict[str, list[float]] = {}
+        reward_metrics: dict[str, list[float]] = defaultdict(list)
         columns = (
             {key: [record[key] for record in records] for key in records[0] if key != "prompt"} if records else {}
         )
         # As in training: retried, and a failure on any process raises RewardFailure on all (the trainer saves).
         total, parts = scored_rewards(
             self.reward_funcs, self.accelerator, prompts, images, weights=args.reward_weights,
-            retries=args.reward_retries, trainer_state=trainer_state, **columns,
+            retries=args.reward_retries, trainer_state=trainer_state,
+            # TRL's reward keywords; evaluation has no completions table, so log_extra's columns are dropped.
+            log_metric=lambda name, value: reward_metrics[name].append(float(value)),
+            log_extra=lambda column, values: None,
+            **columns,
         )  # fmt: skip
         if prompts:
             per_reward = {"reward": total.tolist(), **{name: value.tolist() for name, value in parts.items()}}
         gathered: dict[str, list[float]] = defaultdict(list)
-        for part in gather_object([per_reward]):  # one dict per process, in rank order
+        logged: dict[str, list[float]] = defaultdict(list)
+        for part, part_metrics in gather_object([(per_reward, dict(reward_metrics))]):  # one pair per process
             for name, values in part.items():
                 gathered[name].extend(values)
-        metrics = {}
+            for name, values in part_metrics.items():
+                logged[name].extend(values)
+        metrics = {f"{metric_key_prefix}_{name}": sum(values) / len(values) for name, values in logged.items()}
         for name, values in gathered.items():
             values = torch.tensor(values, dtype=torch.float64)
             values = values[~values.isnan()]  # a reward's None (not applicable) is NaN

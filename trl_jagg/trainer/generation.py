@@ -7,6 +7,7 @@ the result is the rollout batch (:mod:`trl_jagg.trainer.batch`) the update stage
 from __future__ import annotations
 
 import time
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -84,7 +85,7 @@ class RolloutGenerator:
             if args.per_prompt_stat_tracking
             else None
         )
-        self.completions: tuple[list[str], list, dict[str, list[float]]] | None = None
+        self.completions: tuple[list[str], list, dict[str, list[Any]]] | None = None
         """The latest rollout's (prompts, images, scores) for ``log_completions``, until the trainer logs them."""
 
     def groups(self, num_samples: int) -> list[int]:
@@ -140,12 +141,13 @@ class RolloutGenerator:
             chunk = args.sample_batch_size or args.per_device_train_batch_size
             trajectories: list[Trajectory] = []
             images, pixel_peaks = [], []
-            # Rollouts of a large model take minutes: a transient bar under the Trainer's own.
+            # Rollouts of a large model take minutes: a transient bar under the Trainer's own, on a terminal only
+            # (disable=None: tqdm's "off unless a TTY"; in a log file its carriage returns leave fragments).
             chunks = tqdm(
                 range(0, len(prompts), chunk),
                 desc="rollout",
                 leave=False,
-                disable=args.disable_tqdm or not self.accelerator.is_local_main_process,
+                disable=True if args.disable_tqdm or not self.accelerator.is_local_main_process else None,
             )
             for begin in chunks:
                 index = slice(begin, begin + chunk)
@@ -177,17 +179,24 @@ class RolloutGenerator:
             )
 
         start = time.perf_counter()
+        reward_metrics: dict[str, list[float]] = defaultdict(list)
+        extra_columns: dict[str, list[Any]] = defaultdict(list)
         rewards, per_reward = scored_rewards(
             self.reward_funcs, self.accelerator, prompts, images, weights=args.reward_weights,
-            retries=args.reward_retries, trainer_state=trainer_state, **columns,
+            retries=args.reward_retries, trainer_state=trainer_state,
+            # TRL's reward keywords: a scalar for the logs, a column (one value per image) for the completions table.
+            log_metric=lambda name, value: reward_metrics[name].append(float(value)),
+            log_extra=lambda column, values: extra_columns[column].extend(values),
+            **columns,
         )  # fmt: skip
+        self._log_reward_metrics(reward_metrics)
         advantages = self._advantages(prompts, rewards.to(device), per_reward)
         self.metrics["latents/final_std"].append(latents[:, -1].std().item())
         self.metrics["time/rollout_s"].append(rollout_seconds)
         self.metrics["time/reward_s"].append(time.perf_counter() - start)
         if args.log_completions:
             scores = {"reward": rewards.tolist(), **{name: value.tolist() for name, value in per_reward.items()}}
-            self.completions = (prompts, images, scores)
+            self.completions = (prompts, images, {**scores, **extra_columns})
         rank = self.accelerator.process_index
         rollout = {
             "latents": latents,
@@ -205,6 +214,15 @@ class RolloutGenerator:
             # What the cached velocities are exact for: these parameters and this forward path.
             rollout["velocity_key"] = velocity_key(global_step, adapter.dtype, device.type)
         return rollout
+
+    def _log_reward_metrics(self, reward_metrics: dict[str, list[float]]) -> None:
+        """The rewards' ``log_metric`` values, averaged over every value on every process (as TRL); the names are
+        gathered and sorted first, so every process reduces the same metrics in the same order."""
+        for name in sorted(set(gather_object(list(reward_metrics)))):
+            values = reward_metrics.get(name, [])
+            local = torch.tensor([sum(values), len(values)], dtype=torch.float32, device=self.accelerator.device)
+            total, count = self.accelerator.gather(local).view(-1, 2).sum(dim=0).tolist()
+            self.metrics[name].append(total / count)
 
     def _advantages(
         self, prompts: list[str], rewards: torch.Tensor, per_reward: dict[str, torch.Tensor]

@@ -1,12 +1,35 @@
-"""Sample-image and rollout grids: saved as PNG and sent to the trackers enabled in ``report_to``."""
+"""Sample-image and rollout grids: saved as PNG and sent to the trackers enabled in ``report_to``.
+
+Images go through each tracker's public API, the way transformers' callbacks and TRL log: TensorBoard through
+``TensorBoardCallback.tb_writer``, W&B through ``wandb.run`` and trackio through ``trackio.log``, both without
+``step=`` and with ``train/global_step`` in the record (the step metric ``WandbCallback`` defines): W&B drops a
+record whose explicit step is behind its history as "partial history", and trackio counts its own steps.
+
+Image keys never equal a scalar key after transformers' ``rewrite_logs`` (``eval_samples`` is the number of
+evaluated prompts, ``eval/samples`` on the trackers): images are ``<section>/sample_images`` and
+``train/completion_images``, so the eval grid sits in TensorBoard's ``eval`` section.
+"""
 
 from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from typing import Any
 
 from PIL import Image, ImageDraw
+from transformers import TrainerCallback
+from transformers.integrations import TensorBoardCallback, TrackioCallback, WandbCallback
+
+SAMPLES_KEY = "train/sample_images"
+COMPLETIONS_KEY = "train/completion_images"
+COMPLETIONS_TABLE_KEY = "train/completions"
+STEP_METRIC = "train/global_step"  # WandbCallback's step metric; trackio's callback logs it too
+
+
+def eval_images_key(metric_key_prefix: str = "eval") -> str:
+    """The key of ``evaluate()``'s grid: in the section of its metrics (``eval_reward`` shows as ``eval/reward``)."""
+    return f"{metric_key_prefix}/sample_images"
 
 
 def image_grid(
@@ -28,18 +51,25 @@ def image_grid(
 
 
 def log_image_grid(
-    trainer: Any, images: list[Image.Image], prompts: list[str], step: int, name: str = "samples"
+    callbacks: Sequence[TrainerCallback],
+    output_dir: str,
+    images: list[Image.Image],
+    prompts: list[str],
+    step: int,
+    folder: str = "samples",
+    key: str = SAMPLES_KEY,
 ) -> str:
-    """Save ``<name>/step-N.png`` under the output dir and log it as ``name`` to TensorBoard, W&B and trackio if
-    enabled."""
+    """Save ``output_dir/<folder>/step-N.png`` and log the captioned images as ``key`` to the trackers of
+    ``callbacks`` (the trainer's ``callback_handler.callbacks``); returns the PNG's path."""
     grid = image_grid(images, prompts)
-    path = _save(grid, trainer.args.output_dir, name, step)
-    _send(trainer, name, grid, images, prompts, step)
+    path = _save(grid, output_dir, folder, step)
+    send_images(callbacks, key, grid, images, prompts, step)
     return path
 
 
 def log_completions(
-    trainer: Any,
+    callbacks: Sequence[TrainerCallback],
+    output_dir: str,
     prompts: list[str],
     images: list[Image.Image],
     rewards: dict[str, list[float]],
@@ -48,13 +78,13 @@ def log_completions(
 ) -> str:
     """TRL's ``log_completions`` for images: the rollout as a grid captioned with each image's total reward, one
     row per prompt group (``columns`` = ``num_generations``), saved as ``completions/step-N.png`` and sent to the
-    trackers; W&B also gets a table (prompt, image, total and per-reward scores)."""
+    trackers; W&B and trackio also get a table (step, prompt, image, total and per-reward scores)."""
     total = rewards["reward"]
     grid = image_grid(images, [f"{r:+.3f}" for r in total], columns=columns)
-    path = _save(grid, trainer.args.output_dir, "completions", step)
+    path = _save(grid, output_dir, "completions", step)
     captions = [f"{p} | reward {r:+.4g}" for p, r in zip(prompts, total)]
     table = {"step": [step] * len(images), "prompt": prompts, **rewards}
-    _send(trainer, "completions", grid, images, captions, step, table=table)
+    send_images(callbacks, COMPLETIONS_KEY, grid, images, captions, step, table=table)
     return path
 
 
@@ -78,8 +108,8 @@ def _save(grid: Image.Image, output_dir: str, folder: str, step: int) -> str:
     return path
 
 
-def _send(
-    trainer: Any,
+def send_images(
+    callbacks: Sequence[TrainerCallback],
     key: str,
     grid: Image.Image,
     images: list[Image.Image],
@@ -87,22 +117,37 @@ def _send(
     step: int,
     table: dict[str, list[Any]] | None = None,
 ) -> None:
-    """Log ``grid`` (TensorBoard) or the captioned ``images`` (W&B, trackio) under ``key`` to the enabled trackers;
-    W&B gets ``table`` as a ``wandb.Table`` with the images, when given."""
-    for callback in trainer.callback_handler.callbacks:
-        name = type(callback).__name__
-        if name == "TensorBoardCallback" and getattr(callback, "tb_writer", None) is not None:
+    """Log one image stream under ``key`` to each tracker of ``callbacks``: the ``grid`` to TensorBoard and trackio
+    (trackio keeps one image per key; it drops a list), the captioned ``images`` to W&B; ``table`` (columns of equal
+    length, one row per image) becomes a W&B / trackio table ``train/completions`` with an image column.
+
+    Call it after the step's scalars were logged (``Trainer.log``): the tracker callbacks set themselves up there
+    when they were not yet (an ``evaluate()`` before ``train()``)."""
+    for callback in callbacks:
+        if isinstance(callback, TensorBoardCallback) and callback.tb_writer is not None:
             import numpy as np
 
             callback.tb_writer.add_image(key, np.asarray(grid), step, dataformats="HWC")
-        elif name == "WandbCallback" and getattr(callback, "_wandb", None) is not None and callback._initialized:
-            wandb = callback._wandb
-            logged: dict[str, Any] = {key: [wandb.Image(im, caption=c) for im, c in zip(images, captions)]}
+            callback.tb_writer.flush()
+        elif isinstance(callback, WandbCallback):
+            import wandb
+
+            if wandb.run is None:  # the callback was not set up (report_to lists wandb, no run started yet)
+                continue
+            record: dict[str, Any] = {key: [wandb.Image(im, caption=c) for im, c in zip(images, captions)]}
             if table is not None:
-                rows = {"image": [wandb.Image(im) for im in images], **table}
-                logged[f"{key}_table"] = wandb.Table(columns=list(rows), data=[list(r) for r in zip(*rows.values())])
-            wandb.log(logged, step=step)
-        elif name == "TrackioCallback":
+                record[COMPLETIONS_TABLE_KEY] = _table(wandb, images, table)
+            wandb.run.log({**record, STEP_METRIC: step})
+        elif isinstance(callback, TrackioCallback):
             import trackio
 
-            trackio.log({key: [trackio.Image(im, caption=c) for im, c in zip(images, captions)]}, step=step)
+            record = {key: trackio.Image(grid, caption=" | ".join(captions))}
+            if table is not None:
+                record[COMPLETIONS_TABLE_KEY] = _table(trackio, images, table)
+            trackio.log({**record, STEP_METRIC: step})
+
+
+def _table(tracker: Any, images: list[Image.Image], columns: dict[str, list[Any]]) -> Any:
+    """A ``wandb.Table`` / ``trackio.Table`` (same constructor) with an image column first."""
+    rows = {"image": [tracker.Image(im) for im in images], **columns}
+    return tracker.Table(columns=list(rows), data=[list(row) for row in zip(*rows.values())])

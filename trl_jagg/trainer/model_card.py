@@ -9,6 +9,7 @@ at every save would go stale) and reads it from the Hub.
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import os
 import re
 from collections.abc import Sequence
@@ -22,6 +23,42 @@ JAGG_CITATION = """@article{jagg2026,
   journal = {arXiv preprint arXiv:2607.17572},
   year    = {2026}
 }"""
+
+GRPO_CITATION = """@article{shao2024deepseekmath,
+  title   = {DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models},
+  author  = {Shao, Zhihong and Wang, Peiyi and Zhu, Qihao and Xu, Runxin and Song, Junxiao and Zhang, Mingchuan and
+             Li, Y. K. and Wu, Y. and Guo, Daya},
+  journal = {arXiv preprint arXiv:2402.03300},
+  year    = {2024}
+}"""
+
+TRL_CITATION = """@software{vonwerra2020trl,
+  title   = {TRL: Transformers Reinforcement Learning},
+  author  = {von Werra, Leandro and Belkada, Younes and Tunstall, Lewis and Beeching, Edward and Thrush, Tristan and
+             Lambert, Nathan and Huang, Shengyi and Rasul, Kashif and Gallouédec, Quentin},
+  license = {Apache-2.0},
+  url     = {https://github.com/huggingface/trl},
+  year    = {2020}
+}"""
+
+REPOSITORY_URL = "https://github.com/huggingface/trl-jagg"
+"""trl_jagg's repository (pyproject.toml's ``Repository`` URL), linked from every card."""
+
+FRAMEWORKS = {
+    "trl_jagg": "trl-jagg",
+    "TRL": "trl",
+    "Diffusers": "diffusers",
+    "Transformers": "transformers",
+    "PEFT": "peft",
+    "Accelerate": "accelerate",
+    "PyTorch": "torch",
+    "Datasets": "datasets",
+}
+"""The "Framework versions" of a card (as TRL's cards list theirs): display name -> distribution name."""
+
+TRAINING_TAGS = ("diffusers-training",)
+"""Tags of every card besides the trainer's: diffusers' training scripts tag their cards ``diffusers-training``
+(and LoRA cards ``template:sd-lora``, the Hub's LoRA page with the widget)."""
 
 FAMILY_TAGS: dict[str, tuple[str, ...]] = {
     "FluxPipeline": ("flux", "flux-diffusers"),
@@ -66,7 +103,7 @@ _TEMPLATE = """
 
 ## Training
 
-Trained with [trl_jagg](https://github.com/huggingface/trl-jagg): GRPO on the denoising trajectory of a flow-matching
+Trained with [trl_jagg]({repository}): GRPO on the denoising trajectory of a flow-matching
 model, with JAGG group gradients in the update stage.
 
 | setting | value |
@@ -75,12 +112,41 @@ model, with JAGG group gradients in the update stage.
 
 Rewards: {rewards}.
 
-## Citation
+### Framework versions
+
+{versions}
+
+## Citations
+
+Cite JAGG as:
 
 ```bibtex
-{citation}
+{jagg_citation}
+```
+
+Cite GRPO as:
+
+```bibtex
+{grpo_citation}
+```
+
+Cite TRL as:
+
+```bibtex
+{trl_citation}
 ```
 """
+
+
+def framework_versions() -> str:
+    """The card's "Framework versions" list: the installed version of each of :data:`FRAMEWORKS`."""
+    lines = []
+    for name, distribution in FRAMEWORKS.items():
+        try:
+            lines.append(f"- {name}: {importlib.metadata.version(distribution)}")
+        except importlib.metadata.PackageNotFoundError:  # a source checkout of trl_jagg that was never installed
+            continue
+    return "\n".join(lines)
 
 
 def as_hub_id(name_or_path: str | None) -> str | None:
@@ -139,6 +205,11 @@ def sampling_kwargs(args: Any, guidance_is_cfg: bool, embedded_guidance: bool) -
     return kwargs
 
 
+LOCAL_BASE = "path/to/the/local/base/pipeline"
+"""The snippet's base pipeline when training started from a local directory (a local path means nothing on the
+Hub, and it may name the trainer's machine)."""
+
+
 def usage_snippet(
     *,
     base: str,
@@ -155,6 +226,8 @@ def usage_snippet(
         [pipeline_class] + ([] if is_lora else [transformer_class]) + ([scheduler_class] if scheduler_class else [])
     )
     lines = ["import torch", f"from diffusers import {', '.join(imports)}", ""]
+    if base == LOCAL_BASE:
+        lines.append(f"# The base was a local {pipeline_class} (no Hub id): put the directory it was loaded from.")
     if is_lora:
         lines.append(f'pipe = {pipeline_class}.from_pretrained("{base}", dtype=torch.{dtype}).to("cuda")')
         lines.append(f'pipe.load_lora_weights("{repo}")')
@@ -238,7 +311,7 @@ def write_model_card(
             model_name=model_name,
             summary=f"A {kind} for {base_text}, aligned with GRPO.",
             usage=usage_snippet(
-                base=base_id or "path/to/the/base/pipeline",
+                base=base_id or LOCAL_BASE,
                 repo=hub_model_id or model_name,
                 pipeline_class=pipeline_class,
                 transformer_class=transformer_class,
@@ -250,10 +323,15 @@ def write_model_card(
             sampling_note=sampling_note,
             settings="\n".join(f"| {k} | {v} |" for k, v in settings.items()),
             rewards=", ".join(reward_names) or "custom",
-            citation=JAGG_CITATION,
+            repository=REPOSITORY_URL,
+            versions=framework_versions(),
+            jagg_citation=JAGG_CITATION,
+            grpo_citation=GRPO_CITATION,
+            trl_citation=TRL_CITATION,
         )
     )
-    populate_model_card(card, tags=list(dict.fromkeys([*tags, *family, *(["lora"] if is_lora else [])])))
+    lora_tags = ["lora", "template:sd-lora"] if is_lora else []
+    populate_model_card(card, tags=list(dict.fromkeys([*TRAINING_TAGS, *tags, *family, *lora_tags])))
     path = os.path.join(output_dir, "README.md")
     os.makedirs(output_dir, exist_ok=True)
     card.save(path)

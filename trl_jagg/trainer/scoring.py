@@ -4,13 +4,17 @@ evaluation."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
+from ..errors import TrainingError
 from ..rewards import compute_rewards
 from .guards import any_process
+
+logger = logging.getLogger(__name__)
 
 
 class RewardFailure(Exception):
@@ -21,6 +25,18 @@ class RewardFailure(Exception):
     def __init__(self, error: Exception | None):
         super().__init__(str(error) if error is not None else "a reward function failed on another process")
         self.error = error
+
+    def raise_with_note(self, saved: str | None, trained_steps: int, during: str) -> NoReturn:
+        """Raise the reward's own error (or, on the processes where it did not fail, a :class:`TrainingError`) with
+        a note naming ``saved``, the checkpoint of the ``trained_steps`` so far; ``during`` says when it failed."""
+        note = f"{saved} holds the {trained_steps} trained steps: resume from it." if saved else ""
+        note = note or "No trained step was lost (none to save)."
+        if self.error is None:
+            raise TrainingError(f"A reward function failed on another process {during}. {note}") from None
+        logger.warning("A reward function failed %s. %s", during, note)
+        if hasattr(self.error, "add_note"):  # Python >= 3.11: shown with the error
+            self.error.add_note(note)
+        raise self.error from None
 
 
 def scored_rewards(
