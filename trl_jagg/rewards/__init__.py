@@ -25,6 +25,7 @@ from trl_jagg.rewards.lazy import LazyModelReward
 from trl_jagg.rewards.ocr import ocr
 from trl_jagg.rewards.programmatic import brightness, prompt_color
 from trl_jagg.rewards.remote import remote
+from trl_jagg.rewards.vlm_judge import vlm_judge
 
 __all__ = [
     "REWARD_REGISTRY",
@@ -48,4 +49,5 @@ __all__ = [
     "register_reward",
     "remote",
     "reward_name",
+    "vlm_judge",
 ]

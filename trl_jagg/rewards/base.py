@@ -38,7 +38,13 @@ REWARD_REGISTRY: dict[str, Callable[..., RewardFunc]] = {}
 """Registry name -> factory building the reward. Filled by the ``@register_reward`` decorators."""
 
 # Other spellings users are likely to type; they resolve to the canonical registry names.
-_ALIASES = {"hpsv2": "hpsv2.1", "hps": "hpsv2.1", "clip_score": "clipscore", "image_reward": "imagereward"}
+_ALIASES = {
+    "hpsv2": "hpsv2.1",
+    "hps": "hpsv2.1",
+    "clip_score": "clipscore",
+    "image_reward": "imagereward",
+    "vlm_judge": "vlm-judge",
+}
 
 _URL_PREFIXES = ("http://", "https://")
 
