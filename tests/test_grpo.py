@@ -7,6 +7,7 @@ import statistics
 
 import pytest
 import torch
+from testing_utils import gdpo_by_hand
 from torch.distributions import Normal, kl_divergence
 
 from trl_jagg.grpo import (
@@ -462,26 +463,6 @@ def test_policy_weight_scales_only_the_policy_term():
     weighted = ppo_step_loss(log_prob, old, adv, 1e-4, kl=kl, beta=0.1, policy_weight=7.0)
     assert weighted.policy_loss.item() == pytest.approx(7.0 * plain.policy_loss.item(), rel=1e-6)
     assert weighted.loss.item() == pytest.approx(7.0 * plain.policy_loss.item() + 0.1 * 0.2, rel=1e-6)
-
-
-def gdpo_by_hand(columns, weights, group_size, eps, ddof, clip):
-    """GDPO (TRL's normalize_then_sum) written out with Python floats: per reward and group, (r - mean) / (std +
-    eps) over the scored (not None) values, 0 for None and for an all-equal group; the weighted sum; then the
-    batch's (s - mean) / (std + eps), clipped."""
-    std = statistics.stdev if ddof == 1 else statistics.pstdev
-    n = len(columns[0])
-    total = [0.0] * n
-    for column, weight in zip(columns, weights):
-        for start in range(0, n, group_size):
-            group = [v for v in column[start : start + group_size] if v is not None]
-            for i in range(start, start + group_size):
-                value = column[i]
-                if value is None or len(set(group)) == 1:
-                    continue
-                spread = std(group) if len(group) > ddof else 0.0
-                total[i] += weight * (value - statistics.fmean(group)) / (spread + eps)
-    mean, spread = statistics.fmean(total), std(total)
-    return [max(-clip, min(clip, (t - mean) / (spread + eps))) for t in total]
 
 
 @pytest.mark.parametrize("ddof", [0, 1])

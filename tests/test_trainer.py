@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import statistics
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ import torch
 from datasets import Dataset
 from diffusers import FluxPipeline, StableDiffusion3Pipeline
 from peft import LoraConfig
-from testing_utils import PROMPTS, redness, run_update, trained_steps_of
+from testing_utils import PROMPTS, gdpo_by_hand, redness, run_update, trained_steps_of
 from transformers import TrainerCallback
 
 from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
@@ -203,6 +204,38 @@ def test_trl_style_rewards_get_keywords_state_and_columns_and_may_return_none(ti
     assert all(len(shapes) == n == 4 for _, shapes, n in calls)
     logged = [e for e in trainer.state.log_history if "rewards/trl_reward/mean" in e]
     assert logged and all(e["rewards/trl_reward/mean"] == 1.0 for e in logged)  # the mean over applicable samples
+
+
+def test_normalize_then_sum_gives_gdpo_advantages_of_the_scores_and_logs_each_share(tiny_flux_path, tmp_path):
+    scored = []
+
+    def bright(prompts, images, **kwargs):  # a reward on another scale than redness
+        scores = [100 * float(np.asarray(im, dtype=np.float32).mean() / 255) for im in images]
+        scored.append(scores)
+        return scores
+
+    def red(prompts, images, **kwargs):
+        scores = redness(prompts, images)
+        scored.append(scores)
+        return scores
+
+    trainer = make_trainer(
+        tiny_flux_path, tmp_path, reward=[red, bright], reward_weights=[1.0, 0.5],
+        multi_objective_aggregation="normalize_then_sum", advantage_std_ddof=0,
+    )  # fmt: skip
+    rollout = trainer._generate_and_score(next(iter(trainer.get_train_dataloader())))
+    expected = gdpo_by_hand(scored, [1.0, 0.5], 2, trainer.args.advantage_eps, 0, trainer.args.adv_clip_max)
+    assert rollout["advantages"].tolist() == pytest.approx(expected, abs=1e-5)
+    share = [
+        abs(v - statistics.fmean(g)) / (statistics.pstdev(g) + 1e-4)
+        for g in zip(scored[1][::2], scored[1][1::2])
+        for v in g
+    ]
+    assert trainer._metrics["advantages/bright/abs_mean"] == pytest.approx([0.5 * statistics.fmean(share)], rel=1e-4)
+    with pytest.raises(ValueError, match="multi_objective_aggregation.*per_prompt_stat_tracking"):
+        make_config(tmp_path, multi_objective_aggregation="normalize_then_sum", per_prompt_stat_tracking=True)
+    with pytest.raises(ValueError, match="multi_objective_aggregation"):
+        make_config(tmp_path, multi_objective_aggregation="normalise_then_sum")
 
 
 def test_trl_config_names(tmp_path):

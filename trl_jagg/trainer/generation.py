@@ -14,7 +14,7 @@ import torch
 from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
-from ..grpo import PerPromptStatTracker, group_advantages
+from ..grpo import PerPromptStatTracker, group_advantages, multi_reward_advantages, per_reward_group_normalize
 from ..grpo_jagg_config import GRPOJaggConfig
 from ..models import FlowMatchingAdapter
 from ..prompts import prompt_text
@@ -216,6 +216,16 @@ class RolloutGenerator:
         all_rewards = self.accelerator.gather(rewards)
         if self.stat_tracker is not None:
             advantages = self.stat_tracker.update(gather_object(prompts), all_rewards.cpu(), clip=args.adv_clip_max)
+        elif args.multi_objective_aggregation == "normalize_then_sum":
+            common = dict(eps=args.advantage_eps, ddof=args.advantage_std_ddof)
+            advantages = multi_reward_advantages(
+                all_per_func, args.num_generations, args.reward_weights, clip=args.adv_clip_max, **common
+            )
+            # Each reward's share of the sum, before the batch normalisation: |weight * group-normalised reward|.
+            shares = per_reward_group_normalize(all_per_func, args.num_generations, **common).abs()
+            for i, name in enumerate(per_reward):
+                weight = 1.0 if args.reward_weights is None else abs(args.reward_weights[i])
+                self.metrics[f"advantages/{name}/abs_mean"].append(weight * shares[:, i].mean().item())
         else:
             advantages = group_advantages(
                 all_rewards,
