@@ -63,7 +63,7 @@ class GRPOJaggConfig(TrainingArguments):
         epsilon_high, adv_clip_max, beta, kl_std, ratio_normalization, step_gradient_reweighting, cfg_gradient,
         quantize_timesteps, same_group_noise, num_iterations,
         scale_rewards, advantage_std_ddof, advantage_eps, per_prompt_stat_tracking, stat_tracking_buffer_size,
-        drop_zero_advantages, reward_weights, multi_objective_aggregation, reward_retries.
+        drop_zero_advantages, reward_weights, multi_objective_aggregation, overlap_rewards, reward_retries.
 
         > EMA of the trained weights
 
@@ -388,6 +388,15 @@ class GRPOJaggConfig(TrainingArguments):
             "std (group or batch). With 'normalize_then_sum' each reward's share is logged as "
             "`advantages/<name>/abs_mean` (the mean |weight x group-normalised reward|). Every preset keeps "
             "'sum_then_normalize' (each trains one reward)."
+        },
+    )
+    overlap_rewards: bool = field(
+        default=True,
+        metadata={
+            "help": "Score each rollout chunk (`sample_batch_size` images) with the rewards that score every sample on "
+            "its own (a remote server, a pointwise `vlm-judge`, any reward with `per_sample = True`) in background "
+            "threads while the next chunk samples, instead of after the whole rollout. The scores are the same; "
+            "the step no longer waits for all but the last chunk's answers. Other rewards run after the rollout."
         },
     )
     reward_retries: int = field(

@@ -278,7 +278,7 @@ def compute_rewards(
     if asynchronous:  # a thread per async reward waits on its coroutine, so that its retries stay sequential
         pool = ThreadPoolExecutor(max_workers=len(asynchronous), thread_name_prefix="async-reward")
         for i in asynchronous:
-            pending[i] = pool.submit(_call_with_retries, _on_event_loop(reward_funcs[i]), names[i], retries, **kwargs)
+            pending[i] = pool.submit(_call_with_retries, synchronous(reward_funcs[i]), names[i], retries, **kwargs)
         pool.shutdown(wait=False)
     outputs = {}
     try:
@@ -348,10 +348,20 @@ def _event_loop() -> asyncio.AbstractEventLoop:
         return _loop
 
 
-def _on_event_loop(func: RewardFunc) -> RewardFunc:
-    """A synchronous call of the async reward ``func``: its coroutine runs on :func:`_event_loop`."""
+def synchronous(func: RewardFunc) -> RewardFunc:
+    """``func`` itself when it is synchronous; for an async reward, a function that runs its coroutine on the shared
+    event loop (:func:`_event_loop`) and blocks until it returns."""
+    if not is_async_reward(func):
+        return func
 
     def call(**kwargs: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(func(**kwargs), _event_loop()).result()
 
     return call
+
+
+def scores_each_sample(func: RewardFunc) -> bool:
+    """Whether ``func`` declares (``func.per_sample = True``) that a sample's score depends on that sample alone,
+    so that it may score a batch in parts, e.g. each rollout chunk while the next one samples. The remote reward and
+    the pointwise VLM judges declare it; a pairwise judge (a win rate within a prompt's images) does not."""
+    return getattr(func, "per_sample", False) is True

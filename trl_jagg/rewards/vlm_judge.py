@@ -283,6 +283,11 @@ class VLMJudgeReward(RemoteReward):
         self.max_concurrency = max_concurrency
         self.top_logprobs = top_logprobs
 
+    @property
+    def per_sample(self) -> bool:  # type: ignore[override]
+        """A point or yes/no score depends on its image alone; a win rate on the prompt's other images."""
+        return self.spec.mode != "pairwise"
+
     def _ask(self, prompt: str, images: list[Image.Image]) -> tuple[str, dict[str, Any]]:
         """One request: the images and the judge's question; returns the reply text and the whole choice."""
         content: list[dict[str, Any]] = [

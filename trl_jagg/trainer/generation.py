@@ -24,6 +24,7 @@ from .batch import rng_seed, velocity_key
 from .conditioning import PromptConditioner
 from .guards import stop_if_non_finite
 from .placement import FrozenModules, eval_mode
+from .reward_overlap import ChunkScorer
 from .scoring import scored_rewards
 
 
@@ -138,6 +139,7 @@ class RolloutGenerator:
             # Rows of one group share their noise and prompt: the rollout runs their deterministic prefix once.
             groups = torch.tensor(self.groups(len(prompts)), device=device) if args.same_group_noise else None
             chunk = args.sample_batch_size or args.per_device_train_batch_size
+            scorer = ChunkScorer(self.reward_funcs, enabled=args.overlap_rewards, trainer_state=trainer_state)
             trajectories: list[Trajectory] = []
             images, pixel_peaks = [], []
             # Rollouts of a large model take minutes: a transient bar under the Trainer's own.
@@ -166,7 +168,9 @@ class RolloutGenerator:
                     pixels = adapter.decode_latents(scored, args.height, args.width)
                 # Kept on the device (NaN if any pixel is): one check for the whole rollout below.
                 pixel_peaks.append(pixels.detach().float().abs().amax())
-                images.extend(adapter.to_images(pixels))
+                decoded = adapter.to_images(pixels)
+                images.extend(decoded)
+                scorer.submit(prompts[index], decoded, {key: values[index] for key, values in columns.items()})
         rollout_seconds = time.perf_counter() - start
         latents = torch.cat([t.latents for t in trajectories])
         # NaN latents, or a VAE that outputs NaN from finite ones, decode to black images with finite rewards: stop
@@ -178,7 +182,7 @@ class RolloutGenerator:
 
         start = time.perf_counter()
         rewards, per_reward = scored_rewards(
-            self.reward_funcs, self.accelerator, prompts, images, weights=args.reward_weights,
+            scorer.reward_funcs(), self.accelerator, prompts, images, weights=args.reward_weights,
             retries=args.reward_retries, trainer_state=trainer_state, **columns,
         )  # fmt: skip
         advantages = self._advantages(prompts, rewards.to(device), per_reward)
