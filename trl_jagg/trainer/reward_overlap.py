@@ -8,7 +8,7 @@ stand-ins returning the chunks' scores, so names, weights, checks and errors are
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import torch
@@ -34,6 +34,9 @@ class _ChunkScores:
         if self._called:
             return synchronous(self.func)(**kwargs)
         self._called = True
+        wait(
+            [future for future, _ in self.chunks]
+        )  # a retry after a failed chunk never overlaps a chunk still running
         scores: list[Any] = []
         for future, size in self.chunks:
             values = future.result()
