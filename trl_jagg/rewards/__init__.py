@@ -20,6 +20,7 @@ from trl_jagg.rewards.base import (
 )
 from trl_jagg.rewards.clip_based import clip_score, hpsv2, pickscore
 from trl_jagg.rewards.compression import jpeg_compressibility, jpeg_incompressibility
+from trl_jagg.rewards.geneval import geneval
 from trl_jagg.rewards.image_reward import image_reward
 from trl_jagg.rewards.lazy import LazyModelReward
 from trl_jagg.rewards.ocr import ocr
@@ -38,6 +39,7 @@ __all__ = [
     "check_rewards",
     "clip_score",
     "compute_rewards",
+    "geneval",
     "hpsv2",
     "image_reward",
     "jpeg_compressibility",
