@@ -26,6 +26,7 @@ import logging
 import math
 import os
 import re
+import threading
 from collections import defaultdict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -282,6 +283,8 @@ class VLMJudgeReward(RemoteReward):
         self.dimensions = tuple(dimensions)
         self.max_concurrency = max_concurrency
         self.top_logprobs = top_logprobs
+        # One bound for every call of this reward: overlapped rollout chunks call it from several threads at once.
+        self._slots = threading.BoundedSemaphore(max_concurrency)
 
     @property
     def per_sample(self) -> bool:  # type: ignore[override]
@@ -303,7 +306,8 @@ class VLMJudgeReward(RemoteReward):
         }
         if self.spec.mode == "yes_no":
             payload.update(logprobs=True, top_logprobs=self.top_logprobs)
-        answer = self._post(payload)
+        with self._slots:
+            answer = self._post(payload)
         try:
             choice = answer["choices"][0]
             text = choice["message"]["content"]
@@ -398,7 +402,8 @@ def vlm_judge(
         judge: ``"unifiedreward"`` (point score), ``"qwen-vl-yes-no"`` (log-probability of yes) or
             ``"unifiedreward-think-pairwise"`` (win rate within each prompt's images); see :data:`JUDGES`.
         dimensions: The UnifiedReward point-score dimensions averaged into the reward.
-        max_concurrency: Requests in flight at once (a thread pool).
+        max_concurrency: Requests in flight at once, over every call of this reward (a thread pool per call, one
+            semaphore for all: overlapped rollout chunks call the reward from several threads).
         timeout: Seconds one attempt of one request may take in all (a deadline, as in :func:`remote`).
         retries: Extra attempts after a connection error, timeout or HTTP 5xx; waits ``backoff * 2**k`` s.
         top_logprobs: Top tokens asked for in ``"qwen-vl-yes-no"`` (vLLM serves at most 20 by default).
