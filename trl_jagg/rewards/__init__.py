@@ -21,6 +21,7 @@ from trl_jagg.rewards.base import (
 from trl_jagg.rewards.clip_based import clip_score, hpsv2, pickscore
 from trl_jagg.rewards.compression import jpeg_compressibility, jpeg_incompressibility
 from trl_jagg.rewards.geneval import geneval
+from trl_jagg.rewards.hpsv3 import hpsv3
 from trl_jagg.rewards.image_reward import image_reward
 from trl_jagg.rewards.lazy import LazyModelReward
 from trl_jagg.rewards.ocr import ocr
@@ -41,6 +42,7 @@ __all__ = [
     "compute_rewards",
     "geneval",
     "hpsv2",
+    "hpsv3",
     "image_reward",
     "jpeg_compressibility",
     "jpeg_incompressibility",
