@@ -25,6 +25,9 @@ EXAMPLES = {
     "train_qwenimage_hpsv2.py": (
         "qwenimage", "QwenImagePipeline", "Qwen/Qwen-Image", LORA
     ),
+    "train_flux_unifiedreward.py": (
+        "flux", "FluxPipeline", "black-forest-labs/FLUX.1-dev", LORA
+    ),
     "train_flux_dancegrpo_full.py": (
         "flux", "FluxPipeline", "black-forest-labs/FLUX.1-dev", "diffusion_pytorch_model.safetensors"
     ),

@@ -7,6 +7,7 @@ import statistics
 
 import pytest
 import torch
+from testing_utils import gdpo_by_hand
 from torch.distributions import Normal, kl_divergence
 
 from trl_jagg.grpo import (
@@ -14,6 +15,8 @@ from trl_jagg.grpo import (
     group_advantages,
     guard_log_ratio,
     kl_to_reference,
+    multi_reward_advantages,
+    per_reward_group_normalize,
     ppo_step_loss,
 )
 from trl_jagg.jagg import upstream_signal
@@ -460,3 +463,41 @@ def test_policy_weight_scales_only_the_policy_term():
     weighted = ppo_step_loss(log_prob, old, adv, 1e-4, kl=kl, beta=0.1, policy_weight=7.0)
     assert weighted.policy_loss.item() == pytest.approx(7.0 * plain.policy_loss.item(), rel=1e-6)
     assert weighted.loss.item() == pytest.approx(7.0 * plain.policy_loss.item() + 0.1 * 0.2, rel=1e-6)
+
+
+@pytest.mark.parametrize("ddof", [0, 1])
+def test_multi_reward_advantages_match_gdpo_by_hand(ddof):
+    # Two groups of 4; rewards on very different scales, a None, and a reward constant within the second group.
+    pick = [21.0, 23.5, 19.0, 22.0, 20.0, 20.5, 24.0, 18.5]
+    ocr = [0.1, 0.9, None, 0.4, 0.5, 0.5, 0.5, 0.5]
+    weights = [1.0, 0.5]
+    per_reward = torch.tensor([[p, float("nan") if o is None else o] for p, o in zip(pick, ocr)])
+    advantages = multi_reward_advantages(per_reward, 4, weights, clip=5.0, eps=1e-4, ddof=ddof)
+    expected = gdpo_by_hand([pick, ocr], weights, 4, 1e-4, ddof, 5.0)
+    assert advantages.tolist() == pytest.approx(expected, abs=1e-5)
+
+
+def test_multi_reward_advantages_equal_weights_of_rewards_not_of_their_scales():
+    # Scaling one reward by 100 changes the weighted sum of raw rewards, but not GDPO's advantages (eps = 0: with
+    # eps > 0 the two differ by about eps / std).
+    torch.manual_seed(0)
+    per_reward = torch.rand(12, 2)
+    scaled = per_reward * torch.tensor([100.0, 1.0])
+    gdpo, gdpo_scaled = (multi_reward_advantages(r, 4, eps=0.0) for r in (per_reward, scaled))
+    assert torch.allclose(gdpo, gdpo_scaled, atol=1e-5)
+    raw = group_advantages(per_reward.sum(1), 4)
+    assert not torch.allclose(raw, group_advantages(scaled.sum(1), 4), atol=1e-2)
+
+
+def test_per_reward_group_normalize_zeros_none_and_constant_groups_exactly():
+    per_reward = torch.tensor([[0.1, 1.0], [0.1, float("nan")], [0.1, 3.0], [0.3, 7.0]])
+    normalized = per_reward_group_normalize(per_reward, 2, eps=0.0, ddof=0)
+    # Exactly 0 is the property: these samples must carry no signal from that reward.
+    assert normalized[0, 0] == 0 and normalized[1, 0] == 0 and normalized[1, 1] == 0 and normalized[0, 1] == 0
+    assert normalized[2:, 0].tolist() == pytest.approx([-1.0, 1.0]) and normalized[2:, 1].tolist() == pytest.approx(
+        [-1.0, 1.0]
+    )
+    with pytest.raises(ValueError, match="weights"):
+        multi_reward_advantages(per_reward, 2, [1.0])
+    with pytest.raises(ValueError, match="num_generations"):
+        per_reward_group_normalize(per_reward, 3)

@@ -208,3 +208,53 @@ def test_a_reward_without_kwargs_is_refused_when_loaded_with_its_name():
             load_reward_funcs(["prompt_color", func])
     with pytest.raises(ValueError, match=r"Reward 'join' has no \*\*kwargs"):  # a dotted import path too
         load_reward_funcs("os.path.join")
+
+
+def test_async_rewards_run_concurrently_with_each_other_and_with_the_sync_ones():
+    import asyncio
+    import functools
+    import threading
+
+    both_async_started = asyncio.Barrier(2)
+    async_ran = threading.Event()
+    calls = {"flaky": 0}
+
+    async def first(prompts, images, **kwargs):
+        await asyncio.wait_for(both_async_started.wait(), 5)  # times out if the two ran one after the other
+        async_ran.set()
+        return [1.0] * len(images)
+
+    async def second(prompts, images, scale, **kwargs):
+        calls["flaky"] += 1
+        if calls["flaky"] == 1:
+            await asyncio.wait_for(both_async_started.wait(), 5)
+            raise ConnectionError("first attempt fails")
+        return [scale * i for i in range(len(images))]
+
+    class AsyncJudge:
+        __name__ = "first"  # the same name as `first`: made unique in the rewards' order
+
+        async def __call__(self, prompts, images, **kwargs):
+            return [None, 3.0, None]
+
+    def sync(prompts, images, **kwargs):
+        assert async_ran.wait(5), "the async rewards did not run while this synchronous reward did"
+        return [0.5] * len(images)
+
+    assert rewards.base.is_async_reward(functools.partial(second, scale=2.0))
+    assert rewards.base.is_async_reward(AsyncJudge()) and not rewards.base.is_async_reward(sync)
+    funcs = [sync, first, functools.partial(second, scale=2.0), AsyncJudge()]
+    images = [solid("red")] * 3
+    total, per_reward = compute_rewards(funcs, ["a", "b", "c"], images, [1.0, 2.0, 1.0, 10.0], retries=1)
+    assert list(per_reward) == ["sync", "first", "second", "first_2"]
+    assert per_reward["second"].tolist() == [0.0, 2.0, 4.0] and calls["flaky"] == 2
+    assert per_reward["first_2"].isnan().tolist() == [True, False, True]
+    assert total.tolist() == pytest.approx([0.5 + 2.0 + 0.0, 0.5 + 2.0 + 2.0 + 30.0, 0.5 + 2.0 + 4.0])
+
+
+def test_async_reward_errors_name_the_reward():
+    async def broken(prompts, images, **kwargs):
+        return [float("nan")] * len(images)
+
+    with pytest.raises(ValueError, match="'broken'"):
+        compute_rewards([broken], ["a"], [solid("red")])

@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 import math
 import os
+import statistics
+import threading
 
 import numpy as np
 import pytest
@@ -12,9 +14,10 @@ import torch
 from datasets import Dataset
 from diffusers import FluxPipeline, StableDiffusion3Pipeline
 from peft import LoraConfig
-from testing_utils import PROMPTS, redness, run_update, trained_steps_of
+from testing_utils import PROMPTS, gdpo_by_hand, redness, run_update, trained_steps_of
 from transformers import TrainerCallback
 
+import trl_jagg.trainer.generation as generation
 from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
 from trl_jagg.models import Conditioning, load_adapter
 from trl_jagg.rollout import sample_trajectories
@@ -252,6 +255,38 @@ def test_rollout_bar_only_on_a_terminal(tiny_flux_path, tmp_path, capfd):
     err = capfd.readouterr().err
     assert "1/1" in err  # the Trainer's own bar
     assert "rollout" not in err
+
+
+def test_normalize_then_sum_gives_gdpo_advantages_of_the_scores_and_logs_each_share(tiny_flux_path, tmp_path):
+    scored = []
+
+    def bright(prompts, images, **kwargs):  # a reward on another scale than redness
+        scores = [100 * float(np.asarray(im, dtype=np.float32).mean() / 255) for im in images]
+        scored.append(scores)
+        return scores
+
+    def red(prompts, images, **kwargs):
+        scores = redness(prompts, images)
+        scored.append(scores)
+        return scores
+
+    trainer = make_trainer(
+        tiny_flux_path, tmp_path, reward=[red, bright], reward_weights=[1.0, 0.5],
+        multi_objective_aggregation="normalize_then_sum", advantage_std_ddof=0,
+    )  # fmt: skip
+    rollout = trainer._generate_and_score(next(iter(trainer.get_train_dataloader())))
+    expected = gdpo_by_hand(scored, [1.0, 0.5], 2, trainer.args.advantage_eps, 0, trainer.args.adv_clip_max)
+    assert rollout["advantages"].tolist() == pytest.approx(expected, abs=1e-5)
+    share = [
+        abs(v - statistics.fmean(g)) / (statistics.pstdev(g) + 1e-4)
+        for g in zip(scored[1][::2], scored[1][1::2])
+        for v in g
+    ]
+    assert trainer._metrics["advantages/bright/abs_mean"] == pytest.approx([0.5 * statistics.fmean(share)], rel=1e-4)
+    with pytest.raises(ValueError, match="multi_objective_aggregation.*per_prompt_stat_tracking"):
+        make_config(tmp_path, multi_objective_aggregation="normalize_then_sum", per_prompt_stat_tracking=True)
+    with pytest.raises(ValueError, match="multi_objective_aggregation"):
+        make_config(tmp_path, multi_objective_aggregation="normalise_then_sum")
 
 
 def test_trl_config_names(tmp_path):
@@ -632,3 +667,79 @@ def test_jagg_config_errors_name_the_field(tmp_path):
                         ("jagg_endpoint_backward", "parallel"), ("no_grad_batch_steps", 0)):  # fmt: skip
         with pytest.raises(ValueError, match=name):
             make_config(tmp_path, **{name: value})
+
+
+# ---------------------------------------------------------------- rewards overlapping the rollout (overlap_rewards)
+# Per-sample rewards score each rollout chunk while the next chunk samples: each chunk is scored before the following
+# chunk has finished sampling (synchronised, not timed), once, in order, and the rollout's scores and advantages are
+# exactly those of the sequential run. The time saved is measured in docs/rewards.md.
+OVERLAP_CHUNKS = 4  # generation_batch_size 8 = 4 prompts x G 2, sampled 2 images at a time
+
+
+class PerSampleReward:
+    """A per-sample reward (as a remote server's) that records each call's prompts and signals it."""
+
+    per_sample = True
+    __name__ = "remote_like"
+
+    def __init__(self, fail_first_call: bool = False):
+        self.calls: list[list[str]] = []
+        self.called = [threading.Event() for _ in range(OVERLAP_CHUNKS + 1)]
+        self.fail_first_call = fail_first_call
+
+    def __call__(self, prompts, images, **kwargs):
+        self.calls.append(list(prompts))
+        self.called[len(self.calls) - 1].set()
+        if self.fail_first_call and len(self.calls) == 1:
+            raise ConnectionError("the server dropped the first chunk")
+        return [10 * r for r in redness(prompts, images)]
+
+
+def overlap_rollout(path, tmp_path, monkeypatch, reward, *, overlap: bool, **overrides):
+    """One scored rollout of 4 chunks; the sampling of chunk k > 0 waits (at most 5 s) until chunk k - 1 is being
+    scored, which only an overlapping rollout can satisfy. Returns the rollout and which waits timed out."""
+    timed_out, real = [], sample_trajectories
+    sampled = iter(range(OVERLAP_CHUNKS))
+
+    def sample_chunk(*args, **kwargs):
+        k = next(sampled)
+        trajectory = real(*args, **kwargs)
+        if k > 0 and overlap:
+            timed_out.append(not reward.called[k - 1].wait(5))
+        return trajectory
+
+    monkeypatch.setattr(generation, "sample_trajectories", sample_chunk)
+    trainer = make_trainer(
+        path, tmp_path, reward=[reward, redness], generation_batch_size=8, sample_batch_size=2,
+        overlap_rewards=overlap, **overrides,
+    )  # fmt: skip
+    batch = next(iter(trainer.get_train_dataloader()))
+    return trainer._generate_and_score(batch), [x["prompt"] for x in batch], timed_out, trainer
+
+
+def test_chunks_are_scored_while_the_next_chunk_samples_with_the_sequential_results(
+    tiny_flux_path, tmp_path, monkeypatch
+):
+    overlapped = PerSampleReward()
+    result, prompts, timed_out, trainer = overlap_rollout(
+        tiny_flux_path, tmp_path / "a", monkeypatch, overlapped, overlap=True
+    )
+    assert timed_out == [False] * (OVERLAP_CHUNKS - 1)  # each chunk k - 1 was being scored before chunk k finished
+    assert overlapped.calls == [prompts[i : i + 2] for i in range(0, 8, 2)]  # once per chunk, in order
+    sequential = PerSampleReward()
+    expected, _, _, _ = overlap_rollout(tiny_flux_path, tmp_path / "b", monkeypatch, sequential, overlap=False)
+    assert sequential.calls == [prompts]  # one call on the whole rollout
+    # Bit-equal is the property: the same scores in the same order give the same advantages.
+    assert torch.equal(result["advantages"], expected["advantages"])
+    assert torch.equal(result["latents"], expected["latents"])
+
+
+def test_a_failed_chunk_is_scored_again_on_the_whole_batch_under_reward_retries(tiny_flux_path, tmp_path, monkeypatch):
+    flaky = PerSampleReward(fail_first_call=True)
+    result, prompts, _, _ = overlap_rollout(
+        tiny_flux_path, tmp_path / "a", monkeypatch, flaky, overlap=True, reward_retries=1
+    )
+    assert flaky.calls[-1] == prompts and len(flaky.calls) == OVERLAP_CHUNKS + 1
+    reliable = PerSampleReward()
+    expected, _, _, _ = overlap_rollout(tiny_flux_path, tmp_path / "b", monkeypatch, reliable, overlap=False)
+    assert torch.equal(result["advantages"], expected["advantages"])

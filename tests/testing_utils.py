@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+
 import numpy as np
 from PIL import Image
 
@@ -44,3 +46,23 @@ def run_update(trainer, model, batch):
         model, batch, micro_step=trainer._step, global_step=trainer.state.global_step,
         accumulation_steps=trainer.current_gradient_accumulation_steps,
     )  # fmt: skip
+
+
+def gdpo_by_hand(columns, weights, group_size, eps, ddof, clip):
+    """GDPO (TRL's normalize_then_sum) written out with Python floats: per reward and group, (r - mean) / (std +
+    eps) over the scored (not None) values, 0 for None and for an all-equal group; the weighted sum; then the
+    batch's (s - mean) / (std + eps), clipped."""
+    std = statistics.stdev if ddof == 1 else statistics.pstdev
+    n = len(columns[0])
+    total = [0.0] * n
+    for column, weight in zip(columns, weights):
+        for start in range(0, n, group_size):
+            group = [v for v in column[start : start + group_size] if v is not None]
+            for i in range(start, start + group_size):
+                value = column[i]
+                if value is None or len(set(group)) == 1:
+                    continue
+                spread = std(group) if len(group) > ddof else 0.0
+                total[i] += weight * (value - statistics.fmean(group)) / (spread + eps)
+    mean, spread = statistics.fmean(total), std(total)
+    return [max(-clip, min(clip, (t - mean) / (spread + eps))) for t in total]

@@ -58,6 +58,77 @@ def group_advantages(
     return advantages.clamp(-clip, clip) if clip is not None else advantages
 
 
+MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
+"""TRL's ``GRPOConfig.multi_objective_aggregation`` values."""
+
+
+def per_reward_group_normalize(
+    per_reward: torch.Tensor, num_generations: int, *, eps: float = 1e-4, ddof: int = 1
+) -> torch.Tensor:
+    """Each reward (column) normalised within each group: ``(r - group mean) / (group std + eps)``.
+
+    NaN marks a sample a reward does not score (a ``None``): it is left out of that reward's group statistics and
+    gets 0, so that it adds nothing to a weighted sum (TRL's ``nansum``). A group whose scored values are all equal
+    gets exactly 0, as in :func:`group_advantages`.
+
+    Args:
+        per_reward: ``(num_groups * num_generations, num_rewards)``, each prompt's samples consecutive.
+        num_generations: the GRPO group size G.
+        eps, ddof: as in :func:`group_advantages`.
+    """
+    if per_reward.ndim != 2:
+        raise ValueError(f"`per_reward` must have shape (samples, rewards), got {tuple(per_reward.shape)}.")
+    if num_generations < 1 or per_reward.shape[0] % num_generations != 0:
+        raise ValueError(
+            f"`num_generations` ({num_generations}) must divide the number of samples ({per_reward.shape[0]})."
+        )
+    if ddof not in (0, 1):
+        raise ValueError(f"`ddof` must be 0 (population std) or 1 (unbiased std), got {ddof!r}.")
+    grouped = per_reward.float().view(-1, num_generations, per_reward.shape[1])  # (groups, G, rewards)
+    scored = ~grouped.isnan()
+    count = scored.sum(dim=1, keepdim=True)
+    values = grouped.nan_to_num(0.0)
+    mean = values.sum(dim=1, keepdim=True) / count.clamp(min=1)
+    centered = (values - mean) * scored
+    # One scored value has no unbiased std: its std is 0 (and it is centred to 0 anyway).
+    std = ((centered**2).sum(dim=1, keepdim=True) / (count - ddof).clamp(min=1)).sqrt()
+    constant = grouped.masked_fill(~scored, -torch.inf).amax(dim=1, keepdim=True) == grouped.masked_fill(
+        ~scored, torch.inf
+    ).amin(dim=1, keepdim=True)
+    normalized = (centered / (std + eps)).masked_fill(constant | ~scored, 0.0)
+    return normalized.view_as(per_reward)
+
+
+def multi_reward_advantages(
+    per_reward: torch.Tensor,
+    num_generations: int,
+    weights: Sequence[float] | None = None,
+    *,
+    clip: float | None = 5.0,
+    eps: float = 1e-4,
+    ddof: int = 1,
+) -> torch.Tensor:
+    """GDPO's advantages of several rewards (TRL's ``multi_objective_aggregation="normalize_then_sum"``): each
+    reward normalised within its group (:func:`per_reward_group_normalize`), the weighted sum of these, then that
+    sum normalised over the whole batch (``(s - batch mean) / (batch std + eps)``) and clipped to ``[-clip, clip]``.
+
+    Unlike normalising the weighted sum of raw rewards, a reward with a large scale or variance (PickScore ~20
+    next to an OCR score in [0, 1]) cannot drown the others: the weights act on rewards of unit group std.
+
+    Args:
+        per_reward: ``(num_groups * num_generations, num_rewards)``; NaN where a reward returned ``None``.
+        num_generations: the GRPO group size G.
+        weights: one per reward; ``None`` means all 1.
+        clip, eps, ddof: as in :func:`group_advantages`.
+    """
+    normalized = per_reward_group_normalize(per_reward, num_generations, eps=eps, ddof=ddof)
+    weight = torch.ones(per_reward.shape[1]) if weights is None else torch.as_tensor(weights, dtype=torch.float32)
+    if weight.shape != (per_reward.shape[1],):
+        raise ValueError(f"Got {weight.numel()} weights for {per_reward.shape[1]} rewards.")
+    combined = normalized @ weight.to(normalized.device)
+    return group_advantages(combined, combined.numel(), scale_by="group", clip=clip, eps=eps, ddof=ddof)
+
+
 def _std(values: torch.Tensor, ddof: int, dim: int | None = None) -> torch.Tensor:
     """Std with ``ddof``; a single value (where the unbiased std is undefined) has std 0."""
     count = values.numel() if dim is None else values.shape[dim]

@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 from transformers import TrainingArguments
 
 from .field_types import type_problem
+from .grpo import MULTI_OBJECTIVE_AGGREGATIONS
 from .jagg import ENDPOINT_BACKWARDS, JAGG_MODES
 from .prompts import check_prompts
 from .recipes import RECIPES, get_recipe
@@ -64,7 +65,7 @@ class GRPOJaggConfig(TrainingArguments):
         epsilon_high, adv_clip_max, beta, kl_std, ratio_normalization, step_gradient_reweighting, cfg_gradient,
         quantize_timesteps, same_group_noise, num_iterations,
         scale_rewards, advantage_std_ddof, advantage_eps, per_prompt_stat_tracking, stat_tracking_buffer_size,
-        drop_zero_advantages, reward_weights, reward_retries.
+        drop_zero_advantages, reward_weights, multi_objective_aggregation, overlap_rewards, reward_retries.
 
         > EMA of the trained weights
 
@@ -90,7 +91,7 @@ class GRPOJaggConfig(TrainingArguments):
 
     Fields that mean what a field of TRL's `GRPOConfig` means carry TRL's name (`num_generations`, `beta`,
     `num_iterations`, `epsilon`, `epsilon_high`, `scale_rewards` (also boolean), `steps_per_generation`,
-    `generation_batch_size`, `reward_weights`, `log_completions`).
+    `generation_batch_size`, `reward_weights`, `multi_objective_aggregation`, `log_completions`).
 
     Every field's `help` text is the reference (see `docs/config.md`, generated from it).
     """
@@ -377,6 +378,28 @@ class GRPOJaggConfig(TrainingArguments):
     reward_weights: list[float] | None = field(
         default=None,
         metadata={"help": "Weight of each reward function in the total reward (defaults to 1 for each)."},
+    )
+    multi_objective_aggregation: str = field(
+        default="sum_then_normalize",
+        metadata={
+            "help": f"How several rewards make one advantage, one of {MULTI_OBJECTIVE_AGGREGATIONS} (TRL's names): "
+            "'sum_then_normalize' sums the weighted rewards, then normalises the sum as `scale_rewards` says; "
+            "'normalize_then_sum' (GDPO, Flow-Factory's 'gdpo') normalises each reward within its group first (its "
+            "group std), sums them with `reward_weights`, then normalises the sum over the whole batch, so a reward "
+            "with a large scale or spread cannot drown the others. With one reward the two differ only in the final "
+            "std (group or batch). With 'normalize_then_sum' each reward's share is logged as "
+            "`advantages/<name>/abs_mean` (the mean |weight x group-normalised reward|). Every preset keeps "
+            "'sum_then_normalize' (each trains one reward)."
+        },
+    )
+    overlap_rewards: bool = field(
+        default=True,
+        metadata={
+            "help": "Score each rollout chunk (`sample_batch_size` images) with the rewards that score every sample on "
+            "its own (a remote server, a pointwise `vlm-judge`, any reward with `per_sample = True`) in background "
+            "threads while the next chunk samples, instead of after the whole rollout. The scores are the same; "
+            "the step no longer waits for all but the last chunk's answers. Other rewards run after the rollout."
+        },
     )
     reward_retries: int = field(
         default=0,
@@ -812,6 +835,22 @@ class GRPOJaggConfig(TrainingArguments):
                 "scale_rewards",
                 "is 'none' with per_prompt_stat_tracking=True",
                 "The stat tracker scales by a std: use 'group' or 'batch', or turn the tracker off.",
+            )
+        if self.multi_objective_aggregation not in MULTI_OBJECTIVE_AGGREGATIONS:
+            fail(
+                "multi_objective_aggregation",
+                f"is {self.multi_objective_aggregation!r}",
+                f"Use one of {MULTI_OBJECTIVE_AGGREGATIONS}.",
+            )
+        if self.multi_objective_aggregation == "normalize_then_sum" and (
+            self.per_prompt_stat_tracking or self.scale_rewards == "none"
+        ):
+            conflict = "per_prompt_stat_tracking=True" if self.per_prompt_stat_tracking else "scale_rewards='none'"
+            fail(
+                "multi_objective_aggregation",
+                f"is 'normalize_then_sum' with {conflict}",
+                "normalize_then_sum normalises by group and batch stds of the current batch: turn the stat tracker "
+                "off and keep scale_rewards 'group' or 'batch', or use 'sum_then_normalize'.",
             )
         if self.advantage_std_ddof not in (0, 1):
             fail("advantage_std_ddof", f"is {self.advantage_std_ddof!r}", "Use 0 (population std) or 1 (unbiased).")

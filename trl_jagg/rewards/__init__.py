@@ -20,11 +20,14 @@ from trl_jagg.rewards.base import (
 )
 from trl_jagg.rewards.clip_based import clip_score, hpsv2, pickscore
 from trl_jagg.rewards.compression import jpeg_compressibility, jpeg_incompressibility
+from trl_jagg.rewards.geneval import geneval
+from trl_jagg.rewards.hpsv3 import hpsv3
 from trl_jagg.rewards.image_reward import image_reward
 from trl_jagg.rewards.lazy import LazyModelReward
 from trl_jagg.rewards.ocr import ocr
 from trl_jagg.rewards.programmatic import brightness, prompt_color
 from trl_jagg.rewards.remote import remote
+from trl_jagg.rewards.vlm_judge import vlm_judge
 
 __all__ = [
     "REWARD_REGISTRY",
@@ -37,7 +40,9 @@ __all__ = [
     "check_rewards",
     "clip_score",
     "compute_rewards",
+    "geneval",
     "hpsv2",
+    "hpsv3",
     "image_reward",
     "jpeg_compressibility",
     "jpeg_incompressibility",
@@ -48,4 +53,5 @@ __all__ = [
     "register_reward",
     "remote",
     "reward_name",
+    "vlm_judge",
 ]

@@ -10,13 +10,17 @@ name, so a config can say ``reward_funcs=["pickscore", "hpsv2.1"]``.
 
 from __future__ import annotations
 
+import asyncio
 import difflib
+import functools
 import importlib
 import inspect
 import logging
 import os
 import sys
+import threading
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import torch
@@ -38,7 +42,13 @@ REWARD_REGISTRY: dict[str, Callable[..., RewardFunc]] = {}
 """Registry name -> factory building the reward. Filled by the ``@register_reward`` decorators."""
 
 # Other spellings users are likely to type; they resolve to the canonical registry names.
-_ALIASES = {"hpsv2": "hpsv2.1", "hps": "hpsv2.1", "clip_score": "clipscore", "image_reward": "imagereward"}
+_ALIASES = {
+    "hpsv2": "hpsv2.1",
+    "hps": "hpsv2.1",
+    "clip_score": "clipscore",
+    "image_reward": "imagereward",
+    "vlm_judge": "vlm-judge",
+}
 
 _URL_PREFIXES = ("http://", "https://")
 
@@ -220,7 +230,9 @@ def compute_rewards(
 
     Each reward is called with keywords, as in TRL: ``func(prompts=..., images=..., completions=...,
     trainer_state=..., **columns)``, ``completions`` being the images too. A ``None`` score means "not applicable":
-    it is left out of the sample's weighted sum (TRL's ``nansum``).
+    it is left out of the sample's weighted sum (TRL's ``nansum``). ``async def`` rewards (see
+    :func:`is_async_reward`) run concurrently with each other on one event loop and with the synchronous rewards,
+    which run one after the other; the results do not depend on which finishes first.
 
     Args:
         reward_funcs: The reward callables (e.g. from :func:`load_reward_funcs`).
@@ -250,19 +262,39 @@ def compute_rewards(
             f"Dataset column(s) {reserved} clash with the reward keywords {REWARD_KEYWORDS}: rename them "
             "(e.g. `dataset.rename_column('images', 'reference_images')`)."
         )
-    total = torch.zeros(len(images), dtype=torch.float32)
-    per_reward: dict[str, torch.Tensor] = {}
-    for func, weight in zip(reward_funcs, weights):
+    names: list[str] = []
+    for func in reward_funcs:
         name = unique = reward_name(func)
         suffix = 2
-        while unique in per_reward:
+        while unique in names:
             unique, suffix = f"{name}_{suffix}", suffix + 1
-        values = _call_with_retries(
-            func, unique, retries, prompts=list(prompts), images=list(images), completions=list(images),
-            trainer_state=trainer_state, **columns,
-        )  # fmt: skip
-        scores = check_rewards(unique, values, len(images)).cpu()
-        per_reward[unique] = scores
+        names.append(unique)
+    kwargs = dict(prompts=list(prompts), images=list(images), completions=list(images), trainer_state=trainer_state,
+                  **columns)  # fmt: skip
+    # Async rewards (a judge or server client) start first and run concurrently on one event loop, while the
+    # synchronous ones run here one after the other; results are taken in the rewards' order either way.
+    pending: dict[int, Future] = {}
+    asynchronous = [i for i, func in enumerate(reward_funcs) if is_async_reward(func)]
+    if asynchronous:  # a thread per async reward waits on its coroutine, so that its retries stay sequential
+        pool = ThreadPoolExecutor(max_workers=len(asynchronous), thread_name_prefix="async-reward")
+        for i in asynchronous:
+            pending[i] = pool.submit(_call_with_retries, synchronous(reward_funcs[i]), names[i], retries, **kwargs)
+        pool.shutdown(wait=False)
+    outputs = {}
+    try:
+        for i, func in enumerate(reward_funcs):
+            if i not in pending:
+                outputs[i] = _call_with_retries(func, names[i], retries, **kwargs)
+        for i, future in pending.items():
+            outputs[i] = future.result()
+    finally:
+        for future in pending.values():
+            future.cancel()
+    total = torch.zeros(len(images), dtype=torch.float32)
+    per_reward: dict[str, torch.Tensor] = {}
+    for i, (name, weight) in enumerate(zip(names, weights)):
+        scores = check_rewards(name, outputs[i], len(images)).cpu()
+        per_reward[name] = scores
         total += weight * scores.nan_to_num(0.0)
     if per_reward:
         unscored = torch.stack(list(per_reward.values())).isnan().all(dim=0).nonzero().flatten().tolist()
@@ -288,3 +320,48 @@ def _call_with_retries(func: RewardFunc, name: str, retries: int, /, **kwargs: A
             attempt += 1
             logger.warning("Reward %r raised %s: %s. Retry %d of %d.", name, type(error).__name__, error, attempt,
                            retries)  # fmt: skip
+
+
+def is_async_reward(func: RewardFunc) -> bool:
+    """Whether calling ``func`` returns a coroutine: an ``async def`` function, a ``functools.partial`` of one, or an
+    object with an ``async def __call__`` (the forms ``trl.trainer.utils.is_async_callable`` accepts; importing trl
+    here would cost every reward user its import time)."""
+    while isinstance(func, functools.partial):
+        func = func.func
+    return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(type(func).__call__)
+
+
+_loop: asyncio.AbstractEventLoop | None = None
+_loop_lock = threading.Lock()
+
+
+def _event_loop() -> asyncio.AbstractEventLoop:
+    """One event loop for every async reward of the process, running in a daemon thread (as TRL's GRPOTrainer
+    does): clients that bind to a loop (an ``AsyncOpenAI`` connection pool) keep working across steps, and a caller
+    inside its own running loop (a notebook) is not blocked by ``asyncio.run``."""
+    global _loop
+    with _loop_lock:
+        if _loop is None:
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="trl-jagg-async-rewards", daemon=True).start()
+            _loop = loop
+        return _loop
+
+
+def synchronous(func: RewardFunc) -> RewardFunc:
+    """``func`` itself when it is synchronous; for an async reward, a function that runs its coroutine on the shared
+    event loop (:func:`_event_loop`) and blocks until it returns."""
+    if not is_async_reward(func):
+        return func
+
+    def call(**kwargs: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(func(**kwargs), _event_loop()).result()
+
+    return call
+
+
+def scores_each_sample(func: RewardFunc) -> bool:
+    """Whether ``func`` declares (``func.per_sample = True``) that a sample's score depends on that sample alone,
+    so that it may score a batch in parts, e.g. each rollout chunk while the next one samples. The remote reward and
+    the pointwise VLM judges declare it; a pairwise judge (a win rate within a prompt's images) does not."""
+    return getattr(func, "per_sample", False) is True

@@ -156,6 +156,9 @@ class RemoteReward:
     """Posts (prompts, images) to ``url`` and returns the server's scores. Connection failures, timeouts and
     HTTP 5xx answers are retried with exponential backoff; HTTP 4xx answers are not (resending cannot help)."""
 
+    per_sample = True
+    """Each image is scored on its own (the requests already split a batch), so a batch may be scored in parts."""
+
     def __init__(
         self,
         url: str,

@@ -15,7 +15,7 @@ import torch
 from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
-from ..grpo import PerPromptStatTracker, group_advantages
+from ..grpo import PerPromptStatTracker, group_advantages, multi_reward_advantages, per_reward_group_normalize
 from ..grpo_jagg_config import GRPOJaggConfig
 from ..models import FlowMatchingAdapter
 from ..prompts import prompt_text
@@ -25,6 +25,7 @@ from .batch import rng_seed, velocity_key
 from .conditioning import PromptConditioner
 from .guards import stop_if_non_finite
 from .placement import FrozenModules, eval_mode
+from .reward_overlap import ChunkScorer
 from .scoring import scored_rewards
 
 
@@ -139,6 +140,7 @@ class RolloutGenerator:
             # Rows of one group share their noise and prompt: the rollout runs their deterministic prefix once.
             groups = torch.tensor(self.groups(len(prompts)), device=device) if args.same_group_noise else None
             chunk = args.sample_batch_size or args.per_device_train_batch_size
+            scorer = ChunkScorer(self.reward_funcs, enabled=args.overlap_rewards, trainer_state=trainer_state)
             trajectories: list[Trajectory] = []
             images, pixel_peaks = [], []
             # Rollouts of a large model take minutes: a transient bar under the Trainer's own, on a terminal only
@@ -168,7 +170,9 @@ class RolloutGenerator:
                     pixels = adapter.decode_latents(scored, args.height, args.width)
                 # Kept on the device (NaN if any pixel is): one check for the whole rollout below.
                 pixel_peaks.append(pixels.detach().float().abs().amax())
-                images.extend(adapter.to_images(pixels))
+                decoded = adapter.to_images(pixels)
+                images.extend(decoded)
+                scorer.submit(prompts[index], decoded, {key: values[index] for key, values in columns.items()})
         rollout_seconds = time.perf_counter() - start
         latents = torch.cat([t.latents for t in trajectories])
         # NaN latents, or a VAE that outputs NaN from finite ones, decode to black images with finite rewards: stop
@@ -182,7 +186,7 @@ class RolloutGenerator:
         reward_metrics: dict[str, list[float]] = defaultdict(list)
         extra_columns: dict[str, list[Any]] = defaultdict(list)
         rewards, per_reward = scored_rewards(
-            self.reward_funcs, self.accelerator, prompts, images, weights=args.reward_weights,
+            scorer.reward_funcs(), self.accelerator, prompts, images, weights=args.reward_weights,
             retries=args.reward_retries, trainer_state=trainer_state,
             # TRL's reward keywords: a scalar for the logs, a column (one value per image) for the completions table.
             log_metric=lambda name, value: reward_metrics[name].append(float(value)),
@@ -234,6 +238,16 @@ class RolloutGenerator:
         all_rewards = self.accelerator.gather(rewards)
         if self.stat_tracker is not None:
             advantages = self.stat_tracker.update(gather_object(prompts), all_rewards.cpu(), clip=args.adv_clip_max)
+        elif args.multi_objective_aggregation == "normalize_then_sum":
+            common = dict(eps=args.advantage_eps, ddof=args.advantage_std_ddof)
+            advantages = multi_reward_advantages(
+                all_per_func, args.num_generations, args.reward_weights, clip=args.adv_clip_max, **common
+            )
+            # Each reward's share of the sum, before the batch normalisation: |weight * group-normalised reward|.
+            shares = per_reward_group_normalize(all_per_func, args.num_generations, **common).abs()
+            for i, name in enumerate(per_reward):
+                weight = 1.0 if args.reward_weights is None else abs(args.reward_weights[i])
+                self.metrics[f"advantages/{name}/abs_mean"].append(weight * shares[:, i].mean().item())
         else:
             advantages = group_advantages(
                 all_rewards,

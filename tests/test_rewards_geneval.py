@@ -1,0 +1,132 @@
+"""The GenEval-style reward: GenEval's rules checked by hand on given detections (presence, counting, colour,
+position, two objects, exclude), the greedy NMS against torchvision's, and the whole reward on a tiny random OWLv2
+and CLIP built from config (the count compared with transformers' own post-processing and torchvision's NMS)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from PIL import Image
+
+import trl_jagg.rewards as rewards
+from trl_jagg.rewards.geneval import COLORS, geneval_score, greedy_nms, relative_position
+from trl_jagg.testing.tokenizers import build_clip_tokenizer
+
+LEFT, RIGHT = (0, 0, 10, 10), (30, 0, 40, 10)
+
+
+def no_colors(name, boxes):
+    raise AssertionError("no colour clause here")
+
+
+def test_relative_position_by_hand():
+    # Centres 30 px apart on x, sizes 10 + 10: revised offset -(30 - 0.1 * 20) = -28, over |offset| 30 < -0.5.
+    assert relative_position(LEFT, RIGHT) == {"left of"} and relative_position(RIGHT, LEFT) == {"right of"}
+    assert relative_position((0, 0, 10, 10), (0, 30, 10, 40)) == {"above"}
+    # 30 px right and 30 px down: each axis 28 / 42.4 = 0.66 > 0.5.
+    assert relative_position((30, 30, 40, 40), LEFT) == {"right of", "below"}
+    assert relative_position((0, 0, 10, 10), (1, 1, 11, 11)) == set()  # within 0.1 x sizes: no relation
+
+
+@pytest.mark.parametrize(
+    ("include", "boxes", "colors", "expected"),
+    [
+        ([{"class": "cat", "count": 1}], {"cat": [LEFT]}, None, (1.0, True)),
+        ([{"class": "cat", "count": 1}], {}, None, (0.0, False)),
+        ([{"class": "cat", "count": 3}], {"cat": [LEFT, RIGHT]}, None, (1 - 1 / 3, False)),
+        ([{"class": "cat", "count": 1}], {"cat": [LEFT, RIGHT, LEFT]}, None, (1 - 2, False)),
+        ([{"class": "cat", "count": 1, "color": "red"}], {"cat": [LEFT]}, ["red"], (1.0, True)),
+        ([{"class": "cat", "count": 1, "color": "red"}], {"cat": [LEFT]}, ["blue"], ((1 + 0) / 2, False)),
+        ([{"class": "cat", "count": 2, "color": "red"}], {"cat": [LEFT]}, None, ((0.5 + 0) / 2, False)),
+        (
+            [{"class": "dog", "count": 1}, {"class": "cat", "count": 1, "position": ["left of", 0]}],
+            {"dog": [RIGHT], "cat": [LEFT]}, None, (1.0, True),
+        ),
+        (
+            [{"class": "dog", "count": 1}, {"class": "cat", "count": 1, "position": ["left of", 0]}],
+            {"dog": [LEFT], "cat": [RIGHT]}, None, ((1 + 1 + 0) / 3, False),
+        ),
+        (  # the target clause failed: no target, position 0
+            [{"class": "dog", "count": 1}, {"class": "cat", "count": 1, "position": ["left of", 0]}],
+            {"cat": [LEFT]}, None, ((0 + 1 + 0) / 3, False),
+        ),
+        ([{"class": "cat", "count": 1}, {"class": "bench", "count": 1}], {"cat": [LEFT]}, None, (0.5, False)),
+    ],
+)  # fmt: skip
+def test_geneval_rules_by_hand(include, boxes, colors, expected):
+    score, correct = geneval_score(boxes, {"include": include}, no_colors if colors is None else lambda n, b: colors)
+    assert (score, correct) == (pytest.approx(expected[0]), expected[1])
+
+
+def test_exclude_clauses_break_strict_correctness_only():
+    metadata = {"include": [{"class": "cat", "count": 1}], "exclude": [{"class": "cat", "count": 2}]}
+    assert geneval_score({"cat": [LEFT]}, metadata, no_colors) == (1.0, True)
+    assert geneval_score({"cat": [LEFT, RIGHT]}, metadata, no_colors) == (pytest.approx(0.0), False)
+
+
+def test_greedy_nms_matches_torchvision():
+    torchvision = pytest.importorskip("torchvision")
+    generator = torch.Generator().manual_seed(0)
+    corners = torch.rand(40, 2, generator=generator) * 50
+    boxes = torch.cat([corners, corners + 5 + torch.rand(40, 2, generator=generator) * 20], dim=1)
+    scores = torch.rand(40, generator=generator)
+    assert greedy_nms(boxes, scores, 0.5) == torchvision.ops.nms(boxes, scores, 0.5).tolist()
+
+
+@pytest.fixture(scope="module")
+def tiny_geneval_dirs(tmp_path_factory):
+    from transformers import (
+        CLIPConfig,
+        CLIPImageProcessor,
+        CLIPModel,
+        CLIPProcessor,
+        Owlv2Config,
+        Owlv2ForObjectDetection,
+        Owlv2ImageProcessor,
+        Owlv2Processor,
+    )  # fmt: skip
+
+    tokenizer = build_clip_tokenizer(model_max_length=16)
+    text = dict(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                num_attention_heads=2, max_position_embeddings=16, bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+                  patch_size=8)  # fmt: skip
+    folder = tmp_path_factory.mktemp("geneval")
+    torch.manual_seed(0)
+    Owlv2ForObjectDetection(Owlv2Config(text_config=text, vision_config=vision, projection_dim=16)).save_pretrained(
+        folder / "owlv2"
+    )
+    Owlv2Processor(Owlv2ImageProcessor(size={"height": 32, "width": 32}), tokenizer).save_pretrained(folder / "owlv2")
+    CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)).save_pretrained(folder / "clip")
+    image_processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    CLIPProcessor(image_processor, tokenizer).save_pretrained(folder / "clip")
+    return str(folder / "owlv2"), str(folder / "clip")
+
+
+def test_geneval_reward_on_tiny_random_models(tiny_geneval_dirs):
+    from transformers import AutoProcessor, Owlv2ForObjectDetection
+
+    torchvision = pytest.importorskip("torchvision")
+    detector_dir, clip_dir = tiny_geneval_dirs
+    reward = rewards.load_reward_funcs("geneval", detector_id=detector_dir, clip_id=clip_dir, device="cpu")[0]
+    image = Image.new("RGB", (48, 32), (200, 30, 30))
+    include = [[{"class": "cat", "count": 1}], [{"class": "cat", "count": 1, "color": "red"}]]
+    scores = reward(["a photo of a cat"] * 2, [image, image], tag=["single_object", "colors"], include=include)
+
+    # The count by transformers' post-processing (boxes in the padded square) and torchvision's NMS.
+    processor, model = (
+        AutoProcessor.from_pretrained(detector_dir),
+        Owlv2ForObjectDetection.from_pretrained(detector_dir),
+    )
+    inputs = processor(text=[["a photo of a cat"]], images=image, return_tensors="pt")
+    with torch.no_grad():
+        outputs = model(**inputs)
+    (found,) = processor.image_processor.post_process_object_detection(outputs, threshold=0.2, target_sizes=[(48, 48)])
+    count = len(torchvision.ops.nms(found["boxes"].clamp(min=0), found["scores"], 0.5)) if len(found["scores"]) else 0
+    assert scores[0] == pytest.approx(1 - abs(1 - count))
+    assert scores[1] == pytest.approx((1 - abs(1 - count)) / 2 if count != 1 else scores[1])
+    crops = reward.colors_of(image, "cat", [(0, 0, 20, 20), (10, 5, 40, 30)])
+    assert len(crops) == 2 and set(crops) <= set(COLORS)
+    with pytest.raises(ValueError, match="'tag' and 'include'"):
+        reward(["a cat"], [image])
