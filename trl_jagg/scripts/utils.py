@@ -155,6 +155,9 @@ class CommandParser(TrlParser):
                 # HfArgumentParser rewrites `field.type` in place; work on a copy so the dataclass is untouched.
                 item = copy.copy(item)
                 item.type = hints[item.name]
+                help_text = item.metadata.get("help")
+                if help_text and "%" in help_text:  # argparse formats help with %: a literal one must be doubled
+                    item.metadata = {**item.metadata, "help": help_text.replace("%", "%%")}
                 self._parse_dataclass_field(group if inherited is None or item.name in own else inherited, item)
 
     def option_names(self) -> dict[str, str]:
