@@ -191,6 +191,7 @@ RECIPES = [
     "flow-grpo-fast-flux",
     "dancegrpo-flux",
     "dancegrpo-flux-8gpu",
+    "mixgrpo-flux",
 ]
 
 

@@ -1,13 +1,13 @@
 """GRPO update stage at FLUX.1-dev size on one GPU: exact vs JAGG vs JAGG + on-policy velocity cache.
 
-Builds a ``FluxTransformer2DModel`` from FLUX.1-dev's published config (19 double- and 38 single-stream blocks,
-24 heads of 128, 12B parameters) with random weights directly on the GPU in bfloat16 (nothing is downloaded), puts
-Flow-GRPO's LoRA on it (rank 64, alpha 128, attention projections) and runs Flow-GRPO's FLUX.1-dev setting through
-``DDPOJaggTrainer``: 512 x 512 images (1024 image tokens), 512 text tokens, 6 denoising steps (5 trained: one JAGG
-group of W = 4 and one exact step), G = 8 images of a prompt per rollout in micro-batches of ``--batch``. The text
-encoders and the VAE are tiny random models whose outputs have the real shapes (T5 tokens of width 4096, a pooled
-CLIP vector of 768), so prompt embeddings are random at the real shapes. The reward is the weight-free
-``prompt_color``.
+Builds a ``FluxTransformer2DModel`` from FLUX.1-dev's published config (19 double- and 38 single-stream blocks, 24
+heads of 128, 12B parameters) with random weights directly on the GPU in bfloat16 (nothing is downloaded), puts
+Flow-GRPO's LoRA on it (rank 64, alpha 128, the preset's attention and feed-forward targets) and runs Flow-GRPO's
+FLUX.1-dev setting through ``DDPOJaggTrainer``: 512 x 512 images (1024 image tokens), 512 text tokens, 6 denoising
+steps (5 trained: one JAGG group of W = 4 and one exact step), G = 8 images of a prompt per rollout in micro-batches of
+``--batch``. The text encoders and the VAE are tiny random models whose outputs have the real shapes (T5 tokens of
+width 4096, a pooled CLIP vector of 768), so prompt embeddings are random at the real shapes. The reward is the
+weight-free ``prompt_color``.
 
 It prints, per variant (interleaved over ``--repeats`` repeats after a warm-up, each on a fresh rollout), the update
 time of the whole rollout, the whole-step time (rollout + update), the speedup over exact and the peak memory of the
