@@ -96,7 +96,7 @@ def test_wheel_in_a_fresh_virtualenv_ships_the_configs_and_trains(tmp_path, tiny
         "--recipe", "flow-grpo-flux", "--model_name_or_path", tiny_flux_path, "--reward_funcs", "prompt_color",
         "--prompts", "a red circle", "--output_dir", str(out), "--per_device_train_batch_size", "2",
         "--num_generations", "2", "--num_inference_steps", "3", "--jagg_group_size", "2", "--height", "32",
-        "--width", "32", "--max_sequence_length", "16", "--max_steps", "1", "--gradient_accumulation_steps", "1", "--dtype", "float32", "--bf16", "false",
+        "--width", "32", "--max_sequence_length", "16", "--max_steps", "1", "--gradient_accumulation_steps", "1", "--steps_per_generation", "1", "--dtype", "float32", "--bf16", "false",
         "--use_cpu", "true", "--report_to", "none", "--save_strategy", "no", "--disable_tqdm", "true",
     ]  # fmt: skip
     command = [python.parent / "trl-jagg", "train", "--accelerate_config", "single_gpu", *flags]
