@@ -38,3 +38,9 @@ def tiny_sd3_path(tmp_path_factory: pytest.TempPathFactory) -> str:
 def tiny_qwenimage_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     """Directory of a tiny ``QwenImagePipeline`` (seed 0, default vocabulary)."""
     return _save_tiny("qwenimage", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def tiny_zimage_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Directory of a tiny ``ZImagePipeline`` (seed 0, default vocabulary)."""
+    return _save_tiny("zimage", tmp_path_factory)

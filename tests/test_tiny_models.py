@@ -10,6 +10,7 @@ from diffusers import (
     FluxPipeline,
     QwenImagePipeline,
     StableDiffusion3Pipeline,
+    ZImagePipeline,
 )
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
@@ -22,18 +23,24 @@ from trl_jagg.testing.tiny_models import (
     build_tiny_pipeline,
 )
 
-PIPELINE_CLASSES = {"flux": FluxPipeline, "sd3": StableDiffusion3Pipeline, "qwenimage": QwenImagePipeline}
+PIPELINE_CLASSES = {
+    "flux": FluxPipeline,
+    "sd3": StableDiffusion3Pipeline,
+    "qwenimage": QwenImagePipeline,
+    "zimage": ZImagePipeline,
+}
 PROMPTS = ["a red circle", "a small blue square on a dark background"]  # different lengths on purpose
 EXTRA_WORDS = ["crimson", "teal", "hexagon", "Zebra"]
 
 
 def _call_kwargs(family: str) -> dict:
     """Keyword arguments that switch guidance on the way each family is used: Flux's distilled guidance, SD3's
-    CFG, and Qwen-Image's true CFG (which needs a negative prompt)."""
+    CFG, Qwen-Image's true CFG (which needs a negative prompt) and Z-Image's CFG."""
     return {
         "flux": {"guidance_scale": 3.5},
         "sd3": {"guidance_scale": 4.5},
         "qwenimage": {"true_cfg_scale": 4.0, "negative_prompt": " "},
+        "zimage": {"guidance_scale": 3.0},
     }[family]
 
 
@@ -139,7 +146,7 @@ def test_vocab_words_are_single_tokens_with_own_embeddings(family):
         assert encoder.get_input_embeddings().num_embeddings == len(tokenizer)
         for word in EXTRA_WORDS:
             # Qwen's byte-level BPE attaches the preceding space to a word; CLIP lower-cases.
-            texts = [word, " " + word] if family == "qwenimage" else [word]
+            texts = [word, " " + word] if family in ("qwenimage", "zimage") else [word]
             for text in texts:
                 ids = tokenizer(text, add_special_tokens=False).input_ids
                 assert len(ids) == 1, (type(tokenizer).__name__, text, tokenizer.convert_ids_to_tokens(ids))
@@ -293,14 +300,43 @@ def _qwenimage_by_hand(pipe: QwenImagePipeline, *, height: int, width: int, step
     return latents
 
 
-MANUAL_SAMPLERS = {"flux": _flux_by_hand, "sd3": _sd3_by_hand, "qwenimage": _qwenimage_by_hand}
+@torch.no_grad()
+def _zimage_by_hand(pipe: ZImagePipeline, *, height: int, width: int, steps: int, seed: int) -> torch.Tensor:
+    batch, scale = len(PROMPTS), _call_kwargs("zimage")["guidance_scale"]
+    # One (tokens, dim) embedding per prompt, its padding dropped; the negative prompt defaults to "".
+    prompt_embeds, negative_embeds = pipe.encode_prompt(list(PROMPTS), do_classifier_free_guidance=True)
+    latents = pipe.prepare_latents(
+        batch, pipe.transformer.config.in_channels, height, width, torch.float32, torch.device("cpu"),
+        torch.Generator().manual_seed(seed),
+    )  # fmt: skip
+    # Static shift 3 applied by the scheduler to linspace(1, 1/N, N) (Z-Image-Turbo has no dynamic shifting).
+    pipe.scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps).tolist(), mu=0.0)
+    for step, t in enumerate(pipe.scheduler.timesteps):
+        out = pipe.transformer(
+            [x.unsqueeze(1) for x in latents] * 2,  # one (C, 1 frame, h, w) latent per call, conditional first
+            ((1000 - t) / 1000).expand(2 * batch),  # reversed time in [0, 1]
+            prompt_embeds + negative_embeds,
+            return_dict=False,
+        )[0]
+        cond, uncond = torch.stack(out[:batch])[:, :, 0], torch.stack(out[batch:])[:, :, 0]
+        # The backbone predicts noise minus data: the velocity is its negative, guided as v_c + g (v_c - v_u).
+        latents = _euler(pipe, step, latents, -(cond + scale * (cond - uncond)))
+    return latents
+
+
+MANUAL_SAMPLERS = {
+    "flux": _flux_by_hand,
+    "sd3": _sd3_by_hand,
+    "qwenimage": _qwenimage_by_hand,
+    "zimage": _zimage_by_hand,
+}
 
 
 def test_manual_sampling_reproduces_pipeline_latents(saved):
     family, _, pipe = saved
     height, width, steps, seed = 32, 32, 2, 7
     expected = pipe(
-        PROMPTS,
+        list(PROMPTS),  # ZImagePipeline rewrites the list it is given into chat-templated prompts
         height=height,
         width=width,
         num_inference_steps=steps,

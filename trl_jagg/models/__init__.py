@@ -12,11 +12,13 @@ from .base import Conditioning, FlowMatchingAdapter, classifier_free_guidance
 from .flux import FluxAdapter
 from .qwenimage import QwenImageAdapter
 from .sd3 import SD3Adapter
+from .zimage import ZImageAdapter
 
 MODEL_ADAPTERS: dict[str, type[FlowMatchingAdapter]] = {
     "FluxPipeline": FluxAdapter,
     "StableDiffusion3Pipeline": SD3Adapter,  # SD3 and SD3.5
     "QwenImagePipeline": QwenImageAdapter,
+    "ZImagePipeline": ZImageAdapter,
 }
 
 
@@ -54,6 +56,7 @@ __all__ = [
     "FluxAdapter",
     "QwenImageAdapter",
     "SD3Adapter",
+    "ZImageAdapter",
     "adapter_class",
     "classifier_free_guidance",
     "load_adapter",

@@ -49,6 +49,25 @@ class Conditioning:
         return Conditioning({k: v[index] for k, v in self.per_sample.items()}, self.shared)
 
 
+def padded_prompt_batch(rows: Sequence[torch.Tensor], mask_dtype: torch.dtype) -> dict[str, torch.Tensor | None]:
+    """Prompt embeddings of different lengths ``(tokens_i, dim)`` as one batch, right-padded with zeros, as the
+    Qwen-Image pipeline batches them: ``prompt_embeds`` ``(batch, max tokens, dim)`` and ``prompt_embeds_mask``
+    ``(batch, max tokens)`` (``None`` when no row is padded, meaning attend to every token)."""
+    length = max(row.shape[0] for row in rows)
+    embeds = torch.stack([torch.nn.functional.pad(row, (0, 0, 0, length - row.shape[0])) for row in rows])
+    if all(row.shape[0] == length for row in rows):
+        return {"prompt_embeds": embeds, "prompt_embeds_mask": None}
+    mask = torch.stack([torch.arange(length, device=embeds.device) < row.shape[0] for row in rows]).to(mask_dtype)
+    return {"prompt_embeds": embeds, "prompt_embeds_mask": mask}
+
+
+def unpadded_prompt_rows(embeds: torch.Tensor, mask: torch.Tensor | None) -> list[torch.Tensor]:
+    """The rows of a :func:`padded_prompt_batch` without their padding (each prompt's own tokens)."""
+    if mask is None:
+        return list(embeds.unbind(0))
+    return [row[keep.bool()] for row, keep in zip(embeds, mask)]
+
+
 def classifier_free_guidance(
     cond: torch.Tensor, uncond: torch.Tensor, scale: float, *, rescale_to_cond_norm: bool = False
 ) -> torch.Tensor:
@@ -79,6 +98,9 @@ class FlowMatchingAdapter:
             embedded guidance value (Flux); ``true_cfg_scale`` is true CFG for the others.
         packed_latents: whether the backbone takes 2x2-packed latent tokens ``(batch, tokens, 4 * channels)``
             (Flux, Qwen-Image) rather than latent images ``(batch, channels, h, w)`` (SD3).
+        prompt_mask_dtype: set where prompts encode to different lengths (Qwen-Image, Z-Image): the batch is
+            right-padded with a ``prompt_embeds_mask`` of this dtype (:func:`padded_prompt_batch`); ``None``: fixed
+            lengths, batches concatenate.
         lora_target_modules: sensible default LoRA targets (the attention projections).
     """
 
@@ -86,6 +108,7 @@ class FlowMatchingAdapter:
     linspace_sigmas: ClassVar[bool] = True
     guidance_is_cfg: ClassVar[bool] = False
     packed_latents: ClassVar[bool] = True
+    prompt_mask_dtype: ClassVar[torch.dtype | None] = None
     lora_target_modules: ClassVar[tuple[str, ...]] = ("to_q", "to_k", "to_v", "to_out.0")
 
     def __init__(self, pipeline: DiffusionPipeline):
@@ -159,7 +182,13 @@ class FlowMatchingAdapter:
     # ---- shared ----
     def collate(self, encoded: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """One batch from prompts encoded one at a time (each :meth:`encode_prompts` output, ``None`` entries
-        left out): what encoding them together gives. Families whose encodings have a fixed length concatenate."""
+        left out): what encoding them together gives. Fixed-length encodings concatenate; variable-length ones
+        (``prompt_mask_dtype``) are padded to the longest, as the pipelines batch them."""
+        if self.prompt_mask_dtype is not None:
+            rows = [
+                row for e in encoded for row in unpadded_prompt_rows(e["prompt_embeds"], e.get("prompt_embeds_mask"))
+            ]
+            return _present(padded_prompt_batch(rows, self.prompt_mask_dtype))
         keys = encoded[0].keys()
         for key in keys:
             if any(e.keys() != keys or e[key].shape[1:] != encoded[0][key].shape[1:] for e in encoded):
@@ -240,6 +269,37 @@ class FlowMatchingAdapter:
                 '`negative_prompt` ("" for the empty prompt) to `condition`.'
             )
         return scale
+
+    def guided_velocity(
+        self,
+        branches: Callable[[Sequence[str]], torch.Tensor],
+        cond: Conditioning,
+        guidance_scale: float,
+        true_cfg_scale: float,
+        *,
+        uncond_grad: bool,
+        batched: tuple[str, str] | None = None,
+        rescale_to_cond_norm: bool = False,
+    ) -> torch.Tensor:
+        """The guided velocity from ``branches(prefixes)``: one backbone call on the conditioning keys of each
+        prefix (``""`` for the prompt, ``"negative_"`` for the negative prompt), concatenated along the batch in that
+        order.
+
+        Without an unconditional branch (see :meth:`guidance_branches`) it is ``branches([""])``. ``batched``: the
+        prefix order of the pipeline's single call on ``2B`` (SD3 ``("negative_", "")``, Z-Image
+        ``("", "negative_")``), used when both branches are differentiable; otherwise each branch is its own call and
+        the unconditional one follows ``uncond_grad`` (:meth:`unconditional_velocity`).
+        """
+        scale = self.guidance_branches(cond, guidance_scale, true_cfg_scale)
+        if scale is None:
+            return branches([""])
+        if batched is not None and uncond_grad:
+            halves = dict(zip(batched, branches(batched).chunk(2)))
+            conditional, unconditional = halves[""], halves["negative_"]
+        else:
+            conditional = branches([""])
+            unconditional = self.unconditional_velocity(lambda prefix: branches([prefix]), uncond_grad=uncond_grad)
+        return classifier_free_guidance(conditional, unconditional, scale, rescale_to_cond_norm=rescale_to_cond_norm)
 
     @staticmethod
     def unconditional_velocity(branch: Callable[[str], torch.Tensor], *, uncond_grad: bool) -> torch.Tensor:

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from diffusers import FluxPipeline
 
-from .base import Conditioning, FlowMatchingAdapter, classifier_free_guidance
+from .base import Conditioning, FlowMatchingAdapter
 
 
 class FluxAdapter(FlowMatchingAdapter):
@@ -43,7 +43,8 @@ class FluxAdapter(FlowMatchingAdapter):
         hidden = latents.to(self.dtype)
         guidance = self.embedded_guidance(latents.shape[0], guidance_scale)
 
-        def call(prefix: str) -> torch.Tensor:
+        def call(prefixes: list[str]) -> torch.Tensor:
+            (prefix,) = prefixes  # two calls for true CFG, as the pipeline does
             return transformer(
                 hidden_states=hidden,
                 timestep=timestep.to(self.dtype) / 1000,
@@ -55,10 +56,4 @@ class FluxAdapter(FlowMatchingAdapter):
                 return_dict=False,
             )[0]
 
-        velocity = call("")
-        scale = self.guidance_branches(cond, guidance_scale, true_cfg_scale)
-        if scale is not None:
-            velocity = classifier_free_guidance(
-                velocity, self.unconditional_velocity(call, uncond_grad=uncond_grad), scale
-            )
-        return velocity
+        return self.guided_velocity(call, cond, guidance_scale, true_cfg_scale, uncond_grad=uncond_grad)

@@ -3,13 +3,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 from diffusers import QwenImagePipeline
 
-from .base import Conditioning, FlowMatchingAdapter, classifier_free_guidance
+from .base import Conditioning, FlowMatchingAdapter
 
 
 class QwenImageAdapter(FlowMatchingAdapter):
@@ -23,6 +22,7 @@ class QwenImageAdapter(FlowMatchingAdapter):
     """
 
     pipeline_class = QwenImagePipeline
+    prompt_mask_dtype = torch.long  # the pipeline's mask
 
     def encode_prompts(self, prompts: list[str], max_sequence_length: int | None) -> dict[str, torch.Tensor | None]:
         embeds, mask = self.pipeline.encode_prompt(
@@ -31,22 +31,6 @@ class QwenImageAdapter(FlowMatchingAdapter):
             max_sequence_length=max_sequence_length or 512,  # the pipeline's default
         )
         return {"prompt_embeds": embeds, "prompt_embeds_mask": mask}
-
-    def collate(self, encoded: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        # As the pipeline batches prompts: right-padded with zeros to the longest, with a mask only if some padding.
-        length = max(e["prompt_embeds"].shape[1] for e in encoded)
-        if all(e["prompt_embeds"].shape[1] == length for e in encoded):
-            return super().collate(encoded)
-        embeds, masks = [], []
-        for e in encoded:
-            embed = e["prompt_embeds"]
-            mask = e.get("prompt_embeds_mask")
-            if mask is None:
-                mask = torch.ones(embed.shape[:2], dtype=torch.long, device=embed.device)
-            pad = length - embed.shape[1]
-            embeds.append(torch.nn.functional.pad(embed, (0, 0, 0, pad)))
-            masks.append(torch.nn.functional.pad(mask, (0, pad)))
-        return {"prompt_embeds": torch.cat(embeds), "prompt_embeds_mask": torch.cat(masks)}
 
     def shared_inputs(self, per_sample: dict[str, torch.Tensor], height: int, width: int) -> dict[str, Any]:
         # One (frames, rows, columns) grid of packed latent tokens; the per-batch list is built at each call.
@@ -68,7 +52,8 @@ class QwenImageAdapter(FlowMatchingAdapter):
         batch_size = latents.shape[0]
         guidance = self.embedded_guidance(batch_size, guidance_scale)
 
-        def call(prefix: str) -> torch.Tensor:
+        def call(prefixes: list[str]) -> torch.Tensor:
+            (prefix,) = prefixes  # two calls: the negative prompt's embedding may have another length
             return transformer(
                 hidden_states=hidden,
                 timestep=timestep.to(self.dtype) / 1000,
@@ -79,13 +64,9 @@ class QwenImageAdapter(FlowMatchingAdapter):
                 return_dict=False,
             )[0]
 
-        velocity = call("")
-        scale = self.guidance_branches(cond, guidance_scale, true_cfg_scale)
-        if scale is not None:
-            velocity = classifier_free_guidance(
-                velocity, self.unconditional_velocity(call, uncond_grad=uncond_grad), scale, rescale_to_cond_norm=True
-            )
-        return velocity
+        return self.guided_velocity(
+            call, cond, guidance_scale, true_cfg_scale, uncond_grad=uncond_grad, rescale_to_cond_norm=True
+        )
 
     def decode_latents(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         # The VAE is a causal video VAE: latents (batch, channels, 1 frame, h, w), normalised per channel.

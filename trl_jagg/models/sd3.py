@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from diffusers import StableDiffusion3Pipeline
 
-from .base import Conditioning, FlowMatchingAdapter, classifier_free_guidance
+from .base import Conditioning, FlowMatchingAdapter
 
 
 class SD3Adapter(FlowMatchingAdapter):
@@ -52,31 +52,17 @@ class SD3Adapter(FlowMatchingAdapter):
     ) -> torch.Tensor:
         hidden = latents.to(self.dtype)
 
-        def call(hidden: torch.Tensor, timestep: torch.Tensor, embeds: torch.Tensor, pooled: torch.Tensor):
+        def call(prefixes: list[str]) -> torch.Tensor:
             # SD3's timestep embedding takes the scheduler timestep (0..1000) as is.
             return transformer(
-                hidden_states=hidden,
-                timestep=timestep,
-                encoder_hidden_states=embeds,
-                pooled_projections=pooled,
+                hidden_states=torch.cat([hidden] * len(prefixes)),
+                timestep=torch.cat([timestep] * len(prefixes)),
+                encoder_hidden_states=torch.cat([cond[f"{p}prompt_embeds"] for p in prefixes]),
+                pooled_projections=torch.cat([cond[f"{p}pooled_prompt_embeds"] for p in prefixes]),
                 return_dict=False,
             )[0]
 
-        def branch(prefix: str) -> torch.Tensor:
-            return call(hidden, timestep, cond[f"{prefix}prompt_embeds"], cond[f"{prefix}pooled_prompt_embeds"])
-
-        scale = self.guidance_branches(cond, guidance_scale, true_cfg_scale)
-        if scale is None:
-            return branch("")
-        if not uncond_grad:
-            conditional = branch("")
-            return classifier_free_guidance(conditional, self.unconditional_velocity(branch, uncond_grad=False), scale)
         # Both branches in one call on 2B, unconditional half first, as the pipeline does.
-        velocity = call(
-            torch.cat([hidden, hidden]),
-            torch.cat([timestep, timestep]),
-            torch.cat([cond["negative_prompt_embeds"], cond["prompt_embeds"]]),
-            torch.cat([cond["negative_pooled_prompt_embeds"], cond["pooled_prompt_embeds"]]),
+        return self.guided_velocity(
+            call, cond, guidance_scale, true_cfg_scale, uncond_grad=uncond_grad, batched=("negative_", "")
         )
-        uncond, conditional = velocity.chunk(2)
-        return classifier_free_guidance(conditional, uncond, scale)

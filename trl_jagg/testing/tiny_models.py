@@ -40,6 +40,8 @@ from diffusers import (
     QwenImageTransformer2DModel,
     SD3Transformer2DModel,
     StableDiffusion3Pipeline,
+    ZImagePipeline,
+    ZImageTransformer2DModel,
 )
 from transformers import (
     CLIPTextConfig,
@@ -50,12 +52,20 @@ from transformers import (
     Qwen2_5_VLForConditionalGeneration,
     Qwen2_5_VLTextConfig,
     Qwen2Tokenizer,
+    Qwen3Config,
+    Qwen3Model,
     T5Config,
     T5EncoderModel,
     T5Tokenizer,
 )
 
-from .tokenizers import DEFAULT_VOCAB_WORDS, build_clip_tokenizer, build_qwen2_tokenizer, build_t5_tokenizer
+from .tokenizers import (
+    DEFAULT_VOCAB_WORDS,
+    build_clip_tokenizer,
+    build_qwen2_tokenizer,
+    build_qwen3_tokenizer,
+    build_t5_tokenizer,
+)
 
 __all__ = [
     "TINY_PROMPTS",
@@ -66,17 +76,20 @@ __all__ = [
     "FLUX_SCHEDULER_CONFIG",
     "QWENIMAGE_SCHEDULER_CONFIG",
     "SD3_SCHEDULER_CONFIG",
+    "ZIMAGE_SCHEDULER_CONFIG",
     "build_clip_tokenizer",
     "build_qwen2_tokenizer",
+    "build_qwen3_tokenizer",
     "build_t5_tokenizer",
     "build_tiny_flux_pipeline",
     "build_tiny_pipeline",
     "build_tiny_qwenimage_pipeline",
     "build_tiny_sd3_pipeline",
+    "build_tiny_zimage_pipeline",
     "save_tiny_pipeline",
 ]
 
-FAMILIES: tuple[str, ...] = ("flux", "sd3", "qwenimage")
+FAMILIES: tuple[str, ...] = ("flux", "sd3", "qwenimage", "zimage")
 
 # Scheduler configs of the released checkpoints. The pipelines read `use_dynamic_shifting` and the
 # `base/max_shift`, `base/max_image_seq_len` entries to compute the resolution-dependent shift `mu`.
@@ -104,6 +117,12 @@ QWENIMAGE_SCHEDULER_CONFIG: dict[str, Any] = {  # Qwen/Qwen-Image: dynamic shift
     "shift_terminal": 0.02,
     "time_shift_type": "exponential",
 }
+ZIMAGE_SCHEDULER_CONFIG: dict[str, Any] = {  # Tongyi-MAI/Z-Image-Turbo: a static shift of 3
+    "num_train_timesteps": 1000,
+    "shift": 3.0,
+    "use_dynamic_shifting": False,
+}
+
 
 ConfigOverrides = Mapping[str, Any] | None
 
@@ -263,6 +282,28 @@ def _qwen25vl_text_encoder(
     )
     with _seeded(seed, "text_encoder"):
         return Qwen2_5_VLForConditionalGeneration(config)
+
+
+def _qwen3_text_encoder(tokenizer: Qwen2Tokenizer, *, seed: int, overrides: ConfigOverrides) -> Qwen3Model:
+    """A tiny Qwen3 (2 layers, grouped-query attention, q/k RMS norm) whose hidden states are the prompt embedding."""
+    config = _merged(
+        {
+            "vocab_size": len(tokenizer),
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 16,
+            "max_position_embeddings": 4096,
+            "bos_token_id": tokenizer.pad_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id,
+        },
+        _checked(overrides, Qwen3Config, "text_encoder"),
+    )
+    with _seeded(seed, "text_encoder"):
+        return Qwen3Model(Qwen3Config(**config))
 
 
 def _autoencoder_kl(
@@ -573,10 +614,67 @@ def build_tiny_qwenimage_pipeline(
     return _finalize(pipe)
 
 
+def build_tiny_zimage_pipeline(
+    *,
+    seed: int = 0,
+    vocab_words: Sequence[str] | None = None,
+    transformer: ConfigOverrides = None,
+    vae: ConfigOverrides = None,
+    text_encoder: ConfigOverrides = None,
+    scheduler: ConfigOverrides = None,
+) -> ZImagePipeline:
+    """A tiny Z-Image-like ``ZImagePipeline`` (single-stream DiT, CFG ``v_c + g (v_c - v_u)``, static shift 3).
+
+    Components: ``ZImageTransformer2DModel`` (2 main + 1 noise and 1 context refiner layers, 2 heads of 16), the
+    16-channel 8x ``AutoencoderKL`` of the Flux family (Z-Image uses FLUX.1's VAE), a tiny ``Qwen3Model`` whose
+    penultimate hidden state is the prompt embedding, a byte-level tokenizer with Qwen3's chat template, and
+    Z-Image-Turbo's scheduler config.
+
+    Args:
+        seed: seed of the random weights.
+        vocab_words: extra words that must be single tokens (with and without a leading space).
+        transformer, vae, text_encoder, scheduler: config overrides. The transformer's ``cap_feat_dim`` follows
+            the text width and its ``in_channels`` the VAE's latent channels unless overridden.
+    """
+    tokenizer = build_qwen3_tokenizer(vocab_words)
+    qwen = _qwen3_text_encoder(tokenizer, seed=seed, overrides=text_encoder)
+    autoencoder = _autoencoder_kl(seed=seed, scaling_factor=0.3611, shift_factor=0.1159, overrides=vae)
+    transformer_config = _merged(
+        {
+            "all_patch_size": (2,),
+            "all_f_patch_size": (1,),
+            "in_channels": autoencoder.config.latent_channels,  # latent images, patchified inside the model
+            "dim": 32,
+            "n_layers": 2,
+            "n_refiner_layers": 1,
+            "n_heads": 2,
+            "n_kv_heads": 2,
+            "cap_feat_dim": qwen.config.hidden_size,
+            "axes_dims": (4, 6, 6),  # (text position / frame, height, width)
+            "axes_lens": (512, 64, 64),
+        },
+        transformer,
+    )
+    head_dim = transformer_config["dim"] // transformer_config["n_heads"]
+    _check_rope_axes(transformer_config["axes_dims"], head_dim)
+    with _seeded(seed, "transformer"):
+        zimage_transformer = ZImageTransformer2DModel(**transformer_config)
+
+    pipe = ZImagePipeline(
+        scheduler=_flow_match_scheduler(ZIMAGE_SCHEDULER_CONFIG, scheduler),
+        vae=autoencoder,
+        text_encoder=qwen,
+        tokenizer=tokenizer,
+        transformer=zimage_transformer,
+    )
+    return _finalize(pipe)
+
+
 _BUILDERS = {
     "flux": build_tiny_flux_pipeline,
     "sd3": build_tiny_sd3_pipeline,
     "qwenimage": build_tiny_qwenimage_pipeline,
+    "zimage": build_tiny_zimage_pipeline,
 }
 
 

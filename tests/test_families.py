@@ -1,0 +1,251 @@
+"""The newer families (Z-Image) on tiny pipelines built from config: the rollout at noise level 0 is the pipeline's
+own loop, the trained LoRA loads back with the pipeline's `load_lora_weights` and samples what the trainer sampled,
+W = 2 JAGG equals the exact gradient, the velocity cache gives the recomputed gradient with fewer forwards, and two
+LoRA + JAGG steps train end to end."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from datasets import Dataset
+from diffusers import DiffusionPipeline
+from peft import LoraConfig
+from testing_utils import PROMPTS, redness, run_update, step_functions_of
+
+from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
+from trl_jagg.jagg import JaggEngine, plan_groups
+from trl_jagg.models import MODEL_ADAPTERS, load_adapter
+from trl_jagg.rollout import sample_trajectories
+
+NEGATIVE = "dark"
+# Per family: its pipeline class, guidance with CFG on, guidance with it off, and the pipeline's own call arguments.
+FAMILIES = {
+    "zimage": {
+        "pipeline": "ZImagePipeline",
+        "cfg": {"guidance_scale": 3.0, "true_cfg_scale": 1.0},
+        "no_cfg": {"guidance_scale": 0.0, "true_cfg_scale": 1.0},  # Z-Image-Turbo's setting
+    },
+}
+
+
+def pipeline_guidance(family: str, prompts: list[str], negative: str | None, guidance: dict) -> dict:
+    """The pipeline's own keyword arguments for these guidance settings."""
+    return {
+        "guidance_scale": guidance["guidance_scale"],
+        "negative_prompt": [negative] * len(prompts) if negative else None,
+    }
+
+
+@pytest.fixture(params=sorted(FAMILIES))
+def family(request) -> str:
+    return request.param
+
+
+def tiny_path(request, family: str) -> str:
+    return request.getfixturevalue(f"tiny_{family}_path")
+
+
+def reference_run(pipe: DiffusionPipeline, family: str, prompts: list[str], negative: str | None, guidance: dict):
+    """The pipeline's own sampling: final latents (captured after the last step) and PIL images."""
+    captured = {}
+
+    def keep_latents(pipeline, step, timestep, tensors):
+        captured["latents"] = tensors["latents"]
+        return {}
+
+    images = pipe(
+        list(prompts),  # ZImagePipeline rewrites the list it is given into chat-templated prompts
+        height=32, width=32, num_inference_steps=4, max_sequence_length=16,
+        generator=torch.Generator().manual_seed(0), callback_on_step_end=keep_latents,
+        **pipeline_guidance(family, prompts, negative, guidance),
+    ).images  # fmt: skip
+    return captured["latents"], images
+
+
+def assert_same_images(ours, theirs) -> None:
+    for a, b in zip(ours, theirs, strict=True):
+        diff = np.abs(np.asarray(a, dtype=np.int16) - np.asarray(b, dtype=np.int16))
+        assert diff.max() <= 1  # uint8 rounding only
+
+
+def test_registered(family):
+    assert FAMILIES[family]["pipeline"] in MODEL_ADAPTERS
+
+
+@pytest.mark.parametrize("setting", ["cfg", "no_cfg"])
+def test_rollout_at_noise_level_0_is_the_pipeline_loop(request, family, setting):
+    # Prompts of different lengths: variable-length families pad them into a batch with a mask.
+    prompts = ["a red circle", "a big blue square on the left"]
+    pipe = DiffusionPipeline.from_pretrained(tiny_path(request, family))
+    assert type(pipe).__name__ == FAMILIES[family]["pipeline"]
+    adapter = load_adapter(pipe)
+    guidance = FAMILIES[family][setting]
+    negative = NEGATIVE if adapter.needs_negative_prompt(**guidance) else None
+    assert (negative is not None) == (setting == "cfg")
+    expected_latents, expected_images = reference_run(pipe, family, prompts, negative, guidance)
+
+    cond = adapter.condition(prompts, height=32, width=32, negative_prompt=negative, max_sequence_length=16)
+    noise = adapter.prepare_latents(len(prompts), 32, 32, torch.Generator().manual_seed(0))
+    sigmas, timesteps = adapter.schedule(4, 32, 32)
+    trajectory = sample_trajectories(
+        adapter, cond, noise, sigmas, timesteps, sampler="sde", noise_level=0.0, **guidance
+    )
+    torch.testing.assert_close(trajectory.latents[:, -1], expected_latents, atol=1e-5, rtol=0)
+    assert_same_images(adapter.decode(trajectory.latents[:, -1], 32, 32), expected_images)
+
+
+def test_precomputed_encodings_collate_to_the_batch_encoding(request, family):
+    """Prompts encoded one at a time and collated give what encoding them together gives (the trainer's
+    `precompute_prompt_embeds` table)."""
+    adapter = load_adapter(tiny_path(request, family))
+    prompts = ["a red circle", "a big blue square on the left"]
+    together = adapter.encode_prompts(prompts, 16)
+    collated = adapter.collate([adapter.encode_prompts([p], 16) for p in prompts])
+    assert collated.keys() == {k for k, v in together.items() if v is not None}
+    for key, value in collated.items():
+        torch.testing.assert_close(value, together[key], atol=1e-6, rtol=0)
+
+
+# ---------------------------------------------------------------- training
+
+
+def make_trainer(path: str, tmp_path, guidance: dict, **overrides) -> DDPOJaggTrainer:
+    torch.manual_seed(0)
+    config = dict(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=2, num_inference_steps=4,
+        height=32, width=32, max_steps=2, learning_rate=1e-2, clip_range=1e-1, noise_level=0.9, jagg_group_size=3,
+        jagg_frac=1.0, max_sequence_length=16, negative_prompt=NEGATIVE, report_to="none", save_strategy="no",
+        seed=0, disable_tqdm=True,
+    )  # fmt: skip
+    config |= guidance | overrides
+    return DDPOJaggTrainer(
+        model=path,
+        reward_funcs=redness,
+        args=GRPOJaggConfig(**config),
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        peft_config=LoraConfig(
+            r=4, lora_alpha=8, target_modules=["to_q", "to_k", "to_v"], init_lora_weights="gaussian"
+        ),
+    )
+
+
+class BackboneCalls:
+    """Forward hooks on the backbone (forwards with / without graph) and a counting ``accelerator.backward``."""
+
+    def __init__(self, trainer):
+        self.graph = self.no_grad = self.backward = 0
+        self.handle = trainer.accelerator.unwrap_model(trainer.model).register_forward_hook(self._hook)
+        backward = trainer.accelerator.backward
+
+        def counting_backward(loss, **kwargs):
+            self.backward += 1
+            backward(loss, **kwargs)
+
+        trainer.accelerator.backward = counting_backward
+
+    def _hook(self, module, args, output) -> None:
+        if torch.is_grad_enabled():
+            self.graph += 1
+        else:
+            self.no_grad += 1
+
+    def take(self) -> tuple[int, int, int]:
+        counts = (self.graph, self.no_grad, self.backward)
+        self.graph = self.no_grad = self.backward = 0
+        return counts
+
+
+def test_two_training_steps_lora_jagg_cfg(request, family, tmp_path):
+    trainer = make_trainer(tiny_path(request, family), tmp_path, FAMILIES[family]["cfg"])
+    assert trainer.adapter.needs_negative_prompt(trainer.args.guidance_scale, trainer.args.true_cfg_scale)
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    assert before and all("lora" in n for n in before)
+    trainer.train()
+    after = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    assert any(not torch.equal(before[n], after[n]) for n in before), "no parameter changed"
+    logs = [entry for entry in trainer.state.log_history if "reward" in entry]
+    assert len(logs) == 2
+    for entry in logs:
+        assert math.isfinite(entry["loss"]) and math.isfinite(entry["grad_norm"]) and entry["grad_norm"] > 0
+        # 3 trained steps (all but the last of 4) in one JAGG group of W = 3: one joint backward.
+        assert entry["jagg/backward_calls"] == 1 and entry["jagg/groups_jagg"] == 1
+
+
+def test_w2_jagg_gradient_equals_exact(request, family, tmp_path):
+    """Theorem 1's exact limit with CFG: for W = 2 the joint backward through the two endpoints gives the sum of the
+    per-step gradients (float rounding only)."""
+    trainer = make_trainer(tiny_path(request, family), tmp_path, FAMILIES[family]["cfg"], num_inference_steps=5)
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    batch = trainer._generate_and_score(next(iter(trainer.get_train_dataloader())))
+    fns = step_functions_of(trainer, model, batch)
+    times = [float(batch["sigmas"][k]) for k in fns.trained]
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def gradient(plan) -> list[torch.Tensor]:
+        for p in params:
+            p.grad = None
+        JaggEngine(fns.velocity_fn, fns.loss_fn).run(plan)
+        return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params]
+
+    joint_plan = plan_groups(times, 2, 1.0)
+    assert len(fns.trained) == 4 and [g.method for g in joint_plan] == ["jagg", "jagg"]
+    exact, jagg = gradient(plan_groups(times, 2, 0.0)), gradient(joint_plan)
+    assert max(e.abs().max().item() for e in exact) > 1e-4  # a real gradient, not zeros on both sides
+    for e, j in zip(exact, jagg):
+        torch.testing.assert_close(j, e, atol=1e-6, rtol=0)
+
+
+def update_gradient(trainer, rollout, **overrides) -> torch.Tensor:
+    """The flat gradient of one update of `rollout` with config `overrides` (restored afterwards)."""
+    model = trainer.model
+    saved = {k: getattr(trainer.args, k) for k in overrides}
+    for k, v in overrides.items():
+        setattr(trainer.args, k, v)
+    try:
+        model.zero_grad(set_to_none=True)
+        model.train()
+        run_update(trainer, model, rollout)
+        return torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad])
+    finally:
+        for k, v in saved.items():
+            setattr(trainer.args, k, v)
+
+
+def test_velocity_cache_gives_the_recomputed_gradient_with_fewer_forwards(request, family, tmp_path):
+    """One JAGG group of W = 4 (5 steps, 4 trained): the cached rollout velocities replace the no-grad forward of
+    the two intermediate steps; the gradient is the one recomputing them, and both make two graph forwards (the
+    endpoints) and one backward."""
+    guidance = FAMILIES[family]["cfg"]
+    trainer = make_trainer(tiny_path(request, family), tmp_path, guidance, num_inference_steps=5, jagg_group_size=4)
+    rollout = trainer._generate_and_score(next(iter(trainer.get_train_dataloader())))
+    assert rollout["velocities"].shape == rollout["latents"][:, 1:].shape
+    calls = BackboneCalls(trainer)
+    recomputed = update_gradient(trainer, rollout, jagg_cache_velocities=False)
+    assert calls.take() == (2, 1, 1)  # one batched no-grad call for both intermediates
+    cached = update_gradient(trainer, rollout)
+    assert calls.take() == (2, 0, 1)
+    assert trainer._metrics["jagg/cached_velocities"][-1] == 2
+    assert recomputed.abs().max() > 0
+    torch.testing.assert_close(cached, recomputed, rtol=0, atol=1e-6 * recomputed.abs().max().item())
+    calls.handle.remove()
+
+
+def test_saved_lora_reloads_into_the_diffusers_pipeline(request, family, tmp_path):
+    """The LoRA the trainer saves loads with the pipeline's own `load_lora_weights` and samples what it trained."""
+    path, guidance = tiny_path(request, family), FAMILIES[family]["cfg"]
+    trainer = make_trainer(path, tmp_path, guidance, max_steps=1)
+    trainer.train()
+    trainer.save_model()
+    ours = trainer.sample_images(["a red circle"], seed=0)
+    pipe = DiffusionPipeline.from_pretrained(path)
+    pipe.load_lora_weights(trainer.args.output_dir)
+    lora_latents, theirs = reference_run(pipe, family, ["a red circle"], NEGATIVE, guidance)
+    assert_same_images(ours, theirs)
+    base_latents, _ = reference_run(
+        DiffusionPipeline.from_pretrained(path), family, ["a red circle"], NEGATIVE, guidance
+    )
+    assert not torch.allclose(base_latents, lora_latents)  # the LoRA did load and change the samples
