@@ -18,7 +18,10 @@ from trl_jagg.recipes import RECIPES, get_recipe, list_recipes
 from trl_jagg.trainer import update
 
 YAML_DIR = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "recipes")
-NAMES = ["flow-grpo-sd35", "flow-grpo-flux", "flow-grpo-qwenimage", "flow-grpo-fast-flux", "dancegrpo-flux"]
+NAMES = [
+    "flow-grpo-sd35", "flow-grpo-flux", "flow-grpo-qwenimage", "flow-grpo-fast-flux", "dancegrpo-flux",
+    "flow-factory-z-image", "flow-factory-z-image-turbo",
+]  # fmt: skip
 
 # The public numbers (JAGG spec section 5), written out independently of trl_jagg/recipes.py.
 PUBLISHED = {
@@ -32,6 +35,15 @@ PUBLISHED = {
     "dancegrpo-flux": dict(
         height=720, width=720, num_inference_steps=16, sampler="dance", noise_level=0.3, learning_rate=1e-5,
         train_timestep_fraction=0.6,
+    ),
+    # Flow-Factory examples/grpo/lora/z_image{,_turbo}/default.yaml (L44-80)
+    "flow-factory-z-image": dict(
+        height=512, width=512, num_inference_steps=10, guidance_scale=4.0, sampler="sde", noise_level=0.7,
+        num_generations=16, learning_rate=3e-4, beta=0.0, clip_range=1e-4, adv_clip_max=5.0,
+    ),
+    "flow-factory-z-image-turbo": dict(
+        height=512, width=512, num_inference_steps=6, guidance_scale=0.0, sampler="sde", noise_level=0.7,
+        num_generations=16, learning_rate=3e-4, beta=0.0, clip_range=1e-4, adv_clip_max=5.0,
     ),
 }  # fmt: skip
 # The peers' conventions around the formulas, read from their code (docs/models.md lists file and line for each).
@@ -64,6 +76,15 @@ PEER_CONVENTIONS = {
         quantize_timesteps=True, same_group_noise=True, max_sequence_length=512, train_timesteps="random_but_last",
         ema_decay=0.0, beta=0.0,
     ),
+    # Flow-Factory: global_std false (L59), EMA 0.9 every 4 (L73-74), the pipeline's 512 prompt tokens.
+    "flow-factory-z-image": dict(
+        scale_rewards="group", ema_decay=0.9, ema_update_interval=4, max_sequence_length=512,
+        eval_num_inference_steps=40, negative_prompt="",
+    ),
+    "flow-factory-z-image-turbo": dict(
+        scale_rewards="group", ema_decay=0.9, ema_update_interval=4, max_sequence_length=512,
+        eval_num_inference_steps=10,
+    ),
 }  # fmt: skip
 PUBLISHED_LORA = {
     "flow-grpo-sd35": (32, 64),
@@ -71,6 +92,8 @@ PUBLISHED_LORA = {
     "flow-grpo-qwenimage": (64, 128),
     "flow-grpo-fast-flux": (64, 128),
     "dancegrpo-flux": None,  # full fine-tuning
+    "flow-factory-z-image": (64, 128),
+    "flow-factory-z-image-turbo": (64, 128),
 }
 MODELS = {
     "flow-grpo-sd35": "stabilityai/stable-diffusion-3.5-medium",
@@ -78,6 +101,8 @@ MODELS = {
     "flow-grpo-qwenimage": "Qwen/Qwen-Image",
     "flow-grpo-fast-flux": "black-forest-labs/FLUX.1-dev",
     "dancegrpo-flux": "black-forest-labs/FLUX.1-dev",
+    "flow-factory-z-image": "Tongyi-MAI/Z-Image",
+    "flow-factory-z-image-turbo": "Tongyi-MAI/Z-Image-Turbo",
 }
 
 

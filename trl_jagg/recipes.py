@@ -387,6 +387,87 @@ RECIPES: Mapping[str, Recipe] = MappingProxyType(
                     "to follow it.",
                 ),
             ),
+            *(
+                Recipe(
+                    name=name,
+                    model=model,
+                    description=description,
+                    source="Flow-Factory (X-GenGroup/Flow-Factory@a0b2bc5) "
+                    f"examples/grpo/lora/{folder}/default.yaml; JAGG as in the paper.",
+                    config={
+                        "height": 512,
+                        "width": 512,
+                        **guidance,
+                        "sampler": "sde",  # dynamics_type Flow-SDE (L79)
+                        "noise_level": 0.7,  # L80
+                        "num_generations": 16,  # group_size (L58)
+                        "per_device_train_batch_size": 4,
+                        "gradient_accumulation_steps": 4,  # one rollout = one group of 16 per process
+                        "train_timesteps": "all_but_last",
+                        "beta": 0.0,  # kl_beta (L48)
+                        "clip_range": 1e-4,  # L44
+                        "adv_clip_max": 5.0,  # adv_clip_range (L45)
+                        "scale_rewards": "group",  # global_std: false (L59)
+                        "max_sequence_length": 512,  # ZImagePipeline's default, which Flow-Factory keeps
+                        "ema_decay": 0.9,  # L73
+                        "ema_update_interval": 4,  # L74
+                        "learning_rate": 3e-4,  # L66
+                        "weight_decay": 1e-4,
+                        "max_grad_norm": 1.0,
+                        **PAPER_JAGG,
+                        "dtype": "bfloat16",
+                    },
+                    # lora_rank 64 / lora_alpha 128 (L21-22); Flow-Factory's default targets for Z-Image are the
+                    # attention projections and the SwiGLU feed-forward (src/flow_factory/models/z_image/z_image.py
+                    # L70-75).
+                    lora={
+                        "r": 64,
+                        "lora_alpha": 128,
+                        "target_modules": (
+                            *ATTENTION_PROJECTIONS[:4],
+                            "feed_forward.w1",
+                            "feed_forward.w2",
+                            "feed_forward.w3",
+                        ),
+                        "init_lora_weights": "gaussian",
+                    },
+                    reward_funcs=("pickscore",),  # L96-97
+                    notes=(
+                        "Flow-Factory trains one SDE step per rollout, drawn from steps {1, 2, 3} (num_sde_steps: 1, "
+                        "sde_steps: [1, 2, 3], L81-82), which leaves JAGG nothing to group; the preset trains all "
+                        f"steps but the last ({steps - 1} of {steps}: JAGG groups of W = 4) instead.",
+                        "Flow-Factory aggregates several rewards with GDPO (L42); with the one reward of this preset "
+                        "that is the per-group normalisation of scale_rewards='group'.",
+                        "Z-Image keeps float32 master weights (master_weight_dtype fp32, L23): the LoRA weights are "
+                        "float32 here too. Add bf16=True on GPUs.",
+                    ),
+                )
+                for name, model, folder, description, steps, guidance in (
+                    (
+                        "flow-factory-z-image",
+                        "Tongyi-MAI/Z-Image",
+                        "z_image",
+                        "Flow-Factory's GRPO on Z-Image: LoRA, CFG 4, SDE a = 0.7, 10 steps.",
+                        10,
+                        # guidance_scale 4.0 (L54), the pipeline's empty negative prompt; eval 40 steps (L90).
+                        {
+                            "num_inference_steps": 10,
+                            "guidance_scale": 4.0,
+                            "negative_prompt": "",
+                            "eval_num_inference_steps": 40,
+                        },
+                    ),
+                    (
+                        "flow-factory-z-image-turbo",
+                        "Tongyi-MAI/Z-Image-Turbo",
+                        "z_image_turbo",
+                        "Flow-Factory's GRPO on Z-Image-Turbo: LoRA, no CFG (distilled), SDE a = 0.7, 6 steps.",
+                        6,
+                        # guidance_scale 0 (L54): one backbone call per step; eval 10 steps (L90).
+                        {"num_inference_steps": 6, "guidance_scale": 0.0, "eval_num_inference_steps": 10},
+                    ),
+                )
+            ),
         )
     }
 )
