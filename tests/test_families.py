@@ -20,19 +20,30 @@ from trl_jagg.jagg import JaggEngine, plan_groups
 from trl_jagg.models import MODEL_ADAPTERS, load_adapter
 from trl_jagg.rollout import sample_trajectories
 
-NEGATIVE = "dark"
-# Per family: its pipeline class, guidance with CFG on, guidance with it off, and the pipeline's own call arguments.
+# Per family: its pipeline class, guidance with CFG on and off, the negative prompt (FLUX.2 klein's pipeline always
+# uses "") and how many backbone calls a guided velocity makes, as the pipeline makes them.
 FAMILIES = {
     "zimage": {
         "pipeline": "ZImagePipeline",
         "cfg": {"guidance_scale": 3.0, "true_cfg_scale": 1.0},
         "no_cfg": {"guidance_scale": 0.0, "true_cfg_scale": 1.0},  # Z-Image-Turbo's setting
+        "negative": "dark",
+        "cfg_calls": 1,  # backbone calls per guided velocity: both branches in one call on 2B
+    },
+    "flux2_klein": {
+        "pipeline": "Flux2KleinPipeline",
+        "cfg": {"guidance_scale": 4.0, "true_cfg_scale": 1.0},
+        "no_cfg": {"guidance_scale": 1.0, "true_cfg_scale": 1.0},
+        "negative": "",
+        "cfg_calls": 2,  # one call per branch
     },
 }
 
 
 def pipeline_guidance(family: str, prompts: list[str], negative: str | None, guidance: dict) -> dict:
     """The pipeline's own keyword arguments for these guidance settings."""
+    if family == "flux2_klein":  # no negative_prompt argument: "" whenever CFG is on
+        return {"guidance_scale": guidance["guidance_scale"]}
     return {
         "guidance_scale": guidance["guidance_scale"],
         "negative_prompt": [negative] * len(prompts) if negative else None,
@@ -57,7 +68,7 @@ def reference_run(pipe: DiffusionPipeline, family: str, prompts: list[str], nega
         return {}
 
     images = pipe(
-        list(prompts),  # ZImagePipeline rewrites the list it is given into chat-templated prompts
+        prompt=list(prompts),  # ZImagePipeline rewrites the list it is given into chat-templated prompts
         height=32, width=32, num_inference_steps=4, max_sequence_length=16,
         generator=torch.Generator().manual_seed(0), callback_on_step_end=keep_latents,
         **pipeline_guidance(family, prompts, negative, guidance),
@@ -83,7 +94,7 @@ def test_rollout_at_noise_level_0_is_the_pipeline_loop(request, family, setting)
     assert type(pipe).__name__ == FAMILIES[family]["pipeline"]
     adapter = load_adapter(pipe)
     guidance = FAMILIES[family][setting]
-    negative = NEGATIVE if adapter.needs_negative_prompt(**guidance) else None
+    negative = FAMILIES[family]["negative"] if adapter.needs_negative_prompt(**guidance) else None
     assert (negative is not None) == (setting == "cfg")
     expected_latents, expected_images = reference_run(pipe, family, prompts, negative, guidance)
 
@@ -112,15 +123,16 @@ def test_precomputed_encodings_collate_to_the_batch_encoding(request, family):
 # ---------------------------------------------------------------- training
 
 
-def make_trainer(path: str, tmp_path, guidance: dict, **overrides) -> DDPOJaggTrainer:
+def make_trainer(family: str, path: str, tmp_path, guidance: dict, **overrides) -> DDPOJaggTrainer:
     torch.manual_seed(0)
     config = dict(
         output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=2, num_inference_steps=4,
         height=32, width=32, max_steps=2, learning_rate=1e-2, clip_range=1e-1, noise_level=0.9, jagg_group_size=3,
-        jagg_frac=1.0, max_sequence_length=16, negative_prompt=NEGATIVE, report_to="none", save_strategy="no",
+        jagg_frac=1.0, max_sequence_length=16, report_to="none", save_strategy="no",
         seed=0, disable_tqdm=True,
     )  # fmt: skip
     config |= guidance | overrides
+    config.setdefault("negative_prompt", FAMILIES[family]["negative"])
     return DDPOJaggTrainer(
         model=path,
         reward_funcs=redness,
@@ -159,7 +171,7 @@ class BackboneCalls:
 
 
 def test_two_training_steps_lora_jagg_cfg(request, family, tmp_path):
-    trainer = make_trainer(tiny_path(request, family), tmp_path, FAMILIES[family]["cfg"])
+    trainer = make_trainer(family, tiny_path(request, family), tmp_path, FAMILIES[family]["cfg"])
     assert trainer.adapter.needs_negative_prompt(trainer.args.guidance_scale, trainer.args.true_cfg_scale)
     model = trainer.accelerator.unwrap_model(trainer.model)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
@@ -178,7 +190,9 @@ def test_two_training_steps_lora_jagg_cfg(request, family, tmp_path):
 def test_w2_jagg_gradient_equals_exact(request, family, tmp_path):
     """Theorem 1's exact limit with CFG: for W = 2 the joint backward through the two endpoints gives the sum of the
     per-step gradients (float rounding only)."""
-    trainer = make_trainer(tiny_path(request, family), tmp_path, FAMILIES[family]["cfg"], num_inference_steps=5)
+    trainer = make_trainer(
+        family, tiny_path(request, family), tmp_path, FAMILIES[family]["cfg"], num_inference_steps=5
+    )
     model = trainer.accelerator.unwrap_model(trainer.model)
     batch = trainer._generate_and_score(next(iter(trainer.get_train_dataloader())))
     fns = step_functions_of(trainer, model, batch)
@@ -220,14 +234,17 @@ def test_velocity_cache_gives_the_recomputed_gradient_with_fewer_forwards(reques
     the two intermediate steps; the gradient is the one recomputing them, and both make two graph forwards (the
     endpoints) and one backward."""
     guidance = FAMILIES[family]["cfg"]
-    trainer = make_trainer(tiny_path(request, family), tmp_path, guidance, num_inference_steps=5, jagg_group_size=4)
+    trainer = make_trainer(
+        family, tiny_path(request, family), tmp_path, guidance, num_inference_steps=5, jagg_group_size=4
+    )
     rollout = trainer._generate_and_score(next(iter(trainer.get_train_dataloader())))
     assert rollout["velocities"].shape == rollout["latents"][:, 1:].shape
     calls = BackboneCalls(trainer)
     recomputed = update_gradient(trainer, rollout, jagg_cache_velocities=False)
-    assert calls.take() == (2, 1, 1)  # one batched no-grad call for both intermediates
+    per = FAMILIES[family]["cfg_calls"]
+    assert calls.take() == (2 * per, per, 1)  # one batched no-grad velocity for both intermediates
     cached = update_gradient(trainer, rollout)
-    assert calls.take() == (2, 0, 1)
+    assert calls.take() == (2 * per, 0, 1)
     assert trainer._metrics["jagg/cached_velocities"][-1] == 2
     assert recomputed.abs().max() > 0
     torch.testing.assert_close(cached, recomputed, rtol=0, atol=1e-6 * recomputed.abs().max().item())
@@ -237,15 +254,16 @@ def test_velocity_cache_gives_the_recomputed_gradient_with_fewer_forwards(reques
 def test_saved_lora_reloads_into_the_diffusers_pipeline(request, family, tmp_path):
     """The LoRA the trainer saves loads with the pipeline's own `load_lora_weights` and samples what it trained."""
     path, guidance = tiny_path(request, family), FAMILIES[family]["cfg"]
-    trainer = make_trainer(path, tmp_path, guidance, max_steps=1)
+    trainer = make_trainer(family, path, tmp_path, guidance, max_steps=1)
     trainer.train()
     trainer.save_model()
     ours = trainer.sample_images(["a red circle"], seed=0)
     pipe = DiffusionPipeline.from_pretrained(path)
     pipe.load_lora_weights(trainer.args.output_dir)
-    lora_latents, theirs = reference_run(pipe, family, ["a red circle"], NEGATIVE, guidance)
+    negative = FAMILIES[family]["negative"]
+    lora_latents, theirs = reference_run(pipe, family, ["a red circle"], negative, guidance)
     assert_same_images(ours, theirs)
     base_latents, _ = reference_run(
-        DiffusionPipeline.from_pretrained(path), family, ["a red circle"], NEGATIVE, guidance
+        DiffusionPipeline.from_pretrained(path), family, ["a red circle"], negative, guidance
     )
     assert not torch.allclose(base_latents, lora_latents)  # the LoRA did load and change the samples

@@ -10,12 +10,14 @@ from diffusers import DiffusionPipeline
 
 from .base import Conditioning, FlowMatchingAdapter, classifier_free_guidance
 from .flux import FluxAdapter
+from .flux2 import Flux2KleinAdapter
 from .qwenimage import QwenImageAdapter
 from .sd3 import SD3Adapter
 from .zimage import ZImageAdapter
 
 MODEL_ADAPTERS: dict[str, type[FlowMatchingAdapter]] = {
     "FluxPipeline": FluxAdapter,
+    "Flux2KleinPipeline": Flux2KleinAdapter,  # FLUX.2 klein, base and step-distilled
     "StableDiffusion3Pipeline": SD3Adapter,  # SD3 and SD3.5
     "QwenImagePipeline": QwenImageAdapter,
     "ZImagePipeline": ZImageAdapter,
@@ -53,6 +55,7 @@ __all__ = [
     "MODEL_ADAPTERS",
     "Conditioning",
     "FlowMatchingAdapter",
+    "Flux2KleinAdapter",
     "FluxAdapter",
     "QwenImageAdapter",
     "SD3Adapter",

@@ -321,6 +321,15 @@ class FlowMatchingAdapter:
         scale = self.pipeline.vae_scale_factor * 2
         return (height // scale) * (width // scale)
 
+    def schedule_shift(self, num_steps: int, height: int, width: int) -> float:
+        """The dynamic shift ``mu`` of schedulers with ``use_dynamic_shifting``: the pipelines' ``calculate_shift``,
+        linear in the packed sequence length between the scheduler config's base and max points."""
+        config = self.pipeline.scheduler.config
+        base_len, max_len = config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096)
+        base_shift, max_shift = config.get("base_shift", 0.5), config.get("max_shift", 1.15)
+        slope = (max_shift - base_shift) / (max_len - base_len)
+        return self.image_seq_len(height, width) * slope + base_shift - slope * base_len
+
     def schedule(self, num_steps: int, height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The pipeline's own schedule for ``num_steps`` at this resolution.
 
@@ -331,11 +340,7 @@ class FlowMatchingAdapter:
         config = scheduler.config
         kwargs: dict[str, Any] = {}
         if config.get("use_dynamic_shifting", False):
-            seq_len = self.image_seq_len(height, width)
-            base_len, max_len = config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096)
-            base_shift, max_shift = config.get("base_shift", 0.5), config.get("max_shift", 1.15)
-            slope = (max_shift - base_shift) / (max_len - base_len)
-            kwargs["mu"] = seq_len * slope + base_shift - slope * base_len
+            kwargs["mu"] = self.schedule_shift(num_steps, height, width)
         if self.linspace_sigmas and not config.get("use_flow_sigmas", False):
             scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), device=self.device, **kwargs)
         else:

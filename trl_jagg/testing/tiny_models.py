@@ -31,9 +31,12 @@ from typing import Any
 import torch
 from diffusers import (
     AutoencoderKL,
+    AutoencoderKLFlux2,
     AutoencoderKLQwenImage,
     DiffusionPipeline,
     FlowMatchEulerDiscreteScheduler,
+    Flux2KleinPipeline,
+    Flux2Transformer2DModel,
     FluxPipeline,
     FluxTransformer2DModel,
     QwenImagePipeline,
@@ -53,6 +56,7 @@ from transformers import (
     Qwen2_5_VLTextConfig,
     Qwen2Tokenizer,
     Qwen3Config,
+    Qwen3ForCausalLM,
     Qwen3Model,
     T5Config,
     T5EncoderModel,
@@ -73,6 +77,7 @@ __all__ = [
     "tiny_run",
     "DEFAULT_VOCAB_WORDS",
     "FAMILIES",
+    "FLUX2_SCHEDULER_CONFIG",
     "FLUX_SCHEDULER_CONFIG",
     "QWENIMAGE_SCHEDULER_CONFIG",
     "SD3_SCHEDULER_CONFIG",
@@ -81,6 +86,7 @@ __all__ = [
     "build_qwen2_tokenizer",
     "build_qwen3_tokenizer",
     "build_t5_tokenizer",
+    "build_tiny_flux2_klein_pipeline",
     "build_tiny_flux_pipeline",
     "build_tiny_pipeline",
     "build_tiny_qwenimage_pipeline",
@@ -89,7 +95,7 @@ __all__ = [
     "save_tiny_pipeline",
 ]
 
-FAMILIES: tuple[str, ...] = ("flux", "sd3", "qwenimage", "zimage")
+FAMILIES: tuple[str, ...] = ("flux", "sd3", "qwenimage", "zimage", "flux2_klein")
 
 # Scheduler configs of the released checkpoints. The pipelines read `use_dynamic_shifting` and the
 # `base/max_shift`, `base/max_image_seq_len` entries to compute the resolution-dependent shift `mu`.
@@ -115,6 +121,12 @@ QWENIMAGE_SCHEDULER_CONFIG: dict[str, Any] = {  # Qwen/Qwen-Image: dynamic shift
     "base_image_seq_len": 256,
     "max_image_seq_len": 8192,
     "shift_terminal": 0.02,
+    "time_shift_type": "exponential",
+}
+FLUX2_SCHEDULER_CONFIG: dict[str, Any] = {  # black-forest-labs/FLUX.2-klein: mu from the pipeline's empirical fit
+    "num_train_timesteps": 1000,
+    "shift": 3.0,
+    "use_dynamic_shifting": True,
     "time_shift_type": "exponential",
 }
 ZIMAGE_SCHEDULER_CONFIG: dict[str, Any] = {  # Tongyi-MAI/Z-Image-Turbo: a static shift of 3
@@ -284,14 +296,21 @@ def _qwen25vl_text_encoder(
         return Qwen2_5_VLForConditionalGeneration(config)
 
 
-def _qwen3_text_encoder(tokenizer: Qwen2Tokenizer, *, seed: int, overrides: ConfigOverrides) -> Qwen3Model:
-    """A tiny Qwen3 (2 layers, grouped-query attention, q/k RMS norm) whose hidden states are the prompt embedding."""
+def _qwen3_text_encoder(
+    tokenizer: Qwen2Tokenizer,
+    *,
+    seed: int,
+    overrides: ConfigOverrides,
+    model_class: type[Qwen3Model] | type[Qwen3ForCausalLM] = Qwen3Model,
+    num_layers: int = 2,
+) -> Qwen3Model | Qwen3ForCausalLM:
+    """A tiny Qwen3 (grouped-query attention, q/k RMS norm) whose hidden states are the prompt embedding."""
     config = _merged(
         {
             "vocab_size": len(tokenizer),
             "hidden_size": 32,
             "intermediate_size": 64,
-            "num_hidden_layers": 2,
+            "num_hidden_layers": num_layers,
             "num_attention_heads": 2,
             "num_key_value_heads": 1,
             "head_dim": 16,
@@ -303,7 +322,7 @@ def _qwen3_text_encoder(tokenizer: Qwen2Tokenizer, *, seed: int, overrides: Conf
         _checked(overrides, Qwen3Config, "text_encoder"),
     )
     with _seeded(seed, "text_encoder"):
-        return Qwen3Model(Qwen3Config(**config))
+        return model_class(Qwen3Config(**config))
 
 
 def _autoencoder_kl(
@@ -670,11 +689,86 @@ def build_tiny_zimage_pipeline(
     return _finalize(pipe)
 
 
+def build_tiny_flux2_klein_pipeline(
+    *,
+    seed: int = 0,
+    vocab_words: Sequence[str] | None = None,
+    is_distilled: bool = False,
+    transformer: ConfigOverrides = None,
+    vae: ConfigOverrides = None,
+    text_encoder: ConfigOverrides = None,
+    scheduler: ConfigOverrides = None,
+) -> Flux2KleinPipeline:
+    """A tiny FLUX.2-klein-like ``Flux2KleinPipeline`` (the base model with CFG; ``is_distilled=True``: the
+    step-distilled one, which ignores guidance).
+
+    Components: ``Flux2Transformer2DModel`` (1 double-stream + 1 single-stream block, 2 heads of 16, 4 RoPE axes), a
+    tiny ``AutoencoderKLFlux2`` whose batch-norm statistics of the patchified latents are random (so decoding tests
+    see them), a ``Qwen3ForCausalLM`` of 28 narrow layers (the pipeline stacks hidden states 9, 18 and 27), a
+    tokenizer with Qwen3's chat template, and a ``FlowMatchEulerDiscreteScheduler`` with dynamic shifting.
+
+    Args:
+        seed: seed of the random weights.
+        vocab_words: extra words that must be single tokens (with and without a leading space).
+        is_distilled: the pipeline's ``is_distilled`` flag.
+        transformer, vae, text_encoder, scheduler: config overrides. The transformer's ``joint_attention_dim``
+            follows the three stacked text widths and its ``in_channels`` the patchified VAE channels.
+    """
+    tokenizer = build_qwen3_tokenizer(vocab_words)
+    qwen = _qwen3_text_encoder(
+        tokenizer, seed=seed, overrides=text_encoder, model_class=Qwen3ForCausalLM, num_layers=28
+    )
+    vae_config = _merged(
+        {
+            "block_out_channels": (8, 16, 16, 16),
+            "layers_per_block": 1,
+            "latent_channels": 8,
+            "norm_num_groups": 4,
+            "sample_size": 32,
+        },
+        vae,
+    )
+    with _seeded(seed, "vae"):
+        autoencoder = AutoencoderKLFlux2(**vae_config)
+        # Fresh batch norm has mean 0 / variance 1, under which a missing normalisation would go unnoticed.
+        autoencoder.bn.running_mean.normal_(0.0, 0.5)
+        autoencoder.bn.running_var.uniform_(0.5, 2.0)
+    transformer_config = _merged(
+        {
+            "patch_size": 1,
+            "in_channels": 4 * autoencoder.config.latent_channels,  # 2x2-patchified latents, one token each
+            "num_layers": 1,
+            "num_single_layers": 1,
+            "attention_head_dim": 16,
+            "num_attention_heads": 2,
+            "joint_attention_dim": 3 * qwen.config.hidden_size,  # three hidden states stacked per token
+            "timestep_guidance_channels": 32,
+            "axes_dims_rope": (4, 4, 4, 4),  # (time, height, width, layer)
+            "guidance_embeds": False,  # klein has no embedded guidance
+        },
+        transformer,
+    )
+    _check_rope_axes(transformer_config["axes_dims_rope"], transformer_config["attention_head_dim"])
+    with _seeded(seed, "transformer"):
+        flux2_transformer = Flux2Transformer2DModel(**transformer_config)
+
+    pipe = Flux2KleinPipeline(
+        scheduler=_flow_match_scheduler(FLUX2_SCHEDULER_CONFIG, scheduler),
+        vae=autoencoder,
+        text_encoder=qwen,
+        tokenizer=tokenizer,
+        transformer=flux2_transformer,
+        is_distilled=is_distilled,
+    )
+    return _finalize(pipe)
+
+
 _BUILDERS = {
     "flux": build_tiny_flux_pipeline,
     "sd3": build_tiny_sd3_pipeline,
     "qwenimage": build_tiny_qwenimage_pipeline,
     "zimage": build_tiny_zimage_pipeline,
+    "flux2_klein": build_tiny_flux2_klein_pipeline,
 }
 
 
