@@ -20,7 +20,7 @@ from trl_jagg.trainer import update
 YAML_DIR = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "recipes")
 NAMES = [
     "flow-grpo-sd35", "flow-grpo-flux", "flow-grpo-qwenimage", "flow-grpo-fast-flux", "dancegrpo-flux",
-    "flow-factory-z-image", "flow-factory-z-image-turbo",
+    "flow-factory-z-image", "flow-factory-z-image-turbo", "flow-factory-flux2-klein-base", "flow-factory-flux2-klein",
 ]  # fmt: skip
 
 # The public numbers (JAGG spec section 5), written out independently of trl_jagg/recipes.py.
@@ -43,6 +43,15 @@ PUBLISHED = {
     ),
     "flow-factory-z-image-turbo": dict(
         height=512, width=512, num_inference_steps=6, guidance_scale=0.0, sampler="sde", noise_level=0.7,
+        num_generations=16, learning_rate=3e-4, beta=0.0, clip_range=1e-4, adv_clip_max=5.0,
+    ),
+    # Flow-Factory examples/grpo/lora/flux2_klein{_base,}/default.yaml (L43-90)
+    "flow-factory-flux2-klein-base": dict(
+        height=384, width=384, num_inference_steps=8, guidance_scale=4.0, sampler="sde", noise_level=0.7,
+        num_generations=16, learning_rate=3e-4, beta=0.0, clip_range=1e-4, adv_clip_max=5.0,
+    ),
+    "flow-factory-flux2-klein": dict(
+        height=384, width=384, num_inference_steps=4, guidance_scale=1.0, sampler="sde", noise_level=0.5,
         num_generations=16, learning_rate=3e-4, beta=0.0, clip_range=1e-4, adv_clip_max=5.0,
     ),
 }  # fmt: skip
@@ -85,6 +94,14 @@ PEER_CONVENTIONS = {
         scale_rewards="group", ema_decay=0.9, ema_update_interval=4, max_sequence_length=512,
         eval_num_inference_steps=10,
     ),
+    "flow-factory-flux2-klein-base": dict(
+        scale_rewards="group", ema_decay=0.9, ema_update_interval=4, max_sequence_length=512,
+        eval_num_inference_steps=28, negative_prompt="",
+    ),
+    "flow-factory-flux2-klein": dict(
+        scale_rewards="group", ema_decay=0.9, ema_update_interval=4, max_sequence_length=512,
+        eval_num_inference_steps=10,
+    ),
 }  # fmt: skip
 PUBLISHED_LORA = {
     "flow-grpo-sd35": (32, 64),
@@ -94,6 +111,8 @@ PUBLISHED_LORA = {
     "dancegrpo-flux": None,  # full fine-tuning
     "flow-factory-z-image": (64, 128),
     "flow-factory-z-image-turbo": (64, 128),
+    "flow-factory-flux2-klein-base": (64, 128),
+    "flow-factory-flux2-klein": (64, 128),
 }
 MODELS = {
     "flow-grpo-sd35": "stabilityai/stable-diffusion-3.5-medium",
@@ -103,6 +122,8 @@ MODELS = {
     "dancegrpo-flux": "black-forest-labs/FLUX.1-dev",
     "flow-factory-z-image": "Tongyi-MAI/Z-Image",
     "flow-factory-z-image-turbo": "Tongyi-MAI/Z-Image-Turbo",
+    "flow-factory-flux2-klein-base": "black-forest-labs/FLUX.2-klein-base-9B",
+    "flow-factory-flux2-klein": "black-forest-labs/FLUX.2-klein-9B",
 }
 
 
@@ -117,9 +138,10 @@ def test_preset_builds_a_valid_config(name, tmp_path):
     assert isinstance(config, GRPOJaggConfig) and config.output_dir == str(tmp_path)
     for key, value in {**recipe.config, **PUBLISHED[name], **PEER_CONVENTIONS[name]}.items():
         assert getattr(config, key) == value, key
-    # The paper's JAGG settings; the Fast preset's W is its window (a W = 4 group never fits in 3 trained steps).
+    # The paper's JAGG settings; W = 3 where only 3 steps are trained (the Fast preset's window, the 4-step distilled
+    # klein): a W = 4 group would never fit.
     assert config.use_jagg and config.jagg_frac == 0.6 and config.jagg_mode == "jagg"
-    assert config.jagg_group_size == (config.sde_window_size if name == "flow-grpo-fast-flux" else 4)
+    assert config.jagg_group_size == (3 if name in ("flow-grpo-fast-flux", "flow-factory-flux2-klein") else 4)
     assert config.generation_batch_size % config.num_generations == 0
     assert recipe.model == MODELS[name]
     assert recipe.description and recipe.source and recipe.reward_funcs

@@ -178,6 +178,70 @@ class Recipe:
         return header + yaml.safe_dump(values, sort_keys=False, default_flow_style=False, width=119)
 
 
+# Flow-Factory's default LoRA targets (src/flow_factory/models/z_image/z_image.py L70-75 and
+# src/flow_factory/models/flux/flux2_klein.py L92-104): attention and feed-forward of every block.
+_ZIMAGE_LORA_TARGETS = (*ATTENTION_PROJECTIONS[:4], "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
+_FLUX2_KLEIN_LORA_TARGETS = (
+    *ATTENTION_PROJECTIONS, "ff.linear_in", "ff.linear_out", "ff_context.linear_in", "ff_context.linear_out",
+    "to_qkv_mlp_proj",
+)  # fmt: skip
+
+
+def _flow_factory(
+    name: str,
+    model: str,
+    folder: str,
+    description: str,
+    settings: Mapping[str, Any],
+    lora_targets: Sequence[str],
+    *,
+    sde_steps: str,
+) -> Recipe:
+    """A Flow-Factory GRPO LoRA preset (``examples/grpo/lora/<folder>/default.yaml`` at a0b2bc5). The settings its
+    configs share are here, with their lines in the Z-Image files (the FLUX.2 klein files hold the same keys at
+    L43-73); ``settings`` holds the model's own."""
+    steps = settings["num_inference_steps"]
+    width = settings.get("jagg_group_size", PAPER_JAGG["jagg_group_size"])
+    return Recipe(
+        name=name,
+        model=model,
+        description=description,
+        source=f"Flow-Factory (X-GenGroup/Flow-Factory@a0b2bc5) examples/grpo/lora/{folder}/default.yaml; JAGG as in "
+        "the paper.",
+        config={
+            "sampler": "sde",  # dynamics_type Flow-SDE
+            "num_generations": 16,  # group_size (L58)
+            "per_device_train_batch_size": 4,
+            "gradient_accumulation_steps": 4,  # one rollout = one group of 16 per process
+            "train_timesteps": "all_but_last",
+            "beta": 0.0,  # kl_beta (L48)
+            "clip_range": 1e-4,  # L44
+            "adv_clip_max": 5.0,  # adv_clip_range (L45)
+            "scale_rewards": "group",  # global_std: false (L59)
+            "max_sequence_length": 512,  # the pipelines' default, which Flow-Factory keeps
+            "ema_decay": 0.9,  # L73
+            "ema_update_interval": 4,  # L74
+            "learning_rate": 3e-4,  # L66
+            "weight_decay": 1e-4,
+            "max_grad_norm": 1.0,
+            **PAPER_JAGG,
+            "dtype": "bfloat16",
+            **settings,
+        },
+        lora={"r": 64, "lora_alpha": 128, "target_modules": tuple(lora_targets), "init_lora_weights": "gaussian"},
+        reward_funcs=("pickscore",),  # rewards: pick_score
+        notes=(
+            f"Flow-Factory trains one SDE step per rollout, drawn from {sde_steps} (num_sde_steps: 1), which leaves "
+            f"JAGG nothing to group; the preset trains all steps but the last ({steps - 1} of {steps}, JAGG groups "
+            f"of W = {width}) instead.",
+            "Flow-Factory aggregates several rewards with GDPO (advantage_aggregation); with the one reward of this "
+            "preset that is the per-group normalisation of scale_rewards='group'.",
+            "LoRA r 64 / alpha 128 on Flow-Factory's default targets (lora_rank, lora_alpha, target_modules: "
+            "default). Add bf16=True on GPUs.",
+        ),
+    )
+
+
 RECIPES: Mapping[str, Recipe] = MappingProxyType(
     {
         recipe.name: recipe
@@ -387,86 +451,78 @@ RECIPES: Mapping[str, Recipe] = MappingProxyType(
                     "to follow it.",
                 ),
             ),
-            *(
-                Recipe(
-                    name=name,
-                    model=model,
-                    description=description,
-                    source="Flow-Factory (X-GenGroup/Flow-Factory@a0b2bc5) "
-                    f"examples/grpo/lora/{folder}/default.yaml; JAGG as in the paper.",
-                    config={
-                        "height": 512,
-                        "width": 512,
-                        **guidance,
-                        "sampler": "sde",  # dynamics_type Flow-SDE (L79)
-                        "noise_level": 0.7,  # L80
-                        "num_generations": 16,  # group_size (L58)
-                        "per_device_train_batch_size": 4,
-                        "gradient_accumulation_steps": 4,  # one rollout = one group of 16 per process
-                        "train_timesteps": "all_but_last",
-                        "beta": 0.0,  # kl_beta (L48)
-                        "clip_range": 1e-4,  # L44
-                        "adv_clip_max": 5.0,  # adv_clip_range (L45)
-                        "scale_rewards": "group",  # global_std: false (L59)
-                        "max_sequence_length": 512,  # ZImagePipeline's default, which Flow-Factory keeps
-                        "ema_decay": 0.9,  # L73
-                        "ema_update_interval": 4,  # L74
-                        "learning_rate": 3e-4,  # L66
-                        "weight_decay": 1e-4,
-                        "max_grad_norm": 1.0,
-                        **PAPER_JAGG,
-                        "dtype": "bfloat16",
-                    },
-                    # lora_rank 64 / lora_alpha 128 (L21-22); Flow-Factory's default targets for Z-Image are the
-                    # attention projections and the SwiGLU feed-forward (src/flow_factory/models/z_image/z_image.py
-                    # L70-75).
-                    lora={
-                        "r": 64,
-                        "lora_alpha": 128,
-                        "target_modules": (
-                            *ATTENTION_PROJECTIONS[:4],
-                            "feed_forward.w1",
-                            "feed_forward.w2",
-                            "feed_forward.w3",
-                        ),
-                        "init_lora_weights": "gaussian",
-                    },
-                    reward_funcs=("pickscore",),  # L96-97
-                    notes=(
-                        "Flow-Factory trains one SDE step per rollout, drawn from steps {1, 2, 3} (num_sde_steps: 1, "
-                        "sde_steps: [1, 2, 3], L81-82), which leaves JAGG nothing to group; the preset trains all "
-                        f"steps but the last ({steps - 1} of {steps}: JAGG groups of W = 4) instead.",
-                        "Flow-Factory aggregates several rewards with GDPO (L42); with the one reward of this preset "
-                        "that is the per-group normalisation of scale_rewards='group'.",
-                        "Z-Image keeps float32 master weights (master_weight_dtype fp32, L23): the LoRA weights are "
-                        "float32 here too. Add bf16=True on GPUs.",
-                    ),
-                )
-                for name, model, folder, description, steps, guidance in (
-                    (
-                        "flow-factory-z-image",
-                        "Tongyi-MAI/Z-Image",
-                        "z_image",
-                        "Flow-Factory's GRPO on Z-Image: LoRA, CFG 4, SDE a = 0.7, 10 steps.",
-                        10,
-                        # guidance_scale 4.0 (L54), the pipeline's empty negative prompt; eval 40 steps (L90).
-                        {
-                            "num_inference_steps": 10,
-                            "guidance_scale": 4.0,
-                            "negative_prompt": "",
-                            "eval_num_inference_steps": 40,
-                        },
-                    ),
-                    (
-                        "flow-factory-z-image-turbo",
-                        "Tongyi-MAI/Z-Image-Turbo",
-                        "z_image_turbo",
-                        "Flow-Factory's GRPO on Z-Image-Turbo: LoRA, no CFG (distilled), SDE a = 0.7, 6 steps.",
-                        6,
-                        # guidance_scale 0 (L54): one backbone call per step; eval 10 steps (L90).
-                        {"num_inference_steps": 6, "guidance_scale": 0.0, "eval_num_inference_steps": 10},
-                    ),
-                )
+            _flow_factory(
+                "flow-factory-z-image",
+                "Tongyi-MAI/Z-Image",
+                "z_image",
+                "Flow-Factory's GRPO on Z-Image: LoRA, CFG 4, SDE a = 0.7, 10 steps.",
+                # guidance_scale 4.0 (L54), the pipeline's empty negative prompt; eval 40 steps (L90).
+                {
+                    "height": 512,
+                    "width": 512,
+                    "num_inference_steps": 10,
+                    "guidance_scale": 4.0,
+                    "negative_prompt": "",
+                    "noise_level": 0.7,
+                    "eval_num_inference_steps": 40,
+                },
+                _ZIMAGE_LORA_TARGETS,
+                sde_steps="steps {1, 2, 3} (L81-82)",
+            ),
+            _flow_factory(
+                "flow-factory-z-image-turbo",
+                "Tongyi-MAI/Z-Image-Turbo",
+                "z_image_turbo",
+                "Flow-Factory's GRPO on Z-Image-Turbo: LoRA, no CFG (distilled), SDE a = 0.7, 6 steps.",
+                # guidance_scale 0 (L54): one backbone call per step; eval 10 steps (L90).
+                {
+                    "height": 512,
+                    "width": 512,
+                    "num_inference_steps": 6,
+                    "guidance_scale": 0.0,
+                    "noise_level": 0.7,
+                    "eval_num_inference_steps": 10,
+                },
+                _ZIMAGE_LORA_TARGETS,
+                sde_steps="steps {1, 2, 3} (L81-82)",
+            ),
+            _flow_factory(
+                "flow-factory-flux2-klein-base",
+                "black-forest-labs/FLUX.2-klein-base-9B",
+                "flux2_klein_base",
+                "Flow-Factory's GRPO on FLUX.2 klein base 9B: LoRA, CFG 4, SDE a = 0.7, 8 steps at 384 px.",
+                # resolution 384 (L51), 8 steps, guidance 4.0 (L53-54), noise 0.7 (L90), eval 28 steps (L101); the
+                # pipeline's negative prompt is always "".
+                {
+                    "height": 384,
+                    "width": 384,
+                    "num_inference_steps": 8,
+                    "guidance_scale": 4.0,
+                    "negative_prompt": "",
+                    "noise_level": 0.7,
+                    "eval_num_inference_steps": 28,
+                },
+                _FLUX2_KLEIN_LORA_TARGETS,
+                sde_steps="steps {1, 2, 3} (L91-92)",
+            ),
+            _flow_factory(
+                "flow-factory-flux2-klein",
+                "black-forest-labs/FLUX.2-klein-9B",
+                "flux2_klein",
+                "Flow-Factory's GRPO on the step-distilled FLUX.2 klein 9B: LoRA, no CFG, SDE a = 0.5, 4 steps.",
+                # resolution 384 (L51), 4 steps, guidance 1.0 (L53-54), noise 0.5 (L90), eval 10 steps (L102). Only 3
+                # steps are trained: one group of W = 3 (a W = 4 group would never fit).
+                {
+                    "height": 384,
+                    "width": 384,
+                    "num_inference_steps": 4,
+                    "guidance_scale": 1.0,
+                    "noise_level": 0.5,
+                    "eval_num_inference_steps": 10,
+                    "jagg_group_size": 3,
+                },
+                _FLUX2_KLEIN_LORA_TARGETS,
+                sde_steps="steps {1, 2} (L91-92)",
             ),
         )
     }
