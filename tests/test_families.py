@@ -13,7 +13,7 @@ import torch
 from datasets import Dataset
 from diffusers import DiffusionPipeline
 from peft import LoraConfig
-from testing_utils import PROMPTS, redness, run_update, step_functions_of
+from testing_utils import PROMPTS, noise_image, redness, run_update, step_functions_of
 
 from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
 from trl_jagg.jagg import JaggEngine, plan_groups
@@ -267,3 +267,68 @@ def test_saved_lora_reloads_into_the_diffusers_pipeline(request, family, tmp_pat
         DiffusionPipeline.from_pretrained(path), family, ["a red circle"], negative, guidance
     )
     assert not torch.allclose(base_latents, lora_latents)  # the LoRA did load and change the samples
+
+
+# ---------------------------------------------------------------- editing: FLUX.1 Kontext (rollout side)
+EDIT_PROMPTS = ["a red circle", "a big blue square on the left"]
+
+
+def source_images() -> list:
+    return [noise_image(seed, size=32) for seed in range(len(EDIT_PROMPTS))]
+
+
+@pytest.mark.parametrize(
+    "guidance",
+    [{"guidance_scale": 3.5, "true_cfg_scale": 1.0}, {"guidance_scale": 3.5, "true_cfg_scale": 2.0}],
+    ids=["embedded", "true-cfg"],
+)
+def test_kontext_rollout_at_noise_level_0_is_the_pipeline_loop(tiny_flux_kontext_path, guidance):
+    """The source images' latents join the sequence as extra tokens (frame 1 of the position ids), and only the
+    generated tokens are denoised: the pipeline's own loop, called on source images of the output size without its
+    resize to Kontext's preferred resolutions."""
+    pipe = DiffusionPipeline.from_pretrained(tiny_flux_kontext_path)
+    adapter = load_adapter(pipe)
+    images = source_images()
+    negative = "dark" if guidance["true_cfg_scale"] > 1 else None
+    captured = {}
+
+    def keep_latents(pipeline, step, timestep, tensors):
+        captured["latents"] = tensors["latents"]
+        return {}
+
+    expected_images = pipe(
+        image=images, prompt=list(EDIT_PROMPTS), negative_prompt=negative, height=32, width=32, max_area=32 * 32,
+        _auto_resize=False, num_inference_steps=4, max_sequence_length=16, generator=torch.Generator().manual_seed(0),
+        callback_on_step_end=keep_latents, **guidance,
+    ).images  # fmt: skip
+
+    cond = adapter.condition(
+        EDIT_PROMPTS, height=32, width=32, negative_prompt=negative, max_sequence_length=16, source_images=images
+    )
+    noise = adapter.prepare_latents(len(EDIT_PROMPTS), 32, 32, torch.Generator().manual_seed(0))
+    sigmas, timesteps = adapter.schedule(4, 32, 32)
+    trajectory = sample_trajectories(
+        adapter, cond, noise, sigmas, timesteps, sampler="sde", noise_level=0.0, **guidance
+    )
+    # The trajectory holds the generated tokens only; the reference tokens are conditioning.
+    assert trajectory.latents.shape[2] == cond["reference_latents"].shape[1] == noise.shape[1]
+    torch.testing.assert_close(trajectory.latents[:, -1], captured["latents"], atol=1e-5, rtol=0)
+    assert_same_images(adapter.decode(trajectory.latents[:, -1], 32, 32), expected_images)
+    # The source image is read: other sources give another edit.
+    swapped = adapter.condition(
+        EDIT_PROMPTS, height=32, width=32, negative_prompt=negative, max_sequence_length=16, source_images=images[::-1]
+    )
+    other = sample_trajectories(adapter, swapped, noise, sigmas, timesteps, sampler="ode", noise_level=0.0, **guidance)
+    assert not torch.allclose(other.latents[:, -1], trajectory.latents[:, -1], atol=1e-3)
+
+
+def test_source_images_are_required_by_editing_and_refused_by_text_to_image(tiny_flux_kontext_path, tiny_zimage_path):
+    kontext = load_adapter(tiny_flux_kontext_path)
+    with pytest.raises(ValueError, match="edits images: pass `source_images`"):
+        kontext.condition(EDIT_PROMPTS, height=32, width=32, max_sequence_length=16)
+    with pytest.raises(ValueError, match="2 prompts: give one per prompt"):
+        kontext.condition(EDIT_PROMPTS, height=32, width=32, max_sequence_length=16, source_images=source_images()[:1])
+    with pytest.raises(ValueError, match="ZImageAdapter generates from text only"):
+        load_adapter(tiny_zimage_path).condition(
+            EDIT_PROMPTS, height=32, width=32, max_sequence_length=16, source_images=source_images()
+        )

@@ -8,6 +8,7 @@ import torch
 from diffusers import (
     DiffusionPipeline,
     Flux2KleinPipeline,
+    FluxKontextPipeline,
     FluxPipeline,
     QwenImagePipeline,
     StableDiffusion3Pipeline,
@@ -31,6 +32,7 @@ PIPELINE_CLASSES = {
     "qwenimage": QwenImagePipeline,
     "zimage": ZImagePipeline,
     "flux2_klein": Flux2KleinPipeline,
+    "flux_kontext": FluxKontextPipeline,
 }
 PROMPTS = ["a red circle", "a small blue square on a dark background"]  # different lengths on purpose
 EXTRA_WORDS = ["crimson", "teal", "hexagon", "Zebra"]
@@ -45,7 +47,13 @@ def _call_kwargs(family: str) -> dict:
         "qwenimage": {"true_cfg_scale": 4.0, "negative_prompt": " "},
         "zimage": {"guidance_scale": 3.0},
         "flux2_klein": {"guidance_scale": 4.0},  # the negative prompt is always ""
+        "flux_kontext": {"guidance_scale": 3.5},  # without a source image: FLUX.1's text-to-image
     }[family]
+
+
+def _size_kwargs(family: str, size: int) -> dict:
+    """The output size; FluxKontextPipeline also rescales it to ``max_area`` (1024^2 by default)."""
+    return {"height": size, "width": size, **({"max_area": size * size} if family == "flux_kontext" else {})}
 
 
 def _state_dicts(pipe: DiffusionPipeline) -> dict[str, dict[str, torch.Tensor]]:
@@ -106,8 +114,7 @@ def test_pipeline_call_is_finite_sized_and_deterministic(saved, size):
     def generate() -> np.ndarray:
         return pipe(
             prompt=PROMPTS[0],  # by name: Flux2KleinPipeline's first argument is the reference image
-            height=size,
-            width=size,
+            **_size_kwargs(family, size),
             num_inference_steps=2,
             generator=torch.Generator().manual_seed(0),
             output_type="np",
@@ -206,15 +213,14 @@ def _dynamic_shift(pipe: DiffusionPipeline, image_seq_len: int) -> float:
 def _flux_by_hand(pipe: FluxPipeline, *, height: int, width: int, steps: int, seed: int) -> torch.Tensor:
     batch = len(PROMPTS)
     prompt_embeds, pooled_embeds, text_ids = pipe.encode_prompt(PROMPTS, prompt_2=None, max_sequence_length=512)
-    latents, image_ids = pipe.prepare_latents(
-        batch,
-        pipe.transformer.config.in_channels // 4,
-        height,
-        width,
-        prompt_embeds.dtype,
-        torch.device("cpu"),
+    args = (
+        batch, pipe.transformer.config.in_channels // 4, height, width, prompt_embeds.dtype, torch.device("cpu"),
         torch.Generator().manual_seed(seed),
-    )
+    )  # fmt: skip
+    if isinstance(pipe, FluxKontextPipeline):  # its source image comes first; without one, the noise alone
+        latents, _, image_ids, _ = pipe.prepare_latents(None, *args)
+    else:
+        latents, image_ids = pipe.prepare_latents(*args)
     # Unshifted sigmas linspace(1, 1/N, N); the scheduler applies the dynamic shift mu of the packed sequence length.
     pipe.scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), mu=_dynamic_shift(pipe, latents.shape[1]))
     guidance = torch.full((batch,), _call_kwargs("flux")["guidance_scale"], dtype=torch.float32)
@@ -363,6 +369,7 @@ MANUAL_SAMPLERS = {
     "qwenimage": _qwenimage_by_hand,
     "zimage": _zimage_by_hand,
     "flux2_klein": _flux2_klein_by_hand,
+    "flux_kontext": _flux_by_hand,  # no source image: Flux's loop
 }
 
 
@@ -371,8 +378,7 @@ def test_manual_sampling_reproduces_pipeline_latents(saved):
     height, width, steps, seed = 32, 32, 2, 7
     expected = pipe(
         prompt=list(PROMPTS),  # ZImagePipeline rewrites the list it is given into chat-templated prompts
-        height=height,
-        width=width,
+        **_size_kwargs(family, height),
         num_inference_steps=steps,
         generator=torch.Generator().manual_seed(seed),
         output_type="latent",

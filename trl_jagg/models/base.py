@@ -98,6 +98,8 @@ class FlowMatchingAdapter:
             embedded guidance value (Flux); ``true_cfg_scale`` is true CFG for the others.
         packed_latents: whether the backbone takes 2x2-packed latent tokens ``(batch, tokens, 4 * channels)``
             (Flux, Qwen-Image) rather than latent images ``(batch, channels, h, w)`` (SD3).
+        edits_images: whether the family conditions on source images (image editing: FLUX.1 Kontext), which
+            :meth:`condition` then requires (``source_images``) and :meth:`encode_source_images` encodes.
         prompt_mask_dtype: set where prompts encode to different lengths (Qwen-Image, Z-Image): the batch is
             right-padded with a ``prompt_embeds_mask`` of this dtype (:func:`padded_prompt_batch`); ``None``: fixed
             lengths, batches concatenate.
@@ -109,6 +111,7 @@ class FlowMatchingAdapter:
     guidance_is_cfg: ClassVar[bool] = False
     packed_latents: ClassVar[bool] = True
     prompt_mask_dtype: ClassVar[torch.dtype | None] = None
+    edits_images: ClassVar[bool] = False
     lora_target_modules: ClassVar[tuple[str, ...]] = ("to_q", "to_k", "to_v", "to_out.0")
 
     def __init__(self, pipeline: DiffusionPipeline):
@@ -179,6 +182,21 @@ class FlowMatchingAdapter:
         """Backbone inputs common to the whole batch at this resolution (position ids, image shapes)."""
         return {}
 
+    def encode_source_images(self, images: Sequence[Image.Image], height: int, width: int) -> dict[str, torch.Tensor]:
+        """Per-sample conditioning of editing families from their source images (one per sample), e.g. the reference
+        latents ``reference_latents`` (see :meth:`with_reference_tokens`). Text-to-image families take none."""
+        raise ValueError(
+            f"{type(self).__name__} generates from text only: it takes no source images (got {len(images)}). Use an "
+            "editing model (FluxKontextPipeline) or drop the dataset's source image column."
+        )
+
+    @staticmethod
+    def with_reference_tokens(hidden: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        """The backbone's token sequence: the generated tokens, then the reference image's (``reference_latents``)
+        when the conditioning has them. Only the first ``hidden.shape[1]`` output tokens are denoised."""
+        reference = cond.get("reference_latents")
+        return hidden if reference is None else torch.cat([hidden, reference.to(hidden.dtype)], dim=1)
+
     # ---- shared ----
     def collate(self, encoded: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """One batch from prompts encoded one at a time (each :meth:`encode_prompts` output, ``None`` entries
@@ -206,6 +224,7 @@ class FlowMatchingAdapter:
         negative_prompt: str | None = None,
         max_sequence_length: int | None = None,
         encoded: dict[str, torch.Tensor] | None = None,
+        source_images: Sequence[Image.Image] | None = None,
     ) -> Conditioning:
         """Encode ``prompts`` (and the negative prompt when given) and add the resolution's spatial inputs.
 
@@ -213,7 +232,18 @@ class FlowMatchingAdapter:
         cached (the text encoders are frozen), then expanded to the batch, so every entry of ``per_sample`` has
         the batch first and :meth:`Conditioning.select` can index it. ``encoded``: the prompts' encodings when
         already computed (e.g. :meth:`collate` of precomputed ones); the prompts are then not encoded again.
+        ``source_images``: one RGB image per prompt, required by editing families (``edits_images``) and refused by
+        the others.
         """
+        if source_images is None and self.edits_images:
+            raise ValueError(
+                f"{type(self).__name__} edits images: pass `source_images` (one RGB image per prompt; in training, a "
+                "source image column beside the prompts)."
+            )
+        if source_images is not None and len(source_images) != len(prompts):
+            raise ValueError(
+                f"Got {len(source_images)} source images for {len(prompts)} prompts: give one per prompt."
+            )
         with torch.no_grad():
             if encoded is None:
                 encoded = _present(self.encode_prompts(list(prompts), max_sequence_length))
@@ -223,6 +253,8 @@ class FlowMatchingAdapter:
                 per_sample |= {
                     f"negative_{key}": value.expand(len(prompts), *value.shape[1:]) for key, value in negative.items()
                 }
+            if source_images is not None:
+                per_sample |= self.encode_source_images(source_images, height, width)
         return Conditioning(per_sample, self.shared_inputs(per_sample, height, width))
 
     def _encoded_negative(self, negative_prompt: str, max_sequence_length: int | None) -> dict[str, torch.Tensor]:

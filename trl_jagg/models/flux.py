@@ -40,7 +40,8 @@ class FluxAdapter(FlowMatchingAdapter):
         true_cfg_scale: float,
         uncond_grad: bool = True,
     ) -> torch.Tensor:
-        hidden = latents.to(self.dtype)
+        hidden = self.with_reference_tokens(latents.to(self.dtype), cond)  # Kontext appends the reference image
+        tokens = latents.shape[1]
         guidance = self.embedded_guidance(latents.shape[0], guidance_scale)
 
         def call(prefixes: list[str]) -> torch.Tensor:
@@ -54,6 +55,6 @@ class FluxAdapter(FlowMatchingAdapter):
                 txt_ids=cond["txt_ids"],
                 img_ids=cond["img_ids"],
                 return_dict=False,
-            )[0]
+            )[0][:, :tokens]
 
         return self.guided_velocity(call, cond, guidance_scale, true_cfg_scale, uncond_grad=uncond_grad)

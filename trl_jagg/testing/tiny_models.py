@@ -37,6 +37,7 @@ from diffusers import (
     FlowMatchEulerDiscreteScheduler,
     Flux2KleinPipeline,
     Flux2Transformer2DModel,
+    FluxKontextPipeline,
     FluxPipeline,
     FluxTransformer2DModel,
     QwenImagePipeline,
@@ -87,6 +88,7 @@ __all__ = [
     "build_qwen3_tokenizer",
     "build_t5_tokenizer",
     "build_tiny_flux2_klein_pipeline",
+    "build_tiny_flux_kontext_pipeline",
     "build_tiny_flux_pipeline",
     "build_tiny_pipeline",
     "build_tiny_qwenimage_pipeline",
@@ -95,7 +97,7 @@ __all__ = [
     "save_tiny_pipeline",
 ]
 
-FAMILIES: tuple[str, ...] = ("flux", "sd3", "qwenimage", "zimage", "flux2_klein")
+FAMILIES: tuple[str, ...] = ("flux", "sd3", "qwenimage", "zimage", "flux2_klein", "flux_kontext")
 
 # Scheduler configs of the released checkpoints. The pipelines read `use_dynamic_shifting` and the
 # `base/max_shift`, `base/max_image_seq_len` entries to compute the resolution-dependent shift `mu`.
@@ -479,6 +481,13 @@ def build_tiny_flux_pipeline(
     return _finalize(pipe)
 
 
+def build_tiny_flux_kontext_pipeline(**kwargs: Any) -> FluxKontextPipeline:
+    """A tiny FLUX.1-Kontext-like ``FluxKontextPipeline`` (image editing): the components of
+    :func:`build_tiny_flux_pipeline` (same keyword arguments), whose transformer reads the source image's latents as
+    extra tokens."""
+    return _finalize(FluxKontextPipeline(**build_tiny_flux_pipeline(**kwargs).components))
+
+
 def build_tiny_sd3_pipeline(
     *,
     seed: int = 0,
@@ -769,6 +778,7 @@ _BUILDERS = {
     "qwenimage": build_tiny_qwenimage_pipeline,
     "zimage": build_tiny_zimage_pipeline,
     "flux2_klein": build_tiny_flux2_klein_pipeline,
+    "flux_kontext": build_tiny_flux_kontext_pipeline,
 }
 
 
