@@ -332,3 +332,46 @@ def test_source_images_are_required_by_editing_and_refused_by_text_to_image(tiny
         load_adapter(tiny_zimage_path).condition(
             EDIT_PROMPTS, height=32, width=32, max_sequence_length=16, source_images=source_images()
         )
+
+
+def test_kontext_trains_on_source_images_and_rewards_receive_them(tiny_flux_kontext_path, tmp_path):
+    """Two LoRA + JAGG steps of FLUX.1 Kontext through DDPOJaggTrainer on a dataset of prompts and source images:
+    every reward call receives each sample's source image (decoded, RGB) by keyword, and the same instruction on
+    two different images forms two groups for the per-prompt statistics."""
+    images = [noise_image(seed, size=32) for seed in range(2)]
+    received = []
+
+    def change(prompts, images, source_images, **kwargs):
+        received.append(source_images)
+        return [float(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32)).mean()) for a, b in
+                zip(images, source_images, strict=True)]  # fmt: skip
+
+    torch.manual_seed(0)
+    config = GRPOJaggConfig(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=2, num_inference_steps=4,
+        height=32, width=32, max_steps=2, learning_rate=1e-2, clip_range=1e-1, noise_level=0.9, jagg_group_size=3,
+        jagg_frac=1.0, max_sequence_length=16, per_prompt_stat_tracking=True, report_to="none", save_strategy="no",
+        seed=0, disable_tqdm=True,
+    )  # fmt: skip
+    dataset = Dataset.from_dict({"prompt": ["make it red"] * 2, "source_image": images})
+    trainer = DDPOJaggTrainer(
+        model=tiny_flux_kontext_path, reward_funcs=change, args=config, train_dataset=dataset,
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_k", "to_v"], init_lora_weights="gaussian"),
+    )  # fmt: skip
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "reward" in entry]
+    assert len(logs) == 2 and all(entry["jagg/groups_jagg"] == 1 for entry in logs)
+    assert len(received) == 2
+    for sources in received:
+        assert len(sources) == 4 and all(s.mode == "RGB" and s.size == (32, 32) for s in sources)
+        seen = {np.asarray(s).tobytes() for s in sources}
+        assert seen <= {np.asarray(image).tobytes() for image in images}
+    assert len(trainer.generation.stat_tracker.history) == 2  # one group per (instruction, source image)
+
+
+def test_kontext_trainer_checks_the_source_images_at_init(tiny_flux_kontext_path, tmp_path):
+    config = GRPOJaggConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2,
+                            report_to="none")  # fmt: skip
+    dataset = Dataset.from_dict({"prompt": ["make it red", "make it blue"], "source_image": ["missing.png"] * 2})
+    with pytest.raises(ValueError, match="train_dataset row 0 'source_image' cannot be read"):
+        DDPOJaggTrainer(model=tiny_flux_kontext_path, reward_funcs=redness, args=config, train_dataset=dataset)

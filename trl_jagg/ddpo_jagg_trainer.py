@@ -48,7 +48,7 @@ from .trainer.files import EMA_DIR
 from .trainer.generation import RewardFailure, RolloutGenerator
 from .trainer.guards import stop_if_non_finite
 from .trainer.image_logging import log_completions, log_image_grid, save_images
-from .trainer.inputs import checked_inputs
+from .trainer.inputs import checked_inputs, checked_source_images
 from .trainer.placement import FrozenModules
 from .trainer.update import UpdateStage
 
@@ -105,6 +105,7 @@ class DDPOJaggTrainer(_BaseTrainer):
         self.adapter: FlowMatchingAdapter = load_adapter(
             model, dtype=getattr(torch, args.dtype), revision=args.model_revision
         )
+        checked_source_images(self.adapter, train_dataset, eval_dataset)
         self.scheduler_overridden = hub.scheduler_differs_from_base(
             self.adapter.pipeline.scheduler, self.base_model_id, args.model_revision
         )

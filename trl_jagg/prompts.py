@@ -99,6 +99,22 @@ def check_prompts(prompts: Sequence[Any], where: str) -> list[str]:
     return [prompt_text(value, f"{where}[{i}]") for i, value in enumerate(prompts)]
 
 
+def check_source_images(dataset: Any, name: str = "train_dataset") -> None:
+    """Every row of ``dataset`` has a readable RGB ``source_image`` (:func:`source_image`); errors name the row.
+
+    Raises:
+        ValueError: no ``source_image`` column, or a bad row.
+    """
+    if SOURCE_IMAGE_COLUMN not in dataset.column_names:
+        raise ValueError(
+            f"{name} has no '{SOURCE_IMAGE_COLUMN}' column (columns: {dataset.column_names}), which an editing "
+            "model needs: the image each prompt edits (PIL images, paths or bytes). Rename the image column, e.g. "
+            f"`dataset.rename_column('image', '{SOURCE_IMAGE_COLUMN}')`."
+        )
+    for i, value in enumerate(dataset[SOURCE_IMAGE_COLUMN]):
+        source_image(value, f"{name} row {i} '{SOURCE_IMAGE_COLUMN}'")
+
+
 def prompt_dataset(
     dataset: Any, prompts_per_rollout: int, name: str = "train_dataset", *, source_images: bool = False
 ) -> Any:
@@ -140,14 +156,7 @@ def prompt_dataset(
     for i, value in enumerate(dataset["prompt"]):
         prompt_text(value, f"{name} row {i} 'prompt'")
     if source_images:
-        if SOURCE_IMAGE_COLUMN not in dataset.column_names:
-            raise ValueError(
-                f"{name} has no '{SOURCE_IMAGE_COLUMN}' column (columns: {dataset.column_names}), which an editing "
-                "model needs: the image each prompt edits (PIL images, paths or bytes). Rename the image column, e.g. "
-                f"`dataset.rename_column('image', '{SOURCE_IMAGE_COLUMN}')`."
-            )
-        for i, value in enumerate(dataset[SOURCE_IMAGE_COLUMN]):
-            source_image(value, f"{name} row {i} '{SOURCE_IMAGE_COLUMN}'")
+        check_source_images(dataset, name)
     if len(dataset) < prompts_per_rollout:
         raise ValueError(
             f"{name} has {len(dataset)} prompt{'s' if len(dataset) != 1 else ''}; one rollout needs "
@@ -157,4 +166,11 @@ def prompt_dataset(
     return dataset
 
 
-__all__ = ["SOURCE_IMAGE_COLUMN", "check_prompts", "prompt_dataset", "prompt_text", "source_image"]
+__all__ = [
+    "SOURCE_IMAGE_COLUMN",
+    "check_prompts",
+    "check_source_images",
+    "prompt_dataset",
+    "prompt_text",
+    "source_image",
+]

@@ -6,6 +6,7 @@ the result is the rollout batch (:mod:`trl_jagg.trainer.batch`) the update stage
 
 from __future__ import annotations
 
+import hashlib
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -18,7 +19,7 @@ from tqdm.auto import tqdm
 from ..grpo import PerPromptStatTracker, group_advantages
 from ..grpo_jagg_config import GRPOJaggConfig
 from ..models import FlowMatchingAdapter
-from ..prompts import prompt_text
+from ..prompts import SOURCE_IMAGE_COLUMN, prompt_text, source_image
 from ..rewards import compute_rewards
 from ..rollout import Trajectory, sample_trajectories
 from .batch import rng_seed, velocity_key
@@ -35,6 +36,14 @@ class RewardFailure(Exception):
     def __init__(self, error: Exception | None):
         super().__init__(str(error) if error is not None else "a reward function failed on another process")
         self.error = error
+
+
+def group_keys(prompts: list[str], sources: list | None) -> list[str]:
+    """What identifies a sample's group for per-prompt statistics: its prompt, and for editing also its source image
+    (an instruction such as "make it red" recurs over many images)."""
+    if sources is None:
+        return prompts
+    return [f"{p}\n{hashlib.sha1(image.tobytes()).hexdigest()}" for p, image in zip(prompts, sources)]
 
 
 def sde_window(args: GRPOJaggConfig, global_step: int) -> list[int] | None:
@@ -137,6 +146,12 @@ class RolloutGenerator:
         start = time.perf_counter()
         prompts = [prompt_text(x["prompt"], "train_dataset 'prompt'") for x in inputs]
         columns = {k: [x[k] for x in inputs] for k in inputs[0] if k != "prompt"}
+        # Editing: each sample's source image conditions the rollout and reaches the rewards as `source_images`.
+        sources = None
+        if adapter.edits_images:
+            where = f"train_dataset '{SOURCE_IMAGE_COLUMN}'"
+            sources = [source_image(value, where) for value in columns.pop(SOURCE_IMAGE_COLUMN)]
+            columns["source_images"] = sources
         record_velocities = args.use_jagg and args.jagg_cache_velocities
         with eval_mode(transformer):
             adapter.refresh_placement()  # once per rollout, in case the backbone was moved or cast
@@ -145,9 +160,11 @@ class RolloutGenerator:
                 # DanceGRPO feeds the backbone int(sigma * 1000) / 1000; the sampler keeps the exact sigmas.
                 timesteps = timesteps.floor()
             stochastic_steps = sde_window(args, global_step)
-            # Encode every distinct prompt once; samples index into it.
-            unique = list(dict.fromkeys(prompts))
-            cond = self.conditioner(unique).select(torch.tensor([unique.index(p) for p in prompts], device=device))
+            if sources is not None:  # one conditioning per sample: the same text may edit different images
+                cond = self.conditioner(prompts, source_images=sources)
+            else:  # encode every distinct prompt once; samples index into it
+                unique = list(dict.fromkeys(prompts))
+                cond = self.conditioner(unique).select(torch.tensor([unique.index(p) for p in prompts], device=device))
             generator = torch.Generator(device).manual_seed(
                 rng_seed(args.seed, global_step, self.accelerator.process_index)
             )
@@ -189,7 +206,7 @@ class RolloutGenerator:
             self.reward_funcs, self.accelerator, prompts, images, weights=args.reward_weights,
             retries=args.reward_retries, trainer_state=trainer_state, **columns,
         )  # fmt: skip
-        advantages = self._advantages(prompts, rewards.to(device), per_reward)
+        advantages = self._advantages(group_keys(prompts, sources), rewards.to(device), per_reward)
         self.metrics["latents/final_std"].append(latents[:, -1].std().item())
         self.metrics["time/rollout_s"].append(rollout_seconds)
         self.metrics["time/reward_s"].append(time.perf_counter() - start)
@@ -214,16 +231,15 @@ class RolloutGenerator:
             rollout["velocity_key"] = velocity_key(global_step, adapter.dtype, device.type)
         return rollout
 
-    def _advantages(
-        self, prompts: list[str], rewards: torch.Tensor, per_reward: dict[str, torch.Tensor]
-    ) -> torch.Tensor:
-        """Group advantages of the gathered batch (every process computes all of them), and the reward metrics."""
+    def _advantages(self, keys: list[str], rewards: torch.Tensor, per_reward: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Group advantages of the gathered batch (every process computes all of them), and the reward metrics;
+        ``keys`` (:func:`group_keys`) identify the samples' groups for the per-prompt statistics."""
         args = self.args
         per_func = torch.stack(list(per_reward.values()), dim=1).to(rewards.device)
         all_per_func = self.accelerator.gather(per_func)
         all_rewards = self.accelerator.gather(rewards)
         if self.stat_tracker is not None:
-            advantages = self.stat_tracker.update(gather_object(prompts), all_rewards.cpu(), clip=args.adv_clip_max)
+            advantages = self.stat_tracker.update(gather_object(keys), all_rewards.cpu(), clip=args.adv_clip_max)
         else:
             advantages = group_advantages(
                 all_rewards,
