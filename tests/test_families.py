@@ -18,7 +18,7 @@ from testing_utils import PROMPTS, noise_image, redness, run_update, step_functi
 from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
 from trl_jagg.jagg import JaggEngine, plan_groups
 from trl_jagg.models import MODEL_ADAPTERS, load_adapter
-from trl_jagg.rollout import sample_trajectories
+from trl_jagg.rollout import generate_images, sample_trajectories
 
 # Per family: its pipeline class, guidance with CFG on and off, the negative prompt (FLUX.2 klein's pipeline always
 # uses "") and how many backbone calls a guided velocity makes, as the pipeline makes them.
@@ -375,3 +375,37 @@ def test_kontext_trainer_checks_the_source_images_at_init(tiny_flux_kontext_path
     dataset = Dataset.from_dict({"prompt": ["make it red", "make it blue"], "source_image": ["missing.png"] * 2})
     with pytest.raises(ValueError, match="train_dataset row 0 'source_image' cannot be read"):
         DDPOJaggTrainer(model=tiny_flux_kontext_path, reward_funcs=redness, args=config, train_dataset=dataset)
+
+
+def test_kontext_lora_reloads_into_the_diffusers_pipeline(tiny_flux_kontext_path, tmp_path):
+    """The LoRA trained on source images loads with FluxKontextPipeline's own `load_lora_weights`, and the pipeline
+    edits a source image as the trainer's adapter does."""
+    source = noise_image(0, size=32)
+    config = GRPOJaggConfig(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, num_generations=2, num_inference_steps=4,
+        height=32, width=32, max_steps=1, learning_rate=1e-2, clip_range=1e-1, noise_level=0.9, jagg_group_size=3,
+        jagg_frac=1.0, max_sequence_length=16, report_to="none", save_strategy="no", seed=0, disable_tqdm=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    trainer = DDPOJaggTrainer(
+        model=tiny_flux_kontext_path, reward_funcs=redness, args=config,
+        train_dataset=Dataset.from_dict({"prompt": ["make it red"], "source_image": [source]}),
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_k", "to_v"], init_lora_weights="gaussian"),
+    )  # fmt: skip
+    trainer.train()
+    trainer.save_model()
+    settings = dict(num_steps=4, height=32, width=32, guidance_scale=3.5, max_sequence_length=16)
+    ours = generate_images(trainer.adapter, ["make it red"], source_images=[source], seed=0, **settings)
+
+    def pipeline_edit(pipe) -> list:
+        return pipe(
+            image=[source], prompt=["make it red"], height=32, width=32, max_area=32 * 32, _auto_resize=False,
+            num_inference_steps=4, guidance_scale=3.5, max_sequence_length=16,
+            generator=torch.Generator().manual_seed(0),
+        ).images  # fmt: skip
+
+    pipe = DiffusionPipeline.from_pretrained(tiny_flux_kontext_path)
+    pipe.load_lora_weights(trainer.args.output_dir)
+    assert_same_images(ours, pipeline_edit(pipe))
+    base = pipeline_edit(DiffusionPipeline.from_pretrained(tiny_flux_kontext_path))
+    assert not np.array_equal(np.asarray(base[0]), np.asarray(ours[0]))  # the LoRA did load and change the edit
