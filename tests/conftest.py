@@ -38,3 +38,21 @@ def tiny_sd3_path(tmp_path_factory: pytest.TempPathFactory) -> str:
 def tiny_qwenimage_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     """Directory of a tiny ``QwenImagePipeline`` (seed 0, default vocabulary)."""
     return _save_tiny("qwenimage", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def tiny_zimage_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Directory of a tiny ``ZImagePipeline`` (seed 0, default vocabulary)."""
+    return _save_tiny("zimage", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def tiny_flux2_klein_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Directory of a tiny ``Flux2KleinPipeline`` (the base model with CFG; seed 0, default vocabulary)."""
+    return _save_tiny("flux2_klein", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def tiny_flux_kontext_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Directory of a tiny ``FluxKontextPipeline`` (image editing; seed 0, default vocabulary)."""
+    return _save_tiny("flux_kontext", tmp_path_factory)

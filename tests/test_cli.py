@@ -192,6 +192,10 @@ RECIPES = [
     "dancegrpo-flux",
     "dancegrpo-flux-8gpu",
     "mixgrpo-flux",
+    "flow-factory-z-image",
+    "flow-factory-z-image-turbo",
+    "flow-factory-flux2-klein-base",
+    "flow-factory-flux2-klein",
 ]
 
 
@@ -658,3 +662,23 @@ def test_errors_from_outside_trl_jagg_keep_their_traceback(tmp_path, monkeypatch
     monkeypatch.setattr(env_command, "main", broken)
     with pytest.raises(KeyError):
         cli.main(["env"])
+
+
+@pytest.mark.parametrize(
+    ("family", "recipe"),
+    [("zimage", "flow-factory-z-image-turbo"), ("flux2_klein", "flow-factory-flux2-klein-base")],
+)
+def test_tiny_train_run_of_a_newer_family_from_its_recipe(request, family, recipe, tmp_path, capsys):
+    """`trl-jagg train --recipe` on the tiny pipeline of each newer family: the preset's LoRA targets exist in the
+    backbone and JAGG runs (the tiny sizes override the preset's)."""
+    output_dir = tmp_path / "out"
+    tiny = {**TINY, "gradient_accumulation_steps": 1, "max_steps": 1, "lora_r": 4, "lora_alpha": 8}
+    flags = [f"--{key}={value}" for key, value in tiny.items()]
+    argv = ["train", "--recipe", recipe, "--model_name_or_path", request.getfixturevalue(f"tiny_{family}_path"),
+            "--reward_funcs", "prompt_color", "--prompts", "a red circle", "a green square", "--output_dir",
+            str(output_dir), *flags]  # fmt: skip
+    code, out, err = run(argv, capsys)
+    assert code == 0, err
+    assert os.path.isfile(output_dir / "pytorch_lora_weights.safetensors")
+    logged = [ast.literal_eval(line) for line in out.splitlines() if line.startswith("{'loss'")]
+    assert len(logged) == 1 and float(logged[0]["jagg/groups_jagg"]) == 1

@@ -31,6 +31,12 @@ EXAMPLES = {
     "train_flux_dancegrpo_full.py": (
         "flux", "FluxPipeline", "black-forest-labs/FLUX.1-dev", "diffusion_pytorch_model.safetensors"
     ),
+    "train_flux2_klein_pickscore.py": (
+        "flux2_klein", "Flux2KleinPipeline", "black-forest-labs/FLUX.2-klein-base-9B", LORA
+    ),
+    "train_zimage_turbo_pickscore.py": (
+        "zimage", "ZImagePipeline", "Tongyi-MAI/Z-Image-Turbo", LORA
+    ),
 }  # fmt: skip
 
 

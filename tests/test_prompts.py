@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import io
+
+import numpy as np
 import pytest
-from datasets import Dataset, DatasetDict, IterableDataset
+from datasets import Dataset, DatasetDict, Features, IterableDataset, Value
+from datasets import Image as HFImage
 from peft import LoraConfig
+from testing_utils import noise_image
 
 import trl_jagg.ddpo_jagg_trainer as trainer_module
 from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
-from trl_jagg.prompts import prompt_dataset, prompt_text
+from trl_jagg.prompts import prompt_dataset, prompt_text, source_image
 
 
 def test_strings_pass_unchanged():
@@ -163,3 +168,59 @@ def test_lora_targets_that_match_nothing_are_named(tiny_flux_path, tmp_path):
     lora = LoraConfig(r=2, lora_alpha=2, target_modules=["to_q", "to_kk", "to_vv"])
     with pytest.raises(ValueError, match=r"target_modules \['to_kk', 'to_vv'\] match no module.*did you mean 'to_k'"):
         DDPOJaggTrainer(tiny_flux_path, reward, args=make_args(tmp_path), train_dataset=["a", "b"], peft_config=lora)
+
+
+# ---------------------------------------------------------------- source images of editing datasets
+def _png(image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def test_source_images_in_every_form_read_as_the_same_rgb_image(tmp_path):
+    image = noise_image(0, size=8)
+    path = tmp_path / "source.png"
+    image.save(path)
+    features = Features({"prompt": Value("string"), "source_image": HFImage()})
+    cells = [image, str(path), path, _png(image), {"bytes": _png(image), "path": None}]
+    dataset = Dataset.from_dict({"prompt": ["make it red"] * 2, "source_image": [image, str(path)]}, features=features)
+    cells.append(dataset[0]["source_image"])  # what a datasets.Image column yields: a decoded PIL image
+    for cell in cells:
+        got = source_image(cell, "row 0")
+        assert got.mode == "RGB" and np.array_equal(np.asarray(got), np.asarray(image)), type(cell)
+    assert prompt_dataset(dataset, 2, source_images=True) is dataset
+
+
+@pytest.mark.parametrize(
+    ("cell", "match"),
+    [
+        (None, "row 1 'source_image' is missing"),
+        (3, "row 1 'source_image' is int, not an image"),
+        (b"not an image", "row 1 'source_image' cannot be read as an image"),
+        ("no/such/file.png", "row 1 'source_image' cannot be read as an image"),
+        ("gray", r"row 1 'source_image' is a L image; editing models read RGB"),
+        ("truncated", "row 1 'source_image' cannot be read as an image"),
+    ],
+)
+def test_bad_source_image_is_a_clear_error(cell, match):
+    if cell == "gray":
+        cell = noise_image(0, size=8).convert("L")
+    elif cell == "truncated":
+        cell = _png(noise_image(0, size=64))[:200]
+    with pytest.raises(ValueError, match=match):
+        source_image(cell, "train_dataset row 1 'source_image'")
+
+
+def test_dataset_validation_names_the_bad_row(tmp_path):
+    good = tmp_path / "good.png"
+    noise_image(0, size=8).save(good)
+    dataset = Dataset.from_dict({"prompt": ["a", "b", "c"], "source_image": [str(good), str(good), "missing.png"]})
+    with pytest.raises(ValueError, match="train_dataset row 2 'source_image' cannot be read"):
+        prompt_dataset(dataset, 3, source_images=True)
+
+
+def test_editing_dataset_needs_the_source_image_column():
+    dataset = Dataset.from_dict({"prompt": ["a", "b"], "image": [None, None]})
+    with pytest.raises(ValueError, match="no 'source_image' column.*rename_column\\('image', 'source_image'\\)"):
+        prompt_dataset(dataset, 2, source_images=True)
+    assert prompt_dataset(dataset, 2) is dataset  # text-to-image models ignore image columns

@@ -30,6 +30,10 @@ NAMES = [
     "dancegrpo-flux",
     "dancegrpo-flux-8gpu",
     "mixgrpo-flux",
+    "flow-factory-z-image",
+    "flow-factory-z-image-turbo",
+    "flow-factory-flux2-klein-base",
+    "flow-factory-flux2-klein",
 ]
 
 # The public numbers (JAGG spec section 5), written out independently of trl_jagg/recipes.py.
@@ -56,6 +60,24 @@ PUBLISHED = {
         height=720, width=720, num_inference_steps=25, sampler="sde", noise_level=0.7, num_generations=12,
         learning_rate=1e-5, train_timesteps="sde_window", sde_window_size=4, sde_window_schedule="progressive",
         sde_window_stride=1, sde_window_shift_interval=20, ode_solver_order=2, ode_step_ratio=0.4,
+    ),
+    # Flow-Factory examples/grpo/lora/z_image{,_turbo}/default.yaml (L44-80)
+    "flow-factory-z-image": dict(
+        height=512, width=512, num_inference_steps=10, guidance_scale=4.0, sampler="sde", noise_level=0.7,
+        num_generations=16, learning_rate=3e-4, beta=0.0, clip_range=1e-4, adv_clip_max=5.0,
+    ),
+    "flow-factory-z-image-turbo": dict(
+        height=512, width=512, num_inference_steps=6, guidance_scale=0.0, sampler="sde", noise_level=0.7,
+        num_generations=16, learning_rate=3e-4, beta=0.0, clip_range=1e-4, adv_clip_max=5.0,
+    ),
+    # Flow-Factory examples/grpo/lora/flux2_klein{_base,}/default.yaml (L43-90)
+    "flow-factory-flux2-klein-base": dict(
+        height=384, width=384, num_inference_steps=8, guidance_scale=4.0, sampler="sde", noise_level=0.7,
+        num_generations=16, learning_rate=3e-4, beta=0.0, clip_range=1e-4, adv_clip_max=5.0,
+    ),
+    "flow-factory-flux2-klein": dict(
+        height=384, width=384, num_inference_steps=4, guidance_scale=1.0, sampler="sde", noise_level=0.5,
+        num_generations=16, learning_rate=3e-4, beta=0.0, clip_range=1e-4, adv_clip_max=5.0,
     ),
 }  # fmt: skip
 # The peers' conventions around the formulas, read from their code (docs/models.md lists file and line for each).
@@ -98,6 +120,23 @@ PEER_CONVENTIONS = {
     "mixgrpo-flux": dict(
         per_prompt_stat_tracking=False, scale_rewards="group", advantage_std_ddof=1, advantage_eps=1e-8,
         quantize_timesteps=True, same_group_noise=True, beta=0.0, clip_range=1e-4, adv_clip_max=5.0,
+    ),
+    # Flow-Factory: global_std false (L59), EMA 0.9 every 4 (L73-74), the pipeline's 512 prompt tokens.
+    "flow-factory-z-image": dict(
+        scale_rewards="group", ema_decay=0.9, ema_update_interval=4, max_sequence_length=512,
+        eval_num_inference_steps=40, negative_prompt="",
+    ),
+    "flow-factory-z-image-turbo": dict(
+        scale_rewards="group", ema_decay=0.9, ema_update_interval=4, max_sequence_length=512,
+        eval_num_inference_steps=10,
+    ),
+    "flow-factory-flux2-klein-base": dict(
+        scale_rewards="group", ema_decay=0.9, ema_update_interval=4, max_sequence_length=512,
+        eval_num_inference_steps=28, negative_prompt="",
+    ),
+    "flow-factory-flux2-klein": dict(
+        scale_rewards="group", ema_decay=0.9, ema_update_interval=4, max_sequence_length=512,
+        eval_num_inference_steps=10,
     ),
 }  # fmt: skip
 
@@ -195,6 +234,17 @@ _FLUX_LORA = (64, 128, _FG_ATTENTION + ("ff.net.0.proj", "ff.net.2", "ff_context
 _QWEN_LORA = (
     64, 128, _FG_ATTENTION + ("img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2")
 )  # FG scripts/train_qwenimage.py:410-427  # fmt: skip
+# Flow-Factory: lora_rank 64, lora_alpha 128 (examples/grpo/lora/*/default.yaml@a0b2bc5), its adapters'
+# default_target_modules (src/flow_factory/models/z_image/z_image.py@5405453; models/flux/flux2_klein.py@1e4264b,
+# whose list has attn.to_out.0 twice).
+_ZIMAGE_LORA = (
+    64, 128, ("attention.to_k", "attention.to_q", "attention.to_v", "attention.to_out.0",
+              "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"),
+)  # fmt: skip
+_FLUX2_KLEIN_LORA = (
+    64, 128, _FG_ATTENTION + ("ff.linear_in", "ff.linear_out", "ff_context.linear_in", "ff_context.linear_out",
+                              "attn.to_qkv_mlp_proj"),
+)  # fmt: skip
 PUBLISHED_LORA = {
     "flow-grpo-sd35": _SD35_LORA,
     "flow-grpo-sd35-ocr": _SD35_LORA,
@@ -206,6 +256,10 @@ PUBLISHED_LORA = {
     "dancegrpo-flux": None,  # full fine-tuning
     "mixgrpo-flux": None,
     "dancegrpo-flux-8gpu": None,
+    "flow-factory-z-image": _ZIMAGE_LORA,
+    "flow-factory-z-image-turbo": _ZIMAGE_LORA,
+    "flow-factory-flux2-klein-base": _FLUX2_KLEIN_LORA,
+    "flow-factory-flux2-klein": _FLUX2_KLEIN_LORA,
 }
 MODELS = {
     "flow-grpo-sd35": "stabilityai/stable-diffusion-3.5-medium",
@@ -218,6 +272,10 @@ MODELS = {
     "dancegrpo-flux": "black-forest-labs/FLUX.1-dev",
     "mixgrpo-flux": "black-forest-labs/FLUX.1-dev",
     "dancegrpo-flux-8gpu": "black-forest-labs/FLUX.1-dev",
+    "flow-factory-z-image": "Tongyi-MAI/Z-Image",
+    "flow-factory-z-image-turbo": "Tongyi-MAI/Z-Image-Turbo",
+    "flow-factory-flux2-klein-base": "black-forest-labs/FLUX.2-klein-base-9B",
+    "flow-factory-flux2-klein": "black-forest-labs/FLUX.2-klein-9B",
 }
 
 
@@ -232,9 +290,13 @@ def test_preset_builds_a_valid_config(name, tmp_path):
     assert isinstance(config, GRPOJaggConfig) and config.output_dir == str(tmp_path)
     for key, value in {**recipe.config, **PUBLISHED[name], **PEER_CONVENTIONS[name]}.items():
         assert getattr(config, key) == value, key
-    # The paper's JAGG settings; a window preset's W is its window (a W = 4 group never fits in 2 or 3 trained steps).
+    # The paper's JAGG settings; a window preset's W is its window (a W = 4 group never fits in 2 or 3 trained steps),
+    # and the 4-step distilled klein trains 3 steps: W = 3.
     assert config.use_jagg and config.jagg_frac == 0.6 and config.jagg_mode == "jagg"
-    assert config.jagg_group_size == (config.sde_window_size if config.train_timesteps == "sde_window" else 4)
+    if config.train_timesteps == "sde_window":
+        assert config.jagg_group_size == config.sde_window_size
+    else:
+        assert config.jagg_group_size == (3 if name == "flow-factory-flux2-klein" else 4)
     assert config.generation_batch_size % config.num_generations == 0
     assert recipe.model == MODELS[name]
     assert recipe.description and recipe.source and recipe.reward_funcs
@@ -450,7 +512,7 @@ def test_recipes_import_nothing_of_trl_jagg():
 
     code = "import sys, trl_jagg.recipes; print(sorted(m for m in sys.modules if m.startswith('trl_jagg.')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "['trl_jagg.recipes']"
+    assert out.strip() == "['trl_jagg.recipe', 'trl_jagg.recipes']"  # the presets and their record class
 
 
 # ---------------------------------------------------------------- through the public trainer (issue 18)
@@ -487,7 +549,9 @@ PRESET_SPLIT_TINY = dict(
 
 
 # mixgrpo-flux's schedule and split were not read against MixGRPO's trainer in the round that wrote PEER_TRAINING
-# (Flow-GRPO and DanceGRPO only); its rows are owed, see docs/models.md.
+# (Flow-GRPO and DanceGRPO only); its rows are owed, see docs/models.md. The flow-factory-* presets came from a
+# branch written before PEER_TRAINING: their rows (Flow-Factory's trainer) are owed too; their LoRA targets are
+# pinned by test_preset_builds_a_valid_config and trained on the tiny Z-Image / FLUX.2 klein in tests/test_cli.py.
 @pytest.mark.parametrize("name", [n for n in NAMES if n in PEER_TRAINING and PEER_TRAINING[n] is not None])
 def test_preset_schedule_split_and_lora_through_the_trainer(name, request, tmp_path):
     """The logged learning rate stays constant, one rollout feeds the peer's number of optimizer steps (2 for

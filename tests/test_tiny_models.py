@@ -7,11 +7,15 @@ import pytest
 import torch
 from diffusers import (
     DiffusionPipeline,
+    Flux2KleinPipeline,
+    FluxKontextPipeline,
     FluxPipeline,
     QwenImagePipeline,
     StableDiffusion3Pipeline,
+    ZImagePipeline,
 )
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
 
 from trl_jagg.testing.tiny_models import (
     DEFAULT_VOCAB_WORDS,
@@ -22,19 +26,34 @@ from trl_jagg.testing.tiny_models import (
     build_tiny_pipeline,
 )
 
-PIPELINE_CLASSES = {"flux": FluxPipeline, "sd3": StableDiffusion3Pipeline, "qwenimage": QwenImagePipeline}
+PIPELINE_CLASSES = {
+    "flux": FluxPipeline,
+    "sd3": StableDiffusion3Pipeline,
+    "qwenimage": QwenImagePipeline,
+    "zimage": ZImagePipeline,
+    "flux2_klein": Flux2KleinPipeline,
+    "flux_kontext": FluxKontextPipeline,
+}
 PROMPTS = ["a red circle", "a small blue square on a dark background"]  # different lengths on purpose
 EXTRA_WORDS = ["crimson", "teal", "hexagon", "Zebra"]
 
 
 def _call_kwargs(family: str) -> dict:
     """Keyword arguments that switch guidance on the way each family is used: Flux's distilled guidance, SD3's
-    CFG, and Qwen-Image's true CFG (which needs a negative prompt)."""
+    CFG, Qwen-Image's true CFG (which needs a negative prompt), Z-Image's and FLUX.2 klein's CFG."""
     return {
         "flux": {"guidance_scale": 3.5},
         "sd3": {"guidance_scale": 4.5},
         "qwenimage": {"true_cfg_scale": 4.0, "negative_prompt": " "},
+        "zimage": {"guidance_scale": 3.0},
+        "flux2_klein": {"guidance_scale": 4.0},  # the negative prompt is always ""
+        "flux_kontext": {"guidance_scale": 3.5},  # without a source image: FLUX.1's text-to-image
     }[family]
+
+
+def _size_kwargs(family: str, size: int) -> dict:
+    """The output size; FluxKontextPipeline also rescales it to ``max_area`` (1024^2 by default)."""
+    return {"height": size, "width": size, **({"max_area": size * size} if family == "flux_kontext" else {})}
 
 
 def _state_dicts(pipe: DiffusionPipeline) -> dict[str, dict[str, torch.Tensor]]:
@@ -69,7 +88,8 @@ def test_reload_has_identical_weights(saved):
         for name, state in expected.items():
             assert actual[name].keys() == state.keys(), name
             for key, tensor in state.items():
-                assert actual[name][key].dtype == torch.float32, (name, key)
+                # Integer buffers (a batch norm's counter) keep their dtype.
+                assert actual[name][key].dtype == (torch.float32 if tensor.is_floating_point() else tensor.dtype)
                 assert torch.equal(actual[name][key], tensor), (name, key)
             assert not other.components[name].training, name
     for name, component in built.components.items():
@@ -93,9 +113,8 @@ def test_pipeline_call_is_finite_sized_and_deterministic(saved, size):
 
     def generate() -> np.ndarray:
         return pipe(
-            PROMPTS[0],
-            height=size,
-            width=size,
+            prompt=PROMPTS[0],  # by name: Flux2KleinPipeline's first argument is the reference image
+            **_size_kwargs(family, size),
             num_inference_steps=2,
             generator=torch.Generator().manual_seed(0),
             output_type="np",
@@ -139,7 +158,7 @@ def test_vocab_words_are_single_tokens_with_own_embeddings(family):
         assert encoder.get_input_embeddings().num_embeddings == len(tokenizer)
         for word in EXTRA_WORDS:
             # Qwen's byte-level BPE attaches the preceding space to a word; CLIP lower-cases.
-            texts = [word, " " + word] if family == "qwenimage" else [word]
+            texts = [word, " " + word] if family in ("qwenimage", "zimage", "flux2_klein") else [word]
             for text in texts:
                 ids = tokenizer(text, add_special_tokens=False).input_ids
                 assert len(ids) == 1, (type(tokenizer).__name__, text, tokenizer.convert_ids_to_tokens(ids))
@@ -194,15 +213,14 @@ def _dynamic_shift(pipe: DiffusionPipeline, image_seq_len: int) -> float:
 def _flux_by_hand(pipe: FluxPipeline, *, height: int, width: int, steps: int, seed: int) -> torch.Tensor:
     batch = len(PROMPTS)
     prompt_embeds, pooled_embeds, text_ids = pipe.encode_prompt(PROMPTS, prompt_2=None, max_sequence_length=512)
-    latents, image_ids = pipe.prepare_latents(
-        batch,
-        pipe.transformer.config.in_channels // 4,
-        height,
-        width,
-        prompt_embeds.dtype,
-        torch.device("cpu"),
+    args = (
+        batch, pipe.transformer.config.in_channels // 4, height, width, prompt_embeds.dtype, torch.device("cpu"),
         torch.Generator().manual_seed(seed),
-    )
+    )  # fmt: skip
+    if isinstance(pipe, FluxKontextPipeline):  # its source image comes first; without one, the noise alone
+        latents, _, image_ids, _ = pipe.prepare_latents(None, *args)
+    else:
+        latents, image_ids = pipe.prepare_latents(*args)
     # Unshifted sigmas linspace(1, 1/N, N); the scheduler applies the dynamic shift mu of the packed sequence length.
     pipe.scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), mu=_dynamic_shift(pipe, latents.shape[1]))
     guidance = torch.full((batch,), _call_kwargs("flux")["guidance_scale"], dtype=torch.float32)
@@ -293,16 +311,74 @@ def _qwenimage_by_hand(pipe: QwenImagePipeline, *, height: int, width: int, step
     return latents
 
 
-MANUAL_SAMPLERS = {"flux": _flux_by_hand, "sd3": _sd3_by_hand, "qwenimage": _qwenimage_by_hand}
+@torch.no_grad()
+def _zimage_by_hand(pipe: ZImagePipeline, *, height: int, width: int, steps: int, seed: int) -> torch.Tensor:
+    batch, scale = len(PROMPTS), _call_kwargs("zimage")["guidance_scale"]
+    # One (tokens, dim) embedding per prompt, its padding dropped; the negative prompt defaults to "".
+    prompt_embeds, negative_embeds = pipe.encode_prompt(list(PROMPTS), do_classifier_free_guidance=True)
+    latents = pipe.prepare_latents(
+        batch, pipe.transformer.config.in_channels, height, width, torch.float32, torch.device("cpu"),
+        torch.Generator().manual_seed(seed),
+    )  # fmt: skip
+    # Static shift 3 applied by the scheduler to linspace(1, 1/N, N) (Z-Image-Turbo has no dynamic shifting).
+    pipe.scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps).tolist(), mu=0.0)
+    for step, t in enumerate(pipe.scheduler.timesteps):
+        out = pipe.transformer(
+            [x.unsqueeze(1) for x in latents] * 2,  # one (C, 1 frame, h, w) latent per call, conditional first
+            ((1000 - t) / 1000).expand(2 * batch),  # reversed time in [0, 1]
+            prompt_embeds + negative_embeds,
+            return_dict=False,
+        )[0]
+        cond, uncond = torch.stack(out[:batch])[:, :, 0], torch.stack(out[batch:])[:, :, 0]
+        # The backbone predicts noise minus data: the velocity is its negative, guided as v_c + g (v_c - v_u).
+        latents = _euler(pipe, step, latents, -(cond + scale * (cond - uncond)))
+    return latents
+
+
+@torch.no_grad()
+def _flux2_klein_by_hand(pipe: Flux2KleinPipeline, *, height: int, width: int, steps: int, seed: int) -> torch.Tensor:
+    batch, scale = len(PROMPTS), _call_kwargs("flux2_klein")["guidance_scale"]
+    prompt_embeds, text_ids = pipe.encode_prompt(list(PROMPTS))  # hidden states 9, 18, 27 stacked per token
+    negative_embeds, negative_ids = pipe.encode_prompt([""] * batch)
+    latents, image_ids = pipe.prepare_latents(
+        batch, pipe.transformer.config.in_channels // 4, height, width, torch.float32, torch.device("cpu"),
+        torch.Generator().manual_seed(seed),
+    )  # fmt: skip
+    # linspace(1, 1/N, N) shifted by BFL's empirical mu of (tokens, steps), not Flux's linear calculate_shift.
+    mu = compute_empirical_mu(latents.shape[1], steps)
+    pipe.scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
+    for step, t in enumerate(pipe.scheduler.timesteps):
+        cond, uncond = (
+            pipe.transformer(
+                hidden_states=latents, timestep=t.expand(batch) / 1000, guidance=None, encoder_hidden_states=embeds,
+                txt_ids=ids, img_ids=image_ids, return_dict=False,
+            )[0]
+            for embeds, ids in ((prompt_embeds, text_ids), (negative_embeds, negative_ids))
+        )  # fmt: skip
+        latents = _euler(pipe, step, latents, uncond + scale * (cond - uncond))
+    # output_type="latent" returns the VAE's latents: tokens onto the patch grid, batch norm undone, patches unfolded.
+    grid = pipe._unpack_latents_with_ids(latents, image_ids, height // 16, width // 16)
+    bn = pipe.vae.bn
+    grid = grid * torch.sqrt(bn.running_var.view(1, -1, 1, 1) + bn.eps) + bn.running_mean.view(1, -1, 1, 1)
+    return pipe._unpatchify_latents(grid)
+
+
+MANUAL_SAMPLERS = {
+    "flux": _flux_by_hand,
+    "sd3": _sd3_by_hand,
+    "qwenimage": _qwenimage_by_hand,
+    "zimage": _zimage_by_hand,
+    "flux2_klein": _flux2_klein_by_hand,
+    "flux_kontext": _flux_by_hand,  # no source image: Flux's loop
+}
 
 
 def test_manual_sampling_reproduces_pipeline_latents(saved):
     family, _, pipe = saved
     height, width, steps, seed = 32, 32, 2, 7
     expected = pipe(
-        PROMPTS,
-        height=height,
-        width=width,
+        prompt=list(PROMPTS),  # ZImagePipeline rewrites the list it is given into chat-templated prompts
+        **_size_kwargs(family, height),
         num_inference_steps=steps,
         generator=torch.Generator().manual_seed(seed),
         output_type="latent",

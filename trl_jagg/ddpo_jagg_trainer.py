@@ -28,7 +28,7 @@ from trl.trainer.base_trainer import _BaseTrainer
 
 from .distributed import check_backend, check_world_size, gradient_sync_deferred, shard_backbones
 from .grpo_jagg_config import GRPOJaggConfig
-from .models import FlowMatchingAdapter, load_adapter
+from .models import load_adapter
 from .prompts import prompt_text
 from .rewards import reward_name
 from .trainer import checkpointing, hub
@@ -42,7 +42,7 @@ from .trainer.files import EMA_DIR
 from .trainer.generation import RolloutGenerator
 from .trainer.guards import stop_if_non_finite
 from .trainer.image_logging import eval_images_key, log_completions, log_image_grid, save_images
-from .trainer.inputs import checked_inputs
+from .trainer.inputs import checked_inputs, checked_source_images
 from .trainer.metrics import first_completions, logged_means
 from .trainer.placement import FrozenModules
 from .trainer.scoring import RewardFailure
@@ -97,9 +97,8 @@ class DDPOJaggTrainer(_BaseTrainer):
             args, train_dataset, eval_dataset, reward_funcs
         )
         self.base_model_id = model if isinstance(model, str) else (model.name_or_path or None)
-        self.adapter: FlowMatchingAdapter = load_adapter(
-            model, dtype=getattr(torch, args.dtype), revision=args.model_revision
-        )
+        self.adapter = load_adapter(model, dtype=getattr(torch, args.dtype), revision=args.model_revision)
+        checked_source_images(self.adapter, train_dataset, eval_dataset)
         self.scheduler_overridden = hub.scheduler_differs_from_base(
             self.adapter.pipeline.scheduler, self.base_model_id, args.model_revision
         )

@@ -3,14 +3,23 @@
 A prompt is a non-empty string, or a conversation in TRL's format (``[{"role": "user", "content": ...}, ...]``),
 whose last user turn is the prompt. Anything else (``None``, a number, an empty string) is an error naming the
 row, never a ``str(...)`` of it.
+
+Editing models also read a source image per row (column ``source_image``): a PIL image, a file path, encoded bytes,
+or the ``{"bytes": ..., "path": ...}`` cell of a ``datasets.Image`` column, in RGB.
 """
 
 from __future__ import annotations
 
+import io
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from PIL import Image
+
 CONVERSATION_HINT = "a conversation [{'role': 'user', 'content': '...'}]"
+SOURCE_IMAGE_COLUMN = "source_image"
+"""The dataset column of the images that editing models edit, one per prompt."""
 
 
 def prompt_text(value: Any, where: str) -> str:
@@ -53,20 +62,71 @@ def _content_text(content: Any, where: str) -> str:
     )
 
 
+def source_image(value: Any, where: str) -> Image.Image:
+    """The RGB image of source-image cell ``value``; ``where`` names it in errors.
+
+    Raises:
+        ValueError: the cell is empty, not an image, unreadable, or not in RGB mode.
+    """
+    if isinstance(value, Mapping) and ("bytes" in value or "path" in value):  # a datasets.Image cell
+        value = value.get("bytes") or value.get("path")
+    if value is None:
+        raise ValueError(f"{where} is missing: an editing model needs a source image for every prompt.")
+    try:
+        if isinstance(value, Image.Image):
+            image = value
+        elif isinstance(value, (bytes, bytearray)):
+            image = Image.open(io.BytesIO(value))
+        elif isinstance(value, (str, os.PathLike)):
+            image = Image.open(value)
+        else:
+            raise ValueError(
+                f"{where} is {type(value).__name__}, not an image. Use a PIL image, a file path or encoded bytes."
+            )
+        image.load()  # decode now: a truncated or corrupt file fails here, not in the middle of a rollout
+    except (OSError, Image.DecompressionBombError) as error:
+        raise ValueError(f"{where} cannot be read as an image ({error}).") from None
+    if image.mode != "RGB":
+        raise ValueError(
+            f"{where} is a {image.mode} image; editing models read RGB. Convert it, e.g. "
+            "`dataset.cast_column('source_image', datasets.Image(mode='RGB'))` or `image.convert('RGB')`."
+        )
+    return image
+
+
 def check_prompts(prompts: Sequence[Any], where: str) -> list[str]:
     """Every prompt of ``prompts`` as text; errors name ``where`` and the index of the first bad one."""
     return [prompt_text(value, f"{where}[{i}]") for i, value in enumerate(prompts)]
 
 
-def prompt_dataset(dataset: Any, prompts_per_rollout: int, name: str = "train_dataset") -> Any:
+def check_source_images(dataset: Any, name: str = "train_dataset") -> None:
+    """Every row of ``dataset`` has a readable RGB ``source_image`` (:func:`source_image`); errors name the row.
+
+    Raises:
+        ValueError: no ``source_image`` column, or a bad row.
+    """
+    if SOURCE_IMAGE_COLUMN not in dataset.column_names:
+        raise ValueError(
+            f"{name} has no '{SOURCE_IMAGE_COLUMN}' column (columns: {dataset.column_names}), which an editing "
+            "model needs: the image each prompt edits (PIL images, paths or bytes). Rename the image column, e.g. "
+            f"`dataset.rename_column('image', '{SOURCE_IMAGE_COLUMN}')`."
+        )
+    for i, value in enumerate(dataset[SOURCE_IMAGE_COLUMN]):
+        source_image(value, f"{name} row {i} '{SOURCE_IMAGE_COLUMN}'")
+
+
+def prompt_dataset(
+    dataset: Any, prompts_per_rollout: int, name: str = "train_dataset", *, source_images: bool = False
+) -> Any:
     """``dataset`` as a :class:`datasets.Dataset` whose every ``prompt`` is usable, holding at least one rollout's
     ``prompts_per_rollout`` prompts. A Python list of prompts or of records is converted. ``name`` is the argument
-    the errors name (``eval_dataset`` for the held-out prompts).
+    the errors name (``eval_dataset`` for the held-out prompts). ``source_images``: the model edits images, so every
+    row also needs a readable RGB ``source_image`` (see :func:`source_image`).
 
     Raises:
         TypeError: a streaming ``IterableDataset``, a ``DatasetDict`` or another type.
-        ValueError: no ``prompt`` column, a column named like a reward keyword (``images``, ...), a bad row (its
-            index is named) or too few prompts.
+        ValueError: no ``prompt`` column (or no ``source_image`` column for an editing model), a column named like
+            a reward keyword (``images``, ...), a bad row (its index is named) or too few prompts.
     """
     from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
 
@@ -106,6 +166,8 @@ def prompt_dataset(dataset: Any, prompts_per_rollout: int, name: str = "train_da
         )
     for i, value in enumerate(dataset["prompt"]):
         prompt_text(value, f"{name} row {i} 'prompt'")
+    if source_images:
+        check_source_images(dataset, name)
     if len(dataset) < prompts_per_rollout:
         raise ValueError(
             f"{name} has {len(dataset)} prompt{'s' if len(dataset) != 1 else ''}; one rollout needs "
@@ -115,4 +177,11 @@ def prompt_dataset(dataset: Any, prompts_per_rollout: int, name: str = "train_da
     return dataset
 
 
-__all__ = ["check_prompts", "prompt_dataset", "prompt_text"]
+__all__ = [
+    "SOURCE_IMAGE_COLUMN",
+    "check_prompts",
+    "check_source_images",
+    "prompt_dataset",
+    "prompt_text",
+    "source_image",
+]

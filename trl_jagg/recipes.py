@@ -1,4 +1,4 @@
-"""Presets: the public Flow-GRPO / Flow-GRPO-Fast / DanceGRPO / MixGRPO recipes as named, documented GRPOJaggConfig values.
+"""Presets: the public Flow-GRPO(-Fast), DanceGRPO, MixGRPO and Flow-Factory recipes as named GRPOJaggConfig values.
 
 .. code-block:: python
 
@@ -34,16 +34,11 @@ from __future__ import annotations
 import difflib
 import os
 import sys
-import textwrap
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from diffusers import DiffusionPipeline
-    from peft import LoraConfig
-
+from .recipe import Recipe
 
 __all__ = [
     "ATTENTION_PROJECTIONS",
@@ -108,116 +103,6 @@ def _two_updates_per_rollout(per_device: int, images_per_process: int) -> dict[s
 def _lora(rank: int, targets: tuple[str, ...]) -> dict[str, Any]:
     """Flow-GRPO's LoRA: rank ``rank``, alpha ``2 * rank``, gaussian init, on ``targets``."""
     return {"r": rank, "lora_alpha": 2 * rank, "target_modules": targets, "init_lora_weights": "gaussian"}
-
-
-@dataclass(frozen=True)
-class Recipe:
-    """A named preset.
-
-    Attributes:
-        name: the preset's name (``GRPOJaggConfig.from_recipe(name, ...)``).
-        model: Hub id of the base pipeline the recipe fine-tunes.
-        description: one line: what the recipe is.
-        source: where the numbers come from.
-        config: :class:`~trl_jagg.GRPOJaggConfig` field values (read-only).
-        lora: :class:`~peft.LoraConfig` keyword arguments, or ``None`` for full fine-tuning.
-        scheduler: scheduler config overrides the recipe applies to the pipeline (``None``: the model's own).
-            :meth:`apply_scheduler` applies them; a pipeline loaded from ``model`` does not have them.
-        reward_funcs: the reward names the recipe was published with (see ``docs/rewards.md``).
-        mixed_precision: the Trainer's mixed-precision flag the recipe trains with on GPUs, ``"fp16"`` or
-            ``"bf16"`` (``None``: none). It is not in ``config`` because a CPU-only machine refuses it: pass
-            ``**{recipe.mixed_precision: True}`` to :meth:`GRPOJaggConfig.from_recipe` (or ``--bf16 true`` /
-            ``--fp16 true`` to the CLI). With ``config["dtype"] == "float32"`` this is the peer's precision: float32
-            weights, the backbone's forward under autocast.
-        notes: what the preset does not express, or chose where the source is silent.
-    """
-
-    name: str
-    model: str
-    description: str
-    source: str
-    config: Mapping[str, Any]
-    lora: Mapping[str, Any] | None = None
-    scheduler: Mapping[str, Any] | None = None
-    reward_funcs: tuple[str, ...] = ()
-    mixed_precision: str | None = None
-    notes: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        for name in ("config", "lora", "scheduler"):
-            value = getattr(self, name)
-            if value is not None:
-                object.__setattr__(self, name, MappingProxyType(dict(value)))
-        if self.mixed_precision not in (None, "fp16", "bf16"):
-            raise ValueError(f"Recipe.mixed_precision is {self.mixed_precision!r}. Use 'fp16', 'bf16' or None.")
-
-    def variant(self, name: str, description: str, config: Mapping[str, Any], **fields: Any) -> Recipe:
-        """This recipe under another ``name``, with ``config`` values on top and other attributes replaced by
-        ``fields`` (e.g. ``notes``, ``reward_funcs``)."""
-        return replace(self, name=name, description=description, config={**self.config, **config}, **fields)
-
-    def lora_config(self) -> LoraConfig | None:
-        """The recipe's LoRA adapter as a :class:`~peft.LoraConfig` (``None`` for full fine-tuning)."""
-        if self.lora is None:
-            return None
-        from peft import LoraConfig
-
-        values = dict(self.lora)
-        values["target_modules"] = list(values["target_modules"])
-        return LoraConfig(**values)
-
-    def apply_scheduler(self, pipeline: DiffusionPipeline) -> DiffusionPipeline:
-        """Replace ``pipeline.scheduler`` by one with the recipe's overrides (a no-op without any); returns it."""
-        if self.scheduler:
-            scheduler = pipeline.scheduler
-            pipeline.scheduler = type(scheduler).from_config(scheduler.config, **self.scheduler)
-        return pipeline
-
-    def cli_values(self) -> dict[str, Any]:
-        """The recipe as ``trl-jagg train`` fields: model, rewards and LoRA (``ScriptArguments``) then config."""
-        values: dict[str, Any] = {"model_name_or_path": self.model, "reward_funcs": list(self.reward_funcs)}
-        if self.lora is not None:
-            values |= {
-                "use_peft": True,
-                "lora_r": self.lora["r"],
-                "lora_alpha": self.lora["lora_alpha"],
-                "lora_target_modules": list(self.lora["target_modules"]),
-            }
-        return values | dict(self.config)
-
-    def to_yaml(self) -> str:
-        """The YAML config of ``trl-jagg train --config``, with the recipe's documentation as a header."""
-        import yaml
-
-        usage = (
-            f"trl-jagg train --config examples/recipes/{self.name}.yaml --output_dir runs/{self.name} "
-            "--dataset_name <prompts: Hub dataset or .txt/.json/.jsonl/.csv/.parquet file>"
-        )
-        lines = [
-            f"{self.name}: {self.description}",
-            f"Source: {self.source}",
-            "Generated from trl_jagg/recipes.py by `python -m trl_jagg.recipes examples/recipes`: edit the preset "
-            "there, not this file (tests/test_recipes.py fails on drift).",
-            f"Usage: {usage}",
-        ]
-        if self.mixed_precision:
-            lines.append(
-                f"On GPUs add --{self.mixed_precision} true: the recipe's mixed precision (a CPU-only machine refuses "
-                "it, so it is not among the values below)."
-            )
-        if self.scheduler:
-            lines.append(
-                f"The scheduler override {dict(self.scheduler)} is not a config field: the CLI applies it because "
-                f"`recipe: {self.name}` names the preset. Keep that line."
-            )
-        lines += [f"Note: {note}" for note in self.notes]
-        header = "".join(
-            "\n".join(textwrap.wrap(line, 117, initial_indent="# ", subsequent_indent="#   ")) + "\n" for line in lines
-        )
-        # `recipe:` makes the CLI start from the preset (and apply its scheduler override); the explicit values
-        # below repeat it so that the file documents, and can edit, every one of them.
-        values = {"recipe": self.name} | self.cli_values()
-        return header + yaml.safe_dump(values, sort_keys=False, default_flow_style=False, width=119)
 
 
 _SD35 = Recipe(
@@ -444,6 +329,74 @@ _DANCE = Recipe(
         "per rollout, on the CPU, max_grad_norm 0.01).",
     ),
 )
+# Flow-Factory's default LoRA targets, as its adapters list them (default_target_modules in
+# src/flow_factory/models/z_image/z_image.py@5405453 and src/flow_factory/models/flux/flux2_klein.py@1e4264b, which
+# names attn.to_out.0 twice): attention and feed-forward of every block.
+_ZIMAGE_LORA_TARGETS = (
+    "attention.to_k", "attention.to_q", "attention.to_v", "attention.to_out.0",
+    "feed_forward.w1", "feed_forward.w2", "feed_forward.w3",
+)  # fmt: skip
+_FLUX2_KLEIN_LORA_TARGETS = (
+    *_FLOW_GRPO_ATTENTION, "ff.linear_in", "ff.linear_out", "ff_context.linear_in", "ff_context.linear_out",
+    "attn.to_qkv_mlp_proj",
+)  # fmt: skip
+
+
+def _flow_factory(
+    name: str,
+    model: str,
+    folder: str,
+    description: str,
+    settings: Mapping[str, Any],
+    lora_targets: Sequence[str],
+    *,
+    sde_steps: str,
+) -> Recipe:
+    """A Flow-Factory GRPO LoRA preset (``examples/grpo/lora/<folder>/default.yaml`` at a0b2bc5). The settings its
+    configs share are here, with their lines in the Z-Image files (the FLUX.2 klein files hold the same keys at
+    L43-73); ``settings`` holds the model's own."""
+    steps = settings["num_inference_steps"]
+    width = settings.get("jagg_group_size", PAPER_JAGG["jagg_group_size"])
+    return Recipe(
+        name=name,
+        model=model,
+        description=description,
+        source=f"Flow-Factory (X-GenGroup/Flow-Factory@a0b2bc5) examples/grpo/lora/{folder}/default.yaml; JAGG as in "
+        "the paper.",
+        config={
+            "sampler": "sde",  # dynamics_type Flow-SDE
+            "num_generations": 16,  # group_size (L58)
+            "per_device_train_batch_size": 4,
+            "gradient_accumulation_steps": 4,  # one rollout = one group of 16 per process
+            "train_timesteps": "all_but_last",
+            "beta": 0.0,  # kl_beta (L48)
+            "clip_range": 1e-4,  # L44
+            "adv_clip_max": 5.0,  # adv_clip_range (L45)
+            "scale_rewards": "group",  # global_std: false (L59)
+            "max_sequence_length": 512,  # the pipelines' default, which Flow-Factory keeps
+            "ema_decay": 0.9,  # L73
+            "ema_update_interval": 4,  # L74
+            "learning_rate": 3e-4,  # L66
+            "weight_decay": 1e-4,
+            "max_grad_norm": 1.0,
+            **PAPER_JAGG,
+            "dtype": "bfloat16",
+            **settings,
+        },
+        lora=_lora(64, tuple(lora_targets)),  # lora_rank 64, lora_alpha 128
+        reward_funcs=("pickscore",),  # rewards: pick_score
+        mixed_precision="bf16",
+        notes=(
+            f"Flow-Factory trains one SDE step per rollout, drawn from {sde_steps} (num_sde_steps: 1), which leaves "
+            f"JAGG nothing to group; the preset trains all steps but the last ({steps - 1} of {steps}, JAGG groups "
+            f"of W = {width}) instead.",
+            "Flow-Factory aggregates several rewards with GDPO (advantage_aggregation); with the one reward of this "
+            "preset that is the per-group normalisation of scale_rewards='group'.",
+            "LoRA r 64 / alpha 128 on Flow-Factory's default targets (lora_rank, lora_alpha, target_modules: "
+            "default).",
+        ),
+    )
+
 
 RECIPES: Mapping[str, Recipe] = MappingProxyType(
     {
@@ -591,6 +544,79 @@ RECIPES: Mapping[str, Recipe] = MappingProxyType(
                     "pass get_recipe('mixgrpo-flux').apply_scheduler(pipeline) to DDPOJaggTrainer.",
                     "Full fine-tuning of a 12B backbone needs FSDP and bf16=True mixed precision on GPUs.",
                 ),
+            ),
+            _flow_factory(
+                "flow-factory-z-image",
+                "Tongyi-MAI/Z-Image",
+                "z_image",
+                "Flow-Factory's GRPO on Z-Image: LoRA, CFG 4, SDE a = 0.7, 10 steps.",
+                # guidance_scale 4.0 (L54), the pipeline's empty negative prompt; eval 40 steps (L90).
+                {
+                    "height": 512,
+                    "width": 512,
+                    "num_inference_steps": 10,
+                    "guidance_scale": 4.0,
+                    "negative_prompt": "",
+                    "noise_level": 0.7,
+                    "eval_num_inference_steps": 40,
+                },
+                _ZIMAGE_LORA_TARGETS,
+                sde_steps="steps {1, 2, 3} (L81-82)",
+            ),
+            _flow_factory(
+                "flow-factory-z-image-turbo",
+                "Tongyi-MAI/Z-Image-Turbo",
+                "z_image_turbo",
+                "Flow-Factory's GRPO on Z-Image-Turbo: LoRA, no CFG (distilled), SDE a = 0.7, 6 steps.",
+                # guidance_scale 0 (L54): one backbone call per step; eval 10 steps (L90).
+                {
+                    "height": 512,
+                    "width": 512,
+                    "num_inference_steps": 6,
+                    "guidance_scale": 0.0,
+                    "noise_level": 0.7,
+                    "eval_num_inference_steps": 10,
+                },
+                _ZIMAGE_LORA_TARGETS,
+                sde_steps="steps {1, 2, 3} (L81-82)",
+            ),
+            _flow_factory(
+                "flow-factory-flux2-klein-base",
+                "black-forest-labs/FLUX.2-klein-base-9B",
+                "flux2_klein_base",
+                "Flow-Factory's GRPO on FLUX.2 klein base 9B: LoRA, CFG 4, SDE a = 0.7, 8 steps at 384 px.",
+                # resolution 384 (L51), 8 steps, guidance 4.0 (L53-54), noise 0.7 (L90), eval 28 steps (L101); the
+                # pipeline's negative prompt is always "".
+                {
+                    "height": 384,
+                    "width": 384,
+                    "num_inference_steps": 8,
+                    "guidance_scale": 4.0,
+                    "negative_prompt": "",
+                    "noise_level": 0.7,
+                    "eval_num_inference_steps": 28,
+                },
+                _FLUX2_KLEIN_LORA_TARGETS,
+                sde_steps="steps {1, 2, 3} (L91-92)",
+            ),
+            _flow_factory(
+                "flow-factory-flux2-klein",
+                "black-forest-labs/FLUX.2-klein-9B",
+                "flux2_klein",
+                "Flow-Factory's GRPO on the step-distilled FLUX.2 klein 9B: LoRA, no CFG, SDE a = 0.5, 4 steps.",
+                # resolution 384 (L51), 4 steps, guidance 1.0 (L53-54), noise 0.5 (L90), eval 10 steps (L102). Only 3
+                # steps are trained: one group of W = 3 (a W = 4 group would never fit).
+                {
+                    "height": 384,
+                    "width": 384,
+                    "num_inference_steps": 4,
+                    "guidance_scale": 1.0,
+                    "noise_level": 0.5,
+                    "eval_num_inference_steps": 10,
+                    "jagg_group_size": 3,
+                },
+                _FLUX2_KLEIN_LORA_TARGETS,
+                sde_steps="steps {1, 2} (L91-92)",
             ),
         )
     }

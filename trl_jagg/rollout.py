@@ -192,11 +192,18 @@ def generate_images(
     negative_prompt: str | None = None,
     max_sequence_length: int | None = None,
     seed: int = 0,
+    source_images: Sequence | None = None,
 ) -> list:
-    """Deterministic (ODE) images for ``prompts``: the sample images logged during training and the demo grid."""
+    """Deterministic (ODE) images for ``prompts``: the sample images logged during training and the demo grid.
+    ``source_images``: one PIL image per prompt for editing families (the image each prompt edits)."""
     generator = torch.Generator(adapter.device).manual_seed(seed)
     cond = adapter.condition(
-        prompts, height=height, width=width, negative_prompt=negative_prompt, max_sequence_length=max_sequence_length
+        prompts,
+        height=height,
+        width=width,
+        negative_prompt=negative_prompt,
+        max_sequence_length=max_sequence_length,
+        source_images=source_images,
     )
     noise = adapter.prepare_latents(len(prompts), height, width, generator)
     sigmas, timesteps = adapter.schedule(num_steps, height, width)

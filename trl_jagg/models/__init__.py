@@ -10,13 +10,19 @@ from diffusers import DiffusionPipeline
 
 from .base import Conditioning, FlowMatchingAdapter, classifier_free_guidance
 from .flux import FluxAdapter
+from .flux2 import Flux2KleinAdapter
+from .flux_kontext import FluxKontextAdapter
 from .qwenimage import QwenImageAdapter
 from .sd3 import SD3Adapter
+from .zimage import ZImageAdapter
 
 MODEL_ADAPTERS: dict[str, type[FlowMatchingAdapter]] = {
     "FluxPipeline": FluxAdapter,
+    "FluxKontextPipeline": FluxKontextAdapter,  # FLUX.1 Kontext: image editing
+    "Flux2KleinPipeline": Flux2KleinAdapter,  # FLUX.2 klein, base and step-distilled
     "StableDiffusion3Pipeline": SD3Adapter,  # SD3 and SD3.5
     "QwenImagePipeline": QwenImageAdapter,
+    "ZImagePipeline": ZImageAdapter,
 }
 
 
@@ -51,9 +57,12 @@ __all__ = [
     "MODEL_ADAPTERS",
     "Conditioning",
     "FlowMatchingAdapter",
+    "Flux2KleinAdapter",
+    "FluxKontextAdapter",
     "FluxAdapter",
     "QwenImageAdapter",
     "SD3Adapter",
+    "ZImageAdapter",
     "adapter_class",
     "classifier_free_guidance",
     "load_adapter",

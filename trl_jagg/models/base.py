@@ -48,6 +48,32 @@ class Conditioning:
         return Conditioning({k: v[index] for k, v in self.per_sample.items()}, self.shared)
 
 
+def padded_prompt_batch(rows: Sequence[torch.Tensor], mask_dtype: torch.dtype) -> dict[str, torch.Tensor | None]:
+    """Prompt embeddings of different lengths ``(tokens_i, dim)`` as one batch, right-padded with zeros, as the
+    Qwen-Image pipeline batches them: ``prompt_embeds`` ``(batch, max tokens, dim)`` and ``prompt_embeds_mask``
+    ``(batch, max tokens)`` (``None`` when no row is padded, meaning attend to every token)."""
+    length = max(row.shape[0] for row in rows)
+    embeds = torch.stack([torch.nn.functional.pad(row, (0, 0, 0, length - row.shape[0])) for row in rows])
+    if all(row.shape[0] == length for row in rows):
+        return {"prompt_embeds": embeds, "prompt_embeds_mask": None}
+    mask = torch.stack([torch.arange(length, device=embeds.device) < row.shape[0] for row in rows]).to(mask_dtype)
+    return {"prompt_embeds": embeds, "prompt_embeds_mask": mask}
+
+
+def unpadded_prompt_rows(embeds: torch.Tensor, mask: torch.Tensor | None) -> list[torch.Tensor]:
+    """The rows of a :func:`padded_prompt_batch` without their padding (each prompt's own tokens)."""
+    if mask is None:
+        return list(embeds.unbind(0))
+    return [row[keep.bool()] for row, keep in zip(embeds, mask)]
+
+
+def _joined(first: torch.Tensor | list | None, second: torch.Tensor | list | None) -> torch.Tensor | list | None:
+    """Two branches' values of one backbone input as one batch (see :meth:`FlowMatchingAdapter.batch_branches`)."""
+    if first is None:
+        return None
+    return first + second if isinstance(first, list) else torch.cat([first, second])
+
+
 def classifier_free_guidance(
     cond: torch.Tensor, uncond: torch.Tensor, scale: float, *, rescale_to_cond_norm: bool = False
 ) -> torch.Tensor:
@@ -78,6 +104,11 @@ class FlowMatchingAdapter:
             embedded guidance value (Flux); ``true_cfg_scale`` is true CFG for the others.
         packed_latents: whether the backbone takes 2x2-packed latent tokens ``(batch, tokens, 4 * channels)``
             (Flux, Qwen-Image) rather than latent images ``(batch, channels, h, w)`` (SD3).
+        edits_images: whether the family conditions on source images (image editing: FLUX.1 Kontext), which
+            :meth:`condition` then requires (``source_images``) and :meth:`encode_source_images` encodes.
+        prompt_mask_dtype: set where prompts encode to different lengths (Qwen-Image, Z-Image): the batch is
+            right-padded with a ``prompt_embeds_mask`` of this dtype (:func:`padded_prompt_batch`); ``None``: fixed
+            lengths, batches concatenate.
         lora_target_modules: sensible default LoRA targets (the attention projections).
     """
 
@@ -85,6 +116,8 @@ class FlowMatchingAdapter:
     linspace_sigmas: ClassVar[bool] = True
     guidance_is_cfg: ClassVar[bool] = False
     packed_latents: ClassVar[bool] = True
+    prompt_mask_dtype: ClassVar[torch.dtype | None] = None
+    edits_images: ClassVar[bool] = False
     lora_target_modules: ClassVar[tuple[str, ...]] = ("to_q", "to_k", "to_v", "to_out.0")
 
     def __init__(self, pipeline: DiffusionPipeline):
@@ -155,10 +188,31 @@ class FlowMatchingAdapter:
         """Backbone inputs common to the whole batch at this resolution (position ids, image shapes)."""
         return {}
 
+    def encode_source_images(self, images: Sequence[Image.Image], height: int, width: int) -> dict[str, torch.Tensor]:
+        """Per-sample conditioning of editing families from their source images (one per sample), e.g. the reference
+        latents ``reference_latents`` (see :meth:`with_reference_tokens`). Text-to-image families take none."""
+        raise ValueError(
+            f"{type(self).__name__} generates from text only: it takes no source images (got {len(images)}). Use an "
+            "editing model (FluxKontextPipeline) or drop the dataset's source image column."
+        )
+
+    @staticmethod
+    def with_reference_tokens(hidden: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        """The backbone's token sequence: the generated tokens, then the reference image's (``reference_latents``)
+        when the conditioning has them. Only the first ``hidden.shape[1]`` output tokens are denoised."""
+        reference = cond.get("reference_latents")
+        return hidden if reference is None else torch.cat([hidden, reference.to(hidden.dtype)], dim=1)
+
     # ---- shared ----
     def collate(self, encoded: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """One batch from prompts encoded one at a time (each :meth:`encode_prompts` output, ``None`` entries
-        left out): what encoding them together gives. Families whose encodings have a fixed length concatenate."""
+        left out): what encoding them together gives. Fixed-length encodings concatenate; variable-length ones
+        (``prompt_mask_dtype``) are padded to the longest, as the pipelines batch them."""
+        if self.prompt_mask_dtype is not None:
+            rows = [
+                row for e in encoded for row in unpadded_prompt_rows(e["prompt_embeds"], e.get("prompt_embeds_mask"))
+            ]
+            return _present(padded_prompt_batch(rows, self.prompt_mask_dtype))
         keys = encoded[0].keys()
         for key in keys:
             if any(e.keys() != keys or e[key].shape[1:] != encoded[0][key].shape[1:] for e in encoded):
@@ -176,6 +230,7 @@ class FlowMatchingAdapter:
         negative_prompt: str | None = None,
         max_sequence_length: int | None = None,
         encoded: dict[str, torch.Tensor] | None = None,
+        source_images: Sequence[Image.Image] | None = None,
     ) -> Conditioning:
         """Encode ``prompts`` (and the negative prompt when given) and add the resolution's spatial inputs.
 
@@ -183,7 +238,18 @@ class FlowMatchingAdapter:
         cached (the text encoders are frozen), then expanded to the batch, so every entry of ``per_sample`` has
         the batch first and :meth:`Conditioning.select` can index it. ``encoded``: the prompts' encodings when
         already computed (e.g. :meth:`collate` of precomputed ones); the prompts are then not encoded again.
+        ``source_images``: one RGB image per prompt, required by editing families (``edits_images``) and refused by
+        the others.
         """
+        if source_images is None and self.edits_images:
+            raise ValueError(
+                f"{type(self).__name__} edits images: pass `source_images` (one RGB image per prompt; in training, a "
+                "source image column beside the prompts)."
+            )
+        if source_images is not None and len(source_images) != len(prompts):
+            raise ValueError(
+                f"Got {len(source_images)} source images for {len(prompts)} prompts: give one per prompt."
+            )
         with torch.no_grad():
             if encoded is None:
                 encoded = _present(self.encode_prompts(list(prompts), max_sequence_length))
@@ -193,6 +259,8 @@ class FlowMatchingAdapter:
                 per_sample |= {
                     f"negative_{key}": value.expand(len(prompts), *value.shape[1:]) for key, value in negative.items()
                 }
+            if source_images is not None:
+                per_sample |= self.encode_source_images(source_images, height, width)
         return Conditioning(per_sample, self.shared_inputs(per_sample, height, width))
 
     def _encoded_negative(self, negative_prompt: str, max_sequence_length: int | None) -> dict[str, torch.Tensor]:
@@ -273,8 +341,9 @@ class FlowMatchingAdapter:
 
     def batch_branches(self, first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
         """The backbone inputs of two branches as one batch, ``first``'s rows first: tensors concatenated along the
-        batch, ``None`` left as is. Families whose branch inputs may differ in length override it."""
-        return {key: torch.cat([value, second[key]]) if value is not None else None for key, value in first.items()}
+        batch, lists (list-input backbones: Z-Image) joined, ``None`` left as is. Families whose branch inputs may
+        differ in length override it."""
+        return {key: _joined(value, second[key]) for key, value in first.items()}
 
     def embedded_guidance(self, batch_size: int, guidance_scale: float) -> torch.Tensor | None:
         """The guidance value of guidance-distilled backbones (``guidance_embeds``), as the pipelines pass it
@@ -288,6 +357,15 @@ class FlowMatchingAdapter:
         scale = self.pipeline.vae_scale_factor * 2
         return (height // scale) * (width // scale)
 
+    def schedule_shift(self, num_steps: int, height: int, width: int) -> float:
+        """The dynamic shift ``mu`` of schedulers with ``use_dynamic_shifting``: the pipelines' ``calculate_shift``,
+        linear in the packed sequence length between the scheduler config's base and max points."""
+        config = self.pipeline.scheduler.config
+        base_len, max_len = config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096)
+        base_shift, max_shift = config.get("base_shift", 0.5), config.get("max_shift", 1.15)
+        slope = (max_shift - base_shift) / (max_len - base_len)
+        return self.image_seq_len(height, width) * slope + base_shift - slope * base_len
+
     def schedule(self, num_steps: int, height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The pipeline's own schedule for ``num_steps`` at this resolution.
 
@@ -298,11 +376,7 @@ class FlowMatchingAdapter:
         config = scheduler.config
         kwargs: dict[str, Any] = {}
         if config.get("use_dynamic_shifting", False):
-            seq_len = self.image_seq_len(height, width)
-            base_len, max_len = config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096)
-            base_shift, max_shift = config.get("base_shift", 0.5), config.get("max_shift", 1.15)
-            slope = (max_shift - base_shift) / (max_len - base_len)
-            kwargs["mu"] = seq_len * slope + base_shift - slope * base_len
+            kwargs["mu"] = self.schedule_shift(num_steps, height, width)
         if self.linspace_sigmas and not config.get("use_flow_sigmas", False):
             scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), device=self.device, **kwargs)
         else:

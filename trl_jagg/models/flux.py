@@ -40,7 +40,8 @@ class FluxAdapter(FlowMatchingAdapter):
         true_cfg_scale: float,
         uncond_grad: bool = True,
     ) -> torch.Tensor:
-        hidden = latents.to(self.dtype)
+        hidden = self.with_reference_tokens(latents.to(self.dtype), cond)  # Kontext appends the reference image
+        tokens = latents.shape[1]
         guidance = self.embedded_guidance(latents.shape[0], guidance_scale)
 
         def branch_inputs(prefix: str) -> dict[str, Any]:
@@ -53,8 +54,10 @@ class FluxAdapter(FlowMatchingAdapter):
             }
 
         def call(inputs: dict[str, Any]) -> torch.Tensor:
-            # Both branches have the same text length (T5 pads to max_sequence_length): the ids are shared.
-            return transformer(**inputs, txt_ids=cond["txt_ids"], img_ids=cond["img_ids"], return_dict=False)[0]
+            # Both branches have the same text length (T5 pads to max_sequence_length): the ids are shared. Only the
+            # generated tokens are denoised (Kontext's reference tokens follow them).
+            out = transformer(**inputs, txt_ids=cond["txt_ids"], img_ids=cond["img_ids"], return_dict=False)[0]
+            return out[:, :tokens]
 
         return self.guided_velocity(
             call, branch_inputs, cond, guidance_scale=guidance_scale, true_cfg_scale=true_cfg_scale,

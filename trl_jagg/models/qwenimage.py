@@ -3,13 +3,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 from diffusers import QwenImagePipeline
 
-from .base import Conditioning, FlowMatchingAdapter
+from .base import Conditioning, FlowMatchingAdapter, padded_prompt_batch, unpadded_prompt_rows
 
 
 class QwenImageAdapter(FlowMatchingAdapter):
@@ -23,6 +22,7 @@ class QwenImageAdapter(FlowMatchingAdapter):
     """
 
     pipeline_class = QwenImagePipeline
+    prompt_mask_dtype = torch.long  # the pipeline's mask
 
     def encode_prompts(self, prompts: list[str], max_sequence_length: int | None) -> dict[str, torch.Tensor | None]:
         embeds, mask = self.pipeline.encode_prompt(
@@ -32,22 +32,20 @@ class QwenImageAdapter(FlowMatchingAdapter):
         )
         return {"prompt_embeds": embeds, "prompt_embeds_mask": mask}
 
-    def collate(self, encoded: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        # As the pipeline batches prompts: right-padded with zeros to the longest, with a mask only if some padding.
-        if len({e["prompt_embeds"].shape[1] for e in encoded}) == 1:
-            return super().collate(encoded)
-        embeds, mask = _right_padded([(e["prompt_embeds"], e.get("prompt_embeds_mask")) for e in encoded])
-        return {"prompt_embeds": embeds, "prompt_embeds_mask": mask}
-
     def batch_branches(self, first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
         # The negative prompt may have another length than the prompts: both right-padded to the longer, masked.
-        text = [(b["encoder_hidden_states"], b["encoder_hidden_states_mask"]) for b in (first, second)]
-        if text[0][0].shape[1] == text[1][0].shape[1] and text[0][1] is None and text[1][1] is None:
-            return super().batch_branches(first, second)
-        embeds, mask = _right_padded(text)
+        rows = [
+            row
+            for branch in (first, second)
+            for row in unpadded_prompt_rows(branch["encoder_hidden_states"], branch["encoder_hidden_states_mask"])
+        ]
+        text = padded_prompt_batch(rows, self.prompt_mask_dtype)
         rest = {k: v for k, v in first.items() if k not in ("encoder_hidden_states", "encoder_hidden_states_mask")}
         batched = super().batch_branches(rest, second)
-        return batched | {"encoder_hidden_states": embeds, "encoder_hidden_states_mask": mask}
+        return batched | {
+            "encoder_hidden_states": text["prompt_embeds"],
+            "encoder_hidden_states_mask": text["prompt_embeds_mask"],
+        }
 
     def shared_inputs(self, per_sample: dict[str, torch.Tensor], height: int, width: int) -> dict[str, Any]:
         # One (frames, rows, columns) grid of packed latent tokens; the per-batch list is built at each call.
@@ -95,17 +93,3 @@ class QwenImageAdapter(FlowMatchingAdapter):
         inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(latents)
         # Divided by the reciprocal, as the pipeline does, for identical rounding.
         return vae.decode(latents / inverse_std + mean, return_dict=False)[0][:, :, 0]
-
-
-def _right_padded(text: Sequence[tuple[torch.Tensor, torch.Tensor | None]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Text embeddings ``(rows, length, dim)`` with their masks (``None``: no padding) as one batch, right-padded
-    with zeros to the longest and masked: the padded tokens get no attention."""
-    length = max(embed.shape[1] for embed, _ in text)
-    embeds, masks = [], []
-    for embed, mask in text:
-        if mask is None:
-            mask = torch.ones(embed.shape[:2], dtype=torch.long, device=embed.device)
-        pad = length - embed.shape[1]
-        embeds.append(torch.nn.functional.pad(embed, (0, 0, 0, pad)))
-        masks.append(torch.nn.functional.pad(mask, (0, pad)))
-    return torch.cat(embeds), torch.cat(masks)

@@ -20,42 +20,50 @@ downsampling, then 2x2 patches); 32 and 64 are the sizes used by tests and the d
 
 from __future__ import annotations
 
-import contextlib
 import os
 import tempfile
-import zlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from diffusers import (
-    AutoencoderKL,
-    AutoencoderKLQwenImage,
+    AutoencoderKLFlux2,
     DiffusionPipeline,
-    FlowMatchEulerDiscreteScheduler,
+    Flux2KleinPipeline,
+    Flux2Transformer2DModel,
+    FluxKontextPipeline,
     FluxPipeline,
     FluxTransformer2DModel,
     QwenImagePipeline,
     QwenImageTransformer2DModel,
     SD3Transformer2DModel,
     StableDiffusion3Pipeline,
+    ZImagePipeline,
+    ZImageTransformer2DModel,
 )
-from transformers import (
-    CLIPTextConfig,
-    CLIPTextModel,
-    CLIPTextModelWithProjection,
-    CLIPTokenizer,
-    Qwen2_5_VLConfig,
-    Qwen2_5_VLForConditionalGeneration,
-    Qwen2_5_VLTextConfig,
-    Qwen2Tokenizer,
-    T5Config,
-    T5EncoderModel,
-    T5Tokenizer,
-)
+from transformers import Qwen3ForCausalLM
 
-from .tokenizers import DEFAULT_VOCAB_WORDS, build_clip_tokenizer, build_qwen2_tokenizer, build_t5_tokenizer
+from .components import (
+    ConfigOverrides,
+    _autoencoder_kl,
+    _autoencoder_qwenimage,
+    _check_rope_axes,
+    _clip_text_encoder,
+    _finalize,
+    _flow_match_scheduler,
+    _merged,
+    _qwen3_text_encoder,
+    _qwen25vl_text_encoder,
+    _seeded,
+    _t5_encoder,
+)
+from .tokenizers import (
+    DEFAULT_VOCAB_WORDS,
+    build_clip_tokenizer,
+    build_qwen2_tokenizer,
+    build_qwen3_tokenizer,
+    build_t5_tokenizer,
+)
 
 __all__ = [
     "TINY_PROMPTS",
@@ -63,20 +71,26 @@ __all__ = [
     "tiny_run",
     "DEFAULT_VOCAB_WORDS",
     "FAMILIES",
+    "FLUX2_SCHEDULER_CONFIG",
     "FLUX_SCHEDULER_CONFIG",
     "QWENIMAGE_SCHEDULER_CONFIG",
     "SD3_SCHEDULER_CONFIG",
+    "ZIMAGE_SCHEDULER_CONFIG",
     "build_clip_tokenizer",
     "build_qwen2_tokenizer",
+    "build_qwen3_tokenizer",
     "build_t5_tokenizer",
+    "build_tiny_flux2_klein_pipeline",
+    "build_tiny_flux_kontext_pipeline",
     "build_tiny_flux_pipeline",
     "build_tiny_pipeline",
     "build_tiny_qwenimage_pipeline",
     "build_tiny_sd3_pipeline",
+    "build_tiny_zimage_pipeline",
     "save_tiny_pipeline",
 ]
 
-FAMILIES: tuple[str, ...] = ("flux", "sd3", "qwenimage")
+FAMILIES: tuple[str, ...] = ("flux", "sd3", "qwenimage", "zimage", "flux2_klein", "flux_kontext")
 
 # Scheduler configs of the released checkpoints. The pipelines read `use_dynamic_shifting` and the
 # `base/max_shift`, `base/max_image_seq_len` entries to compute the resolution-dependent shift `mu`.
@@ -104,247 +118,17 @@ QWENIMAGE_SCHEDULER_CONFIG: dict[str, Any] = {  # Qwen/Qwen-Image: dynamic shift
     "shift_terminal": 0.02,
     "time_shift_type": "exponential",
 }
-
-ConfigOverrides = Mapping[str, Any] | None
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# Shared helpers: seeding, vocabulary, tokenizers
-# --------------------------------------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _seeded(seed: int, component: str) -> Iterator[None]:
-    """Seed torch's CPU RNG from ``(seed, component)`` inside a forked RNG state.
-
-    Each component gets its own stream, so its weights do not depend on the order in which components are built or
-    on the configs of the others, and the caller's global RNG state is left untouched.
-    """
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(zlib.crc32(f"{seed}/{component}".encode()))
-        yield
-
-
-def _merged(defaults: Mapping[str, Any], overrides: ConfigOverrides) -> dict[str, Any]:
-    """Return ``defaults`` updated with the caller's config ``overrides``."""
-    config = dict(defaults)
-    config.update(overrides or {})
-    return config
-
-
-def _checked(overrides: ConfigOverrides, config_class: type, component: str) -> ConfigOverrides:
-    """Reject override keys that are not fields of a transformers config class.
-
-    transformers configs store unknown keyword arguments as attributes without complaint, so a typo would silently
-    leave the default in place (diffusers models and schedulers already raise ``TypeError`` for unknown keys).
-    """
-    unknown = set(overrides or {}) - set(config_class().to_dict())
-    if unknown:
-        raise TypeError(f"Unknown {config_class.__name__} fields in the `{component}` overrides: {sorted(unknown)}.")
-    return overrides
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# Shared helpers: text encoders, VAEs, schedulers
-# --------------------------------------------------------------------------------------------------------------------
-
-
-def _clip_text_encoder(
-    tokenizer: CLIPTokenizer, *, seed: int, component: str, with_projection: bool, overrides: ConfigOverrides
-) -> CLIPTextModel | CLIPTextModelWithProjection:
-    """A 2-layer CLIP text model (``CLIPTextModelWithProjection`` for SD3, whose pooled output is projected).
-
-    Two layers, because SD3 reads the penultimate hidden state (``hidden_states[-2]``): with one layer that would be
-    the bare token embeddings. ``eos_token_id`` is the tokenizer's, so the pooled output is read at the first
-    end-of-text token.
-    """
-    config = _merged(
-        {
-            "vocab_size": len(tokenizer),
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-            "max_position_embeddings": tokenizer.model_max_length,
-            "projection_dim": 32,
-            "bos_token_id": tokenizer.bos_token_id,
-            "eos_token_id": tokenizer.eos_token_id,
-            "pad_token_id": tokenizer.pad_token_id,
-        },
-        _checked(overrides, CLIPTextConfig, component),
-    )
-    if config["max_position_embeddings"] < tokenizer.model_max_length:
-        raise ValueError(
-            f"{component}: max_position_embeddings={config['max_position_embeddings']} is smaller than the CLIP "
-            f"tokenizer's model_max_length={tokenizer.model_max_length}, which the pipeline pads every prompt to."
-        )
-    model_class = CLIPTextModelWithProjection if with_projection else CLIPTextModel
-    with _seeded(seed, component):
-        return model_class(CLIPTextConfig(**config))
-
-
-def _t5_encoder(tokenizer: T5Tokenizer, *, seed: int, component: str, overrides: ConfigOverrides) -> T5EncoderModel:
-    """A 2-layer T5 v1.1-style encoder (gated GELU feed-forward, relative position buckets)."""
-    config = _merged(
-        {
-            "vocab_size": len(tokenizer),
-            "d_model": 32,
-            "d_kv": 8,
-            "d_ff": 64,
-            "num_layers": 2,
-            "num_heads": 4,
-            "feed_forward_proj": "gated-gelu",
-            "pad_token_id": tokenizer.pad_token_id,
-            "eos_token_id": tokenizer.eos_token_id,
-            "decoder_start_token_id": tokenizer.pad_token_id,
-        },
-        _checked(overrides, T5Config, component),
-    )
-    with _seeded(seed, component):
-        return T5EncoderModel(T5Config(**config))
-
-
-def _mrope_section(head_dim: int) -> list[int]:
-    """Split the rotary half-dimension into Qwen2.5-VL's (time, height, width) sections, in the real 2:3:3 ratio.
-
-    Multimodal RoPE rotates ``head_dim // 2`` frequency pairs, taken in three sections from the temporal, height and
-    width position ids; the sections must sum to ``head_dim // 2`` (the 7B model: 16 + 24 + 24 = 128 // 2).
-    """
-    half = head_dim // 2
-    temporal = half // 4
-    height = (half - temporal) // 2
-    return [temporal, height, half - temporal - height]
-
-
-def _qwen25vl_text_encoder(
-    tokenizer: Qwen2Tokenizer, *, seed: int, overrides: ConfigOverrides
-) -> Qwen2_5_VLForConditionalGeneration:
-    """A tiny Qwen2.5-VL (2 text layers with grouped-query attention, a 1-block vision tower that text-only prompts
-    never use). ``overrides`` apply to the text config; the vision tower follows the text width.
-    """
-    text_config = _merged(
-        {
-            "vocab_size": len(tokenizer),
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 1,
-            "max_position_embeddings": 4096,
-            "rms_norm_eps": 1e-6,
-            "bos_token_id": tokenizer.pad_token_id,  # <|endoftext|>, as in Qwen2.5-VL
-            "eos_token_id": tokenizer.eos_token_id,
-            "pad_token_id": tokenizer.pad_token_id,
-        },
-        _checked(overrides, Qwen2_5_VLTextConfig, "text_encoder"),
-    )
-    if "rope_parameters" not in text_config:
-        head_dim = text_config["hidden_size"] // text_config["num_attention_heads"]
-        text_config["rope_parameters"] = {
-            "rope_type": "default",
-            "rope_theta": 1_000_000.0,
-            "mrope_section": _mrope_section(head_dim),
-        }
-    vision_config = {
-        "depth": 1,
-        "hidden_size": 16,
-        "intermediate_size": 32,
-        "num_heads": 2,
-        "out_hidden_size": text_config["hidden_size"],  # the merger writes image features into the text stream
-        "fullatt_block_indexes": [0],
-    }
-    config = Qwen2_5_VLConfig(
-        text_config=text_config,
-        vision_config=vision_config,
-        image_token_id=tokenizer.convert_tokens_to_ids("<|image_pad|>"),
-        video_token_id=tokenizer.convert_tokens_to_ids("<|video_pad|>"),
-        vision_start_token_id=tokenizer.convert_tokens_to_ids("<|vision_start|>"),
-        vision_end_token_id=tokenizer.convert_tokens_to_ids("<|vision_end|>"),
-    )
-    with _seeded(seed, "text_encoder"):
-        return Qwen2_5_VLForConditionalGeneration(config)
-
-
-def _autoencoder_kl(
-    *, seed: int, scaling_factor: float, shift_factor: float, overrides: ConfigOverrides
-) -> AutoencoderKL:
-    """A 16-channel ``AutoencoderKL`` with 4 blocks, i.e. 8x spatial downsampling like the Flux/SD3 VAEs.
-
-    The pipelines derive ``vae_scale_factor = 2 ** (len(block_out_channels) - 1)``; the block types follow the
-    number of blocks. Like the real Flux/SD3 VAEs it has no quant convs and uses a scaling and a shift factor.
-    """
-    config = _merged(
-        {
-            "in_channels": 3,
-            "out_channels": 3,
-            "block_out_channels": (8, 16, 16, 16),
-            "layers_per_block": 1,
-            "latent_channels": 16,
-            "norm_num_groups": 4,  # GroupNorm: must divide every entry of block_out_channels
-            "sample_size": 32,
-            "scaling_factor": scaling_factor,
-            "shift_factor": shift_factor,
-            "use_quant_conv": False,
-            "use_post_quant_conv": False,
-        },
-        overrides,
-    )
-    num_blocks = len(config["block_out_channels"])
-    config.setdefault("down_block_types", ("DownEncoderBlock2D",) * num_blocks)
-    config.setdefault("up_block_types", ("UpDecoderBlock2D",) * num_blocks)
-    with _seeded(seed, "vae"):
-        return AutoencoderKL(**config)
-
-
-def _autoencoder_qwenimage(*, seed: int, overrides: ConfigOverrides) -> AutoencoderKLQwenImage:
-    """A tiny Qwen-Image (Wan-style causal 3D) VAE: 16 latent channels, 8x spatial downsampling.
-
-    The pipeline derives ``vae_scale_factor = 2 ** len(temperal_downsample)``, so ``temperal_downsample`` has one
-    entry per downsampling stage (``len(dim_mult) - 1``). The per-channel ``latents_mean``/``latents_std`` keep the
-    released values when ``z_dim`` is 16 and become 0/1 otherwise.
-    """
-    config = _merged(
-        {
-            "base_dim": 8,
-            "z_dim": 16,
-            "dim_mult": [1, 2, 2, 2],
-            "num_res_blocks": 1,
-            "attn_scales": [],
-            "temperal_downsample": [False, True, True],
-        },
-        overrides,
-    )
-    if config["z_dim"] != 16:
-        config.setdefault("latents_mean", [0.0] * config["z_dim"])
-        config.setdefault("latents_std", [1.0] * config["z_dim"])
-    with _seeded(seed, "vae"):
-        return AutoencoderKLQwenImage(**config)
-
-
-def _flow_match_scheduler(defaults: Mapping[str, Any], overrides: ConfigOverrides) -> FlowMatchEulerDiscreteScheduler:
-    return FlowMatchEulerDiscreteScheduler(**_merged(defaults, overrides))
-
-
-def _check_rope_axes(axes_dims_rope: Sequence[int], attention_head_dim: int) -> None:
-    # RoPE rotates every channel pair of a query/key head; the rotary frequencies of the axes (text index / frame,
-    # height, width) are concatenated, so together they must cover exactly one head, and each axis an even number.
-    if sum(axes_dims_rope) != attention_head_dim or any(dim % 2 for dim in axes_dims_rope):
-        raise ValueError(
-            f"axes_dims_rope={tuple(axes_dims_rope)} must be even and sum to attention_head_dim={attention_head_dim}."
-        )
-
-
-def _finalize(pipe: DiffusionPipeline) -> DiffusionPipeline:
-    """Cast every model to float32 and put it in eval mode (models built from configs start in train mode, where
-    T5's dropout would make the prompt embeddings random)."""
-    for component in pipe.components.values():
-        if isinstance(component, torch.nn.Module):
-            # Cast only when needed (a non-float32 default dtype): diffusers warns on every `.to(dtype)` call.
-            if any(parameter.dtype != torch.float32 for parameter in component.parameters()):
-                component.to(dtype=torch.float32)
-            component.eval()
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+FLUX2_SCHEDULER_CONFIG: dict[str, Any] = {  # black-forest-labs/FLUX.2-klein: mu from the pipeline's empirical fit
+    "num_train_timesteps": 1000,
+    "shift": 3.0,
+    "use_dynamic_shifting": True,
+    "time_shift_type": "exponential",
+}
+ZIMAGE_SCHEDULER_CONFIG: dict[str, Any] = {  # Tongyi-MAI/Z-Image-Turbo: a static shift of 3
+    "num_train_timesteps": 1000,
+    "shift": 3.0,
+    "use_dynamic_shifting": False,
+}
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -417,6 +201,13 @@ def build_tiny_flux_pipeline(
         transformer=flux_transformer,
     )
     return _finalize(pipe)
+
+
+def build_tiny_flux_kontext_pipeline(**kwargs: Any) -> FluxKontextPipeline:
+    """A tiny FLUX.1-Kontext-like ``FluxKontextPipeline`` (image editing): the components of
+    :func:`build_tiny_flux_pipeline` (same keyword arguments), whose transformer reads the source image's latents as
+    extra tokens."""
+    return _finalize(FluxKontextPipeline(**build_tiny_flux_pipeline(**kwargs).components))
 
 
 def build_tiny_sd3_pipeline(
@@ -573,10 +364,143 @@ def build_tiny_qwenimage_pipeline(
     return _finalize(pipe)
 
 
+def build_tiny_zimage_pipeline(
+    *,
+    seed: int = 0,
+    vocab_words: Sequence[str] | None = None,
+    transformer: ConfigOverrides = None,
+    vae: ConfigOverrides = None,
+    text_encoder: ConfigOverrides = None,
+    scheduler: ConfigOverrides = None,
+) -> ZImagePipeline:
+    """A tiny Z-Image-like ``ZImagePipeline`` (single-stream DiT, CFG ``v_c + g (v_c - v_u)``, static shift 3).
+
+    Components: ``ZImageTransformer2DModel`` (2 main + 1 noise and 1 context refiner layers, 2 heads of 16), the
+    16-channel 8x ``AutoencoderKL`` of the Flux family (Z-Image uses FLUX.1's VAE), a tiny ``Qwen3Model`` whose
+    penultimate hidden state is the prompt embedding, a byte-level tokenizer with Qwen3's chat template, and
+    Z-Image-Turbo's scheduler config.
+
+    Args:
+        seed: seed of the random weights.
+        vocab_words: extra words that must be single tokens (with and without a leading space).
+        transformer, vae, text_encoder, scheduler: config overrides. The transformer's ``cap_feat_dim`` follows
+            the text width and its ``in_channels`` the VAE's latent channels unless overridden.
+    """
+    tokenizer = build_qwen3_tokenizer(vocab_words)
+    qwen = _qwen3_text_encoder(tokenizer, seed=seed, overrides=text_encoder)
+    autoencoder = _autoencoder_kl(seed=seed, scaling_factor=0.3611, shift_factor=0.1159, overrides=vae)
+    transformer_config = _merged(
+        {
+            "all_patch_size": (2,),
+            "all_f_patch_size": (1,),
+            "in_channels": autoencoder.config.latent_channels,  # latent images, patchified inside the model
+            "dim": 32,
+            "n_layers": 2,
+            "n_refiner_layers": 1,
+            "n_heads": 2,
+            "n_kv_heads": 2,
+            "cap_feat_dim": qwen.config.hidden_size,
+            "axes_dims": (4, 6, 6),  # (text position / frame, height, width)
+            "axes_lens": (512, 64, 64),
+        },
+        transformer,
+    )
+    head_dim = transformer_config["dim"] // transformer_config["n_heads"]
+    _check_rope_axes(transformer_config["axes_dims"], head_dim)
+    with _seeded(seed, "transformer"):
+        zimage_transformer = ZImageTransformer2DModel(**transformer_config)
+
+    pipe = ZImagePipeline(
+        scheduler=_flow_match_scheduler(ZIMAGE_SCHEDULER_CONFIG, scheduler),
+        vae=autoencoder,
+        text_encoder=qwen,
+        tokenizer=tokenizer,
+        transformer=zimage_transformer,
+    )
+    return _finalize(pipe)
+
+
+def build_tiny_flux2_klein_pipeline(
+    *,
+    seed: int = 0,
+    vocab_words: Sequence[str] | None = None,
+    is_distilled: bool = False,
+    transformer: ConfigOverrides = None,
+    vae: ConfigOverrides = None,
+    text_encoder: ConfigOverrides = None,
+    scheduler: ConfigOverrides = None,
+) -> Flux2KleinPipeline:
+    """A tiny FLUX.2-klein-like ``Flux2KleinPipeline`` (the base model with CFG; ``is_distilled=True``: the
+    step-distilled one, which ignores guidance).
+
+    Components: ``Flux2Transformer2DModel`` (1 double-stream + 1 single-stream block, 2 heads of 16, 4 RoPE axes), a
+    tiny ``AutoencoderKLFlux2`` whose batch-norm statistics of the patchified latents are random (so decoding tests
+    see them), a ``Qwen3ForCausalLM`` of 28 narrow layers (the pipeline stacks hidden states 9, 18 and 27), a
+    tokenizer with Qwen3's chat template, and a ``FlowMatchEulerDiscreteScheduler`` with dynamic shifting.
+
+    Args:
+        seed: seed of the random weights.
+        vocab_words: extra words that must be single tokens (with and without a leading space).
+        is_distilled: the pipeline's ``is_distilled`` flag.
+        transformer, vae, text_encoder, scheduler: config overrides. The transformer's ``joint_attention_dim``
+            follows the three stacked text widths and its ``in_channels`` the patchified VAE channels.
+    """
+    tokenizer = build_qwen3_tokenizer(vocab_words)
+    qwen = _qwen3_text_encoder(
+        tokenizer, seed=seed, overrides=text_encoder, model_class=Qwen3ForCausalLM, num_layers=28
+    )
+    vae_config = _merged(
+        {
+            "block_out_channels": (8, 16, 16, 16),
+            "layers_per_block": 1,
+            "latent_channels": 8,
+            "norm_num_groups": 4,
+            "sample_size": 32,
+        },
+        vae,
+    )
+    with _seeded(seed, "vae"):
+        autoencoder = AutoencoderKLFlux2(**vae_config)
+        # Fresh batch norm has mean 0 / variance 1, under which a missing normalisation would go unnoticed.
+        autoencoder.bn.running_mean.normal_(0.0, 0.5)
+        autoencoder.bn.running_var.uniform_(0.5, 2.0)
+    transformer_config = _merged(
+        {
+            "patch_size": 1,
+            "in_channels": 4 * autoencoder.config.latent_channels,  # 2x2-patchified latents, one token each
+            "num_layers": 1,
+            "num_single_layers": 1,
+            "attention_head_dim": 16,
+            "num_attention_heads": 2,
+            "joint_attention_dim": 3 * qwen.config.hidden_size,  # three hidden states stacked per token
+            "timestep_guidance_channels": 32,
+            "axes_dims_rope": (4, 4, 4, 4),  # (time, height, width, layer)
+            "guidance_embeds": False,  # klein has no embedded guidance
+        },
+        transformer,
+    )
+    _check_rope_axes(transformer_config["axes_dims_rope"], transformer_config["attention_head_dim"])
+    with _seeded(seed, "transformer"):
+        flux2_transformer = Flux2Transformer2DModel(**transformer_config)
+
+    pipe = Flux2KleinPipeline(
+        scheduler=_flow_match_scheduler(FLUX2_SCHEDULER_CONFIG, scheduler),
+        vae=autoencoder,
+        text_encoder=qwen,
+        tokenizer=tokenizer,
+        transformer=flux2_transformer,
+        is_distilled=is_distilled,
+    )
+    return _finalize(pipe)
+
+
 _BUILDERS = {
     "flux": build_tiny_flux_pipeline,
     "sd3": build_tiny_sd3_pipeline,
     "qwenimage": build_tiny_qwenimage_pipeline,
+    "zimage": build_tiny_zimage_pipeline,
+    "flux2_klein": build_tiny_flux2_klein_pipeline,
+    "flux_kontext": build_tiny_flux_kontext_pipeline,
 }
 
 

@@ -50,6 +50,13 @@ _QWEN_SPECIAL_TOKENS: tuple[str, ...] = (
     "<|video_pad|>",
 )
 _T5_PIECE_CHARACTERS = string.ascii_letters + string.digits + string.punctuation
+# Qwen3's chat template reduced to what the pipelines render: one user turn and the generation prompt, with the empty
+# thinking block Qwen3 writes when thinking is switched off (Flux2KleinPipeline); ZImagePipeline switches it on.
+_QWEN3_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
 
 
 def _vocabulary(vocab_words: Sequence[str] | None) -> list[str]:
@@ -183,7 +190,9 @@ def build_t5_tokenizer(vocab_words: Sequence[str] | None = None, *, model_max_le
     return tokenizer
 
 
-def build_qwen2_tokenizer(vocab_words: Sequence[str] | None = None) -> Qwen2Tokenizer:
+def build_qwen2_tokenizer(
+    vocab_words: Sequence[str] | None = None, *, extra_special_tokens: Sequence[str] = ()
+) -> Qwen2Tokenizer:
     """A byte-level ``Qwen2Tokenizer`` in which :data:`DEFAULT_VOCAB_WORDS`, ``vocab_words`` and the words of
     ``QwenImagePipeline``'s prompt template are single tokens.
 
@@ -197,7 +206,8 @@ def build_qwen2_tokenizer(vocab_words: Sequence[str] | None = None) -> Qwen2Toke
         )
     )
     vocab, merges = _byte_level_bpe(texts)
-    for special in _QWEN_SPECIAL_TOKENS:
+    specials = (*_QWEN_SPECIAL_TOKENS, *extra_special_tokens)
+    for special in specials:
         vocab[special] = len(vocab)
     tokenizer = Qwen2Tokenizer(
         vocab=vocab,
@@ -205,8 +215,16 @@ def build_qwen2_tokenizer(vocab_words: Sequence[str] | None = None) -> Qwen2Toke
         unk_token=None,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
-        additional_special_tokens=list(_QWEN_SPECIAL_TOKENS[1:]),
+        additional_special_tokens=list(specials[1:]),
         model_max_length=32768,
     )
     _check_single_tokens(tokenizer, texts)
+    return tokenizer
+
+
+def build_qwen3_tokenizer(vocab_words: Sequence[str] | None = None) -> Qwen2Tokenizer:
+    """The tokenizer of Qwen3 text encoders (Z-Image, FLUX.2 klein): :func:`build_qwen2_tokenizer` with Qwen3's
+    thinking tokens and a chat template, which those pipelines render each prompt through."""
+    tokenizer = build_qwen2_tokenizer(vocab_words, extra_special_tokens=("<think>", "</think>"))
+    tokenizer.chat_template = _QWEN3_CHAT_TEMPLATE
     return tokenizer

@@ -46,8 +46,9 @@ class PromptConditioner:
             if self.negative_prompt is not None:  # the adapter encodes it once (cached per device): now
                 self(unique[:1])
 
-    def __call__(self, prompts: list[str]) -> Conditioning:
-        """The conditioning of distinct ``prompts``."""
+    def __call__(self, prompts: list[str], source_images: list | None = None) -> Conditioning:
+        """The conditioning of distinct ``prompts`` (of each sample's prompt when editing: with one source image
+        per prompt, ``source_images``)."""
         args = self.args
         if args.precompute_prompt_embeds:
             self.precompute(prompts)
@@ -64,4 +65,5 @@ class PromptConditioner:
                 negative_prompt=self.negative_prompt,
                 max_sequence_length=args.max_sequence_length,
                 encoded=encoded,
+                source_images=source_images,
             )

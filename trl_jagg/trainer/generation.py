@@ -6,6 +6,7 @@ the result is the rollout batch (:mod:`trl_jagg.trainer.batch`) the update stage
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -18,7 +19,7 @@ from tqdm.auto import tqdm
 from ..grpo import PerPromptStatTracker, group_advantages, multi_reward_advantages, per_reward_group_normalize
 from ..grpo_jagg_config import GRPOJaggConfig
 from ..models import FlowMatchingAdapter
-from ..prompts import prompt_text
+from ..prompts import SOURCE_IMAGE_COLUMN, prompt_text, source_image
 from ..rollout import Trajectory, sample_trajectories
 from ..sde_window import compressed_path, path_schedule, sde_window
 from .batch import rng_seed, velocity_key
@@ -27,6 +28,14 @@ from .guards import stop_if_non_finite
 from .placement import FrozenModules, eval_mode
 from .reward_overlap import ChunkScorer
 from .scoring import scored_rewards
+
+
+def group_keys(prompts: list[str], sources: list | None) -> list[str]:
+    """What identifies a sample's group for per-prompt statistics: its prompt, and for editing also its source image
+    (an instruction such as "make it red" recurs over many images)."""
+    if sources is None:
+        return prompts
+    return [f"{p}\n{hashlib.sha1(image.tobytes()).hexdigest()}" for p, image in zip(prompts, sources)]
 
 
 def rollout_window(args: GRPOJaggConfig, global_step: int) -> list[int] | None:
@@ -117,6 +126,12 @@ class RolloutGenerator:
         start = time.perf_counter()
         prompts = [prompt_text(x["prompt"], "train_dataset 'prompt'") for x in inputs]
         columns = {k: [x[k] for x in inputs] for k in inputs[0] if k != "prompt"}
+        # Editing: each sample's source image conditions the rollout and reaches the rewards as `source_images`.
+        sources = None
+        if adapter.edits_images:
+            where = f"train_dataset '{SOURCE_IMAGE_COLUMN}'"
+            sources = [source_image(value, where) for value in columns.pop(SOURCE_IMAGE_COLUMN)]
+            columns["source_images"] = sources
         # JAGG's velocity cache, and GRPO-Guard's ratio, which needs the rollout's step means (a velocity gives one).
         record_velocities = (args.use_jagg and args.jagg_cache_velocities) or args.ratio_normalization
         with eval_mode(transformer):
@@ -130,9 +145,11 @@ class RolloutGenerator:
                 # The ODE outside the window on fewer steps (ode_step_ratio); the rollout's own schedule from here.
                 path = compressed_path(args.num_inference_steps, stochastic_steps, args.ode_step_ratio)
                 sigmas, timesteps, stochastic_steps = path_schedule(sigmas, timesteps, path, stochastic_steps)
-            # Encode every distinct prompt once; samples index into it.
-            unique = list(dict.fromkeys(prompts))
-            cond = self.conditioner(unique).select(torch.tensor([unique.index(p) for p in prompts], device=device))
+            if sources is not None:  # one conditioning per sample: the same text may edit different images
+                cond = self.conditioner(prompts, source_images=sources)
+            else:  # encode every distinct prompt once; samples index into it
+                unique = list(dict.fromkeys(prompts))
+                cond = self.conditioner(unique).select(torch.tensor([unique.index(p) for p in prompts], device=device))
             generator = torch.Generator(device).manual_seed(
                 rng_seed(args.seed, global_step, self.accelerator.process_index)
             )
@@ -194,7 +211,7 @@ class RolloutGenerator:
             **columns,
         )  # fmt: skip
         self._log_reward_metrics(reward_metrics)
-        advantages = self._advantages(prompts, rewards.to(device), per_reward)
+        advantages = self._advantages(group_keys(prompts, sources), rewards.to(device), per_reward)
         self.metrics["latents/final_std"].append(latents[:, -1].std().item())
         self.metrics["time/rollout_s"].append(rollout_seconds)
         self.metrics["time/reward_s"].append(time.perf_counter() - start)
@@ -228,16 +245,15 @@ class RolloutGenerator:
             total, count = self.accelerator.gather(local).view(-1, 2).sum(dim=0).tolist()
             self.metrics[name].append(total / count)
 
-    def _advantages(
-        self, prompts: list[str], rewards: torch.Tensor, per_reward: dict[str, torch.Tensor]
-    ) -> torch.Tensor:
-        """Group advantages of the gathered batch (every process computes all of them), and the reward metrics."""
+    def _advantages(self, keys: list[str], rewards: torch.Tensor, per_reward: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Group advantages of the gathered batch (every process computes all of them), and the reward metrics;
+        ``keys`` (:func:`group_keys`) identify the samples' groups for the per-prompt statistics."""
         args = self.args
         per_func = torch.stack(list(per_reward.values()), dim=1).to(rewards.device)
         all_per_func = self.accelerator.gather(per_func)
         all_rewards = self.accelerator.gather(rewards)
         if self.stat_tracker is not None:
-            advantages = self.stat_tracker.update(gather_object(prompts), all_rewards.cpu(), clip=args.adv_clip_max)
+            advantages = self.stat_tracker.update(gather_object(keys), all_rewards.cpu(), clip=args.adv_clip_max)
         elif args.multi_objective_aggregation == "normalize_then_sum":
             common = dict(eps=args.advantage_eps, ddof=args.advantage_std_ddof)
             advantages = multi_reward_advantages(

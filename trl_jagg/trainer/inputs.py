@@ -1,4 +1,5 @@
-"""The trainer's inputs, checked before anything is loaded: datasets, the checkpoint to resume from, the rewards."""
+"""The trainer's inputs, checked before anything is loaded (datasets, the checkpoint to resume from, the rewards), and
+an editing model's source images, checked once it is known to edit."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from typing import Any
 from datasets import Dataset
 
 from ..grpo_jagg_config import GRPOJaggConfig
-from ..prompts import prompt_dataset
+from ..models import FlowMatchingAdapter
+from ..prompts import check_source_images, prompt_dataset
 from ..rewards import load_reward_funcs
 from .checkpoint_checks import check_checkpoint_dir
 
@@ -35,3 +37,11 @@ def checked_inputs(
             "Give one weight per reward function."
         )
     return train_dataset, eval_dataset, funcs
+
+
+def checked_source_images(adapter: FlowMatchingAdapter, train_dataset: Dataset, eval_dataset: Dataset | None) -> None:
+    """For an editing model, the image each prompt edits, checked row by row before training (errors name the row)."""
+    if adapter.edits_images:
+        check_source_images(train_dataset)
+        if eval_dataset is not None:
+            check_source_images(eval_dataset, "eval_dataset")

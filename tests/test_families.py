@@ -1,0 +1,411 @@
+"""The newer families (Z-Image) on tiny pipelines built from config: the rollout at noise level 0 is the pipeline's
+own loop, the trained LoRA loads back with the pipeline's `load_lora_weights` and samples what the trainer sampled,
+W = 2 JAGG equals the exact gradient, the velocity cache gives the recomputed gradient with fewer forwards, and two
+LoRA + JAGG steps train end to end."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from datasets import Dataset
+from diffusers import DiffusionPipeline
+from peft import LoraConfig
+from testing_utils import PROMPTS, noise_image, redness, run_update, step_functions_of
+
+from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
+from trl_jagg.jagg import JaggEngine, plan_groups
+from trl_jagg.models import MODEL_ADAPTERS, load_adapter
+from trl_jagg.rollout import generate_images, sample_trajectories
+
+# Per family: its pipeline class, guidance with CFG on and off, the negative prompt (FLUX.2 klein's pipeline always
+# uses "") and how many backbone calls a guided velocity makes.
+FAMILIES = {
+    "zimage": {
+        "pipeline": "ZImagePipeline",
+        "cfg": {"guidance_scale": 3.0, "true_cfg_scale": 1.0},
+        "no_cfg": {"guidance_scale": 0.0, "true_cfg_scale": 1.0},  # Z-Image-Turbo's setting
+        "negative": "dark",
+        "cfg_calls": 1,  # backbone calls per guided velocity: both branches in one call on 2B
+    },
+    "flux2_klein": {
+        "pipeline": "Flux2KleinPipeline",
+        "cfg": {"guidance_scale": 4.0, "true_cfg_scale": 1.0},
+        "no_cfg": {"guidance_scale": 1.0, "true_cfg_scale": 1.0},
+        "negative": "",
+        "cfg_calls": 1,  # both branches in one call on 2B (the pipeline makes two: FlowMatchingAdapter.guided_velocity)
+    },
+}
+
+
+def pipeline_guidance(family: str, prompts: list[str], negative: str | None, guidance: dict) -> dict:
+    """The pipeline's own keyword arguments for these guidance settings."""
+    if family == "flux2_klein":  # no negative_prompt argument: "" whenever CFG is on
+        return {"guidance_scale": guidance["guidance_scale"]}
+    return {
+        "guidance_scale": guidance["guidance_scale"],
+        "negative_prompt": [negative] * len(prompts) if negative else None,
+    }
+
+
+@pytest.fixture(params=sorted(FAMILIES))
+def family(request) -> str:
+    return request.param
+
+
+def tiny_path(request, family: str) -> str:
+    return request.getfixturevalue(f"tiny_{family}_path")
+
+
+def reference_run(pipe: DiffusionPipeline, family: str, prompts: list[str], negative: str | None, guidance: dict):
+    """The pipeline's own sampling: final latents (captured after the last step) and PIL images."""
+    captured = {}
+
+    def keep_latents(pipeline, step, timestep, tensors):
+        captured["latents"] = tensors["latents"]
+        return {}
+
+    images = pipe(
+        prompt=list(prompts),  # ZImagePipeline rewrites the list it is given into chat-templated prompts
+        height=32, width=32, num_inference_steps=4, max_sequence_length=16,
+        generator=torch.Generator().manual_seed(0), callback_on_step_end=keep_latents,
+        **pipeline_guidance(family, prompts, negative, guidance),
+    ).images  # fmt: skip
+    return captured["latents"], images
+
+
+def assert_same_images(ours, theirs) -> None:
+    for a, b in zip(ours, theirs, strict=True):
+        diff = np.abs(np.asarray(a, dtype=np.int16) - np.asarray(b, dtype=np.int16))
+        assert diff.max() <= 1  # uint8 rounding only
+
+
+def test_registered(family):
+    assert FAMILIES[family]["pipeline"] in MODEL_ADAPTERS
+
+
+@pytest.mark.parametrize("setting", ["cfg", "no_cfg"])
+def test_rollout_at_noise_level_0_is_the_pipeline_loop(request, family, setting):
+    # Prompts of different lengths: variable-length families pad them into a batch with a mask.
+    prompts = ["a red circle", "a big blue square on the left"]
+    pipe = DiffusionPipeline.from_pretrained(tiny_path(request, family))
+    assert type(pipe).__name__ == FAMILIES[family]["pipeline"]
+    adapter = load_adapter(pipe)
+    guidance = FAMILIES[family][setting]
+    negative = FAMILIES[family]["negative"] if adapter.needs_negative_prompt(**guidance) else None
+    assert (negative is not None) == (setting == "cfg")
+    expected_latents, expected_images = reference_run(pipe, family, prompts, negative, guidance)
+
+    cond = adapter.condition(prompts, height=32, width=32, negative_prompt=negative, max_sequence_length=16)
+    noise = adapter.prepare_latents(len(prompts), 32, 32, torch.Generator().manual_seed(0))
+    sigmas, timesteps = adapter.schedule(4, 32, 32)
+    trajectory = sample_trajectories(
+        adapter, cond, noise, sigmas, timesteps, sampler="sde", noise_level=0.0, **guidance
+    )
+    torch.testing.assert_close(trajectory.latents[:, -1], expected_latents, atol=1e-5, rtol=0)
+    assert_same_images(adapter.decode(trajectory.latents[:, -1], 32, 32), expected_images)
+
+
+def test_precomputed_encodings_collate_to_the_batch_encoding(request, family):
+    """Prompts encoded one at a time and collated give what encoding them together gives (the trainer's
+    `precompute_prompt_embeds` table)."""
+    adapter = load_adapter(tiny_path(request, family))
+    prompts = ["a red circle", "a big blue square on the left"]
+    together = adapter.encode_prompts(prompts, 16)
+    collated = adapter.collate([adapter.encode_prompts([p], 16) for p in prompts])
+    assert collated.keys() == {k for k, v in together.items() if v is not None}
+    for key, value in collated.items():
+        torch.testing.assert_close(value, together[key], atol=1e-6, rtol=0)
+
+
+# ---------------------------------------------------------------- training
+
+
+def make_trainer(family: str, path: str, tmp_path, guidance: dict, **overrides) -> DDPOJaggTrainer:
+    torch.manual_seed(0)
+    config = dict(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=2, num_inference_steps=4,
+        height=32, width=32, max_steps=2, learning_rate=1e-2, clip_range=1e-1, noise_level=0.9, jagg_group_size=3,
+        jagg_frac=1.0, max_sequence_length=16, report_to="none", save_strategy="no",
+        seed=0, disable_tqdm=True,
+    )  # fmt: skip
+    config |= guidance | overrides
+    config.setdefault("negative_prompt", FAMILIES[family]["negative"])
+    return DDPOJaggTrainer(
+        model=path,
+        reward_funcs=redness,
+        args=GRPOJaggConfig(**config),
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        peft_config=LoraConfig(
+            r=4, lora_alpha=8, target_modules=["to_q", "to_k", "to_v"], init_lora_weights="gaussian"
+        ),
+    )
+
+
+class BackboneCalls:
+    """Forward hooks on the backbone (forwards with / without graph) and a counting ``accelerator.backward``."""
+
+    def __init__(self, trainer):
+        self.graph = self.no_grad = self.backward = 0
+        self.handle = trainer.accelerator.unwrap_model(trainer.model).register_forward_hook(self._hook)
+        backward = trainer.accelerator.backward
+
+        def counting_backward(loss, **kwargs):
+            self.backward += 1
+            backward(loss, **kwargs)
+
+        trainer.accelerator.backward = counting_backward
+
+    def _hook(self, module, args, output) -> None:
+        if torch.is_grad_enabled():
+            self.graph += 1
+        else:
+            self.no_grad += 1
+
+    def take(self) -> tuple[int, int, int]:
+        counts = (self.graph, self.no_grad, self.backward)
+        self.graph = self.no_grad = self.backward = 0
+        return counts
+
+
+def test_two_training_steps_lora_jagg_cfg(request, family, tmp_path):
+    trainer = make_trainer(family, tiny_path(request, family), tmp_path, FAMILIES[family]["cfg"])
+    assert trainer.adapter.needs_negative_prompt(trainer.args.guidance_scale, trainer.args.true_cfg_scale)
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    assert before and all("lora" in n for n in before)
+    trainer.train()
+    after = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    assert any(not torch.equal(before[n], after[n]) for n in before), "no parameter changed"
+    logs = [entry for entry in trainer.state.log_history if "reward" in entry]
+    assert len(logs) == 2
+    for entry in logs:
+        assert math.isfinite(entry["loss"]) and math.isfinite(entry["grad_norm"]) and entry["grad_norm"] > 0
+        # 3 trained steps (all but the last of 4) in one JAGG group of W = 3: one joint backward.
+        assert entry["jagg/backward_calls"] == 1 and entry["jagg/groups_jagg"] == 1
+
+
+def test_w2_jagg_gradient_equals_exact(request, family, tmp_path):
+    """Theorem 1's exact limit with CFG: for W = 2 the joint backward through the two endpoints gives the sum of the
+    per-step gradients (float rounding only)."""
+    trainer = make_trainer(
+        family, tiny_path(request, family), tmp_path, FAMILIES[family]["cfg"], num_inference_steps=5
+    )
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    batch = trainer._generate_and_score(next(iter(trainer.get_train_dataloader())))
+    fns = step_functions_of(trainer, model, batch)
+    times = [float(batch["sigmas"][k]) for k in fns.trained]
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def gradient(plan) -> list[torch.Tensor]:
+        for p in params:
+            p.grad = None
+        JaggEngine(fns.velocity_fn, fns.loss_fn).run(plan)
+        return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params]
+
+    joint_plan = plan_groups(times, 2, 1.0)
+    assert len(fns.trained) == 4 and [g.method for g in joint_plan] == ["jagg", "jagg"]
+    exact, jagg = gradient(plan_groups(times, 2, 0.0)), gradient(joint_plan)
+    assert max(e.abs().max().item() for e in exact) > 1e-4  # a real gradient, not zeros on both sides
+    for e, j in zip(exact, jagg):
+        torch.testing.assert_close(j, e, atol=1e-6, rtol=0)
+
+
+def update_gradient(trainer, rollout, **overrides) -> torch.Tensor:
+    """The flat gradient of one update of `rollout` with config `overrides` (restored afterwards)."""
+    model = trainer.model
+    saved = {k: getattr(trainer.args, k) for k in overrides}
+    for k, v in overrides.items():
+        setattr(trainer.args, k, v)
+    try:
+        model.zero_grad(set_to_none=True)
+        model.train()
+        run_update(trainer, model, rollout)
+        return torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad])
+    finally:
+        for k, v in saved.items():
+            setattr(trainer.args, k, v)
+
+
+def test_velocity_cache_gives_the_recomputed_gradient_with_fewer_forwards(request, family, tmp_path):
+    """One JAGG group of W = 4 (5 steps, 4 trained): the cached rollout velocities replace the no-grad forward of
+    the two intermediate steps; the gradient is the one recomputing them, and both make two graph forwards (the
+    endpoints) and one backward."""
+    guidance = FAMILIES[family]["cfg"]
+    trainer = make_trainer(
+        family, tiny_path(request, family), tmp_path, guidance, num_inference_steps=5, jagg_group_size=4
+    )
+    rollout = trainer._generate_and_score(next(iter(trainer.get_train_dataloader())))
+    assert rollout["velocities"].shape == rollout["latents"][:, 1:].shape
+    calls = BackboneCalls(trainer)
+    recomputed = update_gradient(trainer, rollout, jagg_cache_velocities=False)
+    per = FAMILIES[family]["cfg_calls"]
+    assert calls.take() == (2 * per, per, 1)  # one batched no-grad velocity for both intermediates
+    cached = update_gradient(trainer, rollout)
+    assert calls.take() == (2 * per, 0, 1)
+    assert trainer._metrics["jagg/cached_velocities"][-1] == 2
+    assert recomputed.abs().max() > 0
+    torch.testing.assert_close(cached, recomputed, rtol=0, atol=1e-6 * recomputed.abs().max().item())
+    calls.handle.remove()
+
+
+def test_saved_lora_reloads_into_the_diffusers_pipeline(request, family, tmp_path):
+    """The LoRA the trainer saves loads with the pipeline's own `load_lora_weights` and samples what it trained."""
+    path, guidance = tiny_path(request, family), FAMILIES[family]["cfg"]
+    trainer = make_trainer(family, path, tmp_path, guidance, max_steps=1)
+    trainer.train()
+    trainer.save_model()
+    ours = trainer.sample_images(["a red circle"], seed=0)
+    pipe = DiffusionPipeline.from_pretrained(path)
+    pipe.load_lora_weights(trainer.args.output_dir)
+    negative = FAMILIES[family]["negative"]
+    lora_latents, theirs = reference_run(pipe, family, ["a red circle"], negative, guidance)
+    assert_same_images(ours, theirs)
+    base_latents, _ = reference_run(
+        DiffusionPipeline.from_pretrained(path), family, ["a red circle"], negative, guidance
+    )
+    assert not torch.allclose(base_latents, lora_latents)  # the LoRA did load and change the samples
+
+
+# ---------------------------------------------------------------- editing: FLUX.1 Kontext (rollout side)
+EDIT_PROMPTS = ["a red circle", "a big blue square on the left"]
+
+
+def source_images() -> list:
+    return [noise_image(seed, size=32) for seed in range(len(EDIT_PROMPTS))]
+
+
+@pytest.mark.parametrize(
+    "guidance",
+    [{"guidance_scale": 3.5, "true_cfg_scale": 1.0}, {"guidance_scale": 3.5, "true_cfg_scale": 2.0}],
+    ids=["embedded", "true-cfg"],
+)
+def test_kontext_rollout_at_noise_level_0_is_the_pipeline_loop(tiny_flux_kontext_path, guidance):
+    """The source images' latents join the sequence as extra tokens (frame 1 of the position ids), and only the
+    generated tokens are denoised: the pipeline's own loop, called on source images of the output size without its
+    resize to Kontext's preferred resolutions."""
+    pipe = DiffusionPipeline.from_pretrained(tiny_flux_kontext_path)
+    adapter = load_adapter(pipe)
+    images = source_images()
+    negative = "dark" if guidance["true_cfg_scale"] > 1 else None
+    captured = {}
+
+    def keep_latents(pipeline, step, timestep, tensors):
+        captured["latents"] = tensors["latents"]
+        return {}
+
+    expected_images = pipe(
+        image=images, prompt=list(EDIT_PROMPTS), negative_prompt=negative, height=32, width=32, max_area=32 * 32,
+        _auto_resize=False, num_inference_steps=4, max_sequence_length=16, generator=torch.Generator().manual_seed(0),
+        callback_on_step_end=keep_latents, **guidance,
+    ).images  # fmt: skip
+
+    cond = adapter.condition(
+        EDIT_PROMPTS, height=32, width=32, negative_prompt=negative, max_sequence_length=16, source_images=images
+    )
+    noise = adapter.prepare_latents(len(EDIT_PROMPTS), 32, 32, torch.Generator().manual_seed(0))
+    sigmas, timesteps = adapter.schedule(4, 32, 32)
+    trajectory = sample_trajectories(
+        adapter, cond, noise, sigmas, timesteps, sampler="sde", noise_level=0.0, **guidance
+    )
+    # The trajectory holds the generated tokens only; the reference tokens are conditioning.
+    assert trajectory.latents.shape[2] == cond["reference_latents"].shape[1] == noise.shape[1]
+    torch.testing.assert_close(trajectory.latents[:, -1], captured["latents"], atol=1e-5, rtol=0)
+    assert_same_images(adapter.decode(trajectory.latents[:, -1], 32, 32), expected_images)
+    # The source image is read: other sources give another edit.
+    swapped = adapter.condition(
+        EDIT_PROMPTS, height=32, width=32, negative_prompt=negative, max_sequence_length=16, source_images=images[::-1]
+    )
+    other = sample_trajectories(adapter, swapped, noise, sigmas, timesteps, sampler="ode", noise_level=0.0, **guidance)
+    assert not torch.allclose(other.latents[:, -1], trajectory.latents[:, -1], atol=1e-3)
+
+
+def test_source_images_are_required_by_editing_and_refused_by_text_to_image(tiny_flux_kontext_path, tiny_zimage_path):
+    kontext = load_adapter(tiny_flux_kontext_path)
+    with pytest.raises(ValueError, match="edits images: pass `source_images`"):
+        kontext.condition(EDIT_PROMPTS, height=32, width=32, max_sequence_length=16)
+    with pytest.raises(ValueError, match="2 prompts: give one per prompt"):
+        kontext.condition(EDIT_PROMPTS, height=32, width=32, max_sequence_length=16, source_images=source_images()[:1])
+    with pytest.raises(ValueError, match="ZImageAdapter generates from text only"):
+        load_adapter(tiny_zimage_path).condition(
+            EDIT_PROMPTS, height=32, width=32, max_sequence_length=16, source_images=source_images()
+        )
+
+
+def test_kontext_trains_on_source_images_and_rewards_receive_them(tiny_flux_kontext_path, tmp_path):
+    """Two LoRA + JAGG steps of FLUX.1 Kontext through DDPOJaggTrainer on a dataset of prompts and source images:
+    every reward call receives each sample's source image (decoded, RGB) by keyword, and the same instruction on
+    two different images forms two groups for the per-prompt statistics."""
+    images = [noise_image(seed, size=32) for seed in range(2)]
+    received = []
+
+    def change(prompts, images, source_images, **kwargs):
+        received.append(source_images)
+        return [float(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32)).mean()) for a, b in
+                zip(images, source_images, strict=True)]  # fmt: skip
+
+    torch.manual_seed(0)
+    config = GRPOJaggConfig(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=2, num_inference_steps=4,
+        height=32, width=32, max_steps=2, learning_rate=1e-2, clip_range=1e-1, noise_level=0.9, jagg_group_size=3,
+        jagg_frac=1.0, max_sequence_length=16, per_prompt_stat_tracking=True, report_to="none", save_strategy="no",
+        seed=0, disable_tqdm=True,
+    )  # fmt: skip
+    dataset = Dataset.from_dict({"prompt": ["make it red"] * 2, "source_image": images})
+    trainer = DDPOJaggTrainer(
+        model=tiny_flux_kontext_path, reward_funcs=change, args=config, train_dataset=dataset,
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_k", "to_v"], init_lora_weights="gaussian"),
+    )  # fmt: skip
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "reward" in entry]
+    assert len(logs) == 2 and all(entry["jagg/groups_jagg"] == 1 for entry in logs)
+    assert len(received) == 2
+    for sources in received:
+        assert len(sources) == 4 and all(s.mode == "RGB" and s.size == (32, 32) for s in sources)
+        seen = {np.asarray(s).tobytes() for s in sources}
+        assert seen <= {np.asarray(image).tobytes() for image in images}
+    assert len(trainer.generation.stat_tracker.history) == 2  # one group per (instruction, source image)
+
+
+def test_kontext_trainer_checks_the_source_images_at_init(tiny_flux_kontext_path, tmp_path):
+    config = GRPOJaggConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2,
+                            report_to="none")  # fmt: skip
+    dataset = Dataset.from_dict({"prompt": ["make it red", "make it blue"], "source_image": ["missing.png"] * 2})
+    with pytest.raises(ValueError, match="train_dataset row 0 'source_image' cannot be read"):
+        DDPOJaggTrainer(model=tiny_flux_kontext_path, reward_funcs=redness, args=config, train_dataset=dataset)
+
+
+def test_kontext_lora_reloads_into_the_diffusers_pipeline(tiny_flux_kontext_path, tmp_path):
+    """The LoRA trained on source images loads with FluxKontextPipeline's own `load_lora_weights`, and the pipeline
+    edits a source image as the trainer's adapter does."""
+    source = noise_image(0, size=32)
+    config = GRPOJaggConfig(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, num_generations=2, num_inference_steps=4,
+        height=32, width=32, max_steps=1, learning_rate=1e-2, clip_range=1e-1, noise_level=0.9, jagg_group_size=3,
+        jagg_frac=1.0, max_sequence_length=16, report_to="none", save_strategy="no", seed=0, disable_tqdm=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    trainer = DDPOJaggTrainer(
+        model=tiny_flux_kontext_path, reward_funcs=redness, args=config,
+        train_dataset=Dataset.from_dict({"prompt": ["make it red"], "source_image": [source]}),
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_k", "to_v"], init_lora_weights="gaussian"),
+    )  # fmt: skip
+    trainer.train()
+    trainer.save_model()
+    settings = dict(num_steps=4, height=32, width=32, guidance_scale=3.5, max_sequence_length=16)
+    ours = generate_images(trainer.adapter, ["make it red"], source_images=[source], seed=0, **settings)
+
+    def pipeline_edit(pipe) -> list:
+        return pipe(
+            image=[source], prompt=["make it red"], height=32, width=32, max_area=32 * 32, _auto_resize=False,
+            num_inference_steps=4, guidance_scale=3.5, max_sequence_length=16,
+            generator=torch.Generator().manual_seed(0),
+        ).images  # fmt: skip
+
+    pipe = DiffusionPipeline.from_pretrained(tiny_flux_kontext_path)
+    pipe.load_lora_weights(trainer.args.output_dir)
+    assert_same_images(ours, pipeline_edit(pipe))
+    base = pipeline_edit(DiffusionPipeline.from_pretrained(tiny_flux_kontext_path))
+    assert not np.array_equal(np.asarray(base[0]), np.asarray(ours[0]))  # the LoRA did load and change the edit
