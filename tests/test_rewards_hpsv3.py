@@ -11,7 +11,7 @@ from PIL import Image
 
 import trl_jagg.rewards as rewards
 from trl_jagg.rewards.hpsv3 import HPSV3_INSTRUCTION, RATING_PROMPT, REWARD_TOKEN
-from trl_jagg.testing.tiny_models import _mrope_section
+from trl_jagg.testing.components import mrope_section
 from trl_jagg.testing.tokenizers import build_qwen2_tokenizer
 
 CHAT_TEMPLATE = (
@@ -37,7 +37,7 @@ def tiny_hpsv3(tmp_path_factory):
     ids = {name: tokenizer.convert_tokens_to_ids(f"<|{name}|>") for name in ("image_pad", "video_pad")}
     text = dict(vocab_size=len(tokenizer) + 1, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                 num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096,
-                rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": _mrope_section(16)},
+                rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": mrope_section(16)},
                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)  # fmt: skip
     config = Qwen2VLConfig(
         text_config=text, vision_config=dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2, mlp_ratio=2),

@@ -126,7 +126,7 @@ def _t5_encoder(tokenizer: T5Tokenizer, *, seed: int, component: str, overrides:
         return T5EncoderModel(T5Config(**config))
 
 
-def _mrope_section(head_dim: int) -> list[int]:
+def mrope_section(head_dim: int) -> list[int]:
     """Split the rotary half-dimension into Qwen2.5-VL's (time, height, width) sections, in the real 2:3:3 ratio.
 
     Multimodal RoPE rotates ``head_dim // 2`` frequency pairs, taken in three sections from the temporal, height and
@@ -165,7 +165,7 @@ def _qwen25vl_text_encoder(
         text_config["rope_parameters"] = {
             "rope_type": "default",
             "rope_theta": 1_000_000.0,
-            "mrope_section": _mrope_section(head_dim),
+            "mrope_section": mrope_section(head_dim),
         }
     vision_config = {
         "depth": 1,
