@@ -41,6 +41,11 @@ def check_checkpoint_dir(path: str, output_dir: str) -> None:
     )
 
 
+def damaged_file(path: str, cause: object, state: str = "truncated or corrupt") -> CheckpointError:
+    """The error for a checkpoint file that cannot be read: it names the file, the cause and what to do."""
+    return CheckpointError(f"{path} is {state} ({cause}). Resume from an earlier checkpoint.")
+
+
 def read_shapes(files: list[str]) -> dict[str, tuple[int, ...]]:
     """Tensor name -> shape, from the headers of safetensors ``files``; a truncated or corrupt file is named."""
     shapes: dict[str, tuple[int, ...]] = {}
@@ -50,9 +55,7 @@ def read_shapes(files: list[str]) -> dict[str, tuple[int, ...]]:
                 for key in handle.keys():
                     shapes[key] = tuple(handle.get_slice(key).get_shape())
         except (SafetensorError, OSError) as error:
-            raise CheckpointError(
-                f"{file} is truncated or corrupt ({error}). Resume from an earlier checkpoint."
-            ) from error
+            raise damaged_file(file, error) from error
     return shapes
 
 
@@ -87,10 +90,7 @@ def check_state_files(path: str, json_files: tuple[str, ...] = (TRAINER_STATE_FI
     for pattern in TORCH_STATE_FILES:
         for file in sorted(glob.glob(os.path.join(path, pattern))):
             if not zipfile.is_zipfile(file):
-                raise CheckpointError(
-                    f"{file} is truncated or corrupt (not a complete torch.save archive). Resume from an earlier "
-                    "checkpoint."
-                )
+                raise damaged_file(file, "not a complete torch.save archive")
     for name in json_files:
         state = os.path.join(path, name)
         if not os.path.isfile(state):
@@ -101,9 +101,7 @@ def check_state_files(path: str, json_files: tuple[str, ...] = (TRAINER_STATE_FI
             with open(state) as handle:
                 json.load(handle)
         except (OSError, ValueError) as error:
-            raise CheckpointError(
-                f"{state} is truncated or corrupt ({error}). Resume from an earlier checkpoint."
-            ) from error
+            raise damaged_file(state, error) from error
 
 
 def check_resume_files(path: str, *, save_only_model: bool) -> None:
@@ -176,9 +174,7 @@ def check_optimizer_shapes(path: str, parameter_shapes: Sequence[tuple[int, ...]
     try:
         saved = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
     except Exception as error:  # noqa: BLE001 (torch raises many types for a damaged archive)
-        raise CheckpointError(
-            f"{file} is truncated or corrupt ({error}). Resume from an earlier checkpoint."
-        ) from error
+        raise damaged_file(file, error) from error
     indices = [index for group in saved.get("param_groups", []) for index in group.get("params", [])]
     if len(indices) != len(parameter_shapes):
         raise CheckpointError(
@@ -211,9 +207,7 @@ def _read_json(file: str) -> Any:
         with open(file) as handle:
             return json.load(handle)
     except (OSError, ValueError) as error:
-        raise CheckpointError(
-            f"{file} is missing, truncated or corrupt ({error}). Resume from an earlier checkpoint."
-        ) from error
+        raise damaged_file(file, error, "missing, truncated or corrupt") from error
 
 
 def weight_files(path: str, pattern: str, kind: str) -> list[str]:

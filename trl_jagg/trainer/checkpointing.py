@@ -42,6 +42,7 @@ from .checkpoint_checks import (
     check_state_files,
     check_step_agreement,
     check_weights,
+    damaged_file,
     weight_files,
 )
 from .ema import EMAWeights
@@ -348,9 +349,7 @@ def _load_safetensors(path: str) -> dict[str, torch.Tensor]:
     try:
         return load_file(path)
     except (SafetensorError, OSError) as error:
-        raise CheckpointError(
-            f"{path} is truncated or corrupt ({error}). Resume from an earlier checkpoint."
-        ) from error
+        raise damaged_file(path, error) from error
 
 
 def _torch_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
