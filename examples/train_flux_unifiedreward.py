@@ -33,8 +33,9 @@ def main() -> None:
     args = parser.parse_args()
 
     recipe = get_recipe("flow-grpo-flux")
-    config = dict(output_dir=args.output_dir, bf16=True, max_steps=1000, save_steps=100, report_to="tensorboard",
+    config = dict(output_dir=args.output_dir, max_steps=1000, save_steps=100, report_to="tensorboard",
                   num_generations=8, reward_weights=[0.4, 0.6])  # fmt: skip
+    config[recipe.mixed_precision] = True  # the peer's mixed precision (fp16 or bf16 autocast, GPUs)
     model = "black-forest-labs/FLUX.1-dev"
     if args.tiny:  # the same architecture built small from config, a weight-free reward: seconds on a CPU
         tiny = tiny_run("flux")

@@ -30,8 +30,9 @@ def main() -> None:
     args = parser.parse_args()
 
     recipe = get_recipe("flow-factory-z-image-turbo")
-    config = dict(output_dir=args.output_dir, bf16=True, max_steps=1000, save_steps=100, report_to="tensorboard",
+    config = dict(output_dir=args.output_dir, max_steps=1000, save_steps=100, report_to="tensorboard",
                   push_to_hub=args.push_to_hub)  # fmt: skip
+    config[recipe.mixed_precision] = True  # the peer's mixed precision (fp16 or bf16 autocast, GPUs)
     model, reward = "Tongyi-MAI/Z-Image-Turbo", "pickscore"
     if args.tiny:  # the same architecture built small from config, a weight-free reward: seconds on a CPU
         tiny = tiny_run("zimage")
