@@ -13,7 +13,7 @@ import torch
 from datasets import Dataset
 from diffusers import DiffusionPipeline
 from peft import LoraConfig
-from testing_utils import PROMPTS, noise_image, redness, run_update, step_functions_of
+from testing_utils import PROMPTS, BackboneCalls, noise_image, redness, run_update, step_functions_of
 
 from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
 from trl_jagg.jagg import JaggEngine, plan_groups
@@ -142,32 +142,6 @@ def make_trainer(family: str, path: str, tmp_path, guidance: dict, **overrides) 
             r=4, lora_alpha=8, target_modules=["to_q", "to_k", "to_v"], init_lora_weights="gaussian"
         ),
     )
-
-
-class BackboneCalls:
-    """Forward hooks on the backbone (forwards with / without graph) and a counting ``accelerator.backward``."""
-
-    def __init__(self, trainer):
-        self.graph = self.no_grad = self.backward = 0
-        self.handle = trainer.accelerator.unwrap_model(trainer.model).register_forward_hook(self._hook)
-        backward = trainer.accelerator.backward
-
-        def counting_backward(loss, **kwargs):
-            self.backward += 1
-            backward(loss, **kwargs)
-
-        trainer.accelerator.backward = counting_backward
-
-    def _hook(self, module, args, output) -> None:
-        if torch.is_grad_enabled():
-            self.graph += 1
-        else:
-            self.no_grad += 1
-
-    def take(self) -> tuple[int, int, int]:
-        counts = (self.graph, self.no_grad, self.backward)
-        self.graph = self.no_grad = self.backward = 0
-        return counts
 
 
 def test_two_training_steps_lora_jagg_cfg(request, family, tmp_path):

@@ -14,7 +14,7 @@ import torch
 from datasets import Dataset
 from diffusers import FluxPipeline, StableDiffusion3Pipeline
 from peft import LoraConfig
-from testing_utils import PROMPTS, gdpo_by_hand, redness, run_update, trained_steps_of
+from testing_utils import PROMPTS, BackboneCalls, gdpo_by_hand, redness, run_update, trained_steps_of
 from transformers import TrainerCallback
 
 import trl_jagg.trainer.generation as generation
@@ -424,32 +424,6 @@ def test_calibrate_jagg_reports_group_cosines(tiny_flux_path, tmp_path):
 
 
 # ---------------------------------------------------------------- velocity cache, batched calls, routing
-class BackboneCalls:
-    """Forward hooks on the backbone (forwards with / without graph) and a counting ``accelerator.backward``."""
-
-    def __init__(self, trainer):
-        self.graph = self.no_grad = self.backward = 0
-        self.handle = trainer.accelerator.unwrap_model(trainer.model).register_forward_hook(self._hook)
-        backward = trainer.accelerator.backward
-
-        def counting_backward(loss, **kwargs):
-            self.backward += 1
-            backward(loss, **kwargs)
-
-        trainer.accelerator.backward = counting_backward
-
-    def _hook(self, module, args, output) -> None:
-        if torch.is_grad_enabled():
-            self.graph += 1
-        else:
-            self.no_grad += 1
-
-    def take(self) -> tuple[int, int, int]:
-        counts = (self.graph, self.no_grad, self.backward)
-        self.graph = self.no_grad = self.backward = 0
-        return counts
-
-
 def update_gradient(trainer, rollout, **overrides) -> torch.Tensor:
     """The flat gradient of one update of `rollout` with config `overrides` (restored afterwards)."""
     model = trainer.model

@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 
 import numpy as np
+import torch
 from PIL import Image
 
 PROMPTS = ["a red circle", "a green square", "a blue circle", "a red square"]
@@ -66,3 +67,29 @@ def gdpo_by_hand(columns, weights, group_size, eps, ddof, clip):
                 total[i] += weight * (value - statistics.fmean(group)) / (spread + eps)
     mean, spread = statistics.fmean(total), std(total)
     return [max(-clip, min(clip, (t - mean) / (spread + eps))) for t in total]
+
+
+class BackboneCalls:
+    """Forward hooks on the backbone (forwards with / without graph) and a counting ``accelerator.backward``."""
+
+    def __init__(self, trainer):
+        self.graph = self.no_grad = self.backward = 0
+        self.handle = trainer.accelerator.unwrap_model(trainer.model).register_forward_hook(self._hook)
+        backward = trainer.accelerator.backward
+
+        def counting_backward(loss, **kwargs):
+            self.backward += 1
+            backward(loss, **kwargs)
+
+        trainer.accelerator.backward = counting_backward
+
+    def _hook(self, module, args, output) -> None:
+        if torch.is_grad_enabled():
+            self.graph += 1
+        else:
+            self.no_grad += 1
+
+    def take(self) -> tuple[int, int, int]:
+        counts = (self.graph, self.no_grad, self.backward)
+        self.graph = self.no_grad = self.backward = 0
+        return counts
