@@ -4,18 +4,15 @@ gradient, and the gradient flows through the unconditional CFG branch."""
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 import torch
 from datasets import Dataset
 from diffusers import DiffusionPipeline, FluxPipeline, QwenImagePipeline, StableDiffusion3Pipeline
 from peft import LoraConfig
-from testing_utils import PROMPTS, redness, step_functions_of
+from testing_utils import PROMPTS, assert_two_lora_jagg_steps, assert_w2_jagg_equals_exact, redness
 
 from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
-from trl_jagg.jagg import JaggEngine, plan_groups
 from trl_jagg.models import MODEL_ADAPTERS, QwenImageAdapter, SD3Adapter, adapter_class, load_adapter
 from trl_jagg.rollout import sample_trajectories
 
@@ -186,43 +183,14 @@ def make_trainer(path: str, tmp_path, guidance: dict, **overrides) -> DDPOJaggTr
 def test_two_training_steps_lora_jagg_cfg(request, family, tmp_path):
     trainer = make_trainer(tiny_path(request, family), tmp_path, CFG[family])
     assert trainer.adapter.needs_negative_prompt(trainer.args.guidance_scale, trainer.args.true_cfg_scale)
-    model = trainer.accelerator.unwrap_model(trainer.model)
-    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-    assert before and all("lora" in n for n in before)
-    trainer.train()
-    after = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
-    assert any(not torch.equal(before[n], after[n]) for n in before), "no parameter changed"
-    logs = [entry for entry in trainer.state.log_history if "reward" in entry]
-    assert len(logs) == 2
-    for entry in logs:
-        assert math.isfinite(entry["loss"]) and math.isfinite(entry["grad_norm"]) and entry["grad_norm"] > 0
-        # 3 trained steps (all but the last of 4) in one JAGG group of W = 3: one joint backward.
-        assert entry["jagg/backward_calls"] == 1 and entry["jagg/groups_jagg"] == 1
+    assert_two_lora_jagg_steps(trainer)
 
 
 def test_w2_jagg_gradient_equals_exact(request, family, tmp_path):
     """Theorem 1's exact limit on a real adapter with CFG: for W = 2 the joint backward through the two endpoints
     gives the sum of the per-step gradients."""
     trainer = make_trainer(tiny_path(request, family), tmp_path, CFG[family], num_inference_steps=5, max_steps=1)
-    model = trainer.accelerator.unwrap_model(trainer.model)
-    batch = trainer._generate_and_score(next(iter(trainer.get_train_dataloader())))
-    fns = step_functions_of(trainer, model, batch)
-    trained, velocity_fn, loss_fn = fns.trained, fns.velocity_fn, fns.loss_fn
-    times = [float(batch["sigmas"][k]) for k in trained]
-    params = [p for p in model.parameters() if p.requires_grad]
-
-    def gradient(plan) -> list[torch.Tensor]:
-        for p in params:
-            p.grad = None
-        JaggEngine(velocity_fn, loss_fn).run(plan)
-        return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params]
-
-    joint_plan = plan_groups(times, 2, 1.0)
-    assert len(trained) == 4 and [g.method for g in joint_plan] == ["jagg", "jagg"]
-    exact, jagg = gradient(plan_groups(times, 2, 0.0)), gradient(joint_plan)
-    assert max(e.abs().max().item() for e in exact) > 1e-4  # a real gradient, not zeros on both sides
-    for e, j in zip(exact, jagg):
-        torch.testing.assert_close(j, e, atol=1e-6, rtol=0)
+    assert_w2_jagg_equals_exact(trainer)
 
 
 def test_saved_lora_reloads_into_the_diffusers_pipeline(request, family, tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 
 import numpy as np
@@ -93,3 +94,46 @@ class BackboneCalls:
         counts = (self.graph, self.no_grad, self.backward)
         self.graph = self.no_grad = self.backward = 0
         return counts
+
+
+def assert_two_lora_jagg_steps(trainer) -> None:
+    """Train ``trainer`` (LoRA, 4 steps of which 3 are trained in one JAGG group of W = 3, 2 optimizer steps) and
+    check that the LoRA weights moved, every logged loss and gradient norm is finite, and each step took one joint
+    backward."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    assert before and all("lora" in n for n in before)
+    trainer.train()
+    after = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    assert any(not torch.equal(before[n], after[n]) for n in before), "no parameter changed"
+    logs = [entry for entry in trainer.state.log_history if "reward" in entry]
+    assert len(logs) == 2
+    for entry in logs:
+        assert math.isfinite(entry["loss"]) and math.isfinite(entry["grad_norm"]) and entry["grad_norm"] > 0
+        # 3 trained steps (all but the last of 4) in one JAGG group of W = 3: one joint backward.
+        assert entry["jagg/backward_calls"] == 1 and entry["jagg/groups_jagg"] == 1
+
+
+def assert_w2_jagg_equals_exact(trainer) -> None:
+    """Theorem 1's exact limit on ``trainer``'s adapter (4 trained steps): for W = 2 the joint backward through the
+    two endpoints gives the sum of the per-step gradients, up to float rounding."""
+    from trl_jagg.jagg import JaggEngine, plan_groups
+
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    batch = trainer._generate_and_score(next(iter(trainer.get_train_dataloader())))
+    fns = step_functions_of(trainer, model, batch)
+    times = [float(batch["sigmas"][k]) for k in fns.trained]
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def gradient(plan) -> list[torch.Tensor]:
+        for p in params:
+            p.grad = None
+        JaggEngine(fns.velocity_fn, fns.loss_fn).run(plan)
+        return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params]
+
+    joint_plan = plan_groups(times, 2, 1.0)
+    assert len(fns.trained) == 4 and [g.method for g in joint_plan] == ["jagg", "jagg"]
+    exact, jagg = gradient(plan_groups(times, 2, 0.0)), gradient(joint_plan)
+    assert max(e.abs().max().item() for e in exact) > 1e-4  # a real gradient, not zeros on both sides
+    for e, j in zip(exact, jagg):
+        torch.testing.assert_close(j, e, atol=1e-6, rtol=0)
