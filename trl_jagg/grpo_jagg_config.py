@@ -2,37 +2,29 @@
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
-import math
 import numbers
-import os
-import typing
-import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 from transformers import TrainingArguments
 
-from .field_types import type_problem
+from .config_checks import (
+    CFG_GRADIENTS,
+    DTYPES,
+    EMA_SCHEDULES,
+    KL_STDS,
+    SCALE_REWARDS,
+    TRAIN_SAMPLERS,
+    TRAIN_TIMESTEPS,
+    check_fields,
+    check_types_and_finiteness,
+)
 from .grpo import MULTI_OBJECTIVE_AGGREGATIONS
 from .jagg import ENDPOINT_BACKWARDS, JAGG_MODES
 from .prompts import check_prompts
-from .recipes import RECIPES, get_recipe
-from .sampling import SAMPLERS
+from .recipes import get_recipe
 from .sde_window import WINDOW_SCHEDULES
-
-TRAIN_SAMPLERS = tuple(s for s in SAMPLERS if s != "ode")
-GAUSSIAN_SAMPLERS = ("sde", "dance")  # log-probs are true Gaussian log-densities (CPS drops the constants)
-TRAIN_TIMESTEPS = ("all_but_last", "all", "random", "random_but_last", "sde_window")
-SCALE_REWARDS = ("group", "batch", "none")
-KL_STDS = ("step", "flow_grpo")
-EMA_SCHEDULES = ("step", "flow_grpo")
-CFG_GRADIENTS = ("both", "conditional")
-DTYPES = ("float32", "bfloat16", "float16")
-MAX_NOISE_LEVEL = 2.0
-CLIP_RANGE_SLACK = 1000.0
-"""How far (a factor) a clip range may lie outside the recipes' before the config warns about its scale."""
 
 
 @dataclass
@@ -618,7 +610,7 @@ class GRPOJaggConfig(TrainingArguments):
         if isinstance(self.reward_weights, numbers.Real) and not isinstance(self.reward_weights, bool):
             self.reward_weights = [self.reward_weights]
         # Before TrainingArguments uses any value: a wrong type or a NaN would fail there without naming the field.
-        self._check_types_and_finiteness()
+        check_types_and_finiteness(self)
         if self.epsilon is not None:
             self.clip_range = self.epsilon
         # TRL's boolean form (a flag or a YAML value arrives as a string).
@@ -629,7 +621,7 @@ class GRPOJaggConfig(TrainingArguments):
             self.eval_prompts = check_prompts(self.eval_prompts, "GRPOJaggConfig.eval_prompts")
         # This config's own fields first: a bad value is named the same way on any machine, before the Trainer's
         # checks of the machine (bf16 on a CPU, ...) can stop on something else.
-        self._check()
+        check_fields(self)
         super().__post_init__()
         self._resolve_generation_batch()  # needs the number of processes
 
@@ -661,301 +653,6 @@ class GRPOJaggConfig(TrainingArguments):
                 f"{self.generation_batch_size} is not a multiple of num_generations ({self.num_generations}). "
                 "Choose sizes that make whole prompt groups."
             )
-
-    def _check_types_and_finiteness(self) -> None:
-        """Every field given a value other than its default has its annotated type (the types the CLI flags
-        convert to; YAML values reach the dataclass unconverted), and every float is finite (``nan < 0`` is
-        false, so a NaN passes any range check)."""
-        hints = typing.get_type_hints(type(self))
-        for item in dataclasses.fields(self):
-            value = getattr(self, item.name)
-            if not item.init or value is item.default or (type(value) is type(item.default) and value == item.default):
-                continue
-            problem = None if item.name in self._types_checked_later else type_problem(value, hints[item.name])
-            if problem is not None:
-                raise TypeError(
-                    f"GRPOJaggConfig.{item.name} is {value!r} ({type(value).__name__}); expected {problem}."
-                )
-            values = value if isinstance(value, (list, tuple)) else [value]
-            for number in values:
-                if isinstance(number, float) and not math.isfinite(number):
-                    raise ValueError(f"GRPOJaggConfig.{item.name} is {value!r}. Use a finite number.")
-        fsdp = self.fsdp
-        if not (
-            fsdp is None
-            or isinstance(fsdp, (bool, str))
-            or (isinstance(fsdp, list) and all(isinstance(o, str) for o in fsdp))
-        ):
-            # transformers takes any truthy value as "FSDP on".
-            raise TypeError(
-                f"GRPOJaggConfig.fsdp is {fsdp!r} ({type(fsdp).__name__}); expected true or false, or a string of "
-                "FSDP options ('full_shard auto_wrap')."
-            )
-        # Before `_resolve_generation_batch` divides by them, and before the multiple-of-G check, which 0 passes.
-        # per_device_eval_batch_size too: 0 would stop the first evaluation, which runs before that step's save.
-        names = ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps")
-        for name in (*names, "steps_per_generation"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"GRPOJaggConfig.{name} is {value}. Use 1 or more.")
-
-    def _check(self) -> None:
-        def fail(name: str, problem: str, fix: str) -> None:
-            raise ValueError(f"GRPOJaggConfig.{name} {problem}. {fix}")
-
-        if self.output_dir is not None and os.path.isfile(self.output_dir):
-            fail(
-                "output_dir",
-                f"{self.output_dir} is a file",
-                "Checkpoints and weights need a directory: use another path.",
-            )
-        if self.dtype not in DTYPES:
-            fail("dtype", f"is {self.dtype!r}", f"Use one of {DTYPES}.")
-        if self.num_generations < 2:
-            fail("num_generations", f"is {self.num_generations}", "GRPO needs at least 2 images per prompt.")
-        if self.max_steps <= 0 and self.num_train_epochs <= 0:
-            fail(
-                "max_steps",
-                f"is {self.max_steps} with num_train_epochs={self.num_train_epochs}: the run would train 0 steps",
-                "Set max_steps > 0 or num_train_epochs > 0.",
-            )
-        if self.learning_rate < 0:
-            fail("learning_rate", f"is {self.learning_rate}", "Use a value >= 0 (1e-4 for LoRA is typical).")
-        for name in ("weight_decay", "max_grad_norm"):
-            if getattr(self, name) < 0:
-                fail(name, f"is {getattr(self, name)}", "Use a value >= 0.")
-        for name in ("adam_beta1", "adam_beta2"):
-            if not 0 <= getattr(self, name) < 1:
-                fail(name, f"is {getattr(self, name)}", "Use a value in [0, 1).")
-        if not self.adam_epsilon > 0:
-            # Adam divides by sqrt(v) + epsilon: a parameter whose gradient is 0 would become 0 / 0.
-            fail("adam_epsilon", f"is {self.adam_epsilon}", "Use a positive value (1e-8, the default).")
-        for name in ("seed", "data_seed", "eval_seed"):
-            value = getattr(self, name)
-            if value is not None and not 0 <= value < 2**32:
-                fail(name, f"is {value}", "Use a seed in [0, 2**32) (numpy's seeds are 32-bit).")
-        if self.save_strategy == "steps" and not self.save_steps > 0:
-            fail(
-                "save_steps",
-                f"is {self.save_steps} with save_strategy='steps': no checkpoint would ever be saved",
-                "Use a positive interval, or save_strategy='no'.",
-            )
-        if self.num_inference_steps < 2:
-            fail("num_inference_steps", f"is {self.num_inference_steps}", "Use at least 2 steps.")
-        for name in ("height", "width"):
-            if getattr(self, name) <= 0 or getattr(self, name) % 16:
-                fail(name, f"is {getattr(self, name)}", "Use a positive multiple of 16 (8x VAE and 2x2 packing).")
-        if self.sampler not in TRAIN_SAMPLERS:
-            fail("sampler", f"is {self.sampler!r}", f"Use one of {TRAIN_SAMPLERS} (the ODE step has no log-prob).")
-        if self.noise_level <= 0:
-            # All training samplers are stochastic: without noise the step has no log-probability to train.
-            fail(
-                "noise_level",
-                f"is {self.noise_level} with sampler={self.sampler!r}",
-                "The trained steps must be stochastic: use a value > 0 (0.7 for SD3.5, 0.9 for Flux; eta 0.3 for "
-                "dance).",
-            )
-        if self.sampler == "cps" and self.noise_level > 1:
-            fail("noise_level", f"is {self.noise_level} with sampler='cps'", "CPS takes a value in (0, 1].")
-        if self.sampler != "cps" and self.noise_level > MAX_NOISE_LEVEL:
-            # The first SDE step (and dance's last) multiplies the latent by 1 - a^2 / 2 in its mean: above 2 the
-            # step amplifies it, and the rollout's latents grow without bound.
-            fail(
-                "noise_level",
-                f"is {self.noise_level} with sampler={self.sampler!r}: above {MAX_NOISE_LEVEL} a step's mean "
-                "amplifies the latent (by a^2 / 2 - 1) and the rollout diverges",
-                f"Use a value in (0, {MAX_NOISE_LEVEL}] (0.7 for SD3.5, 0.9 for Flux; eta 0.3 for dance).",
-            )
-        if self.guidance_scale < 0:
-            fail(
-                "guidance_scale", f"is {self.guidance_scale}", "Use a value >= 0 (3.5 for Flux.1-dev, 4.5 for SD3.5)."
-            )
-        if self.true_cfg_scale < 1:
-            fail("true_cfg_scale", f"is {self.true_cfg_scale}", "Use 1 (off) or more (4 for Qwen-Image).")
-        if self.train_timesteps not in TRAIN_TIMESTEPS:
-            fail("train_timesteps", f"is {self.train_timesteps!r}", f"Use one of {TRAIN_TIMESTEPS}.")
-        if not 0 < self.train_timestep_fraction <= 1:
-            fail("train_timestep_fraction", f"is {self.train_timestep_fraction}", "Use a value in (0, 1].")
-        if (self.train_timesteps == "sde_window") != (self.sde_window_size > 0):
-            fail(
-                "train_timesteps",
-                f"is {self.train_timesteps!r} with sde_window_size={self.sde_window_size}",
-                "Flow-GRPO-Fast trains exactly its SDE window: set both train_timesteps='sde_window' and "
-                "sde_window_size >= 1, or neither.",
-            )
-        if not 0 <= self.sde_window_size < self.num_inference_steps:
-            fail("sde_window_size", f"is {self.sde_window_size}", "Use 0 (off) or fewer than num_inference_steps.")
-        if self.sde_window_max_start is not None and not (
-            0 <= self.sde_window_max_start <= self.num_inference_steps - self.sde_window_size
-        ):
-            fail(
-                "sde_window_max_start",
-                f"is {self.sde_window_max_start}",
-                f"Use a value in [0, {self.num_inference_steps - self.sde_window_size}].",
-            )
-        if self.sde_window_schedule not in WINDOW_SCHEDULES:
-            fail("sde_window_schedule", f"is {self.sde_window_schedule!r}", f"Use one of {WINDOW_SCHEDULES}.")
-        for name in ("sde_window_stride", "sde_window_shift_interval"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                fail(name, f"is {getattr(self, name)!r}", "Use an integer >= 1.")
-        if self.ode_solver_order not in (1, 2, 3):
-            fail("ode_solver_order", f"is {self.ode_solver_order!r}", "Use 1 (Euler), 2 or 3 (DPM-Solver++).")
-        if not 0 < self.ode_step_ratio <= 1:
-            fail("ode_step_ratio", f"is {self.ode_step_ratio}", "Use a fraction in (0, 1] (1 keeps every step).")
-        if self.sde_window_size == 0:
-            for name, off in (("sde_window_schedule", "random"), ("ode_solver_order", 1), ("ode_step_ratio", 1.0)):
-                if getattr(self, name) != off:
-                    fail(
-                        name,
-                        f"is {getattr(self, name)!r} without an SDE window (sde_window_size=0)",
-                        "It acts on the SDE window and the ODE steps around it: set sde_window_size >= 1 "
-                        "(with train_timesteps='sde_window'), or leave it at its default.",
-                    )
-        if self.compile_repeated_blocks:
-            import torch._dynamo
-
-            backends = torch._dynamo.list_backends(exclude_tags=())
-            if self.compile_backend not in backends:
-                fail("compile_backend", f"is {self.compile_backend!r}", f"Use one of {sorted(backends)}.")
-        if self.clip_range <= 0:
-            name = "epsilon" if self.epsilon is not None else "clip_range"
-            fail(name, f"is {self.clip_range}", "Use a positive value (1e-4 for SDE, 1e-5 for CPS).")
-        if self.epsilon_high is not None and self.epsilon_high <= 0:
-            fail("epsilon_high", f"is {self.epsilon_high}", "Use a positive value, or None for the lower clip range.")
-        if self.adv_clip_max <= 0:
-            fail("adv_clip_max", f"is {self.adv_clip_max}", "Use a positive value (5 in Flow-GRPO).")
-        if self.beta < 0:
-            fail("beta", f"is {self.beta}", "Use 0 (no KL) or a positive weight.")
-        if self.num_iterations < 1:
-            fail("num_iterations", f"is {self.num_iterations}", "Use 1 or more.")
-        if self.scale_rewards not in SCALE_REWARDS:
-            fail("scale_rewards", f"is {self.scale_rewards!r}", f"Use one of {SCALE_REWARDS}.")
-        if self.per_prompt_stat_tracking and self.scale_rewards == "none":
-            fail(
-                "scale_rewards",
-                "is 'none' with per_prompt_stat_tracking=True",
-                "The stat tracker scales by a std: use 'group' or 'batch', or turn the tracker off.",
-            )
-        if self.multi_objective_aggregation not in MULTI_OBJECTIVE_AGGREGATIONS:
-            fail(
-                "multi_objective_aggregation",
-                f"is {self.multi_objective_aggregation!r}",
-                f"Use one of {MULTI_OBJECTIVE_AGGREGATIONS}.",
-            )
-        if self.multi_objective_aggregation == "normalize_then_sum" and (
-            self.per_prompt_stat_tracking or self.scale_rewards == "none"
-        ):
-            conflict = "per_prompt_stat_tracking=True" if self.per_prompt_stat_tracking else "scale_rewards='none'"
-            fail(
-                "multi_objective_aggregation",
-                f"is 'normalize_then_sum' with {conflict}",
-                "normalize_then_sum normalises by group and batch stds of the current batch: turn the stat tracker "
-                "off and keep scale_rewards 'group' or 'batch', or use 'sum_then_normalize'.",
-            )
-        if self.advantage_std_ddof not in (0, 1):
-            fail("advantage_std_ddof", f"is {self.advantage_std_ddof!r}", "Use 0 (population std) or 1 (unbiased).")
-        if not self.advantage_eps >= 0:
-            fail("advantage_eps", f"is {self.advantage_eps}", "Use a value >= 0 (1e-4 or 1e-8 are typical).")
-        if self.kl_std not in KL_STDS:
-            fail("kl_std", f"is {self.kl_std!r}", f"Use one of {KL_STDS}.")
-        if self.ratio_normalization and self.sampler not in GAUSSIAN_SAMPLERS:
-            fail(
-                "ratio_normalization",
-                f"is on with sampler={self.sampler!r}, whose log-prob has no Gaussian normalisation",
-                f"Use a sampler in {GAUSSIAN_SAMPLERS}, or ratio_normalization=False.",
-            )
-        if self.cfg_gradient not in CFG_GRADIENTS:
-            fail("cfg_gradient", f"is {self.cfg_gradient!r}", f"Use one of {CFG_GRADIENTS}.")
-        if not 0 <= self.ema_decay < 1:
-            fail(
-                "ema_decay",
-                f"is {self.ema_decay}",
-                "Use a value in [0, 1): 0 disables the EMA, 0.9-0.9999 are typical.",
-            )
-        if not isinstance(self.ema_update_interval, int) or self.ema_update_interval < 1:
-            fail("ema_update_interval", f"is {self.ema_update_interval!r}", "Use an integer >= 1.")
-        if self.ema_decay > 0 and 0 < self.max_steps < self.ema_update_interval:
-            self._warn(
-                f"GRPOJaggConfig.ema_update_interval ({self.ema_update_interval}) is larger than max_steps "
-                f"({self.max_steps}): the EMA is never updated and stays the initial weights. Use an interval <= "
-                "max_steps, or ema_decay=0."
-            )
-        if self.ema_offload and self.ema_decay == 0:
-            self._warn(
-                "GRPOJaggConfig.ema_offload=True does nothing with ema_decay=0 (no EMA is kept). Set ema_decay > 0 "
-                "(0.995 in DanceGRPO), or drop ema_offload."
-            )
-        if self.ema_schedule not in EMA_SCHEDULES:
-            fail("ema_schedule", f"is {self.ema_schedule!r}", f"Use one of {EMA_SCHEDULES}.")
-        if not isinstance(self.jagg_group_size, int) or self.jagg_group_size < 1:
-            fail("jagg_group_size", f"is {self.jagg_group_size!r}", "Use an integer >= 1 (4 or 8 are typical).")
-        if isinstance(self.jagg_frac, bool):
-            # bool is an int in Python: True would silently mean 1.0.
-            fail("jagg_frac", f"is {self.jagg_frac!r}, not a fraction", "Use a fraction in [0, 1] or 'auto'.")
-        if isinstance(self.jagg_frac, str) and self.jagg_frac != "auto":
-            try:
-                self.jagg_frac = float(self.jagg_frac)
-            except ValueError:
-                fail("jagg_frac", f"is {self.jagg_frac!r}", "Use a fraction in [0, 1] or 'auto'.")
-        if self.jagg_frac != "auto" and not (isinstance(self.jagg_frac, (int, float)) and 0 <= self.jagg_frac <= 1):
-            fail("jagg_frac", f"is {self.jagg_frac!r}", "Use a fraction in [0, 1] (0.6 in the paper) or 'auto'.")
-        if not isinstance(self.jagg_probe_steps, int) or self.jagg_probe_steps < 1:
-            fail("jagg_probe_steps", f"is {self.jagg_probe_steps!r}", "Use an integer >= 1.")
-        if not -1 <= self.jagg_cos_threshold <= 1:
-            fail("jagg_cos_threshold", f"is {self.jagg_cos_threshold}", "Use a cosine in [-1, 1] (0.7 is typical).")
-        if self.jagg_endpoint_backward not in ENDPOINT_BACKWARDS:
-            fail("jagg_endpoint_backward", f"is {self.jagg_endpoint_backward!r}", f"Use one of {ENDPOINT_BACKWARDS}.")
-        if self.no_grad_batch_steps is not None and (
-            not isinstance(self.no_grad_batch_steps, int) or self.no_grad_batch_steps < 1
-        ):
-            fail("no_grad_batch_steps", f"is {self.no_grad_batch_steps!r}", "Use an integer >= 1 or None.")
-        if self.jagg_mode not in JAGG_MODES:
-            fail("jagg_mode", f"is {self.jagg_mode!r}", f"Use one of {JAGG_MODES}.")
-        for name in (
-            "sample_batch_size",
-            "max_sequence_length",
-            "eval_num_inference_steps",
-            "stat_tracking_buffer_size",
-            "num_completions_to_print",
-        ):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                fail(name, f"is {getattr(self, name)}", "Use a positive value, or None for the default.")
-        if self.image_log_steps < 0:
-            fail("image_log_steps", f"is {self.image_log_steps}", "Use 0 (off) or a positive interval.")
-        if self.reward_retries < 0:
-            fail("reward_retries", f"is {self.reward_retries}", "Use 0 (no retry) or more.")
-        trained = self.num_trained_steps
-        routed = self.jagg_frac == "auto" or self.jagg_frac > 0
-        if self.use_jagg and self.jagg_mode != "exact" and routed and self.jagg_group_size > trained:
-            self._warn(
-                f"GRPOJaggConfig.jagg_group_size ({self.jagg_group_size}) is larger than the {trained} trained "
-                f"step{'s' if trained != 1 else ''} (train_timesteps={self.train_timesteps!r}, num_inference_steps="
-                f"{self.num_inference_steps}): no group is full, so JAGG stays idle and every step takes an exact "
-                f"backward. Use jagg_group_size <= {trained}, or use_jagg=False."
-            )
-        self._warn_clip_range_scale()
-
-    def _warn_clip_range_scale(self) -> None:
-        """Warn when the clip range is far from the flow-model recipes' (TRL's token default 0.2 is 2000x Flow-GRPO's
-        1e-4): it then clips nearly nothing or nearly everything."""
-        used = sorted({recipe.config["clip_range"] for recipe in RECIPES.values()})
-        if used[0] / CLIP_RANGE_SLACK <= self.clip_range <= used[-1] * CLIP_RANGE_SLACK:
-            return
-        name = "epsilon" if self.epsilon is not None else "clip_range"
-        recipes = ", ".join(f"{recipe.name} {recipe.config['clip_range']:g}" for recipe in RECIPES.values())
-        warnings.warn(
-            f"GRPOJaggConfig.{name} is {self.clip_range:g}, more than {CLIP_RANGE_SLACK:g}x outside the clip ranges of "
-            f"the flow-model recipes ({recipes}): a step's log-prob is a mean over latent dimensions, so its ratio "
-            "moves far less than a token's, and a token-scale value such as TRL's 0.2 effectively never clips. Use "
-            "1e-4 (SDE / Dance samplers) or 1e-5 (CPS).",
-            UserWarning,
-            stacklevel=3,
-        )
-
-    @staticmethod
-    def _warn(message: str) -> None:
-        """A setting that does nothing: a warning pointing at the user's GRPOJaggConfig(...) call."""
-        warnings.warn(message, UserWarning, stacklevel=5)
 
     @property
     def num_trained_steps(self) -> int:
