@@ -19,6 +19,12 @@ from trl_jagg.recipes import RECIPES, get_recipe, list_recipes
 from trl_jagg.trainer import update
 
 YAML_DIR = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "recipes")
+FLOW_FACTORY = (
+    "flow-factory-z-image",
+    "flow-factory-z-image-turbo",
+    "flow-factory-flux2-klein-base",
+    "flow-factory-flux2-klein",
+)
 NAMES = [
     "flow-grpo-sd35",
     "flow-grpo-sd35-ocr",
@@ -30,10 +36,7 @@ NAMES = [
     "dancegrpo-flux",
     "dancegrpo-flux-8gpu",
     "mixgrpo-flux",
-    "flow-factory-z-image",
-    "flow-factory-z-image-turbo",
-    "flow-factory-flux2-klein-base",
-    "flow-factory-flux2-klein",
+    *FLOW_FACTORY,
 ]
 
 # The public numbers (JAGG spec section 5), written out independently of trl_jagg/recipes.py.
@@ -223,6 +226,29 @@ PEER_TRAINING = {
         ("ema_offload", True, "DG train_grpo_flux.py:69-73 (full state dict, cpu_offload=True, on rank 0)"),
         ("max_grad_norm", 0.01, "DG finetune_flux_grpo_8gpus.sh:46"),
     ],
+    "mixgrpo-flux": [
+        ("lr_scheduler_type", "constant_with_warmup", "MG fastvideo/train_grpo_flux.py:1152-1156 (the default)"),
+        ("warmup_steps", 0, "MG finetune_flux_grpo_MixGRPO_Flash.sh:146"),
+        ("per_device_train_batch_size", 1, "MG train_grpo_flux.py:511-518, 543 (one sample a backward)"),
+        ("steps_per_generation", 12, "MG finetune_flux_grpo_MixGRPO_Flash.sh:128, 150 (1 prompt x 12 generations)"),
+        ("gradient_accumulation_steps", 3, "MG finetune_flux_grpo_MixGRPO_Flash.sh:68, train_grpo_flux.py:606"),
+        ("optimizer_steps_per_rollout", 4, "12 samples, a step every 3"),
+        ("dtype", "float32", "MG train_grpo_flux.py:776-781 (float32 master weights)"),
+        ("mixed_precision", "bf16", "MG finetune_flux_grpo_MixGRPO_Flash.sh:136"),
+        ("max_grad_norm", 1.0, "MG finetune_flux_grpo_MixGRPO_Flash.sh:148"),
+        ("weight_decay", 1e-4, "MG finetune_flux_grpo_MixGRPO_Flash.sh:149"),
+    ],
+    **{
+        name: [  # Flow-Factory's four presets share these (trl_jagg.recipes._flow_factory)
+            ("lr_scheduler_type", "constant", "FF src/flow_factory/trainers/abc.py:198-207 (an AdamW, no scheduler)"),
+            ("steps_per_generation", 24, "FF default.yaml: 48 prompts x 16 on 8 processes = 96 each, 4 a batch"),
+            ("optimizer_steps_per_rollout", 2, "FF default.yaml gradient_step_per_epoch: 2"),
+            ("mixed_precision", "bf16", "FF default.yaml mixed_precision (L6)"),
+            ("max_grad_norm", 1.0, "FF default.yaml max_grad_norm"),
+            ("weight_decay", 1e-4, "FF default.yaml adam_weight_decay"),
+        ]
+        for name in FLOW_FACTORY
+    },
 }
 # LoRA (rank, alpha, target modules) exactly as the peer's scripts list them.
 _FG_ATTENTION = (
@@ -548,16 +574,18 @@ PRESET_SPLIT_TINY = dict(
 )  # fmt: skip
 
 
-# mixgrpo-flux's schedule and split were not read against MixGRPO's trainer in the round that wrote PEER_TRAINING
-# (Flow-GRPO and DanceGRPO only); its rows are owed, see docs/models.md. The flow-factory-* presets came from a
-# branch written before PEER_TRAINING: their rows (Flow-Factory's trainer) are owed too; their LoRA targets are
-# pinned by test_preset_builds_a_valid_config and trained on the tiny Z-Image / FLUX.2 klein in tests/test_cli.py.
-@pytest.mark.parametrize("name", [n for n in NAMES if n in PEER_TRAINING and PEER_TRAINING[n] is not None])
+# Every preset with its peer's training rows; of the four Flow-Factory presets (one shared split) the two cheapest.
+@pytest.mark.parametrize(
+    "name", [n for n in PEER_TRAINING if n not in ("flow-factory-z-image", "flow-factory-flux2-klein-base")]
+)
 def test_preset_schedule_split_and_lora_through_the_trainer(name, request, tmp_path):
     """The logged learning rate stays constant, one rollout feeds the peer's number of optimizer steps (2 for
-    Flow-GRPO, 3 for DanceGRPO), and the trained parameters are those of the peer's LoRA targets."""
+    Flow-GRPO and Flow-Factory, 3 for DanceGRPO, 4 for MixGRPO), and the trained parameters are those of the peer's LoRA targets."""
     recipe = get_recipe(name)
-    family = {"stabilityai": "sd3", "black-forest-labs": "flux", "Qwen": "qwenimage"}[recipe.model.split("/")[0]]
+    family = {"stabilityai": "sd3", "black-forest-labs": "flux", "Qwen": "qwenimage", "Tongyi-MAI": "zimage"}[
+        recipe.model.split("/")[0]
+    ]
+    family = "flux2_klein" if "FLUX.2-klein" in recipe.model else family
     path = request.getfixturevalue("tiny_dual_attention_sd3_path" if family == "sd3" else f"tiny_{family}_path")
     pipeline = recipe.apply_scheduler(DiffusionPipeline.from_pretrained(path))
     steps_per_rollout = _peer_value(name, "optimizer_steps_per_rollout")
@@ -578,6 +606,8 @@ def test_preset_schedule_split_and_lora_through_the_trainer(name, request, tmp_p
             **{
                 "num_inference_steps": 8 if name == "dancegrpo-flux" else 5,
                 "max_steps": steps_per_rollout,
+                # The window slides past the 5 tiny steps otherwise (its last start, 19, is for 25).
+                **({"sde_window_max_start": 1} if name == "mixgrpo-flux" else {}),
             },
         ),  # fmt: skip
         train_dataset=Dataset.from_dict(

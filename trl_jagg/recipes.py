@@ -366,8 +366,13 @@ def _flow_factory(
         config={
             "sampler": "sde",  # dynamics_type Flow-SDE
             "num_generations": 16,  # group_size (L58)
+            # 48 prompts x 16 per rollout over 8 processes (unique_sample_num_per_epoch, L60) = 96 samples a
+            # process, 2 optimizer steps a rollout (gradient_step_per_epoch, L61; src/flow_factory/hparams/
+            # training_args.py L293-300, L336); micro-batches of 4 where Flow-Factory backpropagates 1 at a time.
             "per_device_train_batch_size": 4,
-            "gradient_accumulation_steps": 4,  # one rollout = one group of 16 per process
+            "steps_per_generation": 24,
+            "gradient_accumulation_steps": 12,
+            "lr_scheduler_type": "constant",  # one AdamW, no scheduler (src/flow_factory/trainers/abc.py L198-207)
             "train_timesteps": "all_but_last",
             "beta": 0.0,  # kl_beta (L48)
             "clip_range": 1e-4,  # L44
@@ -496,8 +501,11 @@ RECIPES: Mapping[str, Recipe] = MappingProxyType(
                     "sampler": "sde",
                     "noise_level": 0.7,
                     "num_generations": 12,
-                    "per_device_train_batch_size": 4,
-                    "gradient_accumulation_steps": 3,  # L68
+                    # One prompt x 12 generations per process (--train_batch_size 1, L128, L150), one sample per
+                    # backward, an optimizer step every 3 samples (L68; train_grpo_flux.py L543-609): 4 per rollout.
+                    "per_device_train_batch_size": 1,
+                    "steps_per_generation": 12,
+                    "gradient_accumulation_steps": 3,
                     # The sliding window: group_size 4 (L58), progressive (L59) with prog_overlap and roll_back
                     # (L164, L168), moving prog_overlap_step 1 (L60) every iters_per_group 20 (L57) steps;
                     # grpo_states.py L85-99 and L141-148, train_grpo_flux.py L916-928 and L946-947.
@@ -522,6 +530,9 @@ RECIPES: Mapping[str, Recipe] = MappingProxyType(
                     "same_group_noise": True,
                     "max_sequence_length": 512,
                     "learning_rate": 1e-5,  # L135
+                    # --lr_scheduler's default (train_grpo_flux.py L1152-1156) with --lr_warmup_steps 0 (L146).
+                    "lr_scheduler_type": "constant_with_warmup",
+                    "warmup_steps": 0,
                     "weight_decay": 1e-4,  # L149
                     "max_grad_norm": 1.0,  # L148
                     **PAPER_JAGG,  # W = 4: the whole window is one group
@@ -530,6 +541,7 @@ RECIPES: Mapping[str, Recipe] = MappingProxyType(
                 },
                 scheduler={"shift": 3.0, "use_dynamic_shifting": False},  # --shift 3 (L151), sd3_time_shift
                 reward_funcs=("hpsv2.1", "imagereward", "pickscore"),  # multi_reward (train_grpo_flux.py L710-727)
+                mixed_precision="bf16",  # --mixed_precision bf16 (L136) over float32 weights
                 notes=(
                     "MixGRPO truncates the windows that reach its max_timesteps (grpo_states.py L148) and includes "
                     "an empty one; here every window is full (sde_window_max_start=19: its last full window, "
@@ -542,7 +554,7 @@ RECIPES: Mapping[str, Recipe] = MappingProxyType(
                     "weighted rewards before the group advantage.",
                     "Shift 3 is a scheduler override, applied by the CLI for `--recipe mixgrpo-flux`; in Python, "
                     "pass get_recipe('mixgrpo-flux').apply_scheduler(pipeline) to DDPOJaggTrainer.",
-                    "Full fine-tuning of a 12B backbone needs FSDP and bf16=True mixed precision on GPUs.",
+                    "Full fine-tuning of a 12B backbone needs FSDP (or DeepSpeed ZeRO) on GPUs.",
                 ),
             ),
             _flow_factory(
