@@ -672,7 +672,8 @@ def test_tiny_train_run_of_a_newer_family_from_its_recipe(request, family, recip
     """`trl-jagg train --recipe` on the tiny pipeline of each newer family: the preset's LoRA targets exist in the
     backbone and JAGG runs (the tiny sizes override the preset's)."""
     output_dir = tmp_path / "out"
-    tiny = {**TINY, "gradient_accumulation_steps": 1, "max_steps": 1, "lora_r": 4, "lora_alpha": 8}
+    tiny = {**TINY, "gradient_accumulation_steps": 1, "steps_per_generation": 1, "max_steps": 1, "lora_r": 4,
+            "lora_alpha": 8}  # fmt: skip
     flags = [f"--{key}={value}" for key, value in tiny.items()]
     argv = ["train", "--recipe", recipe, "--model_name_or_path", request.getfixturevalue(f"tiny_{family}_path"),
             "--reward_funcs", "prompt_color", "--prompts", "a red circle", "a green square", "--output_dir",
