@@ -296,6 +296,23 @@ def test_selected_by_name_with_url_and_model_from_the_environment(stub, monkeypa
     assert server.requests[0]["model"] == "my-judge" and "Authorization" not in server.headers[0]
 
 
+def test_the_cli_and_the_trainer_build_the_judge_from_reward_kwargs(stub, tiny_flux_path, tmp_path, monkeypatch):
+    from trl_jagg.scripts import train
+
+    server = stub(lambda request: completion("yes"))
+    monkeypatch.delenv("TRL_JAGG_JUDGE_URL", raising=False)
+    monkeypatch.delenv("TRL_JAGG_JUDGE_MODEL", raising=False)
+    kwargs = {"vlm-judge": {"url": server.url, "model": "my-judge", "judge": "qwen-vl-yes-no"}}
+    flags = ["--model_name_or_path", tiny_flux_path, "--prompts", "a", "b", "--output_dir", str(tmp_path)]
+    flags += ["--reward_funcs", "vlm-judge", "--reward_kwargs", json.dumps(kwargs), "--report_to", "none"]
+    flags += ["--per_device_train_batch_size", "2", "--num_generations", "2", "--max_sequence_length", "16"]
+    script_args, args = train.parse_train_args(flags)
+    trainer = train.build_trainer(script_args, args)
+    (judge,) = trainer.reward_funcs
+    assert judge(prompts=["p"], images=[gray(0)]) == [1.0]
+    assert server.requests[0]["model"] == "my-judge" and "top_logprobs" in server.requests[0]
+
+
 def test_bad_arguments_name_the_fix(monkeypatch):
     monkeypatch.delenv("TRL_JAGG_JUDGE_URL", raising=False)
     with pytest.raises(ValueError, match="TRL_JAGG_JUDGE_URL.*vllm serve CodeGoat24/UnifiedReward-2.0"):
