@@ -6,11 +6,12 @@ reward sends one request per rollout chunk (``batch_size = sample_batch_size``),
 ``chunks x latency``. Overlapped, each chunk's request runs while the next chunk samples, and the last one while the
 update computes the KL reference (``beta > 0``; Flow-GRPO's GenEval and OCR recipes, whose rewards are servers,
 train with ``beta = 0.04``) and the first step's forward. Trains a tiny Flux pipeline built from config on the CPU,
-``rounds`` times each way, interleaved (the order alternates), and prints (and writes with ``--json``) per round
-the median step times, the reward's share of the sequential step, and the issue's criterion: the step falls by at
-least that share (``fall / share >= 1``, judged on the median over rounds).
+its steps alternating between the two ways (one trainer, ``overlap_rewards`` set per step, so adjacent steps share
+the machine's load), and prints (and writes with ``--json``) per pair of adjacent steps the step times, the
+reward's share of the sequential step, and the issue's criterion: the step falls by at least that share
+(``fall / share >= 1``, judged on the median over pairs).
 
-    python -m trl_jagg.benchmarks.reward_overlap [--latency 0.5] [--rounds 3] [--steps 3] [--beta 0.04] [--json f]
+    python -m trl_jagg.benchmarks.reward_overlap [--latency 0.5] [--pairs 6] [--beta 0.04] [--json f]
 """
 
 from __future__ import annotations
@@ -50,18 +51,31 @@ def slow_reward_server(latency: float) -> ThreadingHTTPServer:
     return server
 
 
-class _StepTimes(TrainerCallback):
+def overlapped_at(step: int) -> bool:
+    """Whether timed step ``step`` (0-based) overlaps: S O O S S O O S ..., so each pair of adjacent steps has one
+    of each, and neither always comes first."""
+    return (step % 4) in (1, 2)
+
+
+class _Interleaved(TrainerCallback):
+    """Sets ``overlap_rewards`` for each step (the rollout reads it when it starts) and records when steps end."""
+
     def __init__(self) -> None:
-        self.ends: list[float] = [time.perf_counter()]
+        self.ends: list[float] = []
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        args.overlap_rewards = state.global_step > 0 and overlapped_at(state.global_step - 1)  # step 0: warm-up
+        if not self.ends:
+            self.ends.append(time.perf_counter())
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.ends.append(time.perf_counter())
 
 
-def step_times(
-    overlap: bool, url: str, *, chunk: int, chunks: int, steps: int, num_inference_steps: int, beta: float
-) -> list:
-    """Seconds of each training step after the first (warm-up) one, of the wait for rewards and of the rollout."""
+def step_times(url: str, *, chunk: int, chunks: int, pairs: int, num_inference_steps: int, beta: float) -> list:
+    """Per timed step (after a warm-up step, ``2 x pairs`` of them, interleaved as :func:`overlapped_at` says):
+    seconds of the step, of the wait for rewards and of the rollout. One trainer runs both ways, so adjacent steps
+    share the machine's load."""
     import torch
 
     from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
@@ -74,22 +88,22 @@ def step_times(
         args = GRPOJaggConfig(
             output_dir=folder + "/out", per_device_train_batch_size=chunk * chunks, num_generations=2,
             sample_batch_size=chunk, num_inference_steps=num_inference_steps, height=32, width=32,
-            max_steps=steps + 1, max_sequence_length=16, report_to="none", save_strategy="no", disable_tqdm=True,
-            overlap_rewards=overlap, beta=beta, seed=0,
+            max_steps=2 * pairs + 1, max_sequence_length=16, report_to="none", save_strategy="no",
+            disable_tqdm=True, beta=beta, seed=0,
         )  # fmt: skip
         prompts = [f"a shape number {i}" for i in range(64)]
         trainer = DDPOJaggTrainer(
             path, reward_funcs=[remote(url, batch_size=chunk, name="slow_remote")], args=args,
             train_dataset=Dataset.from_dict({"prompt": prompts}),
         )  # fmt: skip
-        times = _StepTimes()
+        times = _Interleaved()
         trainer.add_callback(times)
         trainer.train()
-        reward_waits = trainer.state.log_history
+        history = trainer.state.log_history
     steps_s = [b - a for a, b in zip(times.ends, times.ends[1:])][1:]
-    rewards_s = [e["time/reward_s"] for e in reward_waits if "time/reward_s" in e][1:]
-    rollouts_s = [e["time/rollout_s"] for e in reward_waits if "time/rollout_s" in e][1:]
-    return [steps_s, rewards_s, rollouts_s]
+    rewards_s = [e["time/reward_s"] for e in history if "time/reward_s" in e][1:]
+    rollouts_s = [e["time/rollout_s"] for e in history if "time/rollout_s" in e][1:]
+    return list(zip(steps_s, rewards_s, rollouts_s))
 
 
 def spread(values: list[float]) -> dict[str, float]:
@@ -102,34 +116,34 @@ def main() -> None:
     parser.add_argument("--latency", type=float, default=0.5, help="seconds per reward request")
     parser.add_argument("--chunk", type=int, default=2, help="images per rollout chunk (sample_batch_size)")
     parser.add_argument("--chunks", type=int, default=4, help="chunks per rollout")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per run (after one warm-up step)")
-    parser.add_argument("--rounds", type=int, default=3, help="runs each way, interleaved")
+    parser.add_argument("--pairs", type=int, default=6, help="pairs of adjacent steps, one each way")
     parser.add_argument("--num_inference_steps", type=int, default=24)
     parser.add_argument("--beta", type=float, default=0.04, help="KL coefficient (0: no KL reference to overlap)")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
     options = parser.parse_args()
     server = slow_reward_server(options.latency)
     url = f"http://127.0.0.1:{server.server_address[1]}/score"
-    kwargs = dict(chunk=options.chunk, chunks=options.chunks, steps=options.steps, beta=options.beta,
-                  num_inference_steps=options.num_inference_steps)  # fmt: skip
+    steps = step_times(url, chunk=options.chunk, chunks=options.chunks, pairs=options.pairs, beta=options.beta,
+                       num_inference_steps=options.num_inference_steps)  # fmt: skip
     rounds = []
-    for r in range(options.rounds):
-        order = (False, True) if r % 2 == 0 else (True, False)  # interleaved: neither always runs first
-        runs = {overlap: [statistics.median(x) for x in step_times(overlap, url, **kwargs)] for overlap in order}
-        (sequential, reward_s, rollout_s), (overlapped, left_s, _) = runs[False], runs[True]
+    for k in range(options.pairs):
+        first, second = steps[2 * k], steps[2 * k + 1]
+        (sequential, reward_s, rollout_s), (overlapped, left_s, _) = (
+            (second, first) if overlapped_at(2 * k) else (first, second)
+        )
         rounds.append({
             "sequential_step_s": round(sequential, 3), "overlapped_step_s": round(overlapped, 3),
             "reward_share_s": round(reward_s, 3), "overlapped_reward_wait_s": round(left_s, 3),
-            "rollout_s": round(rollout_s, 3), "fall_s": round(sequential - overlapped, 3),
+            "sequential_rollout_s": round(rollout_s, 3), "fall_s": round(sequential - overlapped, 3),
             "fall_over_share": round((sequential - overlapped) / reward_s, 3),
             "overlapped_over_sequential": round(overlapped / sequential, 3),
         })  # fmt: skip
-        print(f"round {r + 1}: {json.dumps(rounds[-1])}")
+        print(f"pair {k + 1}: {json.dumps(rounds[-1])}")
     server.shutdown()
     ratios = spread([x["fall_over_share"] for x in rounds])
     result = {
         "settings": vars(options),
-        "rounds": rounds,
+        "pairs": rounds,
         "fall_over_share": ratios,
         "overlapped_over_sequential": spread([x["overlapped_over_sequential"] for x in rounds]),
         # Issue 21's done-when: the step falls by at least the reward's share of the (sequential) step.
@@ -137,7 +151,7 @@ def main() -> None:
     }
     print(
         f"step fall / reward share: median {ratios['median']}, min {ratios['min']}, max {ratios['max']} over "
-        f"{len(rounds)} interleaved rounds; overlapped / sequential step: {result['overlapped_over_sequential']}; "
+        f"{len(rounds)} pairs of adjacent steps; overlapped / sequential step: {result['overlapped_over_sequential']}; "
         f"done-when (median >= 1) {'met' if result['done_when_met'] else 'NOT met'}"
     )
     if options.json:
