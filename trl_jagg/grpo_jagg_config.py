@@ -402,8 +402,10 @@ class GRPOJaggConfig(TrainingArguments):
         metadata={
             "help": "Score each rollout chunk (`sample_batch_size` images) with the rewards that score every sample on "
             "its own (a remote server, a pointwise `vlm-judge`, any reward with `per_sample = True`) in background "
-            "threads while the next chunk samples, instead of after the whole rollout. The scores are the same; "
-            "the step no longer waits for all but the last chunk's answers. Other rewards run after the rollout."
+            "threads while the next chunk samples, instead of after the whole rollout. When every reward is such a "
+            "reward, the update waits for the last chunk's answers only at its first loss, after the KL reference "
+            "(`beta > 0`) and the first step's forward. The scores, advantages and gradients are the same. Other "
+            "rewards run after the rollout (and then the last chunk is awaited there)."
         },
     )
     reward_retries: int = field(
