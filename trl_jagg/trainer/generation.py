@@ -209,8 +209,9 @@ class RolloutGenerator:
 
         def advantages() -> torch.Tensor:
             """This process's advantages, once every reward has scored the rollout (a failure reported alike on
-            every process); outside autograd and autocast, wherever they are resolved."""
-            with torch.no_grad(), torch.autocast(device.type, enabled=False):
+            every process); outside autograd wherever they are resolved (the update's loss runs with gradients;
+            autocast, accelerate's, wraps only the backbone's forward)."""
+            with torch.no_grad():
                 try:
                     return self._score(prompts, images, columns, sources, scorer, trainer_state)
                 except RewardFailure as failure:
