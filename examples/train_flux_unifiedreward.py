@@ -19,7 +19,6 @@ from datasets import load_dataset
 
 from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
 from trl_jagg.recipes import get_recipe
-from trl_jagg.rewards import clip_score, vlm_judge
 from trl_jagg.testing.tiny_models import tiny_run
 
 
@@ -27,23 +26,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output_dir", default="flux-unifiedreward-grpo")
     parser.add_argument("--judge_url", default=None, help="the judge's API base; default $TRL_JAGG_JUDGE_URL")
+    parser.add_argument("--judge_model", default=None, help="the served model name; default $TRL_JAGG_JUDGE_MODEL")
     parser.add_argument("--dataset", default="nateraw/parti-prompts", help="Hub dataset of prompts")
     parser.add_argument("--prompt_column", default="Prompt")
     parser.add_argument("--tiny", action="store_true", help="tiny model built from config, colour reward, CPU")
     args = parser.parse_args()
 
     recipe = get_recipe("flow-grpo-flux")
+    # The judge by name, configured in reward_kwargs (a recipe YAML or `trl-jagg train --reward_kwargs` say the same).
+    judge = {"url": args.judge_url, "model": args.judge_model, "judge": "unifiedreward-think-pairwise",
+             "max_concurrency": 32}  # fmt: skip
     config = dict(output_dir=args.output_dir, max_steps=1000, save_steps=100, report_to="tensorboard",
-                  num_generations=8, reward_weights=[0.4, 0.6])  # fmt: skip
+                  num_generations=8, reward_weights=[0.4, 0.6], reward_kwargs={"vlm-judge": judge})  # fmt: skip
     config[recipe.mixed_precision] = True  # the peer's mixed precision (fp16 or bf16 autocast, GPUs)
-    model = "black-forest-labs/FLUX.1-dev"
+    model, reward_funcs = "black-forest-labs/FLUX.1-dev", ["vlm-judge", "clipscore"]
     if args.tiny:  # the same architecture built small from config, a weight-free reward: seconds on a CPU
         tiny = tiny_run("flux")
         model, reward_funcs, dataset = tiny.model, [tiny.reward], tiny.dataset
-        config.update(tiny.config, reward_weights=None)
+        config.update(tiny.config, reward_weights=None, reward_kwargs=None)
     else:
-        judge = vlm_judge(url=args.judge_url, judge="unifiedreward-think-pairwise", max_concurrency=32)
-        reward_funcs = [judge, clip_score()]
         dataset = load_dataset(args.dataset, split="train").rename_column(args.prompt_column, "prompt")
 
     trainer = DDPOJaggTrainer(

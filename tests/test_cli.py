@@ -142,6 +142,35 @@ def test_unknown_reward_is_a_usage_error(tiny_flux_path, tmp_path, capsys):
     assert "reward_funcs" in err and "pickscore" in err
 
 
+def test_reward_kwargs_from_a_json_flag_or_a_yaml_mapping(tmp_path, capsys):
+    kwargs = {"vlm-judge": {"url": "http://127.0.0.1:9/v1", "model": "UnifiedReward", "max_concurrency": 4}}
+    base = ["--model_name_or_path", "x", "--reward_funcs", "vlm-judge", "--prompts", "p"]
+    _, args = train.parse_train_args([*base, "--reward_kwargs", json.dumps(kwargs)])
+    assert args.reward_kwargs == kwargs
+    config = write_yaml(tmp_path / "r.yaml", reward_kwargs=kwargs)
+    _, args = train.parse_train_args(["--config", config, *base])
+    assert args.reward_kwargs == kwargs
+    code, _, err = run(["train", *base, "--reward_kwargs", "{vlm-judge: 1}"], capsys)
+    assert code == 2 and "reward_kwargs is not JSON" in err
+
+
+@pytest.mark.parametrize(
+    ("reward_kwargs", "message"),
+    [
+        ({"pickscore": {"device": "cpu"}}, "key 'pickscore', which is not one of reward_funcs ['vlm-judge']"),
+        (
+            {"vlm-judge": {"modle": "m"}},
+            "['modle'], which the 'vlm-judge' reward does not take. Did you mean 'model'?",
+        ),
+    ],
+)
+def test_reward_kwargs_that_cannot_apply_are_usage_errors(tiny_flux_path, tmp_path, capsys, reward_kwargs, message):
+    flags = ["--model_name_or_path", tiny_flux_path, "--prompts", "p", "--output_dir", str(tmp_path)]
+    flags += ["--reward_funcs", "vlm-judge", "--reward_kwargs", json.dumps(reward_kwargs)]
+    code, _, err = run(["train", *flags], capsys)
+    assert code == 2 and message in " ".join(err.split())
+
+
 # ---------------------------------------------------------------- precedence and datasets
 def test_flags_override_yaml_and_yaml_overrides_defaults(tmp_path):
     config = write_yaml(

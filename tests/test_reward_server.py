@@ -313,22 +313,24 @@ def test_binds_to_loopback_by_default(server_module):
 
 
 # ------------------------------------------------------------------------------------------------ client limits
-def one_shot_server(behave):
-    """A raw server on 127.0.0.1 answering one connection with ``behave(sock)``; returns its URL and thread."""
+def one_shot_server(*behaviours):
+    """A raw server on 127.0.0.1 answering one connection per behaviour, in turn, with ``behave(sock)``; returns
+    its URL and thread."""
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
 
     def run():
         with listener:
             listener.settimeout(5)
-            conn, _ = listener.accept()
-            with conn:
-                conn.settimeout(5)
-                conn.recv(1 << 20)  # the request (small in these tests)
-                try:
-                    behave(conn)
-                except OSError:
-                    pass  # the client gave up and closed
+            for behave in behaviours:
+                conn, _ = listener.accept()
+                with conn:
+                    conn.settimeout(5)
+                    conn.recv(1 << 20)  # the request (small in these tests)
+                    try:
+                        behave(conn)
+                    except OSError:
+                        pass  # the client gave up and closed
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
@@ -349,6 +351,29 @@ def test_client_timeout_is_a_deadline_against_a_trickling_server(phase):
     with pytest.raises(TimeoutError, match="did not answer within timeout=0.5 s"):
         rewards.remote(url, timeout=0.5, retries=0)(["a"], [solid((0, 0, 0))])
     assert time.monotonic() - start < 1.0  # a per-read timeout would wait ~3 s (a byte every 50 ms)
+    thread.join(5)
+
+
+def test_rate_limited_requests_are_retried_after_the_wait_the_server_asks_for():
+    answered = []
+
+    def rate_limited(conn):
+        answered.append(time.monotonic())
+        body = b'{"error": "rate limited"}'
+        conn.sendall(
+            f"HTTP/1.0 429 Too Many Requests\r\nRetry-After: 1\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        )
+        conn.sendall(body)
+
+    def scores(conn):
+        answered.append(time.monotonic())
+        body = json.dumps({"scores": [0.25]}).encode()
+        conn.sendall(f"HTTP/1.0 200 OK\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+
+    url, thread = one_shot_server(rate_limited, scores)
+    # The backoff alone would resend at once: the second attempt waits the 1 s the server asked for.
+    assert rewards.remote(url, timeout=5, retries=1, backoff=0.0)(["a"], [solid((0, 0, 0))]) == [0.25]
+    assert answered[1] - answered[0] >= 1.0
     thread.join(5)
 
 

@@ -70,6 +70,47 @@ def test_url_spec_builds_a_remote_reward():
     assert func.__name__ == "remote_pickscore" and func.timeout == 5.0
 
 
+def test_reward_kwargs_configure_each_reward_by_its_name_over_the_shared_kwargs():
+    funcs = load_reward_funcs(
+        ["HPS", "http://127.0.0.1:9/score/a", "prompt_color"],
+        {"hpsv2.1": {"batch_size": 5}, "http://127.0.0.1:9/score/a": {"timeout": 7.0, "name": "mine"}},
+        device="cpu", batch_size=3, timeout=5.0,
+    )  # fmt: skip
+    hps, server, color = funcs
+    assert (hps.__name__, hps.batch_size, hps.device) == ("hpsv2.1", 5, torch.device("cpu"))  # its own wins
+    assert (server.__name__, server.timeout) == ("mine", 7.0)
+    assert color.__name__ == "prompt_color"
+
+
+@pytest.mark.parametrize(
+    ("reward_kwargs", "message"),
+    [
+        (
+            {"pickscore": {"batch_size": 2}},
+            r"key 'pickscore', which is not one of reward_funcs \['hpsv2.1', 'custom'\]",
+        ),
+        (
+            {"hpsv2.1": {"batchsize": 2}},
+            r"\['batchsize'\], which the 'hpsv2.1' reward does not take\. Did you mean 'batch_size'",
+        ),
+        ({"hpsv2.1": 2}, "give a mapping from reward names to their keyword arguments"),
+        (["hpsv2.1"], "give a mapping"),
+    ],
+    ids=["not-a-reward", "not-a-keyword", "not-a-mapping", "a-list"],
+)
+def test_reward_kwargs_that_cannot_apply_are_errors_naming_the_field(reward_kwargs, message):
+    def custom(prompts, images, **kwargs):
+        return [0.0] * len(images)
+
+    with pytest.raises(ValueError, match=message):
+        load_reward_funcs(["hpsv2.1", custom], reward_kwargs)
+
+
+def test_reward_kwargs_refuse_an_import_path():
+    with pytest.raises(ValueError, match=r"reward_kwargs\['testing_utils.solid'\]: .* is an import path"):
+        load_reward_funcs(["testing_utils.solid"], {"testing_utils.solid": {"x": 1}})
+
+
 def test_bad_spec_entries_raise():
     with pytest.raises(ValueError):
         load_reward_funcs([])

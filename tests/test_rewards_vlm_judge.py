@@ -21,8 +21,8 @@ from trl_jagg.rewards.vlm_judge import JudgeReplyError
 
 
 class ChatStub(ThreadingHTTPServer):
-    """Answers ``POST /v1/chat/completions`` with ``self.reply(request) -> (status, body)``, recording every request
-    and the most requests it held at once."""
+    """Answers ``POST /v1/chat/completions`` with ``self.reply(request) -> (status, body[, headers])``, recording
+    every request (and when it came) and the most requests it held at once."""
 
     daemon_threads = True
 
@@ -31,6 +31,7 @@ class ChatStub(ThreadingHTTPServer):
         self.reply = reply
         self.requests: list[dict] = []
         self.headers: list[dict] = []
+        self.times: list[float] = []
         self.lock = threading.Lock()
         self.in_flight = self.max_in_flight = 0
 
@@ -46,15 +47,20 @@ class _Handler(BaseHTTPRequestHandler):
         with server.lock:
             server.requests.append(request)
             server.headers.append(dict(self.headers))
+            server.times.append(time.monotonic())
             server.in_flight += 1
             server.max_in_flight = max(server.max_in_flight, server.in_flight)
         try:
-            status, body = server.reply(request) if self.path == "/v1/chat/completions" else (404, {"error": "path"})
+            status, body, *headers = (
+                server.reply(request) if self.path == "/v1/chat/completions" else (404, {"error": "path"})
+            )
         finally:
             with server.lock:
                 server.in_flight -= 1
         data = json.dumps(body).encode()
         self.send_response(status)
+        for name, value in (headers[0] if headers else {}).items():
+            self.send_header(name, value)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
@@ -227,6 +233,48 @@ def test_server_errors_are_retried(stub):
     assert len(server.requests) == 2
 
 
+@pytest.mark.parametrize("status", [429, 503])
+def test_rate_limits_are_retried_after_the_wait_the_server_asks_for(stub, status):
+    calls = itertools.count()
+
+    def reply(request):
+        if next(calls) == 0:
+            return status, {"error": "slow down"}, {"Retry-After": "1"}
+        return completion("Yes")
+
+    server = stub(reply)
+    # A backoff of 0 would resend at once: the second request waits the server's 1 s instead.
+    judge = rewards.vlm_judge(url=server.url, judge="qwen-vl-yes-no", retries=1, backoff=0.0, timeout=5.0)
+    assert judge(prompts=["p"], images=[gray(0)]) == [1.0]
+    assert len(server.requests) == 2 and server.times[1] - server.times[0] >= 1.0
+
+
+def test_retry_after_is_bounded_by_the_deadline(stub):
+    calls = itertools.count()
+
+    def reply(request):  # asks for an hour once, then answers
+        if next(calls) == 0:
+            return 429, {"error": "quota"}, {"Retry-After": "3600"}
+        return completion("Yes")
+
+    server = stub(reply)
+    judge = rewards.vlm_judge(url=server.url, judge="qwen-vl-yes-no", retries=1, backoff=0.0, timeout=0.3)
+    start = time.monotonic()
+    assert judge(prompts=["p"], images=[gray(0)]) == [1.0]
+    assert 0.3 <= time.monotonic() - start < 3.0  # waited one attempt's deadline, not the hour
+
+
+def test_retry_after_dates_and_unreadable_values():
+    from email.utils import formatdate
+
+    from trl_jagg.rewards.remote import retry_after_seconds
+
+    assert retry_after_seconds("7") == 7.0 and retry_after_seconds(None) is None
+    assert retry_after_seconds("soon") is None  # the client's backoff applies
+    assert 25.0 < retry_after_seconds(formatdate(time.time() + 30, usegmt=True)) <= 30.0
+    assert retry_after_seconds(formatdate(time.time() - 30, usegmt=True)) == 0.0  # a date already past
+
+
 def test_each_request_has_a_deadline(stub):
     server = stub(lambda request: (time.sleep(1.0), completion("Yes"))[1])
     judge = rewards.vlm_judge(url=server.url, judge="qwen-vl-yes-no", timeout=0.2, retries=0)
@@ -246,6 +294,23 @@ def test_selected_by_name_with_url_and_model_from_the_environment(stub, monkeypa
     total, per_reward = rewards.compute_rewards([judge], ["p"], [gray(0)])
     assert total.tolist() == [0.0] and list(per_reward) == ["qwen_vl_yes_no"]
     assert server.requests[0]["model"] == "my-judge" and "Authorization" not in server.headers[0]
+
+
+def test_the_cli_and_the_trainer_build_the_judge_from_reward_kwargs(stub, tiny_flux_path, tmp_path, monkeypatch):
+    from trl_jagg.scripts import train
+
+    server = stub(lambda request: completion("yes"))
+    monkeypatch.delenv("TRL_JAGG_JUDGE_URL", raising=False)
+    monkeypatch.delenv("TRL_JAGG_JUDGE_MODEL", raising=False)
+    kwargs = {"vlm-judge": {"url": server.url, "model": "my-judge", "judge": "qwen-vl-yes-no"}}
+    flags = ["--model_name_or_path", tiny_flux_path, "--prompts", "a", "b", "--output_dir", str(tmp_path)]
+    flags += ["--reward_funcs", "vlm-judge", "--reward_kwargs", json.dumps(kwargs), "--report_to", "none"]
+    flags += ["--per_device_train_batch_size", "2", "--num_generations", "2", "--max_sequence_length", "16"]
+    script_args, args = train.parse_train_args(flags)
+    trainer = train.build_trainer(script_args, args)
+    (judge,) = trainer.reward_funcs
+    assert judge(prompts=["p"], images=[gray(0)]) == [1.0]
+    assert server.requests[0]["model"] == "my-judge" and "top_logprobs" in server.requests[0]
 
 
 def test_bad_arguments_name_the_fix(monkeypatch):

@@ -22,7 +22,8 @@ from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
 from trl_jagg.models import Conditioning, load_adapter
 from trl_jagg.rollout import sample_trajectories
 from trl_jagg.trainer.backbone import compile_blocks
-from trl_jagg.trainer.batch import select_samples
+from trl_jagg.trainer.batch import PendingAdvantages, select_samples
+from trl_jagg.trainer.update import UpdateStage
 
 
 def make_config(tmp_path, **overrides) -> GRPOJaggConfig:
@@ -656,16 +657,19 @@ class PerSampleReward:
     per_sample = True
     __name__ = "remote_like"
 
-    def __init__(self, fail_first_call: bool = False):
+    def __init__(self, fail_first_call: bool = False, last_waits_for: threading.Event | None = None):
         self.calls: list[list[str]] = []
         self.called = [threading.Event() for _ in range(OVERLAP_CHUNKS + 1)]
         self.fail_first_call = fail_first_call
+        self.last_waits_for, self.last_timed_out = last_waits_for, None
 
     def __call__(self, prompts, images, **kwargs):
         self.calls.append(list(prompts))
         self.called[len(self.calls) - 1].set()
         if self.fail_first_call and len(self.calls) == 1:
             raise ConnectionError("the server dropped the first chunk")
+        if self.last_waits_for is not None and len(self.calls) == OVERLAP_CHUNKS:  # the last chunk's answer
+            self.last_timed_out = not self.last_waits_for.wait(5)
         return [10 * r for r in redness(prompts, images)]
 
 
@@ -706,6 +710,41 @@ def test_chunks_are_scored_while_the_next_chunk_samples_with_the_sequential_resu
     # Bit-equal is the property: the same scores in the same order give the same advantages.
     assert torch.equal(result["advantages"], expected["advantages"])
     assert torch.equal(result["latents"], expected["latents"])
+
+
+def test_the_last_chunk_is_scored_while_the_update_computes_the_kl_reference(tiny_flux_path, tmp_path, monkeypatch):
+    # Every reward scores chunk by chunk: the update resolves the advantages at its first loss, so the last chunk's
+    # answer may come after the KL reference's forwards. Here it comes only then (synchronised, not timed), which
+    # a rollout that waited for it would never see; the update is the sequential run's, bit for bit.
+    reference_done, real = threading.Event(), UpdateStage.reference_means
+
+    def reference_means(self, *args, **kwargs):
+        means = real(self, *args, **kwargs)
+        reference_done.set()
+        return means
+
+    monkeypatch.setattr(UpdateStage, "reference_means", reference_means)
+    results = {}
+    for overlap in (True, False):
+        reference_done.clear()
+        reward = PerSampleReward(last_waits_for=reference_done if overlap else None)
+        trainer = make_trainer(
+            tiny_flux_path, tmp_path / str(overlap), reward=reward, generation_batch_size=8, sample_batch_size=2,
+            overlap_rewards=overlap, beta=0.04,
+        )  # fmt: skip
+        batch = next(iter(trainer.get_train_dataloader()))
+        rollout = trainer._generate_and_score(batch)
+        assert isinstance(rollout["advantages"], PendingAdvantages) == overlap
+        assert not reference_done.is_set()
+        result = run_update(trainer, trainer.model, rollout)
+        assert reward.last_timed_out is (False if overlap else None)
+        grads = [p.grad.clone() for p in trainer.model.parameters() if p.requires_grad]
+        results[overlap] = (rollout["advantages"], result.step_losses, grads)
+    (pending, losses, grads), (advantages, expected_losses, expected_grads) = results[True], results[False]
+    # Bit-equal is the property: the same scores and the same computations, only in another order.
+    assert torch.equal(pending.resolve(), advantages)
+    assert losses == expected_losses
+    assert all(torch.equal(g, e) for g, e in zip(grads, expected_grads))
 
 
 def test_a_failed_chunk_is_scored_again_on_the_whole_batch_under_reward_retries(tiny_flux_path, tmp_path, monkeypatch):

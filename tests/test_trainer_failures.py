@@ -442,6 +442,19 @@ def test_reward_exception_saves_a_resumable_checkpoint_first(tiny_flux_path, tmp
     assert resumed.state.global_step == 4
 
 
+def test_a_reward_failing_while_the_update_awaits_it_saves_a_checkpoint_first(tiny_flux_path, tmp_path):
+    class PerSample(FailingReward):  # scored chunk by chunk: step 2's failure surfaces in its update
+        per_sample = True
+
+    trainer = make_trainer(tiny_flux_path, tmp_path, reward_func=PerSample({2}), max_steps=2, save_steps=100,
+                           save_strategy="steps")  # fmt: skip
+    with pytest.raises(ConnectionError, match=r"went away \(call 2\)") as info:
+        trainer.train()
+    checkpoint = tmp_path / "checkpoint-1"
+    assert any(f"{checkpoint} holds the 1 trained steps" in note for note in getattr(info.value, "__notes__", []))
+    assert {LORA_FILE, "optimizer.pt", "trainer_state.json"} <= set(os.listdir(checkpoint))
+
+
 def test_reward_retries(tiny_flux_path, tmp_path, caplog):
     flaky = FailingReward({1, 2})
     trainer = make_trainer(tiny_flux_path, tmp_path, reward_func=flaky, max_steps=1, reward_retries=2)

@@ -4,11 +4,12 @@ that cannot work, each failing early with the field's name and the fix (run by `
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import typing
 import warnings
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .field_types import type_problem
 from .grpo import MULTI_OBJECTIVE_AGGREGATIONS
@@ -67,6 +68,25 @@ def check_types_and_finiteness(config: GRPOJaggConfig) -> None:
         value = getattr(config, name)
         if value is not None and value < 1:
             raise ValueError(f"GRPOJaggConfig.{name} is {value}. Use 1 or more.")
+
+
+def reward_kwargs_mapping(value: Any) -> dict | None:
+    """``GRPOJaggConfig.reward_kwargs`` as a mapping: a flag's JSON text parsed (TrainingArguments' dict fields take
+    the same form); the entries are checked against the rewards by ``load_reward_funcs``."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as error:
+            raise ValueError(
+                f"GRPOJaggConfig.reward_kwargs is not JSON ({error}): {value[:200]!r}. Give a JSON object, e.g. "
+                """--reward_kwargs '{"vlm-judge": {"url": "http://localhost:8080/v1"}}'."""
+            ) from None
+    if value is not None and not isinstance(value, dict):
+        raise TypeError(
+            f"GRPOJaggConfig.reward_kwargs is {value!r} ({type(value).__name__}); expected a mapping from reward names "
+            "to their keyword arguments, or None."
+        )
+    return value
 
 
 def check_fields(config: GRPOJaggConfig) -> None:

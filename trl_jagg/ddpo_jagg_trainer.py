@@ -222,15 +222,12 @@ class DDPOJaggTrainer(_BaseTrainer):
         return inputs
 
     def _generate_and_score(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
-        """One scored rollout of a dataloader batch; when a reward fails on any process, every process saves a
-        checkpoint (so no trained step is lost) before the error stops the run."""
-        try:
-            return self.generation.generate(
-                inputs, self.accelerator.unwrap_model(self.model), global_step=self.state.global_step,
-                trainer_state=self.state,
-            )  # fmt: skip
-        except RewardFailure as failure:
-            self._stop_after_reward_failure(failure, f"at step {self.state.global_step + 1}")
+        """One scored rollout of a dataloader batch; when a reward fails on any process (in the rollout, or in the
+        update that awaits the last rewards), every process saves a checkpoint before the error stops the run."""
+        return self.generation.generate(
+            inputs, self.accelerator.unwrap_model(self.model), global_step=self.state.global_step,
+            trainer_state=self.state, on_reward_failure=self._stop_after_reward_failure,
+        )  # fmt: skip
 
     def _stop_after_reward_failure(self, failure: RewardFailure, during: str) -> NoReturn:
         """Save ``checkpoint-N`` of the steps trained so far (every process), then raise the error naming it."""

@@ -19,6 +19,7 @@ from .config_checks import (
     TRAIN_TIMESTEPS,
     check_fields,
     check_types_and_finiteness,
+    reward_kwargs_mapping,
 )
 from .grpo import MULTI_OBJECTIVE_AGGREGATIONS
 from .jagg import ENDPOINT_BACKWARDS, JAGG_MODES
@@ -57,7 +58,8 @@ class GRPOJaggConfig(TrainingArguments):
         epsilon_high, adv_clip_max, beta, kl_std, ratio_normalization, step_gradient_reweighting, cfg_gradient,
         quantize_timesteps, same_group_noise, num_iterations,
         scale_rewards, advantage_std_ddof, advantage_eps, per_prompt_stat_tracking, stat_tracking_buffer_size,
-        drop_zero_advantages, reward_weights, multi_objective_aggregation, overlap_rewards, reward_retries.
+        drop_zero_advantages, reward_weights, reward_kwargs, multi_objective_aggregation, overlap_rewards,
+        reward_retries.
 
         > EMA of the trained weights
 
@@ -371,6 +373,17 @@ class GRPOJaggConfig(TrainingArguments):
         default=None,
         metadata={"help": "Weight of each reward function in the total reward (defaults to 1 for each)."},
     )
+    # `dict | str`, as TrainingArguments' dict fields: a flag gives the JSON text, parsed by __post_init__.
+    reward_kwargs: dict | str | None = field(
+        default=None,
+        metadata={
+            "help": "Keyword arguments of the reward factories, by reward name (as written in `reward_funcs`: a "
+            'registry name or a URL), e.g. `{"vlm-judge": {"url": "http://localhost:8080/v1", "model": '
+            '"UnifiedReward"}}`; a YAML mapping, or its JSON text on the command line. The trainer passes them to '
+            "`load_reward_funcs`; a key that is not one of `reward_funcs` or a keyword the reward does not take is an "
+            "error before anything loads. API keys stay in environment variables."
+        },
+    )
     multi_objective_aggregation: str = field(
         default="sum_then_normalize",
         metadata={
@@ -389,8 +402,10 @@ class GRPOJaggConfig(TrainingArguments):
         metadata={
             "help": "Score each rollout chunk (`sample_batch_size` images) with the rewards that score every sample on "
             "its own (a remote server, a pointwise `vlm-judge`, any reward with `per_sample = True`) in background "
-            "threads while the next chunk samples, instead of after the whole rollout. The scores are the same; "
-            "the step no longer waits for all but the last chunk's answers. Other rewards run after the rollout."
+            "threads while the next chunk samples, instead of after the whole rollout. When every reward is such a "
+            "reward, the update waits for the last chunk's answers only at its first loss, after the KL reference "
+            "(`beta > 0`) and the first step's forward. The scores, advantages and gradients are the same. Other "
+            "rewards run after the rollout (and then the last chunk is awaited there)."
         },
     )
     reward_retries: int = field(
@@ -609,6 +624,7 @@ class GRPOJaggConfig(TrainingArguments):
             self.eval_prompts = [self.eval_prompts]
         if isinstance(self.reward_weights, numbers.Real) and not isinstance(self.reward_weights, bool):
             self.reward_weights = [self.reward_weights]
+        self.reward_kwargs = reward_kwargs_mapping(self.reward_kwargs)
         # Before TrainingArguments uses any value: a wrong type or a NaN would fail there without naming the field.
         check_types_and_finiteness(self)
         if self.epsilon is not None:

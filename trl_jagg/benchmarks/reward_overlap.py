@@ -1,12 +1,17 @@
-"""Step time with a slow remote reward, scored after the rollout vs chunk by chunk while it samples
-(``overlap_rewards``).
+"""Step time with a slow remote reward, scored after the rollout vs chunk by chunk while it samples and the update
+starts (``overlap_rewards``).
 
 A local server on 127.0.0.1 answers the remote-reward protocol after a fixed ``latency`` per request; the remote
 reward sends one request per rollout chunk (``batch_size = sample_batch_size``), so after the rollout it costs
-``chunks x latency`` and, overlapped, about the last chunk's ``latency`` once the sampling of a chunk takes at least
-``latency``. Trains a tiny Flux pipeline built from config on the CPU and prints the median step times.
+``chunks x latency``. Overlapped, each chunk's request runs while the next chunk samples, and the last one while the
+update computes the KL reference (``beta > 0``; Flow-GRPO's GenEval and OCR recipes, whose rewards are servers,
+train with ``beta = 0.04``) and the first step's forward. Trains a tiny Flux pipeline built from config on the CPU,
+its steps alternating between the two ways (one trainer, ``overlap_rewards`` set per step, so adjacent steps share
+the machine's load), and prints (and writes with ``--json``) per pair of adjacent steps the step times, the
+reward's share of the sequential step, and the issue's criterion: the step falls by at least that share
+(``fall / share >= 1``, judged on the median over pairs).
 
-    python -m trl_jagg.benchmarks.reward_overlap [--latency 0.5] [--steps 4] [--num_inference_steps 24]
+    python -m trl_jagg.benchmarks.reward_overlap [--latency 0.5] [--pairs 6] [--beta 0.04] [--json f]
 """
 
 from __future__ import annotations
@@ -46,16 +51,31 @@ def slow_reward_server(latency: float) -> ThreadingHTTPServer:
     return server
 
 
-class _StepTimes(TrainerCallback):
+def overlapped_at(step: int) -> bool:
+    """Whether timed step ``step`` (0-based) overlaps: S O O S S O O S ..., so each pair of adjacent steps has one
+    of each, and neither always comes first."""
+    return (step % 4) in (1, 2)
+
+
+class _Interleaved(TrainerCallback):
+    """Sets ``overlap_rewards`` for each step (the rollout reads it when it starts) and records when steps end."""
+
     def __init__(self) -> None:
-        self.ends: list[float] = [time.perf_counter()]
+        self.ends: list[float] = []
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        args.overlap_rewards = state.global_step > 0 and overlapped_at(state.global_step - 1)  # step 0: warm-up
+        if not self.ends:
+            self.ends.append(time.perf_counter())
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.ends.append(time.perf_counter())
 
 
-def step_times(overlap: bool, url: str, *, chunk: int, chunks: int, steps: int, num_inference_steps: int) -> list:
-    """Seconds of each training step after the first (warm-up) one."""
+def step_times(url: str, *, chunk: int, chunks: int, pairs: int, num_inference_steps: int, beta: float) -> list:
+    """Per timed step (after a warm-up step, ``2 x pairs`` of them, interleaved as :func:`overlapped_at` says):
+    seconds of the step, of the wait for rewards and of the rollout. One trainer runs both ways, so adjacent steps
+    share the machine's load."""
     import torch
 
     from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
@@ -68,22 +88,27 @@ def step_times(overlap: bool, url: str, *, chunk: int, chunks: int, steps: int, 
         args = GRPOJaggConfig(
             output_dir=folder + "/out", per_device_train_batch_size=chunk * chunks, num_generations=2,
             sample_batch_size=chunk, num_inference_steps=num_inference_steps, height=32, width=32,
-            max_steps=steps + 1, max_sequence_length=16, report_to="none", save_strategy="no", disable_tqdm=True,
-            overlap_rewards=overlap, seed=0,
+            max_steps=2 * pairs + 1, max_sequence_length=16, report_to="none", save_strategy="no",
+            disable_tqdm=True, beta=beta, seed=0,
         )  # fmt: skip
         prompts = [f"a shape number {i}" for i in range(64)]
         trainer = DDPOJaggTrainer(
             path, reward_funcs=[remote(url, batch_size=chunk, name="slow_remote")], args=args,
             train_dataset=Dataset.from_dict({"prompt": prompts}),
         )  # fmt: skip
-        times = _StepTimes()
+        times = _Interleaved()
         trainer.add_callback(times)
         trainer.train()
-        reward_waits = trainer.state.log_history
+        history = trainer.state.log_history
     steps_s = [b - a for a, b in zip(times.ends, times.ends[1:])][1:]
-    rewards_s = [e["time/reward_s"] for e in reward_waits if "time/reward_s" in e][1:]
-    rollouts_s = [e["time/rollout_s"] for e in reward_waits if "time/rollout_s" in e][1:]
-    return [steps_s, rewards_s, rollouts_s]
+    rewards_s = [e["time/reward_s"] for e in history if "time/reward_s" in e][1:]
+    rollouts_s = [e["time/rollout_s"] for e in history if "time/rollout_s" in e][1:]
+    return list(zip(steps_s, rewards_s, rollouts_s))
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """Median, min and max of ``values``, rounded for the report."""
+    return {k: round(f(values), 3) for k, f in (("median", statistics.median), ("min", min), ("max", max))}
 
 
 def main() -> None:
@@ -91,28 +116,47 @@ def main() -> None:
     parser.add_argument("--latency", type=float, default=0.5, help="seconds per reward request")
     parser.add_argument("--chunk", type=int, default=2, help="images per rollout chunk (sample_batch_size)")
     parser.add_argument("--chunks", type=int, default=4, help="chunks per rollout")
-    parser.add_argument("--steps", type=int, default=4, help="timed steps (after one warm-up step)")
+    parser.add_argument("--pairs", type=int, default=6, help="pairs of adjacent steps, one each way")
     parser.add_argument("--num_inference_steps", type=int, default=24)
+    parser.add_argument("--beta", type=float, default=0.04, help="KL coefficient (0: no KL reference to overlap)")
+    parser.add_argument("--json", default=None, help="also write the results to this JSON file")
     options = parser.parse_args()
     server = slow_reward_server(options.latency)
     url = f"http://127.0.0.1:{server.server_address[1]}/score"
-    kwargs = dict(chunk=options.chunk, chunks=options.chunks, steps=options.steps,
-                  num_inference_steps=options.num_inference_steps)  # fmt: skip
-    results = {overlap: step_times(overlap, url, **kwargs) for overlap in (False, True)}
-    server.shutdown()
-    for overlap, (steps_s, rewards_s, rollouts_s) in results.items():
-        print(
-            f"overlap_rewards={overlap!s:5}  step {statistics.median(steps_s):.3f} s  (rollout "
-            f"{statistics.median(rollouts_s):.3f} s, waiting for rewards {statistics.median(rewards_s):.3f} s; "
-            f"median of {len(steps_s)} steps)"
+    steps = step_times(url, chunk=options.chunk, chunks=options.chunks, pairs=options.pairs, beta=options.beta,
+                       num_inference_steps=options.num_inference_steps)  # fmt: skip
+    rounds = []
+    for k in range(options.pairs):
+        first, second = steps[2 * k], steps[2 * k + 1]
+        (sequential, reward_s, rollout_s), (overlapped, left_s, _) = (
+            (second, first) if overlapped_at(2 * k) else (first, second)
         )
-    sequential, overlapped = (statistics.median(results[flag][0]) for flag in (False, True))
-    reward_share = statistics.median(results[False][1])
+        rounds.append({
+            "sequential_step_s": round(sequential, 3), "overlapped_step_s": round(overlapped, 3),
+            "reward_share_s": round(reward_s, 3), "overlapped_reward_wait_s": round(left_s, 3),
+            "sequential_rollout_s": round(rollout_s, 3), "fall_s": round(sequential - overlapped, 3),
+            "fall_over_share": round((sequential - overlapped) / reward_s, 3),
+            "overlapped_over_sequential": round(overlapped / sequential, 3),
+        })  # fmt: skip
+        print(f"pair {k + 1}: {json.dumps(rounds[-1])}")
+    server.shutdown()
+    ratios = spread([x["fall_over_share"] for x in rounds])
+    result = {
+        "settings": vars(options),
+        "pairs": rounds,
+        "fall_over_share": ratios,
+        "overlapped_over_sequential": spread([x["overlapped_over_sequential"] for x in rounds]),
+        # Issue 21's done-when: the step falls by at least the reward's share of the (sequential) step.
+        "done_when_met": ratios["median"] >= 1.0,
+    }
     print(
-        f"step time fell by {sequential - overlapped:.3f} s ({(sequential - overlapped) / sequential:.0%}); the reward "
-        f"took {reward_share:.3f} s of the sequential step ({reward_share / sequential:.0%}), of which the last "
-        f"chunk's {options.latency:.3f} s cannot overlap"
+        f"step fall / reward share: median {ratios['median']}, min {ratios['min']}, max {ratios['max']} over "
+        f"{len(rounds)} pairs of adjacent steps; overlapped / sequential step: {result['overlapped_over_sequential']}; "
+        f"done-when (median >= 1) {'met' if result['done_when_met'] else 'NOT met'}"
     )
+    if options.json:
+        with open(options.json, "w") as handle:
+            json.dump(result, handle, indent=2)
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ _ALIASES = {
 }
 
 _URL_PREFIXES = ("http://", "https://")
+_KWARGS_EXAMPLE = '{"vlm-judge": {"url": "http://localhost:8080/v1", "model": "UnifiedReward"}}'
 
 logger = logging.getLogger(__name__)
 
@@ -113,14 +114,20 @@ def _import_reward(path: str) -> RewardFunc:
     return func
 
 
-def _build_from_name(name: str, factory_kwargs: Mapping[str, Any]) -> RewardFunc:
+def _build_from_name(name: str, factory_kwargs: Mapping[str, Any], own_kwargs: Mapping[str, Any]) -> RewardFunc:
+    """The reward ``name`` builds: its factory called with the ``factory_kwargs`` it accepts, then ``own_kwargs``
+    (its ``reward_kwargs`` entry, already checked)."""
     if name.startswith(_URL_PREFIXES):
-        from trl_jagg.rewards.remote import remote
-
-        return remote(name, **_accepted_kwargs(remote, factory_kwargs))
-    key = name.strip().lower()
-    key = _ALIASES.get(key, key)
+        remote = _remote_factory()
+        _check_own_kwargs(remote, name, own_kwargs)
+        return remote(name, **{**_accepted_kwargs(remote, factory_kwargs), **own_kwargs})
+    key = _spec_key(name)
     if key not in REWARD_REGISTRY and "." in name.strip("."):
+        if own_kwargs:
+            raise ValueError(
+                f"reward_kwargs[{name!r}]: {name!r} is an import path, used as is (not called as a factory), so it "
+                "takes no reward_kwargs. Import and configure it yourself, then pass the callable."
+            )
         return _import_reward(name.strip())
     if key not in REWARD_REGISTRY:
         valid = available_rewards()
@@ -131,16 +138,24 @@ def _build_from_name(name: str, factory_kwargs: Mapping[str, Any]) -> RewardFunc
             "or an http(s):// URL of a reward server, a dotted import path (my_module.my_reward), or a callable."
         )
     factory = REWARD_REGISTRY[key]
-    return factory(**_accepted_kwargs(factory, factory_kwargs))
+    _check_own_kwargs(factory, name, own_kwargs)
+    return factory(**{**_accepted_kwargs(factory, factory_kwargs), **own_kwargs})
 
 
-def load_reward_funcs(spec: RewardSpec, **factory_kwargs: Any) -> list[RewardFunc]:
+def load_reward_funcs(
+    spec: RewardSpec, reward_kwargs: Mapping[str, Mapping[str, Any]] | None = None, **factory_kwargs: Any
+) -> list[RewardFunc]:
     """Build reward functions from names, callables, or a list mixing both.
 
     Args:
         spec: A registry name (see :func:`available_rewards`), an ``http(s)://`` URL of a reward server
             (see :func:`trl_jagg.rewards.remote`), a dotted import path ``module.function`` of a reward function
             (used as is, not called as a factory), a callable, or a list of these.
+        reward_kwargs: Keyword arguments of one reward's factory, by its name in ``spec`` (a registry name or
+            alias, or the URL), e.g. ``{"vlm-judge": {"url": "http://localhost:8080/v1", "model": "UnifiedReward"}}``
+            (``GRPOJaggConfig.reward_kwargs``); they apply to every entry of that name and override
+            ``factory_kwargs``. A key that names no entry of ``spec``, or a keyword the factory does not take, is an
+            error.
         **factory_kwargs: Passed to every factory that accepts them (e.g. ``device``, ``dtype``,
             ``batch_size``); factories that do not take an argument simply do not receive it.
 
@@ -150,15 +165,16 @@ def load_reward_funcs(spec: RewardSpec, **factory_kwargs: Any) -> list[RewardFun
 
     Raises:
         ValueError: for an unknown name (listing the valid ones), an entry that is neither a string nor
-            a callable, or a callable without ``**kwargs`` (named).
+            a callable, a callable without ``**kwargs`` (named), or a ``reward_kwargs`` entry that cannot apply.
     """
     items = [spec] if isinstance(spec, str) or callable(spec) else list(spec)
     if not items:
         raise ValueError("No reward function given: pass at least one name or callable.")
+    own_kwargs = _keyed_reward_kwargs(reward_kwargs or {}, items)
     funcs: list[RewardFunc] = []
     for item in items:
         if isinstance(item, str):
-            func = _build_from_name(item, factory_kwargs)
+            func = _build_from_name(item, factory_kwargs, own_kwargs.get(_spec_key(item), {}))
         elif callable(item):
             func = item
         else:
@@ -166,6 +182,56 @@ def load_reward_funcs(spec: RewardSpec, **factory_kwargs: Any) -> list[RewardFun
         _check_signature(func)
         funcs.append(func)
     return funcs
+
+
+def _spec_key(name: str) -> str:
+    """How a ``spec`` entry and a ``reward_kwargs`` key are matched: a URL as written, a name by its registry name
+    (case and aliases folded)."""
+    name = name.strip()
+    if name.startswith(_URL_PREFIXES):
+        return name
+    return _ALIASES.get(name.lower(), name.lower())
+
+
+def _keyed_reward_kwargs(reward_kwargs: Any, items: Sequence[Any]) -> dict[str, dict[str, Any]]:
+    """``reward_kwargs`` by :func:`_spec_key`, once it is a mapping of mappings whose every key names a string entry
+    of ``items`` (a key naming nothing would be dropped silently)."""
+    if not isinstance(reward_kwargs, Mapping) or not all(isinstance(v, Mapping) for v in reward_kwargs.values()):
+        raise ValueError(
+            f"reward_kwargs is {reward_kwargs!r}: give a mapping from reward names to their keyword arguments, e.g. "
+            f"{_KWARGS_EXAMPLE}."
+        )
+    names = {_spec_key(item) for item in items if isinstance(item, str)}
+    for key in reward_kwargs:
+        if _spec_key(str(key)) not in names:
+            given = [item if isinstance(item, str) else reward_name(item) for item in items]
+            raise ValueError(
+                f"reward_kwargs has the key {key!r}, which is not one of reward_funcs {given}. Key each entry by a "
+                f"registered name or URL of reward_funcs, e.g. {_KWARGS_EXAMPLE}; configure a callable yourself."
+            )
+    return {_spec_key(str(key)): dict(kwargs) for key, kwargs in reward_kwargs.items()}
+
+
+def _check_own_kwargs(factory: Callable[..., Any], name: str, own_kwargs: Mapping[str, Any]) -> None:
+    """Every ``reward_kwargs`` keyword of reward ``name`` is one its factory takes: a typo would otherwise be
+    dropped, or fail only at the first call."""
+    parameters = inspect.signature(factory).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return
+    unknown = sorted(str(k) for k in own_kwargs if k not in parameters)
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], list(parameters), n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ValueError(
+            f"reward_kwargs[{name!r}] has {unknown}, which the {name!r} reward does not take.{hint} It takes: "
+            f"{', '.join(parameters)}."
+        )
+
+
+def _remote_factory() -> Callable[..., RewardFunc]:
+    from trl_jagg.rewards.remote import remote  # remote imports this module
+
+    return remote
 
 
 def _check_signature(func: RewardFunc) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import email.utils
 import http.client
 import io
 import json
@@ -39,6 +40,23 @@ IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")
 MAX_PIXELS = 4096 * 4096
 """Default pixel limit per decoded image (width x height): a few-KB PNG may claim gigabytes of pixels."""
 MAX_RESPONSE_BYTES = 4 * 2**20
+RETRIED_STATUSES = frozenset({429}) | frozenset(range(500, 600))
+"""HTTP answers worth resending: rate limited (429) or a server-side failure (5xx); other 4xx cannot change."""
+
+
+def retry_after_seconds(value: str | None) -> float | None:
+    """The wait a ``Retry-After`` header asks for (RFC 9110 10.2.3: delta-seconds or an HTTP date), ``None`` when
+    absent or unreadable (then the client's own backoff applies)."""
+    if value is None:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())
 
 
 def encode_image(image: Image.Image) -> str:
@@ -153,8 +171,9 @@ class _DeadlineSocket:
 
 
 class RemoteReward:
-    """Posts (prompts, images) to ``url`` and returns the server's scores. Connection failures, timeouts and
-    HTTP 5xx answers are retried with exponential backoff; HTTP 4xx answers are not (resending cannot help)."""
+    """Posts (prompts, images) to ``url`` and returns the server's scores. Connection failures, timeouts, HTTP 429
+    (rate limited) and 5xx answers are retried with exponential backoff, or after the wait the answer's
+    ``Retry-After`` header asks for (at most ``timeout``); other HTTP 4xx answers are not (resending cannot help)."""
 
     per_sample = True
     """Each image is scored on its own (the requests already split a batch), so a batch may be scored in parts."""
@@ -198,8 +217,9 @@ class RemoteReward:
         last_segment = parts.path.rstrip("/").rsplit("/", 1)[-1]
         self.__name__ = name or (f"remote_{last_segment}" if last_segment else "remote")
 
-    def _request(self, body: bytes) -> tuple[int, bytes]:
-        """One attempt within ``timeout`` seconds in all: connect, send, read the status and a bounded body."""
+    def _request(self, body: bytes) -> tuple[int, bytes, float | None]:
+        """One attempt within ``timeout`` seconds in all: connect, send, read the status, a bounded body and the
+        ``Retry-After`` wait (:func:`retry_after_seconds`)."""
         deadline = time.monotonic() + self.timeout
         connection = self._connection_class(self._host, self._port, timeout=self.timeout)
         headers = {"Content-Type": "application/json"}
@@ -222,19 +242,23 @@ class RemoteReward:
                 f"Reward server {self.url} sent more than max_response_bytes={self.max_response_bytes} bytes: not "
                 "a score list."
             )
-        return response.status, data
+        return response.status, data, retry_after_seconds(response.getheader("Retry-After"))
 
     def _post(self, payload: dict[str, Any]) -> dict[str, Any]:
         body = json.dumps(payload).encode("utf-8")
-        server_error: str | None = None  # the last HTTP 5xx answer: the server is up but the reward failed
+        server_error: str | None = None  # the last HTTP 429 / 5xx answer: the server is up but did not score
         connection_error: Exception | None = None
+        retry_after: float | None = None  # what the last answer asked to wait
         for attempt in range(self.retries + 1):
             if attempt:
-                time.sleep(self.backoff * 2 ** (attempt - 1))
+                # The server's own wait when it gave one, bounded by one attempt's deadline (a long Retry-After
+                # would stall the step past what `timeout` allows); the backoff otherwise.
+                backoff = self.backoff * 2 ** (attempt - 1)
+                time.sleep(backoff if retry_after is None else min(retry_after, self.timeout))
             try:
-                status, data = self._request(body)
+                status, data, retry_after = self._request(body)
             except (OSError, http.client.HTTPException) as error:  # TimeoutError and ConnectionError included
-                server_error, connection_error = None, error
+                server_error, connection_error, retry_after = None, error, None
                 continue
             detail = _error_detail(data)
             if status == 200:
@@ -242,7 +266,7 @@ class RemoteReward:
                     return json.loads(data.decode("utf-8"))
                 except ValueError:
                     raise RuntimeError(f"Reward server {self.url} sent an answer that is not JSON.") from None
-            if status < 500:
+            if status not in RETRIED_STATUSES:
                 raise RuntimeError(f"Reward server {self.url} rejected the request (HTTP {status}): {detail}")
             server_error, connection_error = f"HTTP {status}: {detail}", None
         attempts = f"{self.retries + 1} attempt(s)"
@@ -322,7 +346,8 @@ def remote(
             can be given in ``reward_funcs``.
         timeout: Seconds one attempt may take in all (connect, send, score, read the answer): a deadline, not a
             per-read timeout.
-        retries: Extra attempts after a connection failure, timeout or HTTP 5xx; waits ``backoff * 2**k`` s.
+        retries: Extra attempts after a connection failure, timeout, HTTP 429 or 5xx; waits ``backoff * 2**k`` s,
+            or the answer's ``Retry-After`` (at most ``timeout``).
         batch_size: Images per request (``None``: all at once); keep requests under the server's body and pixel
             limits.
         name: Metric name; default ``"remote_<last URL segment>"``.

@@ -15,7 +15,7 @@ kept as its authors wrote it; sources below):
 
 A reply without a score is an error naming the judge and quoting the reply, never a 0: a silent default would bias
 the group advantages. The HTTP side (one deadline per attempt, retries with backoff for connection errors,
-timeouts and HTTP 5xx, a bounded answer) is :class:`~trl_jagg.rewards.remote.RemoteReward`'s; requests run in a
+timeouts, HTTP 429 and 5xx, honouring ``Retry-After``, a bounded answer) is :class:`~trl_jagg.rewards.remote.RemoteReward`'s; requests run in a
 thread pool of ``max_concurrency``. The API key comes from an environment variable, never from a config file.
 """
 
@@ -405,7 +405,8 @@ def vlm_judge(
         max_concurrency: Requests in flight at once, over every call of this reward (a thread pool per call, one
             semaphore for all: overlapped rollout chunks call the reward from several threads).
         timeout: Seconds one attempt of one request may take in all (a deadline, as in :func:`remote`).
-        retries: Extra attempts after a connection error, timeout or HTTP 5xx; waits ``backoff * 2**k`` s.
+        retries: Extra attempts after a connection error, timeout, HTTP 429 or 5xx; waits ``backoff * 2**k`` s, or
+            the answer's ``Retry-After`` (at most ``timeout``), as in :func:`remote`.
         top_logprobs: Top tokens asked for in ``"qwen-vl-yes-no"`` (vLLM serves at most 20 by default).
         api_key_env: The environment variable holding the API key (unset: no key is sent).
         name: Metric name; default the judge's name with underscores.

@@ -336,8 +336,9 @@ def build_trainer(script_args: ScriptArguments, training_args: GRPOJaggConfig) -
     from trl_jagg import DDPOJaggTrainer
     from trl_jagg.rewards import load_reward_funcs
 
-    try:
-        reward_funcs = load_reward_funcs(list(script_args.reward_funcs))
+    reward_funcs = list(script_args.reward_funcs)
+    try:  # a bad name or reward_kwargs entry is a usage error, before any model loads; the trainer builds them
+        load_reward_funcs(reward_funcs, training_args.reward_kwargs)
     except ValueError as error:
         raise UsageError(f"reward_funcs: {error}") from None
     dataset = load_prompt_dataset(script_args)

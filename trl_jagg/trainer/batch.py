@@ -2,13 +2,14 @@
 from the run seed and the optimizer step.
 
 A rollout is a dict: per-sample entries (``latents`` ``(B, N + 1, ...)``, ``log_probs`` ``(B, N)``, ``advantages``
-``(B,)``, ``velocities`` ``(B, N, ...)`` when recorded, ``cond``) and shared ones (``sigmas``, ``sigma_values`` (the
+``(B,)`` (or :class:`PendingAdvantages`), ``velocities`` ``(B, N, ...)`` when recorded, ``cond``) and shared ones (``sigmas``, ``sigma_values`` (the
 same on the host), ``timesteps``, ``stochastic_steps``, ``velocity_key``). The update stage adds
 ``reference_means`` (step -> ``(B, ...)``), the KL reference's means kept for the micro-batch's later updates.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,6 +28,27 @@ def velocity_key(global_step: int, dtype: torch.dtype, device_type: str) -> tupl
     reused only while the key is unchanged."""
     autocast = torch.is_autocast_enabled(device_type)
     return (global_step, dtype, autocast, torch.get_autocast_dtype(device_type) if autocast else None)
+
+
+class PendingAdvantages:
+    """A rollout's ``advantages`` while its last rewards are still being scored (``overlap_rewards``): ``compute``
+    (called once: cache it) waits for them and returns the advantages. Indexing selects samples without waiting, so
+    the rollout splits into micro-batches as usual; the update stage calls :func:`resolved` where it first needs the
+    values, after the work that does not depend on them."""
+
+    def __init__(self, compute: Callable[[], torch.Tensor]):
+        self._compute = compute
+
+    def __getitem__(self, index: slice | torch.Tensor) -> PendingAdvantages:
+        return PendingAdvantages(lambda: self.resolve()[index])
+
+    def resolve(self) -> torch.Tensor:
+        return self._compute()
+
+
+def resolved(advantages: torch.Tensor | PendingAdvantages) -> torch.Tensor:
+    """The advantages' values, waiting for the rewards if they are still pending."""
+    return advantages.resolve() if isinstance(advantages, PendingAdvantages) else advantages
 
 
 def select_samples(batch: dict[str, Any], index: slice | torch.Tensor) -> dict[str, Any]:
@@ -50,7 +72,7 @@ def split_rollout(rollout: dict[str, Any], num_chunks: int) -> list[dict[str, An
 def without_zero_advantages(chunk: dict[str, Any], num_processes: int) -> dict[str, Any]:
     """The micro-batch without its zero-advantage samples (Flow-GRPO drops them before the update): their policy
     gradient is zero, so they would only cost a backward. ``dropped_frac`` records the share dropped."""
-    keep = chunk["advantages"] != 0
+    keep = resolved(chunk["advantages"]) != 0
     if not keep.any() and num_processes > 1:
         # Every process must run the same backward calls (DDP/FSDP collectives): keep one sample, whose zero
         # advantage adds no policy gradient.

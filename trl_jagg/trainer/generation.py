@@ -6,11 +6,12 @@ the result is the rollout batch (:mod:`trl_jagg.trainer.batch`) the update stage
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from accelerate.utils import gather_object
@@ -22,12 +23,12 @@ from ..models import FlowMatchingAdapter
 from ..prompts import SOURCE_IMAGE_COLUMN, prompt_text, source_image
 from ..rollout import Trajectory, sample_trajectories
 from ..sde_window import compressed_path, path_schedule, sde_window
-from .batch import rng_seed, velocity_key
+from .batch import PendingAdvantages, rng_seed, velocity_key
 from .conditioning import PromptConditioner
 from .guards import stop_if_non_finite
 from .placement import FrozenModules, eval_mode
 from .reward_overlap import ChunkScorer
-from .scoring import scored_rewards
+from .scoring import RewardFailure, scored_rewards
 
 
 def group_keys(prompts: list[str], sources: list | None) -> list[str]:
@@ -118,10 +119,14 @@ class RolloutGenerator:
 
     @torch.no_grad()
     def generate(
-        self, inputs: list[dict[str, Any]], transformer: torch.nn.Module, *, global_step: int, trainer_state: Any
-    ) -> dict[str, Any]:
+        self, inputs: list[dict[str, Any]], transformer: torch.nn.Module, *, global_step: int, trainer_state: Any,
+        on_reward_failure: Callable[[RewardFailure, str], NoReturn],
+    ) -> dict[str, Any]:  # fmt: skip
         """One scored rollout of ``inputs`` (a dataloader batch: one dict per sample) with ``transformer`` (the
-        unwrapped backbone) at optimizer step ``global_step``."""
+        unwrapped backbone) at optimizer step ``global_step``. Its ``advantages`` may be a
+        :class:`~trl_jagg.trainer.batch.PendingAdvantages` (``overlap_rewards``, every reward scored chunk by chunk).
+        A reward failure, now or when they are resolved, calls ``on_reward_failure(failure, when)``, which saves the
+        steps trained so far and raises."""
         args, adapter, device = self.args, self.adapter, self.accelerator.device
         start = time.perf_counter()
         prompts = [prompt_text(x["prompt"], "train_dataset 'prompt'") for x in inputs]
@@ -199,6 +204,48 @@ class RolloutGenerator:
                 self.accelerator, f"{quantity} after the rollout", value, step=global_step + 1, run_dir=args.output_dir
             )
 
+        self.metrics["latents/final_std"].append(latents[:, -1].std().item())
+        self.metrics["time/rollout_s"].append(rollout_seconds)
+
+        def advantages() -> torch.Tensor:
+            """This process's advantages, once every reward has scored the rollout (a failure reported alike on
+            every process); outside autograd wherever they are resolved (the update's loss runs with gradients;
+            autocast, accelerate's, wraps only the backbone's forward)."""
+            with torch.no_grad():
+                try:
+                    return self._score(prompts, images, columns, sources, scorer, trainer_state)
+                except RewardFailure as failure:
+                    on_reward_failure(failure, f"at step {global_step + 1}")
+
+        # With every reward still scoring the last chunk in the background, the update resolves the advantages
+        # where it first needs them: the work before (the KL reference, JAGG's no-grad velocities, the first
+        # step's forward) overlaps the last answers. Anything else is scored here, after the rollout.
+        rollout = {
+            "latents": latents,
+            "log_probs": torch.cat([t.log_probs for t in trajectories]),
+            "advantages": PendingAdvantages(functools.cache(advantages))
+            if scorer.scores_every_reward
+            else advantages(),
+            "cond": cond,
+            "sigmas": sigmas,
+            # The group planner reads the flow times on the host: one transfer per rollout, not one per step.
+            "sigma_values": sigmas.tolist(),
+            "timesteps": timesteps,
+            "stochastic_steps": stochastic_steps,
+        }
+        if record_velocities:
+            rollout["velocities"] = torch.cat([t.velocities for t in trajectories])
+            # What the cached velocities are exact for: these parameters and this forward path.
+            rollout["velocity_key"] = velocity_key(global_step, adapter.dtype, device.type)
+        return rollout
+
+    def _score(
+        self, prompts: list[str], images: list, columns: dict[str, list[Any]], sources: list | None,
+        scorer: ChunkScorer, trainer_state: Any,
+    ) -> torch.Tensor:  # fmt: skip
+        """The rollout's rewards (the chunk-scored ones from their chunks) and this process's rows of the group
+        advantages of the gathered batch; logs the reward metrics and keeps the completions for the logs."""
+        args, device = self.args, self.accelerator.device
         start = time.perf_counter()
         reward_metrics: dict[str, list[float]] = defaultdict(list)
         extra_columns: dict[str, list[Any]] = defaultdict(list)
@@ -212,29 +259,12 @@ class RolloutGenerator:
         )  # fmt: skip
         self._log_reward_metrics(reward_metrics)
         advantages = self._advantages(group_keys(prompts, sources), rewards.to(device), per_reward)
-        self.metrics["latents/final_std"].append(latents[:, -1].std().item())
-        self.metrics["time/rollout_s"].append(rollout_seconds)
         self.metrics["time/reward_s"].append(time.perf_counter() - start)
         if args.log_completions:
             scores = {"reward": rewards.tolist(), **{name: value.tolist() for name, value in per_reward.items()}}
             self.completions = (prompts, images, {**scores, **extra_columns})
         rank = self.accelerator.process_index
-        rollout = {
-            "latents": latents,
-            "log_probs": torch.cat([t.log_probs for t in trajectories]),
-            "advantages": advantages[rank * len(prompts) : (rank + 1) * len(prompts)].to(device),
-            "cond": cond,
-            "sigmas": sigmas,
-            # The group planner reads the flow times on the host: one transfer per rollout, not one per step.
-            "sigma_values": sigmas.tolist(),
-            "timesteps": timesteps,
-            "stochastic_steps": stochastic_steps,
-        }
-        if record_velocities:
-            rollout["velocities"] = torch.cat([t.velocities for t in trajectories])
-            # What the cached velocities are exact for: these parameters and this forward path.
-            rollout["velocity_key"] = velocity_key(global_step, adapter.dtype, device.type)
-        return rollout
+        return advantages[rank * len(prompts) : (rank + 1) * len(prompts)].to(device)
 
     def _log_reward_metrics(self, reward_metrics: dict[str, list[float]]) -> None:
         """The rewards' ``log_metric`` values, averaged over every value on every process (as TRL); the names are

@@ -30,7 +30,7 @@ def checked_inputs(
     resume = args.resume_from_checkpoint
     if isinstance(resume, str) and resume.lower() not in ("true", "last"):
         check_checkpoint_dir(resume, args.output_dir)
-    funcs = load_reward_funcs(reward_funcs, device=args.device)
+    funcs = load_reward_funcs(reward_funcs, args.reward_kwargs, device=args.device)
     if args.reward_weights is not None and len(args.reward_weights) != len(funcs):
         raise ValueError(
             f"GRPOJaggConfig.reward_weights has {len(args.reward_weights)} values for {len(funcs)} reward functions. "

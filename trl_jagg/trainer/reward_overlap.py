@@ -75,6 +75,12 @@ class ChunkScorer:
         for i in self._early:
             self._chunks[i].append((self._pool.submit(synchronous(self._funcs[i]), **kwargs), len(images)))
 
+    @property
+    def scores_every_reward(self) -> bool:
+        """Whether every reward scores chunk by chunk: what remains after the rollout is then waiting for the last
+        chunk's answers (and cheap sums), which may wait behind other work."""
+        return len(self._early) == len(self._funcs)
+
     def reward_funcs(self) -> list[Callable[..., Any]]:
         """The reward functions to score the whole rollout with: the per-sample ones answer from their chunks."""
         if self._pool is not None:

@@ -24,7 +24,7 @@ from ..grpo_jagg_config import GRPOJaggConfig
 from ..jagg import EngineResult, JaggEngine, StepGroup, gradient_diagnostic, leading_jagg_fraction, plan_groups
 from ..models import FlowMatchingAdapter
 from ..sampling import sampler_step
-from .batch import rng_seed, velocity_key
+from .batch import resolved, rng_seed, velocity_key
 from .guards import any_process
 from .placement import adapters_disabled, reshard
 
@@ -224,8 +224,9 @@ class UpdateStage:
                 with torch.no_grad():
                     old_mean = step_at(k, batch["velocities"][:, k]).mean
                 log_ratio = guard_log_ratio(step.log_prob, old_log_probs[:, k], step.mean, old_mean, step.std)
+            # Resolved here, after the KL reference and the step's forward (overlap_rewards: they overlap the wait).
             out = ppo_step_loss(
-                step.log_prob, old_log_probs[:, k], advantages, args.clip_range, kl=kl, beta=args.beta,
+                step.log_prob, old_log_probs[:, k], resolved(advantages), args.clip_range, kl=kl, beta=args.beta,
                 clip_range_high=args.epsilon_high, log_ratio=log_ratio,
                 policy_weight=1.0 / (sigmas[k] - sigmas[k + 1]) if args.step_gradient_reweighting else 1.0,
             )  # fmt: skip
@@ -286,7 +287,7 @@ class UpdateStage:
         due = self.last_probe_step is None or global_step - self.last_probe_step >= args.jagg_probe_steps
         # Without a KL term, a micro-batch whose advantages are all 0 (constant rewards) has a zero gradient: its
         # cosines would read 1.0 and route every group to JAGG. The probe waits for a micro-batch with a gradient.
-        if due and args.beta == 0 and not any_process(self.accelerator, bool(batch["advantages"].any())):
+        if due and args.beta == 0 and not any_process(self.accelerator, bool(resolved(batch["advantages"]).any())):
             self.metrics["jagg/probe_deferred"].append(1.0)
             return self.routed_frac if self.routed_frac is not None else 0.0
         if due:
