@@ -30,18 +30,8 @@ from typing import Any
 
 import torch
 
-FLUX_DEV_TRANSFORMER = {  # black-forest-labs/FLUX.1-dev, transformer/config.json
-    "patch_size": 1,
-    "in_channels": 64,
-    "num_layers": 19,
-    "num_single_layers": 38,
-    "attention_head_dim": 128,
-    "num_attention_heads": 24,
-    "joint_attention_dim": 4096,
-    "pooled_projection_dim": 768,
-    "guidance_embeds": True,
-    "axes_dims_rope": (16, 56, 56),
-}
+from .flops import FLUX_DEV_TRANSFORMER
+
 TINY_TRANSFORMER = FLUX_DEV_TRANSFORMER | {
     "num_layers": 1,
     "num_single_layers": 1,
