@@ -216,12 +216,13 @@ def summarize(measured: dict[str, dict[str, Any]], costs: StepCosts) -> list[dic
     return results
 
 
-def print_table(results: list[dict[str, Any]]) -> None:
-    """One line per variant: median step time, measured ratios [min, max] and the predicted ones."""
+def print_table(results: list[dict[str, Any]], predicted_for: str = "FLUX.1-dev") -> None:
+    """One line per variant: median step time, measured ratios [min, max] and the ones predicted for
+    ``predicted_for``."""
     for entry in results:
         ratios = "  ".join(
             f"{key.removeprefix('speedup_vs_')}: {entry[key]['median']:.2f}x "
-            f"[{entry[key]['min']:.2f}, {entry[key]['max']:.2f}] (FLUX.1-dev {entry['predicted_' + key]:.2f}x)"
+            f"[{entry[key]['min']:.2f}, {entry[key]['max']:.2f}] ({predicted_for} {entry['predicted_' + key]:.2f}x)"
             for key in entry
             if key.startswith("speedup_vs_")
         )
