@@ -571,6 +571,23 @@ def test_velocity_cache_is_not_used_after_an_optimizer_step(tiny_flux_path, tmp_
     assert [e["jagg/no_grad_forwards"] for e in logs] == [0, 1]
 
 
+def test_velocity_cache_is_not_used_at_another_batch_shape(tiny_flux_path, tmp_path):
+    # The rollout runs its 4 samples as one backbone batch; 3 steps trained in one JAGG group of W = 3, whose one
+    # intermediate velocity is cached. A smaller batch may round differently (other kernels), so a micro-batch of 2
+    # of those samples recomputes it, though the parameters are the rollout's.
+    trainer = make_trainer(tiny_flux_path, tmp_path)
+    rollout = trainer._generate_and_score(next(iter(trainer.get_train_dataloader())))
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    model.train()
+    calls = BackboneCalls(trainer)
+    run_update(trainer, model, rollout)
+    assert calls.take() == (2, 0, 1)  # the rollout's shape: two endpoints, no intermediate forward, one backward
+    run_update(trainer, model, select_samples(rollout, slice(0, 2)))
+    assert calls.take() == (2, 1, 1)  # another shape: the intermediate velocity is recomputed
+    assert trainer._metrics["jagg/cached_velocities"][-2:] == [1, 0]
+    calls.handle.remove()
+
+
 def test_velocity_cache_is_not_used_with_active_dropout(tiny_flux_path, tmp_path):
     torch.manual_seed(0)
     trainer = DDPOJaggTrainer(

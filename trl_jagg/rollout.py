@@ -25,6 +25,8 @@ class Trajectory:
             dtype, when recorded (``record_velocities``): JAGG's on-policy velocity cache.
         predicted_x0: ``(batch, *latent_shape)`` float32, the last step's prediction of the clean latent,
             ``z - sigma v`` at its start (what DanceGRPO decodes for the reward).
+        call_shapes: the shape of the latents each step's backbone call ran on (fewer rows in a shared prefix):
+            another batch shape may round differently, so a recorded velocity is exact only at its own.
     """
 
     latents: torch.Tensor
@@ -33,6 +35,7 @@ class Trajectory:
     timesteps: torch.Tensor
     velocities: torch.Tensor | None = None
     predicted_x0: torch.Tensor | None = None
+    call_shapes: tuple[tuple[int, ...], ...] = ()
 
 
 @torch.no_grad()
@@ -88,12 +91,14 @@ def sample_trajectories(
     latents = [noise.float()]
     log_probs = []
     velocities = []
+    call_shapes = []
     solver = None
     for k in range(num_steps):
         if branch is not None and k == prefix:  # every row continues from its group's state
             latents, log_probs, velocities = ([x[inverse] for x in xs] for xs in (latents, log_probs, velocities))
             cond = full_cond
         t = timesteps[k].expand(latents[-1].shape[0])
+        call_shapes.append(tuple(latents[-1].shape))
         velocity = adapter.predict_velocity(
             transformer, latents[-1], t, cond, guidance_scale=guidance_scale, true_cfg_scale=true_cfg_scale
         )
@@ -131,6 +136,7 @@ def sample_trajectories(
         timesteps,
         torch.stack(velocities, dim=1) if record_velocities else None,
         predicted_x0,
+        tuple(call_shapes),
     )
 
 

@@ -13,8 +13,18 @@ It prints, per variant (interleaved over ``--repeats`` repeats after a warm-up, 
 time of the whole rollout, the whole-step time (rollout + update), the speedup over exact and the peak memory of the
 update, and writes ``gpu_benchmark.json``. On one H100/H200 it should take about 5 minutes (not measured yet).
 
+``--whole_step`` times instead the whole-step variants of :mod:`trl_jagg.benchmarks.whole_step` (DanceGRPO shape:
+exact, JAGG, JAGG + cache; Mix shape: exact update, JAGG + cache, + shared prefix, + DPM-Solver++), with the same
+variant definitions, interleaving and hook counts, on the FLUX.1-dev-size transformer with full fine-tuning (as
+DanceGRPO and MixGRPO train it; every trainer shares the one pipeline, and no optimizer step is taken), G = 12 in
+micro-batches of ``--batch`` that the rollout also samples at. It reports synchronised wall time, the peak CUDA
+memory of each variant's step, and beside each measured ratio the FLOP model's prediction for the counted work
+(:mod:`trl_jagg.benchmarks.flops`), and writes ``gpu_whole_step_benchmark.json``.
+
     python -m trl_jagg.benchmarks.gpu --output_dir runs/gpu_bench            # one GPU, about 5 minutes
     python -m trl_jagg.benchmarks.gpu --output_dir runs/gpu_bench --tiny     # the same code on a CPU, seconds
+    python -m trl_jagg.benchmarks.gpu --output_dir runs/gpu_bench --whole_step --gradient_checkpointing
+    python -m trl_jagg.benchmarks.gpu --output_dir runs/gpu_bench --whole_step --tiny   # a CPU smoke run
 """
 
 from __future__ import annotations
@@ -30,18 +40,9 @@ from typing import Any
 
 import torch
 
-FLUX_DEV_TRANSFORMER = {  # black-forest-labs/FLUX.1-dev, transformer/config.json
-    "patch_size": 1,
-    "in_channels": 64,
-    "num_layers": 19,
-    "num_single_layers": 38,
-    "attention_head_dim": 128,
-    "num_attention_heads": 24,
-    "joint_attention_dim": 4096,
-    "pooled_projection_dim": 768,
-    "guidance_embeds": True,
-    "axes_dims_rope": (16, 56, 56),
-}
+from .flops import FLUX_DEV_TRANSFORMER, StepCosts, flux_dev_costs, transformer_flops
+from .whole_step import WHOLE_STEP_VARIANTS, build_trainers, print_table, summarize, time_whole_steps
+
 TINY_TRANSFORMER = FLUX_DEV_TRANSFORMER | {
     "num_layers": 1,
     "num_single_layers": 1,
@@ -179,6 +180,64 @@ def run(
     return report
 
 
+def run_whole_step(
+    output_dir: str,
+    *,
+    tiny: bool = False,
+    variants: Sequence[str] = tuple(WHOLE_STEP_VARIANTS),
+    resolution: int = 512,
+    max_sequence_length: int = 512,
+    batch: int = 2,
+    repeats: int = 3,
+    gradient_checkpointing: bool = False,
+) -> dict[str, Any]:
+    """Time the whole-step variants on the transformer of FLUX.1-dev's config (see the module docstring); returns
+    (and writes) the report. ``tiny`` runs the tiny transformer on the CPU, its work priced at its own counted
+    FLOPs (the tiny VAE and text encoders are not priced)."""
+    cuda = torch.cuda.is_available() and not tiny
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    config = TINY_TRANSFORMER if tiny else FLUX_DEV_TRANSFORMER
+    start = time.perf_counter()
+    pipe = build_pipeline(config, device, dtype)
+    print(f"[gpu-bench] whole step: {sum(p.numel() for p in pipe.transformer.parameters()) / 1e9:.2f}B parameters "
+          f"on {device} ({dtype})", flush=True)  # fmt: skip
+    trainers = build_trainers(
+        pipe, tuple(variants), os.path.join(output_dir, "run"), micro_batch=batch, height=resolution, width=resolution,
+        max_sequence_length=max_sequence_length, beta=0.0, activation_checkpointing=gradient_checkpointing,
+        use_cpu=not cuda, seed=0,
+    )  # fmt: skip
+    measured = time_whole_steps(trainers, repeats=repeats)
+    if tiny:
+        forward, backward = transformer_flops(
+            config, image_tokens=(resolution // 16) ** 2, text_tokens=max_sequence_length
+        )
+        costs = StepCosts(forward_row=forward, backward_row=backward, vae_decode=0.0, text_encode=0.0)
+    else:
+        costs = flux_dev_costs(resolution, max_sequence_length)
+    report = {
+        "config": {
+            "transformer": {k: list(v) if isinstance(v, tuple) else v for k, v in config.items()},
+            "device": torch.cuda.get_device_name(device) if cuda else "cpu", "dtype": str(dtype),
+            "resolution": resolution, "text_tokens": max_sequence_length, "micro_batch": batch,
+            "gradient_checkpointing": gradient_checkpointing, "repeats": repeats, "torch": torch.__version__,
+            "timer": "wall time (perf_counter), synchronised" if cuda else "process CPU time (process_time)",
+            "variants": {name: WHOLE_STEP_VARIANTS[name] for name in variants}, "flops": costs.as_dict(),
+        },
+        "results": summarize(measured, costs),
+        "total_s": time.perf_counter() - start,
+    }  # fmt: skip
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_whole_step_benchmark.json").write_text(json.dumps(report, indent=2))
+    print_table(report["results"], "tiny model's FLOPs" if tiny else f"FLUX.1-dev at {resolution} px")
+    for entry in report["results"]:
+        peak = entry["peak_memory_mb"]
+        print(f"{entry['variant']:28s} peak {'-' if peak is None else f'{peak:.0f} MiB'}")
+    print(f"[gpu-bench] wrote {out / 'gpu_whole_step_benchmark.json'} in {report['total_s']:.0f} s")
+    return report
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output_dir", default="runs/gpu_bench")
@@ -190,11 +249,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--lora_rank", type=int, default=None, help="LoRA rank (64; 4 with --tiny).")
     parser.add_argument("--repeats", type=int, default=None, help="Timed repeats after a warm-up (3; 1 with --tiny).")
     parser.add_argument("--gradient_checkpointing", action="store_true", help="Checkpoint the backbone's blocks.")
+    parser.add_argument(
+        "--whole_step", action="store_true",
+        help="Time the whole-step variants (full fine-tuning, G = 12; --num_generations and --lora_rank unused).",
+    )  # fmt: skip
+    parser.add_argument("--variants", nargs="+", default=list(WHOLE_STEP_VARIANTS), help="Whole-step variants.")
     ns = parser.parse_args(argv)
     defaults = {"resolution": (512, 64), "max_sequence_length": (512, 16), "num_generations": (8, 4),
                 "lora_rank": (64, 4), "repeats": (3, 1)}  # fmt: skip
     kwargs = {k: v if v is not None else defaults[k][ns.tiny] for k, v in vars(ns).items() if k in defaults}
-    return run(ns.output_dir, tiny=ns.tiny, batch=ns.batch, gradient_checkpointing=ns.gradient_checkpointing, **kwargs)
+    common = {"tiny": ns.tiny, "batch": ns.batch, "gradient_checkpointing": ns.gradient_checkpointing}
+    if ns.whole_step:
+        keep = ("resolution", "max_sequence_length", "repeats")
+        return run_whole_step(ns.output_dir, variants=ns.variants, **common, **{k: kwargs[k] for k in keep})
+    return run(ns.output_dir, **common, **kwargs)
 
 
 if __name__ == "__main__":

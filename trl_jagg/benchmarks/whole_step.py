@@ -6,15 +6,20 @@ its decode and rewards (``_generate_and_score``) and the update of its micro-bat
 all, is left out). Ratios are taken per repeat against a baseline and reported as median, min and max; times are
 process CPU time on a CPU and synchronised wall time on a GPU (:func:`~trl_jagg.benchmarks.trainer.benchmark_clock`).
 
-- DanceGRPO shape (16 steps, a random 60% of the first 15 trained, G = 12): ``dance_exact``, ``dance_jagg_cache``.
+- DanceGRPO shape (16 steps, a random 60% of the first 15 trained, G = 12): ``dance_exact``, ``dance_jagg`` (the
+  paper's JAGG: intermediates recomputed without graph), ``dance_jagg_cache``.
 - Mix shape (16 steps, a 4-step SDE window, ODE elsewhere): ``mix_exact`` (MixGRPO's own cost: the mixed rollout
   with an exact update), ``mix_jagg_cache``, ``+_prefix`` (same-noise groups share the ODE before the window),
   ``+_dpm`` (DPM-Solver++ of order 2 on 40% of the ODE steps). The window slides between repeats.
 
-Beside the measured ratios, the backbone work of every variant is counted by hooks over the timed steps (rows of
-forwards with and without graph, rows of backwards) and turned into the ratio the backbone alone predicts, one
-forward row = 1, one backward row = 2 units: what a real-size model approaches, where VAE, rewards and text encoders
-are about 1% of a step.
+Beside each measured ratio stands the ratio predicted at FLUX.1-dev size (1024 px: 4096 image tokens, 512 text
+tokens, full fine-tuning): the work of the timed steps is counted by hooks (backbone rows forward with and without a
+graph and backward, VAE decodes, prompt encodings) and priced by the FLOP model of the real modules on the meta
+device (:mod:`~trl_jagg.benchmarks.flops`). On the tiny model the VAE decode, rewards and Python overhead are a
+larger share of a step than at real size, so the measured ratios fall short of the predicted ones.
+
+The pieces (:func:`build_trainers`, :func:`time_whole_steps`, :func:`summarize`) also serve
+:mod:`trl_jagg.benchmarks.gpu` at FLUX.1-dev size.
 """
 
 from __future__ import annotations
@@ -22,15 +27,18 @@ from __future__ import annotations
 import gc
 import json
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from datasets import Dataset
 
-from .trainer import PROMPTS, _endless, _spread, _sync, benchmark_clock
+from .flops import StepCosts, flux_dev_costs, step_flops
+from .trainer import PROMPTS, _endless, _spread, _sync, benchmark_clock, measure_peak_memory_mb
 
 JSON_NAME = "whole_step_benchmark.json"
+PREDICTED_AT = (1024, 512)
+"""The FLUX.1-dev setting the FLOP model prices the counted work at: pixels, text tokens."""
 _DANCE = {
     "num_inference_steps": 16, "num_generations": 12, "train_timesteps": "random_but_last",
     "train_timestep_fraction": 0.6, "sampler": "dance", "noise_level": 0.3, "same_group_noise": True,
@@ -42,6 +50,7 @@ _MIX = {
 _JAGG = {"use_jagg": True, "jagg_group_size": 4, "jagg_frac": 0.6, "jagg_cache_velocities": True}
 WHOLE_STEP_VARIANTS: dict[str, dict[str, Any]] = {
     "dance_exact": {**_DANCE, "use_jagg": False},
+    "dance_jagg": {**_DANCE, **_JAGG, "jagg_cache_velocities": False},
     "dance_jagg_cache": {**_DANCE, **_JAGG},
     "mix_exact": {**_MIX, "use_jagg": False},
     "mix_jagg_cache": {**_MIX, **_JAGG},
@@ -58,19 +67,28 @@ def baselines(variant: str) -> list[str]:
     return ["dance_exact"] + (["mix_exact"] if variant.startswith("mix") else [])
 
 
-class RowCounter:
-    """Rows of backbone forwards with and without an autograd graph, and rows of the backwards through it."""
+class WorkCounter:
+    """The work of a pipeline's calls, counted by hooks: rows of backbone forwards with and without an autograd
+    graph and of the backwards through it, images the VAE decodes, prompts the (second) text encoder encodes."""
 
-    def __init__(self, transformer: torch.nn.Module):
-        self.counts = {"graph_rows": 0, "no_grad_rows": 0, "backward_rows": 0}
+    def __init__(self, pipeline: Any):
+        self.counts = dict.fromkeys(WORK, 0)
         self._handles = [
-            transformer.register_forward_pre_hook(self._before, with_kwargs=True),
-            transformer.register_forward_hook(self._after),
+            pipeline.transformer.register_forward_pre_hook(self._backbone, with_kwargs=True),
+            pipeline.transformer.register_forward_hook(self._after),
+            pipeline.vae.decoder.register_forward_pre_hook(self._rows("decoded_images"), with_kwargs=True),
+            pipeline.text_encoder_2.register_forward_pre_hook(self._rows("encoded_prompts"), with_kwargs=True),
         ]
 
-    def _before(self, module: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+    def _backbone(self, module: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         rows = kwargs["hidden_states"].shape[0]
         self.counts["graph_rows" if torch.is_grad_enabled() else "no_grad_rows"] += rows
+
+    def _rows(self, key: str) -> Callable[..., None]:
+        def count(module: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+            self.counts[key] += (args[0] if args else next(iter(kwargs.values()))).shape[0]
+
+        return count
 
     def _after(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if output[0].requires_grad:
@@ -83,6 +101,10 @@ class RowCounter:
         for handle in self._handles:
             handle.remove()
         return dict(self.counts)
+
+
+WORK = ("graph_rows", "no_grad_rows", "backward_rows", "decoded_images", "encoded_prompts")
+"""What :class:`WorkCounter` counts: the inputs of :func:`~trl_jagg.benchmarks.flops.step_flops`."""
 
 
 def _whole_step(trainer: Any, inputs: list[dict[str, Any]], step: int) -> None:
@@ -100,6 +122,111 @@ def _whole_step(trainer: Any, inputs: list[dict[str, Any]], step: int) -> None:
             accumulation_steps=trainer.current_gradient_accumulation_steps,
         )  # fmt: skip
     trainer._metrics.clear()
+
+
+def build_trainers(
+    model: Any, variants: tuple[str, ...], workdir: str, *, micro_batch: int | None = None, **config: Any
+) -> dict[str, Any]:
+    """A ``DDPOJaggTrainer`` per variant on ``model`` (a pipeline or its path): the variant's fields over
+    ``config`` (``GRPOJaggConfig`` fields common to all), rollouts of one group of G in micro-batches of
+    ``micro_batch`` (default G: one micro-batch) that the rollout also samples at, so the velocity cache applies."""
+    from datasets import Dataset
+
+    from ..ddpo_jagg_trainer import DDPOJaggTrainer
+    from ..grpo_jagg_config import GRPOJaggConfig
+
+    unknown = sorted(set(variants) - set(WHOLE_STEP_VARIANTS))
+    if unknown:
+        raise ValueError(f"Unknown `variants` {unknown}: use names of {list(WHOLE_STEP_VARIANTS)}.")
+    trainers = {}
+    for name in variants:
+        fields = WHOLE_STEP_VARIANTS[name]
+        batch = micro_batch or fields["num_generations"]
+        if fields["num_generations"] % batch:
+            raise ValueError(f"`micro_batch` ({batch}) must divide G = {fields['num_generations']}.")
+        args = GRPOJaggConfig(
+            output_dir=str(Path(workdir) / name), per_device_train_batch_size=batch,
+            steps_per_generation=fields["num_generations"] // batch,
+            gradient_accumulation_steps=fields["num_generations"] // batch, report_to="none", disable_tqdm=True,
+            **config, **fields,
+        )  # fmt: skip
+        torch.manual_seed(args.seed)
+        trainer = DDPOJaggTrainer(
+            model=model, reward_funcs="prompt_color", args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        )  # fmt: skip
+        trainers[name] = trainer
+    return trainers
+
+
+def time_whole_steps(trainers: dict[str, Any], *, repeats: int) -> dict[str, dict[str, Any]]:
+    """Time ``repeats`` whole steps of every trainer after a warm-up, interleaved in alternating order, each step
+    of a repeat on the same window; returns per variant the times, the work counted over the timed steps
+    (:data:`WORK`) and the smallest peak memory growth of a timed step (MiB; ``None`` where not measurable)."""
+    first = next(iter(trainers.values()))
+    device = first.accelerator.device
+    clock = benchmark_clock(device)
+    batches = {name: _endless(trainer) for name, trainer in trainers.items()}
+    measured: dict[str, dict[str, Any]] = {
+        name: {"times": [], "work": dict.fromkeys(WORK, 0), "peak_memory_mb": None} for name in trainers
+    }
+    num_starts = WHOLE_STEP_VARIANTS["mix_exact"]["num_inference_steps"] - 1 - 4 + 1
+    for repeat in range(repeats + 1):
+        step = (7 * repeat) % num_starts  # the mix window's start moves over the schedule between repeats
+        order = list(trainers) if repeat % 2 == 0 else list(trainers)[::-1]
+        for name in order:
+            trainer, inputs, elapsed = trainers[name], next(batches[name]), []
+            counter = WorkCounter(trainer.adapter.pipeline)  # a hook per call: negligible
+
+            def timed(trainer=trainer, inputs=inputs, elapsed=elapsed, step=step) -> None:
+                _sync(device)
+                start = clock()
+                _whole_step(trainer, inputs, step)
+                _sync(device)
+                elapsed.append(clock() - start)
+
+            peak = measure_peak_memory_mb(timed, device)  # its set-up runs before the clock starts
+            counted = counter.close()
+            if repeat > 0:  # repeat 0 is the warm-up
+                entry = measured[name]
+                entry["times"].append(elapsed[0])
+                entry["work"] = {k: entry["work"][k] + counted[k] for k in WORK}
+                if peak is not None:
+                    entry["peak_memory_mb"] = (
+                        peak if entry["peak_memory_mb"] is None else min(entry["peak_memory_mb"], peak)
+                    )
+    return measured
+
+
+def summarize(measured: dict[str, dict[str, Any]], costs: StepCosts) -> list[dict[str, Any]]:
+    """Per variant: the step time, the per-repeat ratios against its baselines (median, min, max), the counted work,
+    and the ratio the FLOP model predicts for that work at ``costs``."""
+    flops = {name: step_flops(costs, m["work"]) for name, m in measured.items()}
+    results = []
+    for name, m in measured.items():
+        entry: dict[str, Any] = {
+            "variant": name, "step_s": _spread(m["times"]), "counted": m["work"], "predicted_flops": flops[name],
+            "peak_memory_mb": m["peak_memory_mb"],
+        }  # fmt: skip
+        for baseline in baselines(name):
+            if baseline in measured and baseline != name:
+                times = zip(measured[baseline]["times"], m["times"])
+                entry[f"speedup_vs_{baseline}"] = _spread([b / t for b, t in times])
+                entry[f"predicted_speedup_vs_{baseline}"] = flops[baseline] / flops[name]
+        results.append(entry)
+    return results
+
+
+def print_table(results: list[dict[str, Any]], predicted_for: str = "FLUX.1-dev") -> None:
+    """One line per variant: median step time, measured ratios [min, max] and the ones predicted for
+    ``predicted_for``."""
+    for entry in results:
+        ratios = "  ".join(
+            f"{key.removeprefix('speedup_vs_')}: {entry[key]['median']:.2f}x "
+            f"[{entry[key]['min']:.2f}, {entry[key]['max']:.2f}] ({predicted_for} {entry['predicted_' + key]:.2f}x)"
+            for key in entry
+            if key.startswith("speedup_vs_")
+        )
+        print(f"{entry['variant']:28s} {entry['step_s']['median']:8.3f} s  {ratios}")
 
 
 def run_whole_step_benchmark(
@@ -126,13 +253,8 @@ def run_whole_step_benchmark(
         seed: seed of the weights and rollouts.
         num_threads: torch CPU threads while timing; restored afterwards.
     """
-    from ..ddpo_jagg_trainer import DDPOJaggTrainer
-    from ..grpo_jagg_config import GRPOJaggConfig
     from ..testing.tiny_models import save_tiny_pipeline
 
-    unknown = sorted(set(variants) - set(WHOLE_STEP_VARIANTS))
-    if unknown:
-        raise ValueError(f"Unknown `variants` {unknown}: use names of {list(WHOLE_STEP_VARIANTS)}.")
     if repeats < 1:
         raise ValueError(f"`repeats` must be >= 1, got {repeats}.")
     out = Path(output_dir)
@@ -140,63 +262,22 @@ def run_whole_step_benchmark(
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(num_threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    clock = benchmark_clock(device)
-    times: dict[str, list[float]] = {v: [] for v in variants}
-    rows: dict[str, dict[str, int]] = {}
     try:
         with tempfile.TemporaryDirectory() as tmp:
             model_dir = save_tiny_pipeline(
                 "flux", str(Path(tmp) / "flux"), seed=seed,
                 transformer={"num_layers": num_layers, "num_single_layers": num_single_layers},
             )  # fmt: skip
-            trainers = {}
-            for name in variants:
-                fields = WHOLE_STEP_VARIANTS[name]
-                config = GRPOJaggConfig(
-                    output_dir=str(Path(tmp) / name), per_device_train_batch_size=fields["num_generations"],
-                    height=resolution, width=resolution, max_sequence_length=max_sequence_length, beta=0.0,
-                    report_to="none", disable_tqdm=True, use_cpu=device.type == "cpu", seed=seed, **fields,
-                )  # fmt: skip
-                torch.manual_seed(seed)
-                trainer = DDPOJaggTrainer(
-                    model=model_dir, reward_funcs="prompt_color", args=config,
-                    train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
-                )  # fmt: skip
-                trainers[name] = (trainer, _endless(trainer))
-            num_starts = WHOLE_STEP_VARIANTS["mix_exact"]["num_inference_steps"] - 1 - 4 + 1
-            for repeat in range(repeats + 1):
-                step = (7 * repeat) % num_starts  # the mix window's start moves over the schedule between repeats
-                order = list(variants) if repeat % 2 == 0 else list(variants)[::-1]
-                for name in order:
-                    trainer, batches = trainers[name]
-                    inputs = next(batches)
-                    counter = RowCounter(trainer.adapter.transformer)  # a hook per call: negligible
-                    _sync(device)
-                    start = clock()
-                    _whole_step(trainer, inputs, step)
-                    _sync(device)
-                    elapsed = clock() - start
-                    counted = counter.close()
-                    if repeat > 0:  # repeat 0 is the warm-up
-                        times[name].append(elapsed)
-                        rows[name] = {k: rows.get(name, {}).get(k, 0) + v for k, v in counted.items()}
+            trainers = build_trainers(
+                model_dir, variants, tmp, height=resolution, width=resolution, max_sequence_length=max_sequence_length,
+                beta=0.0, use_cpu=device.type == "cpu", seed=seed,
+            )  # fmt: skip
+            measured = time_whole_steps(trainers, repeats=repeats)
             del trainers
             gc.collect()
     finally:
         torch.set_num_threads(previous_threads)
-
-    def units(name: str) -> int:
-        r = rows[name]
-        return r["graph_rows"] + r["no_grad_rows"] + 2 * r["backward_rows"]
-
-    results = []
-    for name in variants:
-        entry: dict[str, Any] = {"variant": name, "step_s": _spread(times[name]), "backbone_rows": rows[name]}
-        for baseline in baselines(name):
-            if baseline in times and baseline != name:
-                entry[f"speedup_vs_{baseline}"] = _spread([b / t for b, t in zip(times[baseline], times[name])])
-                entry[f"backbone_speedup_vs_{baseline}"] = units(baseline) / units(name)
-        results.append(entry)
+    costs = flux_dev_costs(*PREDICTED_AT)
     report = {
         "config": {
             "resolution": resolution, "text_tokens": max_sequence_length, "num_layers": num_layers,
@@ -204,17 +285,12 @@ def run_whole_step_benchmark(
             "device": device.type, "torch": torch.__version__,
             "timer": "wall time (perf_counter)" if device.type != "cpu" else "process CPU time (process_time)",
             "variants": {name: WHOLE_STEP_VARIANTS[name] for name in variants},
+            "flop_model": {"model": "FLUX.1-dev, full fine-tuning", "resolution": PREDICTED_AT[0],
+                           "text_tokens": PREDICTED_AT[1], "flops": costs.as_dict()},
         },
-        "results": results,
+        "results": summarize(measured, costs),
     }  # fmt: skip
     (out / JSON_NAME).write_text(json.dumps(report, indent=2))
-    for entry in results:
-        ratios = "  ".join(
-            f"{key.removeprefix('speedup_vs_')}: {entry[key]['median']:.2f}x "
-            f"[{entry[key]['min']:.2f}, {entry[key]['max']:.2f}] (backbone {entry['backbone_' + key]:.2f}x)"
-            for key in entry
-            if key.startswith("speedup_vs_")
-        )
-        print(f"{entry['variant']:28s} {entry['step_s']['median']:8.3f} s  {ratios}")
+    print_table(report["results"])
     print(f"wrote {out / JSON_NAME}")
     return report

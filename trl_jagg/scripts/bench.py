@@ -32,9 +32,10 @@ TRAINER_DESCRIPTION = (
 )
 
 WHOLE_STEP_DESCRIPTION = (
-    "Time whole steps of DDPOJaggTrainer (rollout, decode, rewards, update) at the DanceGRPO shape (exact, JAGG + "
-    "cache) and the mixed ODE-SDE shape (exact update, JAGG + cache, + shared prefix, + DPM-Solver++ on 40% of the "
-    "ODE steps), interleaved per repeat, with the backbone rows counted; write whole_step_benchmark.json."
+    "Time whole steps of DDPOJaggTrainer (rollout, decode, rewards, update) at the DanceGRPO shape (exact, JAGG, "
+    "JAGG + cache) and the mixed ODE-SDE shape (exact update, JAGG + cache, + shared prefix, + DPM-Solver++ on 40% "
+    "of the ODE steps), interleaved per repeat, with the work counted by hooks and each ratio predicted at "
+    "FLUX.1-dev size by a FLOP model of the real modules; write whole_step_benchmark.json."
 )
 
 

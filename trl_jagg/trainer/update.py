@@ -187,14 +187,16 @@ class UpdateStage:
     def cached_velocities(
         self, model: torch.nn.Module, batch: dict[str, Any], trained: list[int], global_step: int
     ) -> dict[int, torch.Tensor]:
-        """The rollout's velocities of the trained steps (keyed by trained index) while they are exactly what the
-        backbone would return now; empty otherwise (then the engine recomputes them)."""
-        if not self.args.jagg_cache_velocities or "velocities" not in batch:
+        """The rollout's velocities of the trained steps (keyed by trained index) that are exactly what the backbone
+        would return now, at this micro-batch's shape; the others are left out (the engine recomputes them)."""
+        if not self.args.jagg_cache_velocities or "velocities" not in batch or (model.training and self.has_dropout):
             return {}
-        key = velocity_key(global_step, self.adapter.dtype, self.accelerator.device.type)
-        if batch["velocity_key"] != key or (model.training and self.has_dropout):
-            return {}
-        return {i: batch["velocities"][:, k] for i, k in enumerate(trained)}
+        # The engine's velocity of one step runs the backbone on the micro-batch's latents of that step.
+        key = velocity_key(
+            global_step, self.adapter.dtype, self.accelerator.device.type, tuple(batch["latents"][:, 0].shape)
+        )
+        keys = batch["velocity_keys"]
+        return {i: batch["velocities"][:, k] for i, k in enumerate(trained) if keys[k] == key}
 
     # ------------------------------------------------------------------ the engine's inputs
     def step_functions(self, model: torch.nn.Module, batch: dict[str, Any], trained: list[int]) -> StepFunctions:
