@@ -206,6 +206,19 @@ def test_fsdp_or_deepspeed_fallback_is_refused():
     check_backend("MULTI_CPU", 2, fsdp_requested=False, fully_shard_backbone=True, env={})
 
 
+def test_ema_under_fsdp_version_1_is_refused(tmp_path):
+    """FSDP version 1's flat parameters are neither whole weights nor DTensor shards: the EMA would average garbage."""
+    from types import SimpleNamespace
+
+    from trl_jagg import GRPOJaggConfig
+    from trl_jagg.trainer.ema import EMAWeights
+
+    args = GRPOJaggConfig(output_dir=str(tmp_path), ema_decay=0.9, report_to="none", use_cpu=True)
+    with pytest.raises(ValueError, match="ema_decay > 0 is not supported with FSDP version 1"):
+        fsdp1 = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=object()), is_fsdp2=False)
+        EMAWeights(args, lambda: [torch.nn.Parameter(torch.zeros(2))], accelerator=fsdp1)
+
+
 REFUSED_SCRIPT = """
 import torch
 from datasets import Dataset

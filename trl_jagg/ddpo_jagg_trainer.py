@@ -152,7 +152,7 @@ class DDPOJaggTrainer(_BaseTrainer):
         self.evaluator = Evaluator(self.adapter, args, self.accelerator, self.frozen, self.reward_funcs)
         self.ema: EMAWeights | None = None
         if args.ema_decay > 0:
-            self.ema = EMAWeights(args, self._trainable_parameters)
+            self.ema = EMAWeights(args, self._trainable_parameters, accelerator=self.accelerator)
             self.add_callback(EMACallback(self.ema))
         if args.image_log_steps and args.eval_prompts:
             self.add_callback(SampleImagesCallback(self._log_samples))

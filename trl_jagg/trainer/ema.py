@@ -63,9 +63,17 @@ class EMAWeights(EMAModel):
     """diffusers' :class:`~diffusers.training_utils.EMAModel` of ``parameters()`` (the trainable ones), on the CPU
     with ``ema_offload``; Flow-GRPO's warm-up ``min(decay, (1 + t) / (10 + t))`` when ``ema_warmup``. Under
     sharding (:func:`sharding_of`) each process averages its own part of every weight; :meth:`full_weights`
-    gathers the average for saving."""
+    gathers the average for saving. Refused under accelerate's FSDP version 1 plugin."""
 
-    def __init__(self, args: GRPOJaggConfig, parameters: Callable[[], list[torch.nn.Parameter]]):
+    def __init__(
+        self, args: GRPOJaggConfig, parameters: Callable[[], list[torch.nn.Parameter]], *, accelerator: Any = None
+    ):
+        fsdp = accelerator is not None and getattr(accelerator.state, "fsdp_plugin", None) is not None
+        if fsdp and not accelerator.is_fsdp2:  # FSDP1's flat parameters are neither whole weights nor DTensor shards
+            raise ValueError(
+                "GRPOJaggConfig.ema_decay > 0 is not supported with FSDP version 1. Use FSDP2 (fsdp_version: 2, as "
+                "examples/accelerate_configs/fsdp2.yaml), or set ema_decay=0."
+            )
         super().__init__(
             local_parts(parameters()),
             decay=args.ema_decay,
