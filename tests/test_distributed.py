@@ -206,6 +206,19 @@ def test_fsdp_or_deepspeed_fallback_is_refused():
     check_backend("MULTI_CPU", 2, fsdp_requested=False, fully_shard_backbone=True, env={})
 
 
+def test_ema_under_fsdp_version_1_is_refused(tmp_path):
+    """FSDP version 1's flat parameters are neither whole weights nor DTensor shards: the EMA would average garbage."""
+    from types import SimpleNamespace
+
+    from trl_jagg import GRPOJaggConfig
+    from trl_jagg.trainer.ema import EMAWeights
+
+    args = GRPOJaggConfig(output_dir=str(tmp_path), ema_decay=0.9, report_to="none", use_cpu=True)
+    with pytest.raises(ValueError, match="ema_decay > 0 is not supported with FSDP version 1"):
+        fsdp1 = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=object()), is_fsdp2=False)
+        EMAWeights(args, lambda: [torch.nn.Parameter(torch.zeros(2))], accelerator=fsdp1)
+
+
 REFUSED_SCRIPT = """
 import torch
 from datasets import Dataset
@@ -349,6 +362,86 @@ def test_trainer_gradients_on_two_processes(tiny_flux_path, tmp_path):
         # Bit-identical on purpose: the resumed run repeats the same calls on the same shapes with the restored RNG.
         assert all(torch.equal(straight[k], resumed[k]) for k in straight), kind
         assert (tmp_path / kind / "checkpoint-1" / "optimizer.pt").is_file()
+
+
+def test_fsdp2_plugin_path_on_two_processes(tiny_flux_path, tmp_path):
+    """accelerate's FSDP2 plugin from the shipped `fsdp2.yaml` on 2 gloo processes (`accelerate launch`; the worker
+    relabels the CPU state so that accelerate's own FSDP2 code runs, see its docstring), EMA on:
+    - the plugin wraps each transformer block, then the root, in `train()` (the trainer's KL reference at init);
+    - LoRA: the saved weights and `ema/` are the full tensors of the sharded model; resuming from the checkpoint of
+      step 2 (weights, EMA and full optimizer state loaded into the shards) ends with the weights and EMA of 4
+      straight steps; the checkpoints hold the gathered optimizer state, not the plugin's files;
+    - full fine-tuning: 2 optimizer steps with the EMA on the same global batch as one process give its weights and
+      its EMA, saved in the single-process layout, and the EMA is the formula's."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from diffusers import FluxTransformer2DModel
+    from safetensors.torch import load_file
+
+    worker = _load_script("fsdp_trainer")
+    plugin = _load_script("fsdp2_plugin")
+    trainer = worker.build_trainer(tiny_flux_path, str(tmp_path / "ref"), "full", world_size=1, **plugin.FULL)
+    batch = trainer._generate_and_score([{"prompt": p} for p in worker.PROMPTS])
+    torch.save(batch, tmp_path / "full_batch.pt")
+    trainer.create_optimizer()
+    history = [{n: p.detach().clone() for n, p in trainer.model.named_parameters()}]
+    for step in range(2):
+        trainer.update_stage.run(trainer.model, batch, micro_step=step, global_step=step, accumulation_steps=1)
+        trainer.optimizer.step()
+        trainer.optimizer.zero_grad(set_to_none=True)
+        history.append({n: p.detach().clone() for n, p in trainer.model.named_parameters()})
+    del trainer
+
+    root = Path(__file__).resolve().parent
+    config = root.parent / "examples" / "accelerate_configs" / "fsdp2.yaml"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes", "2",
+           "--main_process_port", str(_free_port()), str(root / "distributed_scripts" / "fsdp2_plugin.py"),
+           tiny_flux_path, str(tmp_path)]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    reports = [json.loads((tmp_path / f"report{r}.json").read_text()) for r in range(2)]
+    blocks = FluxTransformer2DModel.load_config(tiny_flux_path, subfolder="transformer")
+    for report in reports:
+        assert report["cpu_type"] == "DistributedType.MULTI_CPU" and report["world"] == 2 and report["plugin"]
+        assert not report["sharded_before_train"] and report["sharded"] and report["full_sharded"]
+        expected = {
+            "FluxTransformerBlock": blocks["num_layers"],
+            "FluxSingleTransformerBlock": blocks["num_single_layers"],
+        }
+        assert report["wrapped_blocks"] == expected
+
+    # LoRA: what was written is the sharded model's full tensors (the file drops the adapter name).
+    full = torch.load(tmp_path / "lora_full.pt")
+    for folder, tensors in (("lora_saved", full["weights"]), ("lora_saved/ema", full["ema"])):
+        saved = load_file(str(tmp_path / folder / "pytorch_lora_weights.safetensors"))
+        expected = {"transformer." + n.replace(".default.", "."): t for n, t in tensors.items()}
+        assert saved.keys() == expected.keys() and len(saved) > 0, folder
+        assert all(torch.equal(saved[k], expected[k]) for k in saved), folder  # a copy, so exact
+    assert any(not torch.equal(full["weights"][n], full["ema"][n]) for n in full["weights"])
+    for folder in ("", "/ema"):
+        straight, resumed = (load_file(str(tmp_path / f"lora_{end}{folder}" / "pytorch_lora_weights.safetensors"))
+                             for end in ("saved", "resumed"))  # fmt: skip
+        # Bit-identical on purpose: the resumed run repeats the same calls on the same shapes with the restored RNG.
+        assert straight.keys() == resumed.keys() and all(torch.equal(straight[k], resumed[k]) for k in straight)
+    checkpoint = tmp_path / "lora" / "checkpoint-2"
+    assert (checkpoint / "optimizer.pt").is_file() and (checkpoint / "ema").is_dir()
+    assert not (checkpoint / "pytorch_model_fsdp.bin").exists() and not (checkpoint / "optimizer.bin").exists()
+
+    # Full fine-tuning with EMA: 2 processes against the single process above, and the EMA against its formula.
+    decay = plugin.EMA["ema_decay"]
+    ema = {n: (decay * history[0][n] + (1 - decay) * history[1][n]) * decay + (1 - decay) * history[2][n]
+           for n in history[0]}  # fmt: skip
+    for folder, expected in (("full_saved", history[2]), ("full_saved/ema", ema)):
+        saved = load_file(str(tmp_path / folder / "diffusion_pytorch_model.safetensors"))
+        assert saved.keys() == expected.keys(), folder
+        for name, value in expected.items():
+            torch.testing.assert_close(saved[name], value, atol=1e-5, rtol=1e-5, msg=f"{folder} {name}")
+    assert (tmp_path / "full_saved" / "ema" / "config.json").is_file()
+    assert any(not torch.allclose(history[0][n], history[2][n]) for n in ema)  # the steps moved the weights
 
 
 # ---------------------------------------------------------------- resume and split groups on 2 processes

@@ -26,7 +26,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, HubStrategy
 from transformers.utils.hub import PushInProgress
 from trl.trainer.base_trainer import _BaseTrainer
 
-from .distributed import check_backend, check_world_size, gradient_sync_deferred, shard_backbones
+from .distributed import check_backend, check_world_size, gradient_sync_deferred, is_fully_sharded, shard_backbones
 from .grpo_jagg_config import GRPOJaggConfig
 from .models import load_adapter
 from .prompts import prompt_text
@@ -152,7 +152,7 @@ class DDPOJaggTrainer(_BaseTrainer):
         self.evaluator = Evaluator(self.adapter, args, self.accelerator, self.frozen, self.reward_funcs)
         self.ema: EMAWeights | None = None
         if args.ema_decay > 0:
-            self.ema = EMAWeights(args, self._trainable_parameters, sharded=self.is_fsdp_enabled)
+            self.ema = EMAWeights(args, self._trainable_parameters, accelerator=self.accelerator)
             self.add_callback(EMACallback(self.ema))
         if args.image_log_steps and args.eval_prompts:
             self.add_callback(SampleImagesCallback(self._log_samples))
@@ -357,11 +357,10 @@ class DDPOJaggTrainer(_BaseTrainer):
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         transformer = self.accelerator.unwrap_model(self.model)
         # `state_dict` is the gathered full state dict under FSDP / DeepSpeed (Trainer.save_model passes it).
-        if state_dict is None:
-            state_dict = self.weights.gathered_state_dict(transformer)
+        state_dicts = self.weights.gathered_state_dicts(transformer, state_dict, self.ema)
         if not self.args.should_save:
             return
-        self.weights.save_model_folder(output_dir, transformer, state_dict, self.ema, self.args)
+        self.weights.save_model_folder(output_dir, transformer, state_dicts, self.ema, self.args)
         self._write_model_card(output_dir, **self._model_card_kwargs)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
@@ -371,14 +370,14 @@ class DDPOJaggTrainer(_BaseTrainer):
         self.weights.load_resumed(transformer, resume_from_checkpoint, self.ema)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        if not self.args.fully_shard_backbone:
+        if not is_fully_sharded(self.model):  # FSDP2 (either kind) writes the full state, not the plugin's files
             return super()._save_optimizer_and_scheduler(output_dir)
         checkpointing.save_full_optimizer_state(
             self.model, self.optimizer, self.lr_scheduler, output_dir, self.args.should_save
         )
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        if not self.args.fully_shard_backbone or checkpoint is None:
+        if not is_fully_sharded(self.model) or checkpoint is None:
             if checkpoint is not None and not (self.is_deepspeed_enabled or self.is_fsdp_enabled):
                 checkpointing.check_optimizer_state(checkpoint, self.optimizer)
             return super()._load_optimizer_and_scheduler(checkpoint)

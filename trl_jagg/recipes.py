@@ -476,9 +476,8 @@ RECIPES: Mapping[str, Recipe] = MappingProxyType(
                 notes=(
                     "--init_same_noise draws one noise per sampling call shared by the process's 24 samples, i.e. "
                     "by its two groups; same_group_noise gives each group its own.",
-                    "The EMA is not supported with FSDP yet (GRPOJaggConfig refuses ema_decay > 0 under FSDP), "
-                    "which full fine-tuning of the 12B backbone needs: this variant runs only where one process "
-                    "holds the whole backbone and its optimizer state.",
+                    "DanceGRPO keeps the whole EMA on rank 0's CPU; under FSDP2 each process averages its own "
+                    "shard of it (on its CPU with ema_offload), gathered into ema/ at save time.",
                     *_DANCE.notes[:-1],
                 ),
             ),

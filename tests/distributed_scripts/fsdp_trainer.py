@@ -35,12 +35,18 @@ def build_trainer(model_path: str, output_dir: str, kind: str, *, world_size: in
     """The trainer of ``kind`` both sides use; ``world_size`` processes share the same global batch of 4 images."""
     settings = dict(KINDS[kind])
     lora, shard = settings.pop("lora"), settings.pop("shard")
-    settings = {"max_steps": 1, "save_strategy": "no"} | settings | overrides
+    defaults = {
+        "max_steps": 1,
+        "save_strategy": "no",
+        "learning_rate": 1e-2,
+        "fully_shard_backbone": shard and world_size > 1,
+    }
+    settings = defaults | settings | overrides
     args = GRPOJaggConfig(
         output_dir=output_dir, per_device_train_batch_size=4 // world_size, num_generations=2, num_inference_steps=5,
-        height=32, width=32, learning_rate=1e-2, clip_range=0.1, jagg_group_size=3, jagg_frac=1.0, beta=0.05,
+        height=32, width=32, clip_range=0.1, jagg_group_size=3, jagg_frac=1.0, beta=0.05,
         max_sequence_length=16, report_to="none", use_cpu=True, disable_tqdm=True,
-        fully_shard_backbone=shard and world_size > 1, seed=3, **settings,
+        seed=3, **settings,
     )  # fmt: skip
     # init_lora_weights=False: both LoRA factors random, so every LoRA gradient is non-zero.
     peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_v"], init_lora_weights=False)

@@ -99,13 +99,22 @@ class WeightsIO:
         if optimizer_files:
             check_resume_files(path, save_only_model=args.save_only_model)
 
-    def gathered_state_dict(self, transformer: torch.nn.Module) -> dict[str, torch.Tensor] | None:
-        """The full state dict of a backbone sharded by the trainer (``fully_shard_backbone``; a collective every
-        rank joins, the main process gets the tensors; only the trainable ones for LoRA), else ``None``."""
+    def gathered_state_dicts(
+        self, transformer: torch.nn.Module, state_dict: dict | None, ema: EMAWeights | None
+    ) -> tuple[dict | None, dict | None]:
+        """The full state dicts of the weights and of the EMA weights of a sharded backbone (FSDP2, by the trainer or
+        accelerate's plugin): collectives every rank joins, the main process gets the tensors (only the trainable
+        ones for LoRA). ``state_dict``: the weights' one the Trainer gathered (accelerate's plugin), else gathered
+        here. ``(state_dict, None)`` for a backbone every process holds whole, whose EMA is saved swapped in."""
         if not is_fully_sharded(transformer):
-            return None
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=self.is_lora)
-        return get_model_state_dict(transformer, options=options)
+            return state_dict, None
+        if state_dict is None:
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=self.is_lora)
+            state_dict = get_model_state_dict(transformer, options=options)
+        if ema is None:
+            return state_dict, None
+        names = [name for name, p in transformer.named_parameters() if p.requires_grad]  # ema.parameters()' order
+        return state_dict, {**state_dict, **dict(zip(names, ema.full_weights()))}
 
     def save(self, output_dir: str, transformer: torch.nn.Module, state_dict: dict | None) -> None:
         """Write the weights (``state_dict``: the gathered full one under FSDP / DeepSpeed) into ``output_dir``."""
@@ -147,14 +156,18 @@ class WeightsIO:
                 transformer.load_state_dict(state, strict=True)
 
     def save_model_folder(
-        self, output_dir: str, transformer: torch.nn.Module, state_dict: dict | None, ema: EMAWeights | None,
-        args: GRPOJaggConfig,
+        self, output_dir: str, transformer: torch.nn.Module, state_dicts: tuple[dict | None, dict | None],
+        ema: EMAWeights | None, args: GRPOJaggConfig,
     ) -> None:  # fmt: skip
         """A model folder: the weights, the EMA weights beside them in their format (``ema/``: loadable with
         ``load_lora_weights(f"{output_dir}/ema")``), the schedule sampled in training (``scheduler/``: a recipe may
-        override the base model's, DanceGRPO's shift 3) and the training arguments without secrets."""
+        override the base model's, DanceGRPO's shift 3) and the training arguments without secrets.
+        ``state_dicts``: :meth:`gathered_state_dicts`."""
+        state_dict, ema_state_dict = state_dicts
         self.save(output_dir, transformer, state_dict)
-        if ema is not None:
+        if ema_state_dict is not None:
+            self.save(os.path.join(output_dir, EMA_DIR), transformer, ema_state_dict)
+        elif ema is not None:
             with ema.swapped_in():
                 self.save(os.path.join(output_dir, EMA_DIR), transformer, None)
         self.adapter.pipeline.scheduler.save_pretrained(os.path.join(output_dir, SCHEDULER_FOLDER))

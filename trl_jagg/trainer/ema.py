@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -13,19 +14,70 @@ from transformers import TrainerCallback
 from ..grpo_jagg_config import GRPOJaggConfig
 
 
+@dataclass(frozen=True)
+class Sharding:
+    """How the EMA reaches weights that a sharding kind splits over the processes, so each process averages only
+    its own part: ``local(param)``, this process's part (a view: writing it writes the parameter); ``split(full,
+    param)``, that part of a full tensor; ``gather(part, param)``, the full tensor from every process's part (a
+    collective: every process calls it, in the same order)."""
+
+    local: Callable[[torch.Tensor], torch.Tensor]
+    split: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    gather: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _fsdp2_split(full: torch.Tensor, param: Any) -> torch.Tensor:
+    from torch.distributed.tensor import distribute_tensor
+
+    # src_data_rank=None: every process holds the same full tensor and keeps its slice, without communication.
+    return distribute_tensor(full.to(param.device), param.device_mesh, param.placements, src_data_rank=None).to_local()
+
+
+def _fsdp2_gather(part: torch.Tensor, param: Any) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    # The global shape and stride: FSDP2 shards dim 0 unevenly when it does not divide by the processes.
+    local = DTensor.from_local(
+        part.to(param.device), param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
+    )
+    return local.full_tensor()
+
+
+FSDP2 = Sharding(local=lambda param: param.to_local(), split=_fsdp2_split, gather=_fsdp2_gather)
+"""FSDP2 (``fully_shard``, by the trainer or accelerate's plugin): parameters are ``DTensor`` shards."""
+
+
+def sharding_of(param: torch.Tensor) -> Sharding | None:
+    """The sharding kind of a trained parameter, ``None`` when every process holds it whole."""
+    from torch.distributed.tensor import DTensor
+
+    return FSDP2 if isinstance(param, DTensor) else None
+
+
+def local_parts(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """This process's part of each parameter: its shard of a sharded one, else the parameter itself."""
+    return [kind.local(p) if (kind := sharding_of(p)) is not None else p for p in params]
+
+
 class EMAWeights(EMAModel):
     """diffusers' :class:`~diffusers.training_utils.EMAModel` of ``parameters()`` (the trainable ones), on the CPU
-    with ``ema_offload``; Flow-GRPO's warm-up ``min(decay, (1 + t) / (10 + t))`` when ``ema_warmup``. ``sharded``:
-    the trained backbone is sharded by accelerate's FSDP plugin (refused for now)."""
+    with ``ema_offload``; Flow-GRPO's warm-up ``min(decay, (1 + t) / (10 + t))`` when ``ema_warmup``. Under
+    sharding (:func:`sharding_of`) each process averages its own part of every weight; :meth:`full_weights`
+    gathers the average for saving. Refused under accelerate's FSDP version 1 plugin."""
 
-    def __init__(self, args: GRPOJaggConfig, parameters: Callable[[], list[torch.nn.Parameter]], *, sharded: bool):
-        if sharded or args.fully_shard_backbone:
+    def __init__(
+        self, args: GRPOJaggConfig, parameters: Callable[[], list[torch.nn.Parameter]], *, accelerator: Any = None
+    ):
+        fsdp = accelerator is not None and getattr(accelerator.state, "fsdp_plugin", None) is not None
+        if fsdp and not accelerator.is_fsdp2:  # FSDP1's flat parameters are neither whole weights nor DTensor shards
             raise ValueError(
-                "GRPOJaggConfig.ema_decay > 0 is not supported with FSDP yet: the EMA would average one process's "
-                "shards only. Set ema_decay=0, or train without FSDP."
+                "GRPOJaggConfig.ema_decay > 0 is not supported with FSDP version 1. Use FSDP2 (fsdp_version: 2, as "
+                "examples/accelerate_configs/fsdp2.yaml), or set ema_decay=0."
             )
         super().__init__(
-            parameters(), decay=args.ema_decay, min_decay=0.0 if args.ema_warmup else float(args.ema_decay)
+            local_parts(parameters()),
+            decay=args.ema_decay,
+            min_decay=0.0 if args.ema_warmup else float(args.ema_decay),
         )
         self.args = args
         self.parameters = parameters
@@ -33,21 +85,31 @@ class EMAWeights(EMAModel):
         # float32: a bf16 average would lose updates of (1 - decay) * difference.
         self.to(device=self.shadow_device, dtype=torch.float32)
 
+    def _parts(self) -> list[torch.Tensor]:
+        """This process's part of each trainable weight, the average cut to the same parts if it was taken whole:
+        accelerate's FSDP2 plugin shards the backbone in ``train()``, after the trainer made the average."""
+        params = self.parameters()
+        parts = local_parts(params)
+        for i, (shadow, part, param) in enumerate(zip(self.shadow_params, parts, params)):
+            if shadow.shape != part.shape:
+                split = sharding_of(param).split(shadow, param)
+                self.shadow_params[i] = split.to(device=self.shadow_device or part.device, dtype=torch.float32)
+        return parts
+
     def update_at(self, global_step: int) -> None:
         """Average the current weights in, after optimizer step ``global_step``."""
         # EMAModel's warm-up decay at its update n is min(decay, n / (9 + n)); counting optimizer steps instead of
         # updates makes it Flow-GRPO's min(decay, (1 + t) / (10 + t)) at optimizer step t.
         self.optimization_step = global_step
-        params = self.parameters()
-        if self.args.ema_offload:
-            # EMAModel averages in place on the shadow's device and skips parameters without requires_grad.
-            params = [p.detach().to("cpu", torch.float32).requires_grad_(True) for p in params]
-        self.step(params)
+        # EMAModel averages only tensors that require grad (a shard's local tensor does not) and in place on the
+        # shadow's device.
+        device, dtype = ("cpu", torch.float32) if self.args.ema_offload else (None, None)
+        self.step([p.detach().to(device=device, dtype=dtype).requires_grad_(True) for p in self._parts()])
 
     @contextlib.contextmanager
     def swapped_in(self) -> Iterator[None]:
-        """The EMA weights in place of the trained ones for the duration of the block."""
-        params = self.parameters()
+        """The EMA weights in place of the trained ones for the duration of the block (each process its part)."""
+        params = self._parts()
         self.store(params)
         self.copy_to(params)
         try:
@@ -58,8 +120,21 @@ class EMAWeights(EMAModel):
     def take_current_weights(self) -> None:
         """Make the current trainable weights the average (a resumed run loads the saved EMA into the model first)."""
         self.shadow_params = [
-            p.detach().to(device=self.shadow_device, dtype=torch.float32).clone() for p in self.parameters()
+            p.detach().to(device=self.shadow_device, dtype=torch.float32).clone()
+            for p in local_parts(self.parameters())
         ]
+
+    def full_weights(self) -> list[torch.Tensor | None]:
+        """The whole average of each trainable weight in its dtype, on the CPU of the main process (``None`` on
+        the others); under sharding a collective, one weight at a time, that every process joins."""
+        main = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+        params, weights = self.parameters(), []
+        self._parts()
+        for shadow, param in zip(self.shadow_params, params):
+            kind = sharding_of(param)
+            full = kind.gather(shadow, param) if kind is not None else shadow
+            weights.append(full.to("cpu", param.dtype) if main else None)
+        return weights
 
 
 @contextlib.contextmanager
