@@ -204,6 +204,11 @@ class FlowMatchingAdapter:
             "editing model (FluxKontextPipeline, QwenImageEditPipeline) or drop the dataset's source image column."
         )
 
+    def reference_sizes(self, sample: Any) -> Any:
+        """What a sample's source images give that one batch must share (Qwen-Image-Edit: each image's resized
+        ``(width, height)``); ``None`` where any images batch together (FLUX.1 Kontext resizes them to the output)."""
+        return None
+
     def encode_prompts_with_images(
         self, prompts: list[str], images: Sequence[Any], negative_prompt: str | None
     ) -> dict[str, torch.Tensor]:
