@@ -44,6 +44,7 @@ from diffusers import (
     ZImagePipeline,
     ZImageTransformer2DModel,
 )
+from PIL import Image
 from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor, Qwen3ForCausalLM
 
 from .components import (
@@ -612,7 +613,7 @@ class TinyRun:
 
 def tiny_run(family: str, *, num_inference_steps: int = 5) -> TinyRun:
     """The ``--tiny`` setup of the examples for ``family``; ``num_inference_steps`` sets how many steps are trained
-    (5 gives 4 trained steps: one full JAGG group of W = 4)."""
+    (5 gives 4 trained steps: one full JAGG group of W = 4). Editing families get a source image per prompt."""
     from datasets import Dataset
 
     config = dict(
@@ -621,5 +622,10 @@ def tiny_run(family: str, *, num_inference_steps: int = 5) -> TinyRun:
         max_sequence_length=16, dtype="float32", bf16=False, fp16=False, offload_frozen_modules=False,
         report_to="none", save_strategy="no",
     )  # fmt: skip
+    columns: dict[str, list[Any]] = {"prompt": list(TINY_PROMPTS)}
+    if family in ("flux_kontext", "qwenimage_edit", "qwenimage_edit_plus"):  # editing: a grey image to edit
+        columns["source_image"] = [Image.new("RGB", (32, 32), (128, 128, 128))] * len(TINY_PROMPTS)
+        if family != "flux_kontext":  # encoded at the output's 32 x 32 px, not the pipeline's 1024 x 1024
+            config["source_image_area"] = 32 * 32
     model = save_tiny_pipeline(family, tempfile.mkdtemp(prefix=f"tiny-{family}-"))
-    return TinyRun(model, "prompt_color", Dataset.from_dict({"prompt": list(TINY_PROMPTS)}), config)
+    return TinyRun(model, "prompt_color", Dataset.from_dict(columns), config)
