@@ -471,13 +471,11 @@ RECIPES: Mapping[str, Recipe] = MappingProxyType(
                 "and flow_grpo/diffusers_patch/qwenimage_edit_pipeline_with_logprob.py at zhtmike/flow_grpo@9745241.",
                 reward_funcs=("geneval",),
                 notes=(
-                    "Datasets carry a `source_image` column (Flow-GRPO's dataset/counting_edit). Flow-GRPO resizes "
-                    "each source to 512 x 512 (train_qwenimage_edit.py:614) and its pipeline to 1024 x 1024 for the "
-                    "VAE (calculate_dimensions(1024 * 1024, ...)), so source_image_area stays None (1024^2): 4096 "
-                    "reference tokens beside 1024 generated ones. Resize the sources to one aspect ratio.",
+                    "Datasets carry a `source_image` column (Flow-GRPO's dataset/counting_edit), resized by Flow-GRPO "
+                    "to 512 x 512 (train_qwenimage_edit.py:614), then by its pipeline to 1024 x 1024 for the VAE: "
+                    "source_image_area stays None (1024^2), 4096 reference tokens. Give them one aspect ratio.",
                     "Flow-GRPO's reward is 0.2 image_similarity + 0.8 geneval (config/grpo.py:817-820); trl_jagg has "
-                    "no image_similarity reward yet, so the preset trains GenEval alone: add an edit-preservation "
-                    "reward with reward_funcs / reward_weights to match it.",
+                    "no image_similarity reward yet: the preset trains GenEval alone (add one with reward_funcs).",
                     *_QWENIMAGE.notes[:1],
                     *_QWENIMAGE.notes[-1:],
                 ),
