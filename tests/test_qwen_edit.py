@@ -147,9 +147,14 @@ def test_two_training_steps_and_rewards_receive_the_source_images(request, varia
         received.append(source_images)
         return redness(prompts, images)
 
-    trainer = make_trainer(edit_path(request, variant), variant, tmp_path, reward=change)
+    trainer = make_trainer(edit_path(request, variant), variant, tmp_path, reward=change, offload_frozen_modules=True)
     assert trainer.adapter.source_image_area == AREA
+    # Offloaded frozen modules visit the accelerator while they run: conditioning runs the VAE too (source images).
+    visits, on_accelerator = [], trainer.frozen.on_accelerator
+    trainer.frozen.on_accelerator = lambda modules: visits.append(list(modules)) or on_accelerator(modules)
     assert_two_lora_jagg_steps(trainer)
+    vae, text_encoder = trainer.adapter.pipeline.vae, trainer.adapter.pipeline.text_encoder
+    assert any(any(m is vae for m in v) and any(m is text_encoder for m in v) for v in visits)
     assert len(received) == 2 and all(len(sources) == 4 for sources in received)
     for sources in received:
         for sample in sources:

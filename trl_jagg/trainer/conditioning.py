@@ -39,7 +39,7 @@ class PromptConditioner:
         unique = [p for p in dict.fromkeys(prompts) if p not in self.table]
         if not unique:
             return
-        with torch.no_grad(), self.frozen.on_accelerator(self.frozen.text_encoders):
+        with torch.no_grad(), self.frozen.on_accelerator(self.frozen.conditioning):
             for prompt in unique:
                 encoded = self.adapter.encode_prompts([prompt], self.args.max_sequence_length)
                 self.table[prompt] = {key: value.cpu() for key, value in encoded.items() if value is not None}
@@ -56,7 +56,7 @@ class PromptConditioner:
             encoded = {key: value.to(self.frozen.device) for key, value in collated.items()}
             context = contextlib.nullcontext()  # the negative prompt was encoded with the table
         else:
-            encoded, context = None, self.frozen.on_accelerator(self.frozen.text_encoders)
+            encoded, context = None, self.frozen.on_accelerator(self.frozen.conditioning)
         with context:
             return self.adapter.condition(
                 prompts,
