@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -39,7 +38,7 @@ class PromptConditioner:
         unique = [p for p in dict.fromkeys(prompts) if p not in self.table]
         if not unique:
             return
-        with torch.no_grad(), self.frozen.on_accelerator(self.frozen.conditioning):
+        with torch.no_grad(), self.frozen.on_accelerator(self.frozen.text_encoders):
             for prompt in unique:
                 encoded = self.adapter.encode_prompts([prompt], self.args.max_sequence_length)
                 self.table[prompt] = {key: value.cpu() for key, value in encoded.items() if value is not None}
@@ -54,7 +53,8 @@ class PromptConditioner:
             self.precompute(prompts)
             collated = self.adapter.collate([self.table[p] for p in prompts])
             encoded = {key: value.to(self.frozen.device) for key, value in collated.items()}
-            context = contextlib.nullcontext()  # the negative prompt was encoded with the table
+            # The negative prompt was encoded with the table; an editing family's source images still encode now.
+            context = self.frozen.on_accelerator(self.frozen.vae if self.adapter.edits_images else [])
         else:
             encoded, context = None, self.frozen.on_accelerator(self.frozen.conditioning)
         with context:
