@@ -56,3 +56,15 @@ def tiny_flux2_klein_path(tmp_path_factory: pytest.TempPathFactory) -> str:
 def tiny_flux_kontext_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     """Directory of a tiny ``FluxKontextPipeline`` (image editing; seed 0, default vocabulary)."""
     return _save_tiny("flux_kontext", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwenimage_edit_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Directory of a tiny ``QwenImageEditPipeline`` (one source image; seed 0, default vocabulary)."""
+    return _save_tiny("qwenimage_edit", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwenimage_edit_plus_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Directory of a tiny ``QwenImageEditPlusPipeline`` (several source images; seed 0, default vocabulary)."""
+    return _save_tiny("qwenimage_edit_plus", tmp_path_factory)

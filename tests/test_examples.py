@@ -34,6 +34,9 @@ EXAMPLES = {
     "train_flux2_klein_pickscore.py": (
         "flux2_klein", "Flux2KleinPipeline", "black-forest-labs/FLUX.2-klein-base-9B", LORA
     ),
+    "train_qwen_image_edit_flow_grpo.py": (
+        "qwenimage_edit", "QwenImageEditPipeline", "Qwen/Qwen-Image-Edit", LORA
+    ),
     "train_zimage_turbo_pickscore.py": (
         "zimage", "ZImagePipeline", "Tongyi-MAI/Z-Image-Turbo", LORA
     ),

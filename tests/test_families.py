@@ -13,12 +13,11 @@ from diffusers import DiffusionPipeline
 from peft import LoraConfig
 from testing_utils import (
     PROMPTS,
-    BackboneCalls,
     assert_two_lora_jagg_steps,
+    assert_velocity_cache_equals_recomputation,
     assert_w2_jagg_equals_exact,
     noise_image,
     redness,
-    run_update,
 )
 
 from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
@@ -164,22 +163,6 @@ def test_w2_jagg_gradient_equals_exact(request, family, tmp_path):
     assert_w2_jagg_equals_exact(trainer)
 
 
-def update_gradient(trainer, rollout, **overrides) -> torch.Tensor:
-    """The flat gradient of one update of `rollout` with config `overrides` (restored afterwards)."""
-    model = trainer.model
-    saved = {k: getattr(trainer.args, k) for k in overrides}
-    for k, v in overrides.items():
-        setattr(trainer.args, k, v)
-    try:
-        model.zero_grad(set_to_none=True)
-        model.train()
-        run_update(trainer, model, rollout)
-        return torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad])
-    finally:
-        for k, v in saved.items():
-            setattr(trainer.args, k, v)
-
-
 def test_velocity_cache_gives_the_recomputed_gradient_with_fewer_forwards(request, family, tmp_path):
     """One JAGG group of W = 4 (5 steps, 4 trained): the cached rollout velocities replace the no-grad forward of
     the two intermediate steps; the gradient is the one recomputing them, and both make two graph forwards (the
@@ -188,18 +171,7 @@ def test_velocity_cache_gives_the_recomputed_gradient_with_fewer_forwards(reques
     trainer = make_trainer(
         family, tiny_path(request, family), tmp_path, guidance, num_inference_steps=5, jagg_group_size=4
     )
-    rollout = trainer._generate_and_score(next(iter(trainer.get_train_dataloader())))
-    assert rollout["velocities"].shape == rollout["latents"][:, 1:].shape
-    calls = BackboneCalls(trainer)
-    recomputed = update_gradient(trainer, rollout, jagg_cache_velocities=False)
-    per = FAMILIES[family]["cfg_calls"]
-    assert calls.take() == (2 * per, per, 1)  # one batched no-grad velocity for both intermediates
-    cached = update_gradient(trainer, rollout)
-    assert calls.take() == (2 * per, 0, 1)
-    assert trainer._metrics["jagg/cached_velocities"][-1] == 2
-    assert recomputed.abs().max() > 0
-    torch.testing.assert_close(cached, recomputed, rtol=0, atol=1e-6 * recomputed.abs().max().item())
-    calls.handle.remove()
+    assert_velocity_cache_equals_recomputation(trainer, FAMILIES[family]["cfg_calls"])
 
 
 def test_saved_lora_reloads_into_the_diffusers_pipeline(request, family, tmp_path):

@@ -12,6 +12,7 @@ import pytest
 import torch
 from datasets import Dataset
 from diffusers import DiffusionPipeline, FluxPipeline
+from testing_utils import noise_image
 
 from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
 from trl_jagg.models import load_adapter
@@ -32,6 +33,7 @@ NAMES = [
     "flow-grpo-flux",
     "flow-grpo-qwenimage",
     "flow-grpo-qwenimage-all-steps",
+    "flow-grpo-qwenimage-edit",
     "flow-grpo-fast-flux",
     "dancegrpo-flux",
     "dancegrpo-flux-8gpu",
@@ -55,6 +57,11 @@ PUBLISHED = {
     "flow-grpo-flux": dict(num_inference_steps=6, guidance_scale=3.5, sampler="sde", noise_level=0.9),
     "flow-grpo-qwenimage": dict(true_cfg_scale=4.0, sampler="sde", noise_level=1.2),
     "flow-grpo-qwenimage-all-steps": dict(true_cfg_scale=4.0, sampler="sde", noise_level=1.2),
+    # FG config/grpo.py:782-822 counting_qwenimage_edit
+    "flow-grpo-qwenimage-edit": dict(
+        height=512, width=512, num_inference_steps=10, true_cfg_scale=4.0, sampler="sde", noise_level=1.0,
+        num_generations=16, beta=0.0, train_timesteps="all_but_last", source_image_area=None,
+    ),
     "flow-grpo-fast-flux": dict(train_timesteps="sde_window", sde_window_size=3, sde_window_max_start=0),
     "dancegrpo-flux": _DANCE_PUBLISHED,
     "dancegrpo-flux-8gpu": _DANCE_PUBLISHED,
@@ -115,6 +122,8 @@ PEER_CONVENTIONS = {
     ),
     "flow-grpo-qwenimage": _QWENIMAGE_CONVENTIONS,
     "flow-grpo-qwenimage-all-steps": _QWENIMAGE_CONVENTIONS,
+    # QwenImageEditPipeline.encode_prompt ignores max_sequence_length; negative " " (FG train_qwenimage_edit.py:267)
+    "flow-grpo-qwenimage-edit": {**_QWENIMAGE_CONVENTIONS, "max_sequence_length": None, "negative_prompt": " "},
     "flow-grpo-fast-flux": dict(
         **_FLOW_GRPO, **_FLOW_GRPO_EMA, scale_rewards="group", max_sequence_length=128, eval_num_inference_steps=28,
     ),
@@ -190,6 +199,14 @@ PEER_TRAINING = {
         ("jagg_group_size", 2, "W <= the 2 trained steps"),
         ("dtype", "float32", "FG scripts/train_qwenimage.py:451 (FSDP over float32 weights)"),
         ("mixed_precision", "bf16", "FG config/grpo.py:720, scripts/train_qwenimage.py:446"),
+    ],
+    "flow-grpo-qwenimage-edit": [
+        _FG_CONSTANT_LR,
+        ("optimizer_steps_per_rollout", 2, "FG config/grpo.py:796, 801: 4 batches a rollout, accumulation 2"),
+        ("per_device_train_batch_size", 4, "FG config/grpo.py:794, 800"),
+        ("jagg_group_size", 4, "the paper's W, on the 9 trained steps (FG train_qwenimage_edit.py:367)"),
+        ("ema_decay", 0.0, "FG config/grpo.py:806"),
+        ("mixed_precision", "bf16", "FG config/grpo.py:810"),
     ],
     "flow-grpo-qwenimage-all-steps": [
         _FG_CONSTANT_LR,
@@ -278,6 +295,7 @@ PUBLISHED_LORA = {
     "flow-grpo-flux": _FLUX_LORA,  # FG scripts/train_flux.py:411-428
     "flow-grpo-qwenimage": _QWEN_LORA,
     "flow-grpo-qwenimage-all-steps": _QWEN_LORA,
+    "flow-grpo-qwenimage-edit": _QWEN_LORA,  # FG scripts/train_qwenimage_edit.py:416-435
     "flow-grpo-fast-flux": _FLUX_LORA,  # FG scripts/train_flux_fast.py:416-433
     "dancegrpo-flux": None,  # full fine-tuning
     "mixgrpo-flux": None,
@@ -294,6 +312,7 @@ MODELS = {
     "flow-grpo-flux": "black-forest-labs/FLUX.1-dev",
     "flow-grpo-qwenimage": "Qwen/Qwen-Image",
     "flow-grpo-qwenimage-all-steps": "Qwen/Qwen-Image",
+    "flow-grpo-qwenimage-edit": "Qwen/Qwen-Image-Edit",  # FG config/grpo.py:788
     "flow-grpo-fast-flux": "black-forest-labs/FLUX.1-dev",
     "dancegrpo-flux": "black-forest-labs/FLUX.1-dev",
     "mixgrpo-flux": "black-forest-labs/FLUX.1-dev",
@@ -586,6 +605,8 @@ def test_preset_schedule_split_and_lora_through_the_trainer(name, request, tmp_p
         recipe.model.split("/")[0]
     ]
     family = "flux2_klein" if "FLUX.2-klein" in recipe.model else family
+    edits = recipe.model == "Qwen/Qwen-Image-Edit"  # a source image per prompt, encoded at 32 x 32 px here
+    family += "_edit" if edits else ""
     path = request.getfixturevalue("tiny_dual_attention_sd3_path" if family == "sd3" else f"tiny_{family}_path")
     pipeline = recipe.apply_scheduler(DiffusionPipeline.from_pretrained(path))
     steps_per_rollout = _peer_value(name, "optimizer_steps_per_rollout")
@@ -608,10 +629,12 @@ def test_preset_schedule_split_and_lora_through_the_trainer(name, request, tmp_p
                 "max_steps": steps_per_rollout,
                 # The window slides past the 5 tiny steps otherwise (its last start, 19, is for 25).
                 **({"sde_window_max_start": 1} if name == "mixgrpo-flux" else {}),
+                **({"source_image_area": 32 * 32} if edits else {}),
             },
         ),  # fmt: skip
         train_dataset=Dataset.from_dict(
             {"prompt": ["a red circle", "a green square", "a blue circle", "a red square", "a cat", "a dog"]}
+            | ({"source_image": [noise_image(seed, 32) for seed in range(6)]} if edits else {})
         ),
         peft_config=recipe.lora_config(),
     )
@@ -635,7 +658,7 @@ def test_preset_schedule_split_and_lora_through_the_trainer(name, request, tmp_p
         assert not any(".attn2." in n for n in trainable)
     if family == "flux":
         assert any(".ff_context." in n for n in trainable) and any(".ff.net." in n for n in trainable)
-    if family == "qwenimage":
+    if family.startswith("qwenimage"):
         assert any(".img_mlp." in n for n in trainable) and any(".txt_mlp." in n for n in trainable)
 
 

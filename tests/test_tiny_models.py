@@ -10,6 +10,8 @@ from diffusers import (
     Flux2KleinPipeline,
     FluxKontextPipeline,
     FluxPipeline,
+    QwenImageEditPipeline,
+    QwenImageEditPlusPipeline,
     QwenImagePipeline,
     StableDiffusion3Pipeline,
     ZImagePipeline,
@@ -33,7 +35,12 @@ PIPELINE_CLASSES = {
     "zimage": ZImagePipeline,
     "flux2_klein": Flux2KleinPipeline,
     "flux_kontext": FluxKontextPipeline,
+    "qwenimage_edit": QwenImageEditPipeline,
+    "qwenimage_edit_plus": QwenImageEditPlusPipeline,
 }
+# The families whose pipelines also sample from text alone; the Qwen-Image-Edit pipelines need a source image, and
+# tests/test_qwen_edit.py checks their calls.
+TEXT_FAMILIES = tuple(family for family in FAMILIES if not family.startswith("qwenimage_edit"))
 PROMPTS = ["a red circle", "a small blue square on a dark background"]  # different lengths on purpose
 EXTRA_WORDS = ["crimson", "teal", "hexagon", "Zebra"]
 
@@ -62,13 +69,23 @@ def _state_dicts(pipe: DiffusionPipeline) -> dict[str, dict[str, torch.Tensor]]:
     }
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
-def saved(request: pytest.FixtureRequest) -> tuple[str, str, DiffusionPipeline]:
-    """``(family, path, pipeline reloaded with DiffusionPipeline.from_pretrained)`` for each family."""
+def _reloaded(request: pytest.FixtureRequest) -> tuple[str, str, DiffusionPipeline]:
     path = request.getfixturevalue(f"tiny_{request.param}_path")
     pipe = DiffusionPipeline.from_pretrained(path)
     pipe.set_progress_bar_config(disable=True)
     return request.param, path, pipe
+
+
+@pytest.fixture(scope="module", params=TEXT_FAMILIES)
+def saved(request: pytest.FixtureRequest) -> tuple[str, str, DiffusionPipeline]:
+    """``(family, path, pipeline reloaded with DiffusionPipeline.from_pretrained)`` for each text-to-image family."""
+    return _reloaded(request)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def saved_any(request: pytest.FixtureRequest) -> tuple[str, str, DiffusionPipeline]:
+    """As ``saved``, for every family (the editing ones too)."""
+    return _reloaded(request)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -76,8 +93,8 @@ def saved(request: pytest.FixtureRequest) -> tuple[str, str, DiffusionPipeline]:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def test_reload_has_identical_weights(saved):
-    family, path, loaded = saved
+def test_reload_has_identical_weights(saved_any):
+    family, path, loaded = saved_any
     assert type(loaded) is PIPELINE_CLASSES[family]
     via_class = PIPELINE_CLASSES[family].from_pretrained(path)
     built = build_tiny_pipeline(family, seed=0)  # building is deterministic, so this is what was saved
@@ -127,18 +144,20 @@ def test_pipeline_call_is_finite_sized_and_deterministic(saved, size):
     np.testing.assert_array_equal(images, generate())
 
 
-def test_default_vocabulary_survives_save_and_reload(saved):
-    family, _, pipe = saved
+def test_default_vocabulary_survives_save_and_reload(saved_any):
+    family, _, pipe = saved_any
     tokenizers = [
         pipe.components[name] for name in ("tokenizer", "tokenizer_2", "tokenizer_3") if name in pipe.components
     ]
     for tokenizer in tokenizers:
         for word in DEFAULT_VOCAB_WORDS:
             assert len(tokenizer(word, add_special_tokens=False).input_ids) == 1, (family, type(tokenizer), word)
-    if family == "qwenimage":
-        # QwenImagePipeline drops the hidden states of the template prefix by count: it must be exactly 34 tokens.
-        prefix = pipe.prompt_template_encode.split("{}")[0]
-        assert len(pipe.tokenizer(prefix).input_ids) == pipe.prompt_template_encode_start_idx == 34
+    if family.startswith("qwenimage"):
+        # The Qwen-Image pipelines drop the hidden states of the template prefix by count: it must be exactly 34
+        # tokens (64 for the editing template, whose prefix ends before the image placeholder).
+        prefix = pipe.prompt_template_encode.split("{}")[0].split("<|vision_start|>")[0]
+        expected = 34 if family == "qwenimage" else 64
+        assert len(pipe.tokenizer(prefix).input_ids) == pipe.prompt_template_encode_start_idx == expected
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -158,7 +177,7 @@ def test_vocab_words_are_single_tokens_with_own_embeddings(family):
         assert encoder.get_input_embeddings().num_embeddings == len(tokenizer)
         for word in EXTRA_WORDS:
             # Qwen's byte-level BPE attaches the preceding space to a word; CLIP lower-cases.
-            texts = [word, " " + word] if family in ("qwenimage", "zimage", "flux2_klein") else [word]
+            texts = [word, " " + word] if family.startswith(("qwenimage", "zimage", "flux2_klein")) else [word]
             for text in texts:
                 ids = tokenizer(text, add_special_tokens=False).input_ids
                 assert len(ids) == 1, (type(tokenizer).__name__, text, tokenizer.convert_ids_to_tokens(ids))

@@ -50,6 +50,22 @@ def run_update(trainer, model, batch):
     )  # fmt: skip
 
 
+def update_gradient(trainer, rollout, **overrides) -> torch.Tensor:
+    """The flat gradient of one update of `rollout` with config `overrides` (restored afterwards)."""
+    model = trainer.model
+    saved = {k: getattr(trainer.args, k) for k in overrides}
+    for k, v in overrides.items():
+        setattr(trainer.args, k, v)
+    try:
+        model.zero_grad(set_to_none=True)
+        model.train()
+        run_update(trainer, model, rollout)
+        return torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad])
+    finally:
+        for k, v in saved.items():
+            setattr(trainer.args, k, v)
+
+
 def gdpo_by_hand(columns, weights, group_size, eps, ddof, clip):
     """GDPO (TRL's normalize_then_sum) written out with Python floats: per reward and group, (r - mean) / (std +
     eps) over the scored (not None) values, 0 for None and for an all-equal group; the weighted sum; then the
@@ -137,3 +153,21 @@ def assert_w2_jagg_equals_exact(trainer) -> None:
     assert max(e.abs().max().item() for e in exact) > 1e-4  # a real gradient, not zeros on both sides
     for e, j in zip(exact, jagg):
         torch.testing.assert_close(j, e, atol=1e-6, rtol=0)
+
+
+def assert_velocity_cache_equals_recomputation(trainer, calls_per_velocity: int) -> None:
+    """One JAGG group of W = 4 (``trainer``: 5 steps, 4 trained): the cached rollout velocities replace the no-grad
+    forward of the two intermediate steps; the gradient is the one recomputing them, and both make two graph
+    forwards (the endpoints) and one backward. ``calls_per_velocity``: backbone calls per guided velocity."""
+    rollout = trainer._generate_and_score(next(iter(trainer.get_train_dataloader())))
+    assert rollout["velocities"].shape == rollout["latents"][:, 1:].shape
+    calls = BackboneCalls(trainer)
+    recomputed = update_gradient(trainer, rollout, jagg_cache_velocities=False)
+    per = calls_per_velocity
+    assert calls.take() == (2 * per, per, 1)  # one batched no-grad velocity for both intermediates
+    cached = update_gradient(trainer, rollout)
+    assert calls.take() == (2 * per, 0, 1)
+    assert trainer._metrics["jagg/cached_velocities"][-1] == 2
+    assert recomputed.abs().max() > 0
+    torch.testing.assert_close(cached, recomputed, rtol=0, atol=1e-6 * recomputed.abs().max().item())
+    calls.handle.remove()

@@ -301,6 +301,7 @@ def check_fields(config: GRPOJaggConfig) -> None:
     for name in (
         "sample_batch_size",
         "max_sequence_length",
+        "source_image_area",
         "eval_num_inference_steps",
         "stat_tracking_buffer_size",
         "num_completions_to_print",

@@ -98,7 +98,7 @@ class DDPOJaggTrainer(_BaseTrainer):
         )
         self.base_model_id = model if isinstance(model, str) else (model.name_or_path or None)
         self.adapter = load_adapter(model, dtype=getattr(torch, args.dtype), revision=args.model_revision)
-        checked_source_images(self.adapter, train_dataset, eval_dataset)
+        checked_source_images(self.adapter, args, train_dataset, eval_dataset)
         self.scheduler_overridden = hub.scheduler_differs_from_base(
             self.adapter.pipeline.scheduler, self.base_model_id, args.model_revision
         )

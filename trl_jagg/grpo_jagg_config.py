@@ -49,7 +49,7 @@ class GRPOJaggConfig(TrainingArguments):
 
         num_generations, num_inference_steps, height, width, guidance_scale, true_cfg_scale, negative_prompt,
         sampler, noise_level, reward_on_predicted_x0, sample_batch_size, max_sequence_length, steps_per_generation,
-        generation_batch_size.
+        generation_batch_size, source_image_area.
 
         > Training (which steps, which loss)
 
@@ -171,6 +171,14 @@ class GRPOJaggConfig(TrainingArguments):
     )
     max_sequence_length: int | None = field(
         default=None, metadata={"help": "Maximum prompt length in tokens passed to `encode_prompt` (model default)."}
+    )
+    source_image_area: int | None = field(
+        default=None,
+        metadata={
+            "help": "Qwen-Image-Edit(-Plus): the pixel area each source image is resized to (aspect ratio kept, sides "
+            "multiples of 32) before the VAE encodes it into reference tokens, as Flow-Factory's "
+            "`condition_image_size`. None: the pipeline's 1024 * 1024."
+        },
     )
     steps_per_generation: int | None = field(
         default=None,

@@ -5,14 +5,15 @@ whose last user turn is the prompt. Anything else (``None``, a number, an empty 
 row, never a ``str(...)`` of it.
 
 Editing models also read a source image per row (column ``source_image``): a PIL image, a file path, encoded bytes,
-or the ``{"bytes": ..., "path": ...}`` cell of a ``datasets.Image`` column, in RGB.
+or the ``{"bytes": ..., "path": ...}`` cell of a ``datasets.Image`` column, in RGB; models that edit several images
+at once (Qwen-Image-Edit-Plus) read a list of them per row.
 """
 
 from __future__ import annotations
 
 import io
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from PIL import Image
@@ -94,16 +95,46 @@ def source_image(value: Any, where: str) -> Image.Image:
     return image
 
 
+def source_images_of(value: Any, where: str, limit: int | None = 1) -> Image.Image | list[Image.Image]:
+    """A row's source image(s): the image (:func:`source_image`) where the model edits one per prompt (``limit``
+    1), else the list of them (a single image is a list of one; ``limit`` bounds it, ``None``: any number).
+
+    Raises:
+        ValueError: a list where the model edits one image, an empty or too long list, or a bad image (its index in
+            the list is named).
+    """
+    if isinstance(value, (list, tuple)) and len(value) == 1 and limit == 1:
+        value = value[0]  # a list of one image, where one is edited
+    if not isinstance(value, (list, tuple)):
+        image = source_image(value, where)
+        return image if limit == 1 else [image]
+    if limit == 1:
+        raise ValueError(
+            f"{where} holds {len(value)} images; this model edits one per prompt. Give one image per row, or train "
+            "a model that edits several (QwenImageEditPlusPipeline)."
+        )
+    if not value or (limit is not None and len(value) > limit):
+        raise ValueError(f"{where} holds {len(value)} images; give 1 to {limit or 'any number of'} source images.")
+    return [source_image(item, f"{where}[{j}]") for j, item in enumerate(value)]
+
+
 def check_prompts(prompts: Sequence[Any], where: str) -> list[str]:
     """Every prompt of ``prompts`` as text; errors name ``where`` and the index of the first bad one."""
     return [prompt_text(value, f"{where}[{i}]") for i, value in enumerate(prompts)]
 
 
-def check_source_images(dataset: Any, name: str = "train_dataset") -> None:
-    """Every row of ``dataset`` has a readable RGB ``source_image`` (:func:`source_image`); errors name the row.
+def check_source_images(
+    dataset: Any,
+    name: str = "train_dataset",
+    limit: int | None = 1,
+    layout: Callable[[Any], Any] | None = None,
+) -> None:
+    """Every row of ``dataset`` has readable RGB source images (:func:`source_images_of` with ``limit``); errors
+    name the row. ``layout``: what every row's images must agree on (e.g. the reference grids an editing model
+    encodes them into, which one batch must share), computed from the row's images.
 
     Raises:
-        ValueError: no ``source_image`` column, or a bad row.
+        ValueError: no ``source_image`` column, a bad row, or a row whose ``layout`` differs from the first's.
     """
     if SOURCE_IMAGE_COLUMN not in dataset.column_names:
         raise ValueError(
@@ -111,8 +142,20 @@ def check_source_images(dataset: Any, name: str = "train_dataset") -> None:
             "model needs: the image each prompt edits (PIL images, paths or bytes). Rename the image column, e.g. "
             f"`dataset.rename_column('image', '{SOURCE_IMAGE_COLUMN}')`."
         )
+    first = None
     for i, value in enumerate(dataset[SOURCE_IMAGE_COLUMN]):
-        source_image(value, f"{name} row {i} '{SOURCE_IMAGE_COLUMN}'")
+        where = f"{name} row {i} '{SOURCE_IMAGE_COLUMN}'"
+        images = source_images_of(value, where, limit)
+        if layout is None:
+            continue
+        if i == 0:
+            first = layout(images)
+        elif layout(images) != first:
+            raise ValueError(
+                f"{where} resizes to {layout(images)} (width, height per image), row 0 to {first}: the rows of one "
+                "batch must give the same reference grid. Give the source images one aspect ratio (and, for "
+                "several per row, the same count), e.g. resize them to the training resolution as Flow-GRPO does."
+            )
 
 
 def prompt_dataset(
@@ -184,4 +227,5 @@ __all__ = [
     "prompt_dataset",
     "prompt_text",
     "source_image",
+    "source_images_of",
 ]

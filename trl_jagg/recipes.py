@@ -453,6 +453,33 @@ RECIPES: Mapping[str, Recipe] = MappingProxyType(
                     *_QWENIMAGE.notes[-1:],
                 ),
             ),
+            _QWENIMAGE.variant(
+                "flow-grpo-qwenimage-edit",
+                "Flow-GRPO on Qwen-Image-Edit (counting edits, GenEval): flow-grpo-qwenimage with SDE a = 1.0 on "
+                "every step but the last, JAGG W = 4.",
+                {
+                    "noise_level": 1.0,  # config/grpo.py:807
+                    # sde_window_size = 0 (config/grpo.py:808): steps 0-8 of 10 (train_qwenimage_edit.py:367)
+                    "train_timesteps": "all_but_last",
+                    "sde_window_size": 0,
+                    "sde_window_max_start": None,
+                    "jagg_group_size": 4,
+                    "max_sequence_length": None,  # QwenImageEditPipeline.encode_prompt does not truncate
+                },
+                model="Qwen/Qwen-Image-Edit",
+                source="Flow-GRPO: config/grpo.py:782-822 counting_qwenimage_edit, scripts/train_qwenimage_edit.py "
+                "and flow_grpo/diffusers_patch/qwenimage_edit_pipeline_with_logprob.py at zhtmike/flow_grpo@9745241.",
+                reward_funcs=("geneval",),
+                notes=(
+                    "Datasets carry a `source_image` column (Flow-GRPO's dataset/counting_edit), resized by Flow-GRPO "
+                    "to 512 x 512 (train_qwenimage_edit.py:614), then by its pipeline to 1024 x 1024 for the VAE: "
+                    "source_image_area stays None (1024^2), 4096 reference tokens. Give them one aspect ratio.",
+                    "Flow-GRPO's reward is 0.2 image_similarity + 0.8 geneval (config/grpo.py:817-820); trl_jagg has "
+                    "no image_similarity reward yet: the preset trains GenEval alone (add one with reward_funcs).",
+                    *_QWENIMAGE.notes[:1],
+                    *_QWENIMAGE.notes[-1:],
+                ),
+            ),
             _FAST_FLUX,
             _DANCE,
             _DANCE.variant(

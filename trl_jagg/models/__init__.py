@@ -13,6 +13,7 @@ from .flux import FluxAdapter
 from .flux2 import Flux2KleinAdapter
 from .flux_kontext import FluxKontextAdapter
 from .qwenimage import QwenImageAdapter
+from .qwenimage_edit import QwenImageEditAdapter, QwenImageEditPlusAdapter
 from .sd3 import SD3Adapter
 from .zimage import ZImageAdapter
 
@@ -22,6 +23,8 @@ MODEL_ADAPTERS: dict[str, type[FlowMatchingAdapter]] = {
     "Flux2KleinPipeline": Flux2KleinAdapter,  # FLUX.2 klein, base and step-distilled
     "StableDiffusion3Pipeline": SD3Adapter,  # SD3 and SD3.5
     "QwenImagePipeline": QwenImageAdapter,
+    "QwenImageEditPipeline": QwenImageEditAdapter,  # Qwen-Image-Edit: image editing, one source image
+    "QwenImageEditPlusPipeline": QwenImageEditPlusAdapter,  # Qwen-Image-Edit-2509/2511: one or several
     "ZImagePipeline": ZImageAdapter,
 }
 
@@ -61,6 +64,8 @@ __all__ = [
     "FluxKontextAdapter",
     "FluxAdapter",
     "QwenImageAdapter",
+    "QwenImageEditAdapter",
+    "QwenImageEditPlusAdapter",
     "SD3Adapter",
     "ZImageAdapter",
     "adapter_class",

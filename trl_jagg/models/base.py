@@ -106,6 +106,11 @@ class FlowMatchingAdapter:
             (Flux, Qwen-Image) rather than latent images ``(batch, channels, h, w)`` (SD3).
         edits_images: whether the family conditions on source images (image editing: FLUX.1 Kontext), which
             :meth:`condition` then requires (``source_images``) and :meth:`encode_source_images` encodes.
+        max_source_images: how many source images one sample may edit (Qwen-Image-Edit-Plus: several, ``None``);
+            with more than one, each sample's source is a list of images.
+        prompts_see_images: whether the prompt encoding reads the source images (Qwen-Image-Edit's
+            vision-language encoder): prompts and the negative prompt are then encoded per sample with its images by
+            :meth:`encode_prompts_with_images`, never cached nor precomputed.
         prompt_mask_dtype: set where prompts encode to different lengths (Qwen-Image, Z-Image): the batch is
             right-padded with a ``prompt_embeds_mask`` of this dtype (:func:`padded_prompt_batch`); ``None``: fixed
             lengths, batches concatenate.
@@ -118,6 +123,8 @@ class FlowMatchingAdapter:
     packed_latents: ClassVar[bool] = True
     prompt_mask_dtype: ClassVar[torch.dtype | None] = None
     edits_images: ClassVar[bool] = False
+    max_source_images: ClassVar[int | None] = 1
+    prompts_see_images: ClassVar[bool] = False
     lora_target_modules: ClassVar[tuple[str, ...]] = ("to_q", "to_k", "to_v", "to_out.0")
 
     def __init__(self, pipeline: DiffusionPipeline):
@@ -188,13 +195,27 @@ class FlowMatchingAdapter:
         """Backbone inputs common to the whole batch at this resolution (position ids, image shapes)."""
         return {}
 
-    def encode_source_images(self, images: Sequence[Image.Image], height: int, width: int) -> dict[str, torch.Tensor]:
-        """Per-sample conditioning of editing families from their source images (one per sample), e.g. the reference
-        latents ``reference_latents`` (see :meth:`with_reference_tokens`). Text-to-image families take none."""
+    def encode_source_images(self, images: Sequence[Any], height: int, width: int) -> Conditioning:
+        """Conditioning of editing families from their source images (one per sample, or a list per sample where
+        ``max_source_images`` allows several): per sample, e.g. the reference latents ``reference_latents`` (see
+        :meth:`with_reference_tokens`); shared, e.g. their grid. Text-to-image families take none."""
         raise ValueError(
             f"{type(self).__name__} generates from text only: it takes no source images (got {len(images)}). Use an "
-            "editing model (FluxKontextPipeline) or drop the dataset's source image column."
+            "editing model (FluxKontextPipeline, QwenImageEditPipeline) or drop the dataset's source image column."
         )
+
+    def reference_sizes(self, sample: Any) -> Any:
+        """What a sample's source images give that one batch must share (Qwen-Image-Edit: each image's resized
+        ``(width, height)``); ``None`` where any images batch together (FLUX.1 Kontext resizes them to the output)."""
+        return None
+
+    def encode_prompts_with_images(
+        self, prompts: list[str], images: Sequence[Any], negative_prompt: str | None
+    ) -> dict[str, torch.Tensor]:
+        """The text inputs of families whose prompt encoding reads the source images (``prompts_see_images``):
+        ``prompts`` and, when given, ``negative_prompt`` (keys prefixed ``negative_``), each encoded with the
+        sample's ``images``."""
+        raise NotImplementedError
 
     @staticmethod
     def with_reference_tokens(hidden: torch.Tensor, cond: Conditioning) -> torch.Tensor:
@@ -238,8 +259,8 @@ class FlowMatchingAdapter:
         cached (the text encoders are frozen), then expanded to the batch, so every entry of ``per_sample`` has
         the batch first and :meth:`Conditioning.select` can index it. ``encoded``: the prompts' encodings when
         already computed (e.g. :meth:`collate` of precomputed ones); the prompts are then not encoded again.
-        ``source_images``: one RGB image per prompt, required by editing families (``edits_images``) and refused by
-        the others.
+        ``source_images``: one RGB image per prompt (a list of them where ``max_source_images`` allows several),
+        required by editing families (``edits_images``) and refused by the others.
         """
         if source_images is None and self.edits_images:
             raise ValueError(
@@ -250,18 +271,30 @@ class FlowMatchingAdapter:
             raise ValueError(
                 f"Got {len(source_images)} source images for {len(prompts)} prompts: give one per prompt."
             )
+        if encoded is not None and self.prompts_see_images:
+            raise ValueError(
+                f"{type(self).__name__} encodes each prompt with its source images: it takes no precomputed "
+                "encodings (set precompute_prompt_embeds=False)."
+            )
         with torch.no_grad():
-            if encoded is None:
-                encoded = _present(self.encode_prompts(list(prompts), max_sequence_length))
-            per_sample = dict(encoded)
-            if negative_prompt is not None:
-                negative = self._encoded_negative(negative_prompt, max_sequence_length)
-                per_sample |= {
-                    f"negative_{key}": value.expand(len(prompts), *value.shape[1:]) for key, value in negative.items()
-                }
+            if self.prompts_see_images:
+                per_sample = self.encode_prompts_with_images(list(prompts), source_images, negative_prompt)
+            else:
+                if encoded is None:
+                    encoded = _present(self.encode_prompts(list(prompts), max_sequence_length))
+                per_sample = dict(encoded)
+                if negative_prompt is not None:
+                    negative = self._encoded_negative(negative_prompt, max_sequence_length)
+                    per_sample |= {
+                        f"negative_{key}": value.expand(len(prompts), *value.shape[1:])
+                        for key, value in negative.items()
+                    }
+            shared = {}
             if source_images is not None:
-                per_sample |= self.encode_source_images(source_images, height, width)
-        return Conditioning(per_sample, self.shared_inputs(per_sample, height, width))
+                reference = self.encode_source_images(source_images, height, width)
+                per_sample |= reference.per_sample
+                shared = reference.shared
+        return Conditioning(per_sample, self.shared_inputs(per_sample, height, width) | shared)
 
     def _encoded_negative(self, negative_prompt: str, max_sequence_length: int | None) -> dict[str, torch.Tensor]:
         key = (negative_prompt, max_sequence_length, str(self.device))
@@ -272,10 +305,12 @@ class FlowMatchingAdapter:
     def prepare_latents(self, batch_size: int, height: int, width: int, generator: torch.Generator) -> torch.Tensor:
         """Initial noise in the backbone's latent layout, drawn as the pipeline draws it, in float32."""
         channels = self.transformer.config.in_channels // (4 if self.packed_latents else 1)
+        # Editing pipelines take the source image first; without one they draw the noise alone.
+        leading = (None,) if self.edits_images else ()
         latents = self.pipeline.prepare_latents(
-            batch_size, channels, height, width, torch.float32, self.device, generator
+            *leading, batch_size, channels, height, width, torch.float32, self.device, generator
         )
-        # Flux's returns (latents, image ids); the others the latents alone.
+        # Flux's returns (latents, image ids), the editing pipelines' (latents, source latents); others the latents.
         return latents[0] if isinstance(latents, tuple) else latents
 
     def cfg_scale(self, guidance_scale: float, true_cfg_scale: float) -> float:

@@ -10,6 +10,7 @@ import torch
 from diffusers import FluxKontextPipeline
 from PIL import Image
 
+from .base import Conditioning
 from .flux import FluxAdapter
 
 
@@ -26,12 +27,12 @@ class FluxKontextAdapter(FluxAdapter):
     pipeline_class = FluxKontextPipeline
     edits_images = True
 
-    def encode_source_images(self, images: Sequence[Image.Image], height: int, width: int) -> dict[str, torch.Tensor]:
+    def encode_source_images(self, images: Sequence[Image.Image], height: int, width: int) -> Conditioning:
         pipe = self.pipeline
         pixels = pipe.image_processor.preprocess(list(images), height, width).to(self.device, pipe.vae.dtype)
         latents = pipe._encode_vae_image(pixels, generator=None)  # argmax: the mode, no noise drawn
         batch, channels, rows, columns = latents.shape
-        return {"reference_latents": pipe._pack_latents(latents, batch, channels, rows, columns)}
+        return Conditioning({"reference_latents": pipe._pack_latents(latents, batch, channels, rows, columns)})
 
     def shared_inputs(self, per_sample: dict[str, torch.Tensor], height: int, width: int) -> dict[str, Any]:
         inputs = super().shared_inputs(per_sample, height, width)
@@ -40,10 +41,3 @@ class FluxKontextAdapter(FluxAdapter):
             reference_ids[:, 0] = 1
             inputs["img_ids"] = torch.cat([inputs["img_ids"], reference_ids])
         return inputs
-
-    def prepare_latents(self, batch_size: int, height: int, width: int, generator: torch.Generator) -> torch.Tensor:
-        # The pipeline's prepare_latents takes the source image first; without one it draws the noise alone.
-        channels = self.transformer.config.in_channels // 4
-        return self.pipeline.prepare_latents(
-            None, batch_size, channels, height, width, torch.float32, self.device, generator
-        )[0]

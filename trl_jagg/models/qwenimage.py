@@ -63,7 +63,8 @@ class QwenImageAdapter(FlowMatchingAdapter):
         true_cfg_scale: float,
         uncond_grad: bool = True,
     ) -> torch.Tensor:
-        hidden = latents.to(self.dtype)
+        hidden = self.with_reference_tokens(latents.to(self.dtype), cond)  # Qwen-Image-Edit appends the references
+        tokens = latents.shape[1]
         guidance = self.embedded_guidance(latents.shape[0], guidance_scale)
 
         def branch_inputs(prefix: str) -> dict[str, Any]:
@@ -75,9 +76,12 @@ class QwenImageAdapter(FlowMatchingAdapter):
                 "encoder_hidden_states_mask": cond.get(f"{prefix}prompt_embeds_mask"),
             }
 
+        # One (frames, rows, columns) grid per image of the sequence: the generated one, then the references'.
+        shapes = [cond["img_shape"], *cond.get("reference_shapes", ())]
+
         def call(inputs: dict[str, Any]) -> torch.Tensor:
             rows = inputs["hidden_states"].shape[0]
-            return transformer(**inputs, img_shapes=[[cond["img_shape"]]] * rows, return_dict=False)[0]
+            return transformer(**inputs, img_shapes=[shapes] * rows, return_dict=False)[0][:, :tokens]
 
         return self.guided_velocity(
             call, branch_inputs, cond, guidance_scale=guidance_scale, true_cfg_scale=true_cfg_scale,

@@ -20,6 +20,7 @@ downsampling, then 2x2 patches); 32 and 64 are the sizes used by tests and the d
 
 from __future__ import annotations
 
+import functools
 import os
 import tempfile
 from collections.abc import Sequence
@@ -34,6 +35,8 @@ from diffusers import (
     FluxKontextPipeline,
     FluxPipeline,
     FluxTransformer2DModel,
+    QwenImageEditPipeline,
+    QwenImageEditPlusPipeline,
     QwenImagePipeline,
     QwenImageTransformer2DModel,
     SD3Transformer2DModel,
@@ -41,7 +44,8 @@ from diffusers import (
     ZImagePipeline,
     ZImageTransformer2DModel,
 )
-from transformers import Qwen3ForCausalLM
+from PIL import Image
+from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor, Qwen3ForCausalLM
 
 from .components import (
     ConfigOverrides,
@@ -59,6 +63,7 @@ from .components import (
 )
 from .tokenizers import (
     DEFAULT_VOCAB_WORDS,
+    QWEN_EDIT_TEMPLATE_TEXTS,
     build_clip_tokenizer,
     build_qwen2_tokenizer,
     build_qwen3_tokenizer,
@@ -84,13 +89,16 @@ __all__ = [
     "build_tiny_flux_kontext_pipeline",
     "build_tiny_flux_pipeline",
     "build_tiny_pipeline",
+    "build_tiny_qwenimage_edit_pipeline",
     "build_tiny_qwenimage_pipeline",
     "build_tiny_sd3_pipeline",
     "build_tiny_zimage_pipeline",
     "save_tiny_pipeline",
 ]
 
-FAMILIES: tuple[str, ...] = ("flux", "sd3", "qwenimage", "zimage", "flux2_klein", "flux_kontext")
+FAMILIES: tuple[str, ...] = (
+    "flux", "sd3", "qwenimage", "zimage", "flux2_klein", "flux_kontext", "qwenimage_edit", "qwenimage_edit_plus",
+)  # fmt: skip
 
 # Scheduler configs of the released checkpoints. The pipelines read `use_dynamic_shifting` and the
 # `base/max_shift`, `base/max_image_seq_len` entries to compute the resolution-dependent shift `mu`.
@@ -327,6 +335,47 @@ def build_tiny_qwenimage_pipeline(
             ``prompt_template_encode_start_idx`` tokens (the pipeline would then cut into the prompt).
     """
     tokenizer = build_qwen2_tokenizer(vocab_words)
+    components = _qwenimage_components(tokenizer, seed, transformer, vae, text_encoder, scheduler)
+    return _checked_template(QwenImagePipeline(**components))
+
+
+def build_tiny_qwenimage_edit_pipeline(
+    *,
+    seed: int = 0,
+    vocab_words: Sequence[str] | None = None,
+    plus: bool = False,
+    vision_pixels: int = 56 * 56,
+    transformer: ConfigOverrides = None,
+    vae: ConfigOverrides = None,
+    text_encoder: ConfigOverrides = None,
+    scheduler: ConfigOverrides = None,
+) -> QwenImageEditPipeline | QwenImageEditPlusPipeline:
+    """A tiny Qwen-Image-Edit-like ``QwenImageEditPipeline`` (``plus=True``: ``QwenImageEditPlusPipeline``, several
+    source images): the components of :func:`build_tiny_qwenimage_pipeline` (same keyword arguments) and a
+    ``Qwen2VLProcessor`` whose image processor resizes every image to ``vision_pixels`` pixels (the real one keeps up
+    to 12.8 M), so each source image is 4 vision tokens of the tiny Qwen2.5-VL's one-block vision tower.
+    """
+    tokenizer = build_qwen2_tokenizer(vocab_words, template_texts=QWEN_EDIT_TEMPLATE_TEXTS)
+    components = _qwenimage_components(tokenizer, seed, transformer, vae, text_encoder, scheduler)
+    size = {"shortest_edge": vision_pixels, "longest_edge": vision_pixels}
+    processor = Qwen2VLProcessor(
+        image_processor=Qwen2VLImageProcessor(size=size),
+        tokenizer=tokenizer,
+        video_processor=Qwen2VLVideoProcessor(size=size),
+    )
+    pipeline_class = QwenImageEditPlusPipeline if plus else QwenImageEditPipeline
+    return _checked_template(pipeline_class(processor=processor, **components))
+
+
+def _qwenimage_components(
+    tokenizer: Any,
+    seed: int,
+    transformer: ConfigOverrides,
+    vae: ConfigOverrides,
+    text_encoder: ConfigOverrides,
+    scheduler: ConfigOverrides,
+) -> dict[str, Any]:
+    """The components the Qwen-Image pipelines share (see :func:`build_tiny_qwenimage_pipeline`)."""
     qwen = _qwen25vl_text_encoder(tokenizer, seed=seed, overrides=text_encoder)
     autoencoder = _autoencoder_qwenimage(seed=seed, overrides=vae)
     transformer_config = _merged(
@@ -346,20 +395,25 @@ def build_tiny_qwenimage_pipeline(
     _check_rope_axes(transformer_config["axes_dims_rope"], transformer_config["attention_head_dim"])
     with _seeded(seed, "transformer"):
         qwen_transformer = QwenImageTransformer2DModel(**transformer_config)
+    return {
+        "scheduler": _flow_match_scheduler(QWENIMAGE_SCHEDULER_CONFIG, scheduler),
+        "vae": autoencoder,
+        "text_encoder": qwen,
+        "tokenizer": tokenizer,
+        "transformer": qwen_transformer,
+    }
 
-    pipe = QwenImagePipeline(
-        scheduler=_flow_match_scheduler(QWENIMAGE_SCHEDULER_CONFIG, scheduler),
-        vae=autoencoder,
-        text_encoder=qwen,
-        tokenizer=tokenizer,
-        transformer=qwen_transformer,
-    )
-    prefix = pipe.prompt_template_encode.split("{}")[0]
-    prefix_length = len(tokenizer(prefix).input_ids)
+
+def _checked_template(pipe: DiffusionPipeline) -> DiffusionPipeline:
+    """``pipe``, finalized, once its tokenizer is known to encode the prompt template's prefix to the
+    ``prompt_template_encode_start_idx`` tokens the pipeline drops (else it would cut into the prompt)."""
+    prefix = pipe.prompt_template_encode.split("{}")[0].split("<|vision_start|>")[0]
+    prefix_length = len(pipe.tokenizer(prefix).input_ids)
     if prefix_length != pipe.prompt_template_encode_start_idx:
         raise RuntimeError(
             f"The tiny Qwen2 tokenizer encodes the prompt-template prefix to {prefix_length} tokens, but "
-            f"QwenImagePipeline drops the first {pipe.prompt_template_encode_start_idx}; update _QWEN_TEMPLATE_WORDS."
+            f"{type(pipe).__name__} drops the first {pipe.prompt_template_encode_start_idx}; update the template "
+            "words in trl_jagg/testing/tokenizers.py."
         )
     return _finalize(pipe)
 
@@ -501,6 +555,8 @@ _BUILDERS = {
     "zimage": build_tiny_zimage_pipeline,
     "flux2_klein": build_tiny_flux2_klein_pipeline,
     "flux_kontext": build_tiny_flux_kontext_pipeline,
+    "qwenimage_edit": build_tiny_qwenimage_edit_pipeline,
+    "qwenimage_edit_plus": functools.partial(build_tiny_qwenimage_edit_pipeline, plus=True),
 }
 
 
@@ -557,7 +613,7 @@ class TinyRun:
 
 def tiny_run(family: str, *, num_inference_steps: int = 5) -> TinyRun:
     """The ``--tiny`` setup of the examples for ``family``; ``num_inference_steps`` sets how many steps are trained
-    (5 gives 4 trained steps: one full JAGG group of W = 4)."""
+    (5 gives 4 trained steps: one full JAGG group of W = 4). Editing families get a source image per prompt."""
     from datasets import Dataset
 
     config = dict(
@@ -566,5 +622,10 @@ def tiny_run(family: str, *, num_inference_steps: int = 5) -> TinyRun:
         max_sequence_length=16, dtype="float32", bf16=False, fp16=False, offload_frozen_modules=False,
         report_to="none", save_strategy="no",
     )  # fmt: skip
+    columns: dict[str, list[Any]] = {"prompt": list(TINY_PROMPTS)}
+    if family in ("flux_kontext", "qwenimage_edit", "qwenimage_edit_plus"):  # editing: a grey image to edit
+        columns["source_image"] = [Image.new("RGB", (32, 32), (128, 128, 128))] * len(TINY_PROMPTS)
+        if family != "flux_kontext":  # encoded at the output's 32 x 32 px, not the pipeline's 1024 x 1024
+            config["source_image_area"] = 32 * 32
     model = save_tiny_pipeline(family, tempfile.mkdtemp(prefix=f"tiny-{family}-"))
-    return TinyRun(model, "prompt_color", Dataset.from_dict({"prompt": list(TINY_PROMPTS)}), config)
+    return TinyRun(model, "prompt_color", Dataset.from_dict(columns), config)

@@ -39,6 +39,14 @@ _QWEN_TEMPLATE_WORDS: tuple[str, ...] = (
     "text", "spatial", "relationships", "of", "objects", "and", "background", "user", "assistant",
 )  # fmt: skip
 
+# QwenImageEditPipeline's template prefix (the same for QwenImageEditPlusPipeline): the pipeline drops its 64 hidden
+# states, the prefix's length with the real tokenizer, where " (", ")," and "'s" are single tokens too.
+QWEN_EDIT_TEMPLATE_TEXTS: tuple[str, ...] = (
+    "Describe", "key", "features", "input", "texture", "then", "explain", "how", "instruction", "should", "alter",
+    "or", "modify", "Generate", "new", "that", "meets", "requirements", "while", "maintaining", "consistency",
+    "original", "where", "appropriate", " (", "),", "'s",
+)  # fmt: skip
+
 _CLIP_BOS, _CLIP_EOS = "<|startoftext|>", "<|endoftext|>"
 _QWEN_SPECIAL_TOKENS: tuple[str, ...] = (
     "<|endoftext|>",
@@ -191,20 +199,23 @@ def build_t5_tokenizer(vocab_words: Sequence[str] | None = None, *, model_max_le
 
 
 def build_qwen2_tokenizer(
-    vocab_words: Sequence[str] | None = None, *, extra_special_tokens: Sequence[str] = ()
+    vocab_words: Sequence[str] | None = None,
+    *,
+    extra_special_tokens: Sequence[str] = (),
+    template_texts: Sequence[str] = (),
 ) -> Qwen2Tokenizer:
     """A byte-level ``Qwen2Tokenizer`` in which :data:`DEFAULT_VOCAB_WORDS`, ``vocab_words`` and the words of
     ``QwenImagePipeline``'s prompt template are single tokens.
 
     Qwen's pre-tokenizer attaches a leading space to the following word (``" red"`` is one chunk, ``"Ġred"``), so
     every word is added both with and without it. The chat special tokens (``<|im_start|>``, ``<|im_end|>``, the
-    vision placeholders) come last, as in the real tokenizer.
+    vision placeholders) come last, as in the real tokenizer. ``template_texts``: more pieces of a pipeline's prompt
+    template that must be single tokens (words, and punctuation the real tokenizer keeps whole, such as ``" ("``).
     """
-    texts = list(
-        dict.fromkeys(
-            form for word in (*_QWEN_TEMPLATE_WORDS, *_vocabulary(vocab_words)) for form in (word, " " + word)
-        )
-    )
+    words = (*_QWEN_TEMPLATE_WORDS, *_vocabulary(vocab_words))
+    extra = [text for text in template_texts if not text.isalpha()]
+    forms = [form for word in (*words, *(t for t in template_texts if t.isalpha())) for form in (word, " " + word)]
+    texts = list(dict.fromkeys((*forms, *extra)))
     vocab, merges = _byte_level_bpe(texts)
     specials = (*_QWEN_SPECIAL_TOKENS, *extra_special_tokens)
     for special in specials:

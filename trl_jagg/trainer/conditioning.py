@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -54,9 +53,10 @@ class PromptConditioner:
             self.precompute(prompts)
             collated = self.adapter.collate([self.table[p] for p in prompts])
             encoded = {key: value.to(self.frozen.device) for key, value in collated.items()}
-            context = contextlib.nullcontext()  # the negative prompt was encoded with the table
+            # The negative prompt was encoded with the table; an editing family's source images still encode now.
+            context = self.frozen.on_accelerator(self.frozen.vae if self.adapter.edits_images else [])
         else:
-            encoded, context = None, self.frozen.on_accelerator(self.frozen.text_encoders)
+            encoded, context = None, self.frozen.on_accelerator(self.frozen.conditioning)
         with context:
             return self.adapter.condition(
                 prompts,

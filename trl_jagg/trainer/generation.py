@@ -15,12 +15,13 @@ from typing import Any, NoReturn
 
 import torch
 from accelerate.utils import gather_object
+from PIL import Image
 from tqdm.auto import tqdm
 
 from ..grpo import PerPromptStatTracker, group_advantages, multi_reward_advantages, per_reward_group_normalize
 from ..grpo_jagg_config import GRPOJaggConfig
 from ..models import FlowMatchingAdapter
-from ..prompts import SOURCE_IMAGE_COLUMN, prompt_text, source_image
+from ..prompts import SOURCE_IMAGE_COLUMN, prompt_text, source_images_of
 from ..rollout import Trajectory, sample_trajectories
 from ..sde_window import compressed_path, path_schedule, sde_window
 from .batch import PendingAdvantages, rng_seed, velocity_key
@@ -36,7 +37,15 @@ def group_keys(prompts: list[str], sources: list | None) -> list[str]:
     (an instruction such as "make it red" recurs over many images)."""
     if sources is None:
         return prompts
-    return [f"{p}\n{hashlib.sha1(image.tobytes()).hexdigest()}" for p, image in zip(prompts, sources)]
+    return [f"{p}\n{_digest(images)}" for p, images in zip(prompts, sources)]
+
+
+def _digest(images: Image.Image | list[Image.Image]) -> str:
+    """The hash of a sample's source image(s)."""
+    digest = hashlib.sha1()
+    for image in images if isinstance(images, list) else [images]:
+        digest.update(image.tobytes())
+    return digest.hexdigest()
 
 
 def rollout_window(args: GRPOJaggConfig, global_step: int) -> list[int] | None:
@@ -135,7 +144,7 @@ class RolloutGenerator:
         sources = None
         if adapter.edits_images:
             where = f"train_dataset '{SOURCE_IMAGE_COLUMN}'"
-            sources = [source_image(value, where) for value in columns.pop(SOURCE_IMAGE_COLUMN)]
+            sources = [source_images_of(v, where, adapter.max_source_images) for v in columns.pop(SOURCE_IMAGE_COLUMN)]
             columns["source_images"] = sources
         # JAGG's velocity cache, and GRPO-Guard's ratio, which needs the rollout's step means (a velocity gives one).
         record_velocities = (args.use_jagg and args.jagg_cache_velocities) or args.ratio_normalization

@@ -39,9 +39,24 @@ def checked_inputs(
     return train_dataset, eval_dataset, funcs
 
 
-def checked_source_images(adapter: FlowMatchingAdapter, train_dataset: Dataset, eval_dataset: Dataset | None) -> None:
-    """For an editing model, the image each prompt edits, checked row by row before training (errors name the row)."""
+def checked_source_images(
+    adapter: FlowMatchingAdapter, args: GRPOJaggConfig, train_dataset: Dataset, eval_dataset: Dataset | None
+) -> None:
+    """For an editing model: ``source_image_area`` given to the adapter, then the images each prompt edits checked
+    row by row before training (errors name the row), and that they give one reference grid."""
+    if args.source_image_area is not None:
+        if not hasattr(adapter, "source_image_area"):
+            raise ValueError(
+                f"GRPOJaggConfig.source_image_area is set, but {type(adapter).__name__} does not resize source images "
+                "by area (only Qwen-Image-Edit and Qwen-Image-Edit-Plus do). Leave it None."
+            )
+        adapter.source_image_area = args.source_image_area
+    if args.precompute_prompt_embeds and adapter.prompts_see_images:
+        raise ValueError(
+            f"GRPOJaggConfig.precompute_prompt_embeds cannot be used with {type(adapter).__name__}: its prompts are "
+            "encoded together with each sample's source images. Set precompute_prompt_embeds=False."
+        )
     if adapter.edits_images:
-        check_source_images(train_dataset)
-        if eval_dataset is not None:
-            check_source_images(eval_dataset, "eval_dataset")
+        for dataset, name in ((train_dataset, "train_dataset"), (eval_dataset, "eval_dataset")):
+            if dataset is not None:
+                check_source_images(dataset, name, adapter.max_source_images, adapter.reference_sizes)

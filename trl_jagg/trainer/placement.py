@@ -30,6 +30,12 @@ class FrozenModules:
     def vae(self) -> list[torch.nn.Module]:
         return [self.adapter.pipeline.vae]
 
+    @property
+    def conditioning(self) -> list[torch.nn.Module]:
+        """The modules conditioning runs: the text encoders, and the VAE of editing families (it encodes the source
+        images into reference latents)."""
+        return self.text_encoders + (self.vae if self.adapter.edits_images else [])
+
     def place(self, trained: torch.nn.Module) -> None:
         """Put every module of the pipeline but ``trained`` (the Trainer places it) where it runs."""
         offloaded = self.text_encoders + self.vae if self.offload else []
