@@ -128,7 +128,9 @@ def test_precomputed_encodings_collate_to_the_batch_encoding(request, family):
 # ---------------------------------------------------------------- training
 
 
-def make_trainer(family: str, path: str, tmp_path, guidance: dict, **overrides) -> DDPOJaggTrainer:
+def make_trainer(
+    family: str, path: str, tmp_path, guidance: dict, dataset: Dataset | None = None, **overrides
+) -> DDPOJaggTrainer:
     torch.manual_seed(0)
     config = dict(
         output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=2, num_inference_steps=4,
@@ -137,12 +139,13 @@ def make_trainer(family: str, path: str, tmp_path, guidance: dict, **overrides) 
         seed=0, disable_tqdm=True,
     )  # fmt: skip
     config |= guidance | overrides
-    config.setdefault("negative_prompt", FAMILIES[family]["negative"])
+    if "negative_prompt" not in config:
+        config["negative_prompt"] = FAMILIES[family]["negative"]
     return DDPOJaggTrainer(
         model=path,
         reward_funcs=redness,
         args=GRPOJaggConfig(**config),
-        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}) if dataset is None else dataset,
         peft_config=LoraConfig(
             r=4, lora_alpha=8, target_modules=["to_q", "to_k", "to_v"], init_lora_weights="gaussian"
         ),
@@ -180,19 +183,15 @@ def update_gradient(trainer, rollout, **overrides) -> torch.Tensor:
             setattr(trainer.args, k, v)
 
 
-def test_velocity_cache_gives_the_recomputed_gradient_with_fewer_forwards(request, family, tmp_path):
+def assert_cache_gives_the_recomputed_gradient(trainer, calls_per_velocity: int) -> None:
     """One JAGG group of W = 4 (5 steps, 4 trained): the cached rollout velocities replace the no-grad forward of
     the two intermediate steps; the gradient is the one recomputing them, and both make two graph forwards (the
-    endpoints) and one backward."""
-    guidance = FAMILIES[family]["cfg"]
-    trainer = make_trainer(
-        family, tiny_path(request, family), tmp_path, guidance, num_inference_steps=5, jagg_group_size=4
-    )
+    endpoints) and one backward (counted by hooks on the backbone)."""
     rollout = trainer._generate_and_score(next(iter(trainer.get_train_dataloader())))
     assert rollout["velocities"].shape == rollout["latents"][:, 1:].shape
     calls = BackboneCalls(trainer)
     recomputed = update_gradient(trainer, rollout, jagg_cache_velocities=False)
-    per = FAMILIES[family]["cfg_calls"]
+    per = calls_per_velocity
     assert calls.take() == (2 * per, per, 1)  # one batched no-grad velocity for both intermediates
     cached = update_gradient(trainer, rollout)
     assert calls.take() == (2 * per, 0, 1)
@@ -200,6 +199,14 @@ def test_velocity_cache_gives_the_recomputed_gradient_with_fewer_forwards(reques
     assert recomputed.abs().max() > 0
     torch.testing.assert_close(cached, recomputed, rtol=0, atol=1e-6 * recomputed.abs().max().item())
     calls.handle.remove()
+
+
+def test_velocity_cache_gives_the_recomputed_gradient_with_fewer_forwards(request, family, tmp_path):
+    trainer = make_trainer(
+        family, tiny_path(request, family), tmp_path, FAMILIES[family]["cfg"], num_inference_steps=5,
+        jagg_group_size=4,
+    )  # fmt: skip
+    assert_cache_gives_the_recomputed_gradient(trainer, FAMILIES[family]["cfg_calls"])
 
 
 def test_saved_lora_reloads_into_the_diffusers_pipeline(request, family, tmp_path):
@@ -318,6 +325,29 @@ def test_kontext_trains_on_source_images_and_rewards_receive_them(tiny_flux_kont
         seen = {np.asarray(s).tobytes() for s in sources}
         assert seen <= {np.asarray(image).tobytes() for image in images}
     assert len(trainer.generation.stat_tracker.history) == 2  # one group per (instruction, source image)
+
+
+# True CFG: both branches carry the reference tokens, in one backbone call.
+KONTEXT_CFG = {"guidance_scale": 3.5, "true_cfg_scale": 2.0, "negative_prompt": "dark"}
+
+
+def kontext_trainer(path: str, tmp_path, **overrides) -> DDPOJaggTrainer:
+    """A LoRA trainer of the tiny Kontext model on two instructions, each with its own source image."""
+    dataset = Dataset.from_dict({"prompt": EDIT_PROMPTS, "source_image": source_images()})
+    return make_trainer("flux_kontext", path, tmp_path, KONTEXT_CFG, dataset, **overrides)
+
+
+def test_kontext_w2_jagg_gradient_equals_exact(tiny_flux_kontext_path, tmp_path):
+    """Theorem 1's exact limit on the longer [generated, reference] sequence: for W = 2 the joint backward gives
+    the sum of the per-step gradients (float rounding only)."""
+    assert_w2_jagg_equals_exact(kontext_trainer(tiny_flux_kontext_path, tmp_path, num_inference_steps=5))
+
+
+def test_kontext_velocity_cache_gives_the_recomputed_gradient(tiny_flux_kontext_path, tmp_path):
+    """The cached velocities are the generated tokens' (the reference tokens are cut off the backbone's output), so
+    the cache gives the recomputed gradient with one no-grad forward fewer."""
+    trainer = kontext_trainer(tiny_flux_kontext_path, tmp_path, num_inference_steps=5, jagg_group_size=4)
+    assert_cache_gives_the_recomputed_gradient(trainer, calls_per_velocity=1)
 
 
 def test_kontext_trainer_checks_the_source_images_at_init(tiny_flux_kontext_path, tmp_path):
