@@ -220,6 +220,12 @@ def test_clip_edit_by_name_and_its_errors(tiny_clip_dir):
     [reward] = rewards.load_reward_funcs(["clip-edit"], model_id=path, device="cpu")
     images = make_images(2)
     assert reward.__name__ == "clip-edit" and len(reward(["make it red"] * 2, images, source_images=images)) == 2
+    # Flow-GRPO's image_similarity: the preservation term alone, under its own name.
+    [similarity] = rewards.load_reward_funcs("clip-image-similarity", model_id=path, device="cpu")
+    sources = make_images(2, seed=3)
+    _, preservation = reference_edit_terms(path, ["make it red"] * 2, images, sources)
+    assert similarity.__name__ == "clip-image-similarity"
+    assert similarity(["make it red"] * 2, images, source_images=sources) == pytest.approx(preservation, abs=1e-4)
     with pytest.raises(ValueError, match="needs `source_images`, one per image"):
         reward(["make it red"] * 2, images)
     with pytest.raises(ValueError, match="only one of the `source_caption` and `target_caption`"):

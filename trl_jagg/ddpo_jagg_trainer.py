@@ -98,7 +98,7 @@ class DDPOJaggTrainer(_BaseTrainer):
         )
         self.base_model_id = model if isinstance(model, str) else (model.name_or_path or None)
         self.adapter = load_adapter(model, dtype=getattr(torch, args.dtype), revision=args.model_revision)
-        checked_source_images(self.adapter, train_dataset, eval_dataset)
+        checked_source_images(self.adapter, train_dataset, eval_dataset, args)
         self.scheduler_overridden = hub.scheduler_differs_from_base(
             self.adapter.pipeline.scheduler, self.base_model_id, args.model_revision
         )
@@ -279,14 +279,11 @@ class DDPOJaggTrainer(_BaseTrainer):
         """The EMA weights in place of the trained ones for the duration of the block (a no-op without EMA)."""
         return ema_swapped_in(self.ema)
 
-    def sample_images(self, prompts: Sequence[str] | None = None, seed: int | None = None) -> list:
-        """Render prompts (default: ``eval_prompts``) with deterministic ODE sampling and the current weights."""
-        return self.evaluator.sample_images(
-            self.accelerator.unwrap_model(self.model),
-            self.ema,
-            prompts if prompts is not None else self.args.eval_prompts,
-            self.args.eval_seed if seed is None else seed,
-        )
+    def sample_images(self, prompts: Sequence[str] | None = None, seed: int | None = None, source_images=None) -> list:
+        """Render prompts (default: ``eval_prompts``, with ``eval_source_images``) with deterministic ODE sampling
+        and the current weights; an editing model needs ``source_images``, one per prompt (PIL images or paths)."""
+        transformer = self.accelerator.unwrap_model(self.model)
+        return self.evaluator.sample_images(transformer, self.ema, prompts, seed, source_images)
 
     def _log_samples(self, step: int) -> None:
         """Render ``eval_prompts``, log the grid, and keep the images as the model card's widget."""

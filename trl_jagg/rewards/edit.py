@@ -33,13 +33,14 @@ class ClipEditReward(ClipSimilarityReward):
         device: str | torch.device | None = None,
         dtype: str | torch.dtype | None = None,
         batch_size: int = 16,
+        name: str = "clip-edit",
     ) -> None:
-        for name, value in (("direction_weight", direction_weight), ("preservation_weight", preservation_weight)):
+        for field, value in (("direction_weight", direction_weight), ("preservation_weight", preservation_weight)):
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-                raise ValueError(f"clip_edit's {name} is {value!r}: give a finite number.")
+                raise ValueError(f"clip_edit's {field} is {value!r}: give a finite number.")
         if direction_weight == preservation_weight == 0:
             raise ValueError("clip_edit's direction_weight and preservation_weight are both 0: the reward would be 0.")
-        super().__init__("clip-edit", model_id, processor_id, device=device, dtype=dtype, batch_size=batch_size)
+        super().__init__(name, model_id, processor_id, device=device, dtype=dtype, batch_size=batch_size)
         self.direction_weight = float(direction_weight)
         self.preservation_weight = float(preservation_weight)
 
@@ -78,13 +79,13 @@ class ClipEditReward(ClipSimilarityReward):
         if sources is None or len(sources) != len(images):
             given = "none" if sources is None else len(sources)
             raise ValueError(
-                f"clip-edit scores edits: it needs `source_images`, one per image (got {given} for {len(images)} "
+                f"{self.__name__} scores edits: it needs `source_images`, one per image (got {given} for {len(images)} "
                 "images). Train an editing model (FluxKontextPipeline) on a dataset with a `source_image` column."
             )
         columns = [kwargs.get(SOURCE_CAPTION_COLUMN), kwargs.get(TARGET_CAPTION_COLUMN)]
         if (columns[0] is None) != (columns[1] is None):
             raise ValueError(
-                f"clip-edit got only one of the `{SOURCE_CAPTION_COLUMN}` and `{TARGET_CAPTION_COLUMN}` columns: give "
+                f"{self.__name__} got only one of the `{SOURCE_CAPTION_COLUMN}` and `{TARGET_CAPTION_COLUMN}` columns: give "
                 "both (the text direction is target - source) or neither (the direction is the instruction's)."
             )
         self.load()
@@ -101,8 +102,8 @@ class ClipEditReward(ClipSimilarityReward):
                 preservations.extend(preservation.cpu().tolist())
         log_metric = kwargs.get("log_metric")
         if log_metric is not None:  # each term's mean, so a run shows which one moves
-            log_metric("clip-edit/direction", sum(directions) / len(directions))
-            log_metric("clip-edit/preservation", sum(preservations) / len(preservations))
+            log_metric(f"{self.__name__}/direction", sum(directions) / len(directions))
+            log_metric(f"{self.__name__}/preservation", sum(preservations) / len(preservations))
         return [self.direction_weight * d + self.preservation_weight * p for d, p in zip(directions, preservations)]
 
 
@@ -136,3 +137,20 @@ def clip_edit(
         dtype=dtype,
         batch_size=batch_size,
     )
+
+
+@register_reward("clip-image-similarity")
+def clip_image_similarity(
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype | None = None,
+    model_id: str = CLIPSCORE_MODEL_ID,
+    processor_id: str | None = None,
+    batch_size: int = 16,
+) -> ClipEditReward:
+    """``cos(I_src, I_out)`` alone: :func:`clip_edit`'s preservation term, Flow-GRPO's ``image_similarity`` reward
+    (``flow_grpo/rewards.py:61-78`` and ``clip_scorer.py:56-68`` at zhtmike/flow_grpo@9745241, the same CLIP
+    ViT-L/14), which its FLUX.1 Kontext config trains with (``flow-grpo-kontext``). Needs ``source_images``."""
+    return ClipEditReward(
+        model_id, processor_id, 0.0, 1.0, device=device, dtype=dtype, batch_size=batch_size,
+        name="clip-image-similarity",
+    )  # fmt: skip

@@ -10,7 +10,7 @@ from datasets import Dataset
 
 from ..grpo_jagg_config import GRPOJaggConfig
 from ..models import FlowMatchingAdapter
-from ..prompts import check_source_images, prompt_dataset
+from ..prompts import check_source_images, prompt_dataset, source_image
 from ..rewards import load_reward_funcs
 from .checkpoint_checks import check_checkpoint_dir
 
@@ -39,9 +39,26 @@ def checked_inputs(
     return train_dataset, eval_dataset, funcs
 
 
-def checked_source_images(adapter: FlowMatchingAdapter, train_dataset: Dataset, eval_dataset: Dataset | None) -> None:
-    """For an editing model, the image each prompt edits, checked row by row before training (errors name the row)."""
-    if adapter.edits_images:
-        check_source_images(train_dataset)
-        if eval_dataset is not None:
-            check_source_images(eval_dataset, "eval_dataset")
+def checked_source_images(
+    adapter: FlowMatchingAdapter, train_dataset: Dataset, eval_dataset: Dataset | None, args: GRPOJaggConfig
+) -> None:
+    """For an editing model, the image each prompt edits (the datasets' rows, ``eval_source_images`` for the sample
+    images), checked before training (errors name the row); a text-to-image model refuses ``eval_source_images``."""
+    name = type(adapter).__name__
+    if not adapter.edits_images:
+        if args.eval_source_images is not None:
+            raise ValueError(
+                f"GRPOJaggConfig.eval_source_images is set but {name} generates from text only: drop it, or train an "
+                "editing model (FluxKontextPipeline)."
+            )
+        return
+    check_source_images(train_dataset)
+    if eval_dataset is not None:
+        check_source_images(eval_dataset, "eval_dataset")
+    if args.eval_prompts and args.image_log_steps and args.eval_source_images is None:
+        raise ValueError(
+            f"{name} edits images, so its sample images need the image each of GRPOJaggConfig.eval_prompts edits: set "
+            "GRPOJaggConfig.eval_source_images (one file path per prompt), or image_log_steps=0."
+        )
+    for i, value in enumerate(args.eval_source_images or ()):
+        source_image(value, f"GRPOJaggConfig.eval_source_images[{i}]")
