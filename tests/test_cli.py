@@ -217,6 +217,7 @@ RECIPES = [
     "flow-grpo-flux",
     "flow-grpo-qwenimage",
     "flow-grpo-qwenimage-all-steps",
+    "flow-grpo-kontext",
     "flow-grpo-fast-flux",
     "dancegrpo-flux",
     "dancegrpo-flux-8gpu",

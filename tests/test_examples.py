@@ -34,6 +34,9 @@ EXAMPLES = {
     "train_flux2_klein_pickscore.py": (
         "flux2_klein", "Flux2KleinPipeline", "black-forest-labs/FLUX.2-klein-base-9B", LORA
     ),
+    "train_flux_kontext_edit.py": (
+        "flux_kontext", "FluxKontextPipeline", "black-forest-labs/FLUX.1-Kontext-dev", LORA
+    ),
     "train_zimage_turbo_pickscore.py": (
         "zimage", "ZImagePipeline", "Tongyi-MAI/Z-Image-Turbo", LORA
     ),
