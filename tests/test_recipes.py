@@ -287,7 +287,7 @@ _QWEN_LORA = (
     64, 128, _FG_ATTENTION + ("img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2")
 )  # FG scripts/train_qwenimage.py:410-427  # fmt: skip
 # Flow-Factory: lora_rank 64, lora_alpha 128 (examples/grpo/lora/*/default.yaml@a0b2bc5), its adapters'
-# default_target_modules (src/flow_factory/models/z_image/z_image.py@5405453; models/flux/flux2_klein.py@1e4264b,
+# default_target_modules at a0b2bc5 (src/flow_factory/models/z_image/z_image.py:70-75; models/flux/flux2_klein.py:92-104,
 # whose list has attn.to_out.0 twice).
 _ZIMAGE_LORA = (
     64, 128, ("attention.to_k", "attention.to_q", "attention.to_v", "attention.to_out.0",

@@ -365,8 +365,8 @@ _DANCE = Recipe(
         "per rollout, on the CPU, max_grad_norm 0.01).",
     ),
 )
-# Flow-Factory's default LoRA targets, as its adapters list them (default_target_modules in
-# src/flow_factory/models/z_image/z_image.py@5405453 and src/flow_factory/models/flux/flux2_klein.py@1e4264b, which
+# Flow-Factory's default LoRA targets, as its adapters list them at a0b2bc5 (default_target_modules in
+# src/flow_factory/models/z_image/z_image.py:70-75 and src/flow_factory/models/flux/flux2_klein.py:92-104, which
 # names attn.to_out.0 twice): attention and feed-forward of every block.
 _ZIMAGE_LORA_TARGETS = (
     "attention.to_k", "attention.to_q", "attention.to_v", "attention.to_out.0",
