@@ -41,14 +41,8 @@ from typing import Any
 from .recipe import Recipe
 
 __all__ = [
-    "ATTENTION_PROJECTIONS",
-    "PAPER_JAGG",
-    "RECIPES",
-    "Recipe",
-    "get_recipe",
-    "list_recipes",
-    "write_recipe_yamls",
-]
+    "ATTENTION_PROJECTIONS", "PAPER_JAGG", "RECIPES", "Recipe", "get_recipe", "list_recipes", "write_recipe_yamls",
+]  # fmt: skip
 
 PAPER_JAGG: Mapping[str, Any] = MappingProxyType({"use_jagg": True, "jagg_group_size": 4, "jagg_frac": 0.6})
 """The JAGG settings of the paper (arXiv 2607.17572): W = 4, the high-noise 60% of the groups routed to JAGG."""
@@ -190,20 +184,16 @@ _FLUX = Recipe(
     ),
 )
 
-# Flow-GRPO's FLUX.1 Kontext run: config/grpo.py:654-690 (counting_flux_kontext) and scripts/train_flux_kontext.py
-# at zhtmike/flow_grpo@9745241. The rest is flow-grpo-flux's, which the Kontext config and script share: 512 px (L665),
-# SDE a = 0.9 (L680), beta 0 (L676), global std (L677), EMA (L679; train_flux_kontext.py:442), 128 prompt tokens
-# (train_flux_kontext.py:588), bf16 (L681), the base config's optimiser.
+# Shared with flow-grpo-flux: 512 px, a = 0.9, beta 0, global std, EMA, 128 tokens, bf16 (L665, L676-681 of the config;
+# train_flux_kontext.py:442, 588) and the base config's optimiser.
 _KONTEXT = _FLUX.variant(
     "flow-grpo-kontext",
     "Flow-GRPO on FLUX.1-Kontext-dev (image editing): LoRA on attention, feed-forward and the single blocks' MLP, "
     "embedded guidance 2.5, SDE a = 0.9, 6 steps, CLIP image similarity to the source + GenEval counting.",
     {
-        "num_inference_steps": 6,  # L661-663
-        "eval_num_inference_steps": 28,
-        "guidance_scale": 2.5,
-        "num_generations": 21,  # num_image_per_prompt (L667); train_batch_size 3 (L666)
-        **_two_updates_per_rollout(per_device=3, images_per_process=42),  # GA = num_batches_per_epoch // 2 (L673)
+        **{"num_inference_steps": 6, "eval_num_inference_steps": 28, "guidance_scale": 2.5},  # L661-663
+        "num_generations": 21,  # num_image_per_prompt (L667); train_batch_size 3 (L666), GA = batches // 2 (L673)
+        **_two_updates_per_rollout(per_device=3, images_per_process=42),
         "drop_zero_advantages": True,  # train_flux_kontext.py:766-786 masks zero-advantage samples
         "reward_weights": [0.5, 0.5],  # L685-688
     },
@@ -213,15 +203,13 @@ _KONTEXT = _FLUX.variant(
     lora=_lora(64, _FLOW_GRPO_ATTENTION + _FLUX_FEED_FORWARD + ("proj_mlp",)),  # train_flux_kontext.py:411-430
     reward_funcs=("clip-image-similarity", "geneval"),
     notes=(
-        "The dataset carries each instruction's source image in a `source_image` column, and GenEval's counting "
-        "metadata (tag, include, exclude) for geneval; Flow-GRPO resizes the source to the output size "
-        "(train_flux_kontext.py:582), as the adapter does. Per-prompt statistics group by instruction and source.",
+        "The dataset has `source_image` (resized to the output size, as train_flux_kontext.py:582) and GenEval's "
+        "counting metadata (tag, include, exclude). Per-prompt statistics group by instruction and source image.",
         "Each process samples two groups of 21 (42 images, 14 micro-batches of 3, an optimizer step every 7); "
-        "Flow-GRPO samples 12 batches of 3 per GPU on 28 GPUs (48 prompts x 21 images per epoch, L668).",
-        "geneval is GenEval-style (OWLv2 detections), not Flow-GRPO's Mask2Former sidecar; serve that through "
-        "examples/flow_grpo_sidecar.py for its scores. clip-image-similarity uses the same CLIP ViT-L/14 with "
-        "CLIPProcessor's bicubic resize (Flow-GRPO resizes tensors with torchvision's default).",
-        "6 steps train 5 (timestep_fraction 0.99, L675): one JAGG group of W = 4, the remaining step exact.",
+        "Flow-GRPO samples 12 batches of 3 per GPU on 28 GPUs (48 prompts x 21 images per epoch, L668). 6 steps "
+        "train 5 (timestep_fraction 0.99, L675): one JAGG group of W = 4, the remaining step exact.",
+        "geneval is GenEval-style (OWLv2), not Flow-GRPO's Mask2Former sidecar (examples/flow_grpo_sidecar.py "
+        "serves that); clip-image-similarity is its image_similarity on the same CLIP ViT-L/14 (bicubic resize).",
         _FLUX.notes[-1],
     ),
 )
