@@ -6,6 +6,7 @@ Run the reward models on their own GPU (or machine) and point training at them:
     # training config: reward_funcs=["http://localhost:8000/score/pickscore", "http://localhost:8000/score/hpsv2.1"]
 
 Endpoints: ``POST /score/<name>`` with ``{"prompts": [...], "images": [base64 PNG...], "metadata": {...}}``
+(and ``"source_images": [base64 PNG...]`` for an editing model, passed to the reward as ``source_images=``)
 answers ``{"scores": [...]}``; ``GET /health`` answers ``{"rewards": [names]}``. Standard library only; models
 load once, on the first request or at start with ``--preload``.
 
@@ -95,8 +96,11 @@ class ClientError(Exception):
         self.status = status
 
 
-def _parse_request(body: bytes, limits: Limits) -> tuple[list[str], list[Image.Image], dict[str, Any]]:
-    """The prompts, the images (header checked, not decoded yet) and the metadata of a request body."""
+def _parse_request(
+    body: bytes, limits: Limits
+) -> tuple[list[str], list[Image.Image], list[Image.Image] | None, dict[str, Any]]:
+    """The prompts, the images and the source images of an edit (``None`` if not sent; headers checked, not decoded
+    yet) and the metadata of a request body."""
     try:
         payload = json.loads(body)
     except RecursionError:  # a deeply nested document: json's C parser recurses
@@ -108,27 +112,35 @@ def _parse_request(body: bytes, limits: Limits) -> tuple[list[str], list[Image.I
     prompts, encoded, metadata = payload["prompts"], payload["images"], payload.get("metadata") or {}
     if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
         raise ClientError(400, "'prompts' must be a list of strings.")
-    if not isinstance(encoded, list) or len(encoded) != len(prompts):
-        raise ClientError(400, "'images' must be a list as long as 'prompts'.")
+    lists = {"images": encoded}
+    if payload.get("source_images") is not None:
+        lists["source_images"] = payload["source_images"]
+    for key, value in lists.items():
+        if not isinstance(value, list) or len(value) != len(prompts):
+            raise ClientError(400, f"'{key}' must be a list as long as 'prompts'.")
     if not isinstance(metadata, dict):
         raise ClientError(400, "'metadata' must be an object of dataset columns.")
-    reserved = sorted(set(metadata) & {"prompts", "images", *REWARD_KEYWORDS})
+    reserved = sorted(set(metadata) & {"prompts", "images", "source_images", *REWARD_KEYWORDS})
     if reserved:
         raise ClientError(400, f"'metadata' keys {reserved} are reward keywords: rename those dataset columns.")
-    images, pixels = [], 0
-    for index, data in enumerate(encoded):
-        try:
-            images.append(open_image(data, max_pixels=limits.max_pixels))
-        except RejectedImage as error:
-            raise ClientError(error.status, f"images[{index}] {error}.") from None
-        pixels += images[-1].width * images[-1].height
-        if pixels > limits.max_request_pixels:
-            raise ClientError(
-                413,
-                f"The images up to images[{index}] have {pixels} pixels, more than the {limits.max_request_pixels} "
-                "allowed per request: send fewer images per request (remote(..., batch_size=...)).",
-            )
-    return prompts, images, metadata
+    opened: dict[str, list[Image.Image]] = {}
+    pixels = 0  # the source images count against the request's pixels too
+    for key, value in lists.items():
+        opened[key] = []
+        for index, data in enumerate(value):
+            try:
+                opened[key].append(open_image(data, max_pixels=limits.max_pixels))
+            except RejectedImage as error:
+                raise ClientError(error.status, f"{key}[{index}] {error}.") from None
+            pixels += opened[key][-1].width * opened[key][-1].height
+            if pixels > limits.max_request_pixels:
+                raise ClientError(
+                    413,
+                    f"The images up to {key}[{index}] have {pixels} pixels, more than the "
+                    f"{limits.max_request_pixels} allowed per request: send fewer images per request "
+                    "(remote(..., batch_size=...)).",
+                )
+    return prompts, opened["images"], opened.get("source_images"), metadata
 
 
 class PixelBudget:
@@ -206,26 +218,31 @@ def make_handler(rewards: Mapping[str, Callable[..., Any]], limits: Limits) -> t
                 name = self.path.rstrip("/").removeprefix("/score/")
                 if not self.path.startswith("/score/") or name not in rewards:
                     raise ClientError(404, f"Unknown reward path; served: /score/<{'|'.join(sorted(rewards))}>.")
-                prompts, images, metadata = _parse_request(self._read_body(), limits)
+                prompts, images, sources, metadata = _parse_request(self._read_body(), limits)
             except ClientError as error:
                 self._send(error.status, {"error": str(error)})
                 return
             except TimeoutError:
                 self._send(408, {"error": f"The request did not arrive within {limits.request_timeout} s."})
                 return
-            pixels = sum(image.width * image.height for image in images)
+            pixels = sum(image.width * image.height for image in images + (sources or []))
             if not self.server.budget.acquire(pixels, self.deadline):
                 self._send(503, {"error": "The server is busy decoding other requests; retry later."})
                 return
             try:
-                self._score(name, prompts, images, metadata)
+                self._score(name, prompts, images, sources, metadata)
             finally:
-                del images  # the decoded pixels go before their share of the budget is given back
+                del images, sources  # the decoded pixels go before their share of the budget is given back
                 self.server.budget.release(pixels)
 
-        def _score(self, name: str, prompts: list[str], images: list[Image.Image], metadata: dict[str, Any]) -> None:
+        def _score(
+            self, name: str, prompts: list[str], images: list[Image.Image], sources: list[Image.Image] | None,
+            metadata: dict[str, Any],
+        ) -> None:  # fmt: skip
             try:
                 images = [load_image(image) for image in images]
+                if sources is not None:  # an edit: the reward compares each image with its source
+                    metadata = {**metadata, "source_images": [load_image(image) for image in sources]}
             except RejectedImage as error:
                 self._send(error.status, {"error": f"An image {error}."})
                 return

@@ -219,6 +219,7 @@ RECIPES = [
     "flow-grpo-qwenimage",
     "flow-grpo-qwenimage-all-steps",
     "flow-grpo-qwenimage-edit",
+    "flow-grpo-kontext",
     "flow-grpo-fast-flux",
     "dancegrpo-flux",
     "dancegrpo-flux-8gpu",

@@ -37,6 +37,9 @@ EXAMPLES = {
     "train_qwen_image_edit_flow_grpo.py": (
         "qwenimage_edit", "QwenImageEditPipeline", "Qwen/Qwen-Image-Edit", LORA
     ),
+    "train_flux_kontext_edit.py": (
+        "flux_kontext", "FluxKontextPipeline", "black-forest-labs/FLUX.1-Kontext-dev", LORA
+    ),
     "train_zimage_turbo_pickscore.py": (
         "zimage", "ZImagePipeline", "Tongyi-MAI/Z-Image-Turbo", LORA
     ),

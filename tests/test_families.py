@@ -127,7 +127,9 @@ def test_precomputed_encodings_collate_to_the_batch_encoding(request, family):
 # ---------------------------------------------------------------- training
 
 
-def make_trainer(family: str, path: str, tmp_path, guidance: dict, **overrides) -> DDPOJaggTrainer:
+def make_trainer(
+    family: str, path: str, tmp_path, guidance: dict, dataset: Dataset | None = None, **overrides
+) -> DDPOJaggTrainer:
     torch.manual_seed(0)
     config = dict(
         output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=2, num_inference_steps=4,
@@ -136,12 +138,13 @@ def make_trainer(family: str, path: str, tmp_path, guidance: dict, **overrides) 
         seed=0, disable_tqdm=True,
     )  # fmt: skip
     config |= guidance | overrides
-    config.setdefault("negative_prompt", FAMILIES[family]["negative"])
+    if "negative_prompt" not in config:
+        config["negative_prompt"] = FAMILIES[family]["negative"]
     return DDPOJaggTrainer(
         model=path,
         reward_funcs=redness,
         args=GRPOJaggConfig(**config),
-        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}) if dataset is None else dataset,
         peft_config=LoraConfig(
             r=4, lora_alpha=8, target_modules=["to_q", "to_k", "to_v"], init_lora_weights="gaussian"
         ),
@@ -290,6 +293,94 @@ def test_kontext_trains_on_source_images_and_rewards_receive_them(tiny_flux_kont
         seen = {np.asarray(s).tobytes() for s in sources}
         assert seen <= {np.asarray(image).tobytes() for image in images}
     assert len(trainer.generation.stat_tracker.history) == 2  # one group per (instruction, source image)
+
+
+# True CFG: both branches carry the reference tokens, in one backbone call.
+KONTEXT_CFG = {"guidance_scale": 3.5, "true_cfg_scale": 2.0, "negative_prompt": "dark"}
+
+
+def kontext_trainer(path: str, tmp_path, **overrides) -> DDPOJaggTrainer:
+    """A LoRA trainer of the tiny Kontext model on two instructions, each with its own source image."""
+    dataset = Dataset.from_dict({"prompt": EDIT_PROMPTS, "source_image": source_images()})
+    return make_trainer("flux_kontext", path, tmp_path, KONTEXT_CFG, dataset, **overrides)
+
+
+def test_kontext_w2_jagg_gradient_equals_exact(tiny_flux_kontext_path, tmp_path):
+    """Theorem 1's exact limit on the longer [generated, reference] sequence: for W = 2 the joint backward gives
+    the sum of the per-step gradients (float rounding only)."""
+    assert_w2_jagg_equals_exact(kontext_trainer(tiny_flux_kontext_path, tmp_path, num_inference_steps=5))
+
+
+def test_kontext_velocity_cache_gives_the_recomputed_gradient(tiny_flux_kontext_path, tmp_path):
+    """The cached velocities are the generated tokens' (the reference tokens are cut off the backbone's output), so
+    the cache gives the recomputed gradient with one no-grad forward fewer."""
+    trainer = kontext_trainer(tiny_flux_kontext_path, tmp_path, num_inference_steps=5, jagg_group_size=4)
+    assert_velocity_cache_equals_recomputation(trainer, calls_per_velocity=1)
+
+
+def kontext_pipeline_edit(path: str, prompts: list[str], sources: list, **settings) -> list:
+    """FluxKontextPipeline's own edits (untrained weights, noise seeded 0, no resize to Kontext's resolutions)."""
+    return DiffusionPipeline.from_pretrained(path)(
+        image=sources, prompt=prompts, height=32, width=32, max_area=32 * 32, _auto_resize=False,
+        num_inference_steps=4, guidance_scale=3.5, max_sequence_length=16, generator=torch.Generator().manual_seed(0),
+        **settings,
+    ).images  # fmt: skip
+
+
+def test_kontext_evaluate_and_sample_images_edit_their_source_images(tiny_flux_kontext_path, tmp_path):
+    """evaluate() renders each eval row's edit of its own source image (before training: the pipeline's own edit)
+    and scores it with the source by keyword; sample_images() edits `eval_source_images` (paths) by default."""
+    sources = source_images()
+    paths = [str(tmp_path / f"source{i}.png") for i in range(len(sources))]
+    for image, file in zip(sources, paths):
+        image.save(file)
+    received = []
+
+    def change(prompts, images, source_images, **kwargs):
+        received.append((list(images), list(source_images)))
+        return [float(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32)).mean()) for a, b in
+                zip(images, source_images, strict=True)]  # fmt: skip
+
+    config = GRPOJaggConfig(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, num_generations=2, num_inference_steps=4,
+        height=32, width=32, max_sequence_length=16, guidance_scale=3.5, per_device_eval_batch_size=2,
+        eval_prompts=EDIT_PROMPTS, eval_source_images=paths, image_log_steps=1, report_to="none", disable_tqdm=True,
+    )  # fmt: skip
+    dataset = Dataset.from_dict({"prompt": EDIT_PROMPTS, "source_image": sources})
+    trainer = DDPOJaggTrainer(
+        model=tiny_flux_kontext_path, reward_funcs=change, args=config, train_dataset=dataset, eval_dataset=dataset
+    )  # full fine-tuning, untrained: the pipeline's weights
+    expected = kontext_pipeline_edit(tiny_flux_kontext_path, EDIT_PROMPTS, sources)
+    metrics = trainer.evaluate()
+    [(images, seen)] = received
+    assert_same_images(images, expected)
+    assert [np.asarray(s).tobytes() for s in seen] == [np.asarray(s).tobytes() for s in sources]
+    assert metrics["eval_reward"] == pytest.approx(float(np.mean(change(EDIT_PROMPTS, images, sources))))
+    assert_same_images(trainer.sample_images(), expected)  # eval_prompts with eval_source_images, seed eval_seed
+    assert_same_images(trainer.sample_images(EDIT_PROMPTS, seed=0, source_images=sources[::-1]),
+                       kontext_pipeline_edit(tiny_flux_kontext_path, EDIT_PROMPTS, sources[::-1]))  # fmt: skip
+    with pytest.raises(ValueError, match="edits images: sample_images\\(\\) needs the image each prompt edits"):
+        trainer.sample_images(["make it red"])
+    with pytest.raises(ValueError, match="eval_dataset has no 'source_image' column"):
+        trainer.evaluate(Dataset.from_dict({"prompt": EDIT_PROMPTS}))
+
+
+def test_sample_images_of_an_editing_model_need_source_images_at_init(
+    tiny_flux_kontext_path, tiny_flux_path, tmp_path
+):
+    settings = dict(output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2, report_to="none")
+    edits = Dataset.from_dict({"prompt": ["make it red"], "source_image": source_images()[:1]})
+    config = GRPOJaggConfig(**settings, eval_prompts=["make it red"], image_log_steps=1)
+    with pytest.raises(ValueError, match="set GRPOJaggConfig.eval_source_images"):
+        DDPOJaggTrainer(model=tiny_flux_kontext_path, reward_funcs=redness, args=config, train_dataset=edits)
+    config = GRPOJaggConfig(**settings, eval_prompts=["make it red"], eval_source_images=["missing.png"])
+    with pytest.raises(ValueError, match="eval_source_images\\[0\\] cannot be read"):
+        DDPOJaggTrainer(model=tiny_flux_kontext_path, reward_funcs=redness, args=config, train_dataset=edits)
+    with pytest.raises(ValueError, match="FluxAdapter generates from text only"):
+        DDPOJaggTrainer(model=tiny_flux_path, reward_funcs=redness, args=config,
+                        train_dataset=Dataset.from_dict({"prompt": ["a red circle"]}))  # fmt: skip
+    with pytest.raises(ValueError, match="eval_source_images has 2 images for 1 eval_prompts"):
+        GRPOJaggConfig(**settings, eval_prompts=["make it red"], eval_source_images=["a.png", "b.png"])
 
 
 def test_kontext_trainer_checks_the_source_images_at_init(tiny_flux_kontext_path, tmp_path):

@@ -34,6 +34,7 @@ NAMES = [
     "flow-grpo-qwenimage",
     "flow-grpo-qwenimage-all-steps",
     "flow-grpo-qwenimage-edit",
+    "flow-grpo-kontext",
     "flow-grpo-fast-flux",
     "dancegrpo-flux",
     "dancegrpo-flux-8gpu",
@@ -63,6 +64,11 @@ PUBLISHED = {
         num_generations=16, beta=0.0, train_timesteps="all_but_last", source_image_area=None,
     ),
     "flow-grpo-fast-flux": dict(train_timesteps="sde_window", sde_window_size=3, sde_window_max_start=0),
+    # Flow-GRPO config/grpo.py counting_flux_kontext (L654-690)
+    "flow-grpo-kontext": dict(
+        height=512, width=512, num_inference_steps=6, eval_num_inference_steps=28, guidance_scale=2.5, sampler="sde",
+        noise_level=0.9, num_generations=21, learning_rate=3e-4, train_timesteps="all_but_last",
+    ),
     "dancegrpo-flux": _DANCE_PUBLISHED,
     "dancegrpo-flux-8gpu": _DANCE_PUBLISHED,
     # MixGRPO-Flash (Tencent-Hunyuan/MixGRPO scripts/finetune/finetune_flux_grpo_MixGRPO_Flash.sh).
@@ -126,6 +132,10 @@ PEER_CONVENTIONS = {
     "flow-grpo-qwenimage-edit": {**_QWENIMAGE_CONVENTIONS, "max_sequence_length": None, "negative_prompt": " "},
     "flow-grpo-fast-flux": dict(
         **_FLOW_GRPO, **_FLOW_GRPO_EMA, scale_rewards="group", max_sequence_length=128, eval_num_inference_steps=28,
+    ),
+    "flow-grpo-kontext": dict(
+        **_FLOW_GRPO, **_FLOW_GRPO_EMA, scale_rewards="batch", max_sequence_length=128, eval_num_inference_steps=28,
+        drop_zero_advantages=True,
     ),
     "dancegrpo-flux": dict(**_DANCE_CONVENTIONS, ema_decay=0.0),
     "dancegrpo-flux-8gpu": dict(**_DANCE_CONVENTIONS, ema_decay=0.995, ema_warmup=False, ema_offload=True),
@@ -221,6 +231,21 @@ PEER_TRAINING = {
         ("dtype", "float32", "FG scripts/train_flux_fast.py:375, 412"),
         ("mixed_precision", "bf16", "FG config/grpo.py:640"),
     ],
+    "flow-grpo-kontext": [
+        ("lr_scheduler_type", "constant", "FG scripts/train_flux_kontext.py:462-468: an AdamW, no scheduler"),
+        ("optimizer_steps_per_rollout", 2, "FG config/grpo.py:673 (GA = num_batches_per_epoch // 2)"),
+        ("num_iterations", 1, "FG config/grpo.py:674"),
+        ("per_device_train_batch_size", 3, "FG config/grpo.py:666, 672"),
+        ("num_generations", 21, "FG config/grpo.py:667"),
+        ("beta", 0.0, "FG config/grpo.py:676"),
+        ("scale_rewards", "batch", "FG config/grpo.py:677 (global_std = True)"),
+        ("drop_zero_advantages", True, "FG scripts/train_flux_kontext.py:766-786 (zero-advantage samples masked)"),
+        ("ema_decay", 0.9, "FG config/grpo.py:679, scripts/train_flux_kontext.py:442"),
+        ("reward_funcs", ("clip-image-similarity", "geneval"), "FG config/grpo.py:685-688"),
+        ("reward_weights", [0.5, 0.5], "FG config/grpo.py:685-688"),
+        ("dtype", "float32", "FG scripts/train_flux_kontext.py:370, 407"),
+        ("mixed_precision", "bf16", "FG config/grpo.py:681"),
+    ],
     "dancegrpo-flux": [
         ("lr_scheduler_type", "constant_with_warmup", "DG fastvideo/train_grpo_flux.py:1047-1049 (the default)"),
         ("warmup_steps", 0, "DG scripts/finetune/finetune_flux_grpo.sh:47"),
@@ -278,7 +303,7 @@ _QWEN_LORA = (
     64, 128, _FG_ATTENTION + ("img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2")
 )  # FG scripts/train_qwenimage.py:410-427  # fmt: skip
 # Flow-Factory: lora_rank 64, lora_alpha 128 (examples/grpo/lora/*/default.yaml@a0b2bc5), its adapters'
-# default_target_modules (src/flow_factory/models/z_image/z_image.py@5405453; models/flux/flux2_klein.py@1e4264b,
+# default_target_modules at a0b2bc5 (src/flow_factory/models/z_image/z_image.py:70-75; models/flux/flux2_klein.py:92-104,
 # whose list has attn.to_out.0 twice).
 _ZIMAGE_LORA = (
     64, 128, ("attention.to_k", "attention.to_q", "attention.to_v", "attention.to_out.0",
@@ -297,6 +322,7 @@ PUBLISHED_LORA = {
     "flow-grpo-qwenimage-all-steps": _QWEN_LORA,
     "flow-grpo-qwenimage-edit": _QWEN_LORA,  # FG scripts/train_qwenimage_edit.py:416-435
     "flow-grpo-fast-flux": _FLUX_LORA,  # FG scripts/train_flux_fast.py:416-433
+    "flow-grpo-kontext": (64, 128, _FLUX_LORA[2] + ("proj_mlp",)),  # FG scripts/train_flux_kontext.py:411-430
     "dancegrpo-flux": None,  # full fine-tuning
     "mixgrpo-flux": None,
     "dancegrpo-flux-8gpu": None,
@@ -314,6 +340,7 @@ MODELS = {
     "flow-grpo-qwenimage-all-steps": "Qwen/Qwen-Image",
     "flow-grpo-qwenimage-edit": "Qwen/Qwen-Image-Edit",  # FG config/grpo.py:788
     "flow-grpo-fast-flux": "black-forest-labs/FLUX.1-dev",
+    "flow-grpo-kontext": "black-forest-labs/FLUX.1-Kontext-dev",
     "dancegrpo-flux": "black-forest-labs/FLUX.1-dev",
     "mixgrpo-flux": "black-forest-labs/FLUX.1-dev",
     "dancegrpo-flux-8gpu": "black-forest-labs/FLUX.1-dev",
@@ -599,14 +626,15 @@ PRESET_SPLIT_TINY = dict(
 )
 def test_preset_schedule_split_and_lora_through_the_trainer(name, request, tmp_path):
     """The logged learning rate stays constant, one rollout feeds the peer's number of optimizer steps (2 for
-    Flow-GRPO and Flow-Factory, 3 for DanceGRPO, 4 for MixGRPO), and the trained parameters are those of the peer's LoRA targets."""
+    Flow-GRPO and Flow-Factory, 3 for DanceGRPO, 4 for MixGRPO), and the trained parameters are those of the peer's
+    LoRA targets."""
     recipe = get_recipe(name)
     family = {"stabilityai": "sd3", "black-forest-labs": "flux", "Qwen": "qwenimage", "Tongyi-MAI": "zimage"}[
         recipe.model.split("/")[0]
     ]
     family = "flux2_klein" if "FLUX.2-klein" in recipe.model else family
-    edits = recipe.model == "Qwen/Qwen-Image-Edit"  # a source image per prompt, encoded at 32 x 32 px here
-    family += "_edit" if edits else ""
+    family = "flux_kontext" if "Kontext" in recipe.model else family
+    family += "_edit" if recipe.model == "Qwen/Qwen-Image-Edit" else ""
     path = request.getfixturevalue("tiny_dual_attention_sd3_path" if family == "sd3" else f"tiny_{family}_path")
     pipeline = recipe.apply_scheduler(DiffusionPipeline.from_pretrained(path))
     steps_per_rollout = _peer_value(name, "optimizer_steps_per_rollout")
@@ -616,6 +644,9 @@ def test_preset_schedule_split_and_lora_through_the_trainer(name, request, tmp_p
         scored.extend(images)
         return redness(prompts, images)
 
+    columns = {"prompt": ["a red circle", "a green square", "a blue circle", "a red square", "a cat", "a dog", "a"]}
+    if family in ("flux_kontext", "qwenimage_edit"):  # an editing model: each instruction with the image it edits
+        columns["source_image"] = [noise_image(seed, size=32) for seed in range(len(columns["prompt"]))]
     torch.manual_seed(0)
     trainer = DDPOJaggTrainer(
         model=pipeline,
@@ -623,19 +654,20 @@ def test_preset_schedule_split_and_lora_through_the_trainer(name, request, tmp_p
         args=GRPOJaggConfig.from_recipe(
             name,
             output_dir=str(tmp_path),
-            **PRESET_SPLIT_TINY,
             **{
+                **PRESET_SPLIT_TINY,
                 "num_inference_steps": 8 if name == "dancegrpo-flux" else 5,
                 "max_steps": steps_per_rollout,
                 # The window slides past the 5 tiny steps otherwise (its last start, 19, is for 25).
                 **({"sde_window_max_start": 1} if name == "mixgrpo-flux" else {}),
-                **({"source_image_area": 32 * 32} if edits else {}),
+                # Qwen-Image-Edit encodes the source image at 32 x 32 px here, not the pipeline's 1024 x 1024.
+                **({"source_image_area": 32 * 32} if family == "qwenimage_edit" else {}),
+                "reward_weights": None,  # one reward here
+                # Kontext's 14 micro-batches a rollout: groups of 2, so that they hold whole groups.
+                **({"num_generations": 2} if family == "flux_kontext" else {}),
             },
         ),  # fmt: skip
-        train_dataset=Dataset.from_dict(
-            {"prompt": ["a red circle", "a green square", "a blue circle", "a red square", "a cat", "a dog"]}
-            | ({"source_image": [noise_image(seed, 32) for seed in range(6)]} if edits else {})
-        ),
+        train_dataset=Dataset.from_dict(columns),
         peft_config=recipe.lora_config(),
     )
     trainer.train()
@@ -656,8 +688,10 @@ def test_preset_schedule_split_and_lora_through_the_trainer(name, request, tmp_p
     if family == "sd3":  # SD3.5's second attention is left alone; bare names would adapt it too
         assert any(".attn2." in n for n, _ in fresh.named_modules())
         assert not any(".attn2." in n for n in trainable)
-    if family == "flux":
+    if family in ("flux", "flux_kontext"):
         assert any(".ff_context." in n for n in trainable) and any(".ff.net." in n for n in trainable)
+    if family == "flux_kontext":  # the single blocks' MLP too
+        assert any("single_transformer_blocks." in n and ".proj_mlp." in n for n in trainable)
     if family.startswith("qwenimage"):
         assert any(".img_mlp." in n for n in trainable) and any(".txt_mlp." in n for n in trainable)
 

@@ -20,12 +20,14 @@ import time
 import zlib
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
 from testing_utils import noise_image, solid
 
 import trl_jagg.rewards as rewards
+from trl_jagg.rewards.remote import encode_image
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -56,6 +58,12 @@ def serve(server_module, served, **limits):
     return server, f"http://127.0.0.1:{server.server_address[1]}"
 
 
+def pixel_change(prompts, images, source_images, **kwargs):
+    """An edit reward: the mean absolute pixel change from each image's source."""
+    return [float(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)).mean())
+            for a, b in zip(images, source_images, strict=True)]  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def server_url(server_module):
     calls = {"flaky": 0}
@@ -76,7 +84,7 @@ def server_url(server_module):
         raise RuntimeError("secret detail: /home/alice/.cache/model.bin")
 
     served = {"prompt_color": rewards.prompt_color(), "flaky": flaky, "nan": nan_reward, "column": column,
-              "private": private}  # fmt: skip
+              "private": private, "change": pixel_change}  # fmt: skip
     server, url = serve(server_module, served, max_pixels=512 * 512, request_timeout=0.5, max_body_bytes=2**20)
     yield url
     server.shutdown()
@@ -119,6 +127,23 @@ def test_remote_reward_sends_dataset_columns_split_by_batch(server_url):
     reward = rewards.remote(f"{server_url}/score/column", batch_size=2)
     images = [solid((0, 0, 0))] * 3
     assert reward(["a", "b", "c"], images, offset=[1, 2, 3], tensor_column=torch.zeros(3)) == [1.0, 2.0, 3.0]
+
+
+def test_remote_reward_sends_source_images_split_by_batch(server_url):
+    """An editing model's source images travel as lossless PNGs beside the images, split with the batch, and reach
+    the served reward as `source_images`; a request whose source list does not match its prompts is a 400."""
+    images = [noise_image(seed, 16) for seed in range(3)]
+    sources = [noise_image(seed + 10, 16) for seed in range(3)]
+    local = pixel_change(["a"] * 3, images, sources)
+    reward = rewards.remote(f"{server_url}/score/change", batch_size=2)
+    assert reward(["a"] * 3, images, source_images=sources) == pytest.approx(local, abs=1e-12)
+    with pytest.raises(ValueError, match="2 source images for 3 images"):
+        reward(["a"] * 3, images, source_images=sources[:2])
+    status, answer = post(server_url, "/score/change", {"prompts": ["a"], "images": [], "source_images": []})
+    assert status == 400 and "'images' must be a list as long as 'prompts'" in answer["error"]
+    payload = {"prompts": ["a"], "images": [encode_image(images[0])], "source_images": []}
+    status, answer = post(server_url, "/score/change", payload)
+    assert status == 400 and "'source_images' must be a list as long as 'prompts'" in answer["error"]
 
 
 def test_remote_reward_retries_server_errors(server_url):

@@ -167,6 +167,75 @@ def test_clipscore_is_100_times_clamped_cosine(tiny_clip_dir):
         assert score - flipped_score == pytest.approx(100 * cos, abs=1e-4)
 
 
+# ----------------------------------------------------------------------------------------------- clip-edit
+
+
+def reference_edit_terms(model_dir: str, directions: list, outputs: list, sources: list) -> tuple[list, list]:
+    """InstructPix2Pix's directional and image similarity written out from CLIPModel's forward (which returns
+    L2-normalised embeddings), one edit at a time: ``directions[i]`` is a text or a (source, target) caption pair."""
+    from transformers import CLIPModel, CLIPProcessor
+
+    model, processor = CLIPModel.from_pretrained(model_dir).eval(), CLIPProcessor.from_pretrained(model_dir)
+    direction_terms, preservation_terms = [], []
+    with torch.no_grad():
+        for texts, output, source in zip(directions, outputs, sources):
+            texts = [texts] if isinstance(texts, str) else list(texts)
+            inputs = processor(text=texts, images=[source, output], return_tensors="pt", padding=True)
+            result = model(**inputs)
+            source_embed, output_embed = result.image_embeds
+            text = result.text_embeds[0] if len(texts) == 1 else result.text_embeds[1] - result.text_embeds[0]
+            change = output_embed - source_embed
+            direction_terms.append(float(change @ text / (change.norm() * text.norm())))
+            preservation_terms.append(float(source_embed @ output_embed))
+    return direction_terms, preservation_terms
+
+
+def test_clip_edit_is_directional_plus_preservation_similarity(tiny_clip_dir):
+    path, _ = tiny_clip_dir
+    instructions = ["make it red", "add a dog", "turn it green", "make it night"]
+    sources, outputs = make_images(seed=1), make_images(seed=2)
+    logged = {}
+    reward = rewards.clip_edit(
+        device="cpu", model_id=path, direction_weight=2.0, preservation_weight=0.5, batch_size=3
+    )
+    scores = reward(instructions, outputs, source_images=sources, log_metric=logged.__setitem__)
+    direction, preservation = reference_edit_terms(path, instructions, outputs, sources)
+    expected = [2.0 * d + 0.5 * p for d, p in zip(direction, preservation)]
+    assert scores == pytest.approx(expected, abs=1e-4)
+    assert logged["clip-edit/direction"] == pytest.approx(np.mean(direction), abs=1e-4)
+    assert logged["clip-edit/preservation"] == pytest.approx(np.mean(preservation), abs=1e-4)
+    # With the dataset's captions the text direction is target - source.
+    captions = {"source_caption": ["a cat", "a room", "a tree", "a street"],
+                "target_caption": ["a red cat", "a room with a dog", "a green tree", "a street at night"]}  # fmt: skip
+    with_captions = reward(instructions, outputs, source_images=sources, **captions)
+    pairs = list(zip(captions["source_caption"], captions["target_caption"]))
+    direction, preservation = reference_edit_terms(path, pairs, outputs, sources)
+    assert with_captions == pytest.approx([2.0 * d + 0.5 * p for d, p in zip(direction, preservation)], abs=1e-4)
+    # An unchanged image moves nowhere (direction 0) and keeps everything (preservation 1).
+    assert reward(instructions[:1], sources[:1], source_images=sources[:1]) == pytest.approx([0.5], abs=1e-5)
+
+
+def test_clip_edit_by_name_and_its_errors(tiny_clip_dir):
+    path, _ = tiny_clip_dir
+    [reward] = rewards.load_reward_funcs(["clip-edit"], model_id=path, device="cpu")
+    images = make_images(2)
+    assert reward.__name__ == "clip-edit" and len(reward(["make it red"] * 2, images, source_images=images)) == 2
+    # Flow-GRPO's image_similarity: the preservation term alone, under its own name.
+    [similarity] = rewards.load_reward_funcs("clip-image-similarity", model_id=path, device="cpu")
+    sources = make_images(2, seed=3)
+    _, preservation = reference_edit_terms(path, ["make it red"] * 2, images, sources)
+    assert similarity.__name__ == "clip-image-similarity"
+    assert similarity(["make it red"] * 2, images, source_images=sources) == pytest.approx(preservation, abs=1e-4)
+    with pytest.raises(ValueError, match="needs `source_images`, one per image"):
+        reward(["make it red"] * 2, images)
+    with pytest.raises(ValueError, match="only one of the `source_caption` and `target_caption`"):
+        reward(["make it red"] * 2, images, source_images=images, source_caption=["a", "b"])
+    with pytest.raises(ValueError, match="both 0"):
+        rewards.clip_edit(direction_weight=0, preservation_weight=0)
+    with pytest.raises(ValueError, match="preservation_weight is nan"):
+        rewards.clip_edit(preservation_weight=float("nan"))
+
+
 # ----------------------------------------------------------------------------------------------- aesthetic
 
 

@@ -14,7 +14,7 @@ import torch
 from datasets import Dataset
 from diffusers import FluxPipeline, StableDiffusion3Pipeline
 from peft import LoraConfig
-from testing_utils import PROMPTS, BackboneCalls, gdpo_by_hand, redness, run_update, trained_steps_of
+from testing_utils import PROMPTS, BackboneCalls, gdpo_by_hand, redness, run_update, trained_steps_of, update_gradient
 from transformers import TrainerCallback
 
 import trl_jagg.trainer.generation as generation
@@ -425,23 +425,6 @@ def test_calibrate_jagg_reports_group_cosines(tiny_flux_path, tmp_path):
 
 
 # ---------------------------------------------------------------- velocity cache, batched calls, routing
-def update_gradient(trainer, rollout, **overrides) -> torch.Tensor:
-    """The flat gradient of one update of `rollout` with config `overrides` (restored afterwards)."""
-    model = trainer.model
-    saved = {k: getattr(trainer.args, k) for k in overrides}
-    for k, v in overrides.items():
-        setattr(trainer.args, k, v)
-    try:
-        model.zero_grad(set_to_none=True)
-        model.train()
-        run_update(trainer, model, rollout)
-        params = [p for p in model.parameters() if p.requires_grad]
-        return torch.cat([p.grad.flatten() for p in params])
-    finally:
-        for k, v in saved.items():
-            setattr(trainer.args, k, v)
-
-
 @pytest.mark.parametrize("beta", [0.0, 0.2])
 def test_velocity_cache_gives_the_uncached_gradient_with_two_forwards_and_one_backward(tiny_flux_path, tmp_path, beta):
     # 5 steps, 4 trained: one JAGG group of W = 4 with two intermediate steps.

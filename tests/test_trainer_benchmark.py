@@ -83,3 +83,22 @@ def test_peak_memory_sees_a_large_allocation():
 def test_bad_input_raises(tmp_path, kwargs, name):
     with pytest.raises(ValueError, match=name):
         run_trainer_benchmark(str(tmp_path), **kwargs)
+
+
+def test_editing_variant_runs_on_the_tiny_kontext(tmp_path):
+    """family="flux_kontext": the same update path on an editing model, whose backbone calls carry the source
+    image's tokens too; the JAGG cache still replaces the intermediate forwards (counted by hooks)."""
+    report = run_trainer_benchmark(
+        str(tmp_path), group_sizes=(4,), jagg_fracs=(1.0,), betas=(0.0,), num_inference_steps=5, resolution=32,
+        max_sequence_length=16, num_layers=1, num_single_layers=1, repeats=1, memory=False, plot=False,
+        family="flux_kontext",
+    )  # fmt: skip
+    config = report["config"]
+    assert (config["family"], config["image_tokens"], config["reference_tokens"]) == ("flux_kontext", 4, 4)
+    calls = {r["variant"]: r["calls"] for r in report["results"]}
+    counts = {
+        v: tuple(c[k] for k in ("graph_forwards", "no_grad_forwards", "backward_calls")) for v, c in calls.items()
+    }
+    assert counts["exact"] == (4, 0, 4) and counts["jagg"] == (2, 2, 1) and counts["jagg_cache"] == (2, 0, 1)
+    with pytest.raises(ValueError, match="`family` must be one of"):
+        run_trainer_benchmark(str(tmp_path), family="wan")

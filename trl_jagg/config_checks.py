@@ -310,6 +310,13 @@ def check_fields(config: GRPOJaggConfig) -> None:
             fail(name, f"is {getattr(config, name)}", "Use a positive value, or None for the default.")
     if config.image_log_steps < 0:
         fail("image_log_steps", f"is {config.image_log_steps}", "Use 0 (off) or a positive interval.")
+    sources = config.eval_source_images
+    if sources is not None and len(sources) != len(config.eval_prompts or ()):
+        fail(
+            "eval_source_images",
+            f"has {len(sources)} images for {len(config.eval_prompts or ())} eval_prompts",
+            "Give one source image (a file path) per eval prompt.",
+        )
     if config.reward_retries < 0:
         fail("reward_retries", f"is {config.reward_retries}", "Use 0 (no retry) or more.")
     trained = config.num_trained_steps

@@ -279,14 +279,11 @@ class DDPOJaggTrainer(_BaseTrainer):
         """The EMA weights in place of the trained ones for the duration of the block (a no-op without EMA)."""
         return ema_swapped_in(self.ema)
 
-    def sample_images(self, prompts: Sequence[str] | None = None, seed: int | None = None) -> list:
-        """Render prompts (default: ``eval_prompts``) with deterministic ODE sampling and the current weights."""
-        return self.evaluator.sample_images(
-            self.accelerator.unwrap_model(self.model),
-            self.ema,
-            prompts if prompts is not None else self.args.eval_prompts,
-            self.args.eval_seed if seed is None else seed,
-        )
+    def sample_images(self, prompts: Sequence[str] | None = None, seed: int | None = None, source_images=None) -> list:
+        """Render prompts (default: ``eval_prompts``, with ``eval_source_images``) with deterministic ODE sampling
+        and the current weights; an editing model needs ``source_images``, one per prompt (PIL images or paths)."""
+        transformer = self.accelerator.unwrap_model(self.model)
+        return self.evaluator.sample_images(transformer, self.ema, prompts, seed, source_images)
 
     def _log_samples(self, step: int) -> None:
         """Render ``eval_prompts``, log the grid, and keep the images as the model card's widget."""

@@ -80,8 +80,9 @@ class GRPOJaggConfig(TrainingArguments):
 
         > Evaluation
 
-        eval_prompts, eval_num_inference_steps, eval_seed, image_log_steps, log_completions; with an `eval_dataset`,
-        the inherited `eval_strategy` / `eval_steps` / `per_device_eval_batch_size` run `DDPOJaggTrainer.evaluate`.
+        eval_prompts, eval_source_images, eval_num_inference_steps, eval_seed, image_log_steps, log_completions; with
+        an `eval_dataset`, the inherited `eval_strategy` / `eval_steps` / `per_device_eval_batch_size` run
+        `DDPOJaggTrainer.evaluate`.
 
     Fields that mean what a field of TRL's `GRPOConfig` means carry TRL's name (`num_generations`, `beta`,
     `num_iterations`, `epsilon`, `epsilon_high`, `scale_rewards` (also boolean), `steps_per_generation`,
@@ -572,6 +573,13 @@ class GRPOJaggConfig(TrainingArguments):
     eval_prompts: list[str] | None = field(
         default=None, metadata={"help": "Prompts rendered (deterministic ODE sampling) and logged as sample images."}
     )
+    eval_source_images: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Editing models (FLUX.1 Kontext): the source image each of `eval_prompts` edits, one file path "
+            "per prompt, for the sample images."
+        },
+    )
     eval_num_inference_steps: int | None = field(
         default=None, metadata={"help": "Denoising steps for sample images (defaults to `num_inference_steps`)."}
     )
@@ -630,6 +638,8 @@ class GRPOJaggConfig(TrainingArguments):
         # prompt, not one prompt per character.
         if isinstance(self.eval_prompts, str):
             self.eval_prompts = [self.eval_prompts]
+        if isinstance(self.eval_source_images, str):
+            self.eval_source_images = [self.eval_source_images]
         if isinstance(self.reward_weights, numbers.Real) and not isinstance(self.reward_weights, bool):
             self.reward_weights = [self.reward_weights]
         self.reward_kwargs = reward_kwargs_mapping(self.reward_kwargs)

@@ -41,14 +41,8 @@ from typing import Any
 from .recipe import Recipe
 
 __all__ = [
-    "ATTENTION_PROJECTIONS",
-    "PAPER_JAGG",
-    "RECIPES",
-    "Recipe",
-    "get_recipe",
-    "list_recipes",
-    "write_recipe_yamls",
-]
+    "ATTENTION_PROJECTIONS", "PAPER_JAGG", "RECIPES", "Recipe", "get_recipe", "list_recipes", "write_recipe_yamls",
+]  # fmt: skip
 
 PAPER_JAGG: Mapping[str, Any] = MappingProxyType({"use_jagg": True, "jagg_group_size": 4, "jagg_frac": 0.6})
 """The JAGG settings of the paper (arXiv 2607.17572): W = 4, the high-noise 60% of the groups routed to JAGG."""
@@ -187,6 +181,36 @@ _FLUX = Recipe(
         "Two optimizer steps per rollout, each image used once, as Flow-GRPO.",
         "On GPUs add bf16=True: Flow-GRPO's precision. The float32 transformer takes 48 GB (24 GB in bf16), as in "
         "Flow-GRPO; dtype='bfloat16' halves it (the matmuls round the weights to bf16 under autocast either way).",
+    ),
+)
+
+# Shared with flow-grpo-flux: 512 px, a = 0.9, beta 0, global std, EMA, 128 tokens, bf16 (L665, L676-681 of the config;
+# train_flux_kontext.py:442, 588) and the base config's optimiser.
+_KONTEXT = _FLUX.variant(
+    "flow-grpo-kontext",
+    "Flow-GRPO on FLUX.1-Kontext-dev (image editing): LoRA on attention, feed-forward and the single blocks' MLP, "
+    "embedded guidance 2.5, SDE a = 0.9, 6 steps, CLIP image similarity to the source + GenEval counting.",
+    {
+        **{"num_inference_steps": 6, "eval_num_inference_steps": 28, "guidance_scale": 2.5},  # L661-663
+        "num_generations": 21,  # num_image_per_prompt (L667); train_batch_size 3 (L666), GA = batches // 2 (L673)
+        **_two_updates_per_rollout(per_device=3, images_per_process=42),
+        "drop_zero_advantages": True,  # train_flux_kontext.py:766-786 masks zero-advantage samples
+        "reward_weights": [0.5, 0.5],  # L685-688
+    },
+    model="black-forest-labs/FLUX.1-Kontext-dev",
+    source="Flow-GRPO (Liu et al. 2025, arXiv 2505.05470): config/grpo.py counting_flux_kontext (L654-690) and "
+    "scripts/train_flux_kontext.py at zhtmike/flow_grpo@9745241; JAGG spec section 5.",
+    lora=_lora(64, _FLOW_GRPO_ATTENTION + _FLUX_FEED_FORWARD + ("proj_mlp",)),  # train_flux_kontext.py:411-430
+    reward_funcs=("clip-image-similarity", "geneval"),
+    notes=(
+        "The dataset has `source_image` (resized to the output size, as train_flux_kontext.py:582) and GenEval's "
+        "counting metadata (tag, include, exclude). Per-prompt statistics group by instruction and source image.",
+        "Each process samples two groups of 21 (42 images, 14 micro-batches of 3, an optimizer step every 7); "
+        "Flow-GRPO samples 12 batches of 3 per GPU on 28 GPUs (48 prompts x 21 images per epoch, L668). 6 steps "
+        "train 5 (timestep_fraction 0.99, L675): one JAGG group of W = 4, the remaining step exact.",
+        "geneval is GenEval-style (OWLv2), not Flow-GRPO's Mask2Former sidecar (examples/flow_grpo_sidecar.py "
+        "serves that); clip-image-similarity is its image_similarity on the same CLIP ViT-L/14 (bicubic resize).",
+        _FLUX.notes[-1],
     ),
 )
 
@@ -329,8 +353,8 @@ _DANCE = Recipe(
         "per rollout, on the CPU, max_grad_norm 0.01).",
     ),
 )
-# Flow-Factory's default LoRA targets, as its adapters list them (default_target_modules in
-# src/flow_factory/models/z_image/z_image.py@5405453 and src/flow_factory/models/flux/flux2_klein.py@1e4264b, which
+# Flow-Factory's default LoRA targets, as its adapters list them at a0b2bc5 (default_target_modules in
+# src/flow_factory/models/z_image/z_image.py:70-75 and src/flow_factory/models/flux/flux2_klein.py:92-104, which
 # names attn.to_out.0 twice): attention and feed-forward of every block.
 _ZIMAGE_LORA_TARGETS = (
     "attention.to_k", "attention.to_q", "attention.to_v", "attention.to_out.0",
@@ -480,6 +504,7 @@ RECIPES: Mapping[str, Recipe] = MappingProxyType(
                     *_QWENIMAGE.notes[-1:],
                 ),
             ),
+            _KONTEXT,
             _FAST_FLUX,
             _DANCE,
             _DANCE.variant(

@@ -18,6 +18,10 @@ repeat and reported as median, min and max; times are wall time on a GPU and the
 reference forwards, backward calls), and the peak memory of each variant's update is measured: the CUDA peak on a
 GPU; on CPU (Linux) the growth of the process's peak resident set (``VmHWM``, reset through
 ``/proc/self/clear_refs`` after returning freed memory with ``malloc_trim``) over the update.
+
+``family="flux_kontext"`` runs the same on a tiny FLUX.1 Kontext (image editing): each sample edits a source image
+whose latents join the sequence, so every backbone call carries twice the image tokens while only the generated
+ones are trained; the update's speedup on that longer sequence is the editing variant of the benchmark.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ import torch
 from datasets import Dataset
 
 PROMPTS = ["a red circle", "a green square", "a blue triangle", "a red square"]
+FAMILIES = ("flux", "flux_kontext")
+"""The tiny pipelines the benchmark runs on: text-to-image Flux, and FLUX.1 Kontext (editing)."""
 JSON_NAME = "trainer_benchmark.json"
 PNG_NAME = "trainer_benchmark.png"
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -193,8 +199,10 @@ def run_trainer_benchmark(
     seed: int = 0,
     num_threads: int = 1,
     plot: bool = True,
+    family: str = "flux",
 ) -> dict[str, Any]:
-    """Time the update stage of the real trainer for every variant (see the module docstring) on a tiny Flux.
+    """Time the update stage of the real trainer for every variant (see the module docstring) on a tiny Flux (or
+    FLUX.1 Kontext: ``family``).
 
     Returns (and writes as JSON, and PNG unless ``plot=False``) the configuration, the rollout seconds of every
     repeat and, per (beta, W, jagg_frac, variant): update seconds, speedups over exact (update stage and whole
@@ -219,6 +227,8 @@ def run_trainer_benchmark(
         num_threads: torch CPU threads while timing (1: on a shared machine more threads mostly time the
             scheduler); restored afterwards.
         plot: write the PNG chart.
+        family: ``"flux"`` or ``"flux_kontext"`` (editing: one source image per prompt, as many reference tokens as
+            image tokens in every backbone call).
     """
     from peft import LoraConfig
 
@@ -234,6 +244,12 @@ def run_trainer_benchmark(
         raise ValueError(f"`resolution` must be a multiple of 16 (8x VAE, 2x2 packing), got {resolution}.")
     if batch < 2 or batch % 2:
         raise ValueError(f"`batch` must be a positive multiple of 2 (2 generations per prompt), got {batch}.")
+    if family not in FAMILIES:
+        raise ValueError(f"`family` must be one of {FAMILIES}, got {family!r}.")
+    columns: dict[str, list] = {"prompt": PROMPTS}
+    if family == "flux_kontext":  # the images the prompts edit: random pixels (a constant image encodes alike)
+        generator = torch.Generator().manual_seed(seed)
+        columns["source_image"] = [_random_image(resolution, generator) for _ in PROMPTS]
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     num_trained = num_inference_steps - 1
@@ -244,8 +260,8 @@ def run_trainer_benchmark(
     try:
         with tempfile.TemporaryDirectory() as tmp:
             model_dir = save_tiny_pipeline(
-                "flux",
-                str(Path(tmp) / "flux"),
+                family,
+                str(Path(tmp) / family),
                 seed=seed,
                 transformer={"num_layers": num_layers, "num_single_layers": num_single_layers},
             )
@@ -270,7 +286,7 @@ def run_trainer_benchmark(
                     model=model_dir,
                     reward_funcs="prompt_color",
                     args=config,
-                    train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+                    train_dataset=Dataset.from_dict(columns),
                     peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=["to_q", "to_k", "to_v"])
                     if lora
                     else None,
@@ -285,10 +301,12 @@ def run_trainer_benchmark(
         torch.set_num_threads(previous_threads)
     report = {
         "config": {
+            "family": family,
             "num_inference_steps": num_inference_steps,
             "trained_steps": num_trained,
             "resolution": resolution,
             "image_tokens": (resolution // 16) ** 2,
+            "reference_tokens": (resolution // 16) ** 2 if family == "flux_kontext" else 0,
             "text_tokens": max_sequence_length,
             "batch": batch,
             "num_layers": num_layers,
@@ -319,6 +337,14 @@ def run_trainer_benchmark(
     _print_report(report)
     print(f"wrote {out / JSON_NAME}" + (f" and {out / PNG_NAME}" if plot else ""))
     return report
+
+
+def _random_image(size: int, generator: torch.Generator) -> Any:
+    """A ``size`` x ``size`` RGB PIL image of uniform random pixels."""
+    from PIL import Image
+
+    pixels = torch.randint(0, 256, (size, size, 3), generator=generator, dtype=torch.uint8)
+    return Image.fromarray(pixels.numpy())
 
 
 def _instances(
@@ -500,8 +526,9 @@ def _targets(results: list[dict[str, Any]], betas: Sequence[float]) -> list[dict
 def _print_report(report: dict[str, Any]) -> None:
     config = report["config"]
     print(
-        f"tiny Flux ({config['num_layers']}+{config['num_single_layers']} blocks), {config['trained_steps']} trained "
-        f"steps, batch {config['batch']}, {config['image_tokens']} image + {config['text_tokens']} text tokens, "
+        f"tiny {config['family']} ({config['num_layers']}+{config['num_single_layers']} blocks), "
+        f"{config['trained_steps']} trained steps, batch {config['batch']}, {config['image_tokens']} image + "
+        f"{config['reference_tokens']} reference + {config['text_tokens']} text tokens, "
         f"{config['repeats']} interleaved repeats (median [min, max])"
     )
     for beta, spread in report["rollout_s"].items():

@@ -20,6 +20,7 @@ from trl_jagg.rewards.base import (
 )
 from trl_jagg.rewards.clip_based import clip_score, hpsv2, pickscore
 from trl_jagg.rewards.compression import jpeg_compressibility, jpeg_incompressibility
+from trl_jagg.rewards.edit import clip_edit, clip_image_similarity
 from trl_jagg.rewards.geneval import geneval
 from trl_jagg.rewards.hpsv3 import hpsv3
 from trl_jagg.rewards.image_reward import image_reward
@@ -38,6 +39,8 @@ __all__ = [
     "available_rewards",
     "brightness",
     "check_rewards",
+    "clip_edit",
+    "clip_image_similarity",
     "clip_score",
     "compute_rewards",
     "geneval",

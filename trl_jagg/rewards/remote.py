@@ -2,7 +2,8 @@
 
 Protocol (JSON over ``POST``, see ``examples/reward_server.py``)::
 
-    request:  {"prompts": [str, ...], "images": [base64 PNG, ...], "metadata": {column: [value, ...]}}
+    request:  {"prompts": [str, ...], "images": [base64 PNG, ...], "metadata": {column: [value, ...]},
+               "source_images": [base64 PNG, ...]}   (editing models only: the image each sample edits)
     response: {"scores": [float, ...]}            (or {"error": str} with an HTTP error status)
 
 Both sides bound what the other can make them do: the client gives each attempt one deadline for connecting,
@@ -282,8 +283,13 @@ class RemoteReward:
             f"Is it running and reachable? {SERVER_HINT}"
         )
 
-    def _score(self, prompts: list[str], images: list[Image.Image], metadata: dict[str, Any]) -> list[float | None]:
-        answer = self._post({"prompts": prompts, "images": [encode_image(im) for im in images], "metadata": metadata})
+    def _score(
+        self, prompts: list[str], images: list[Image.Image], metadata: dict[str, Any], sources: list | None
+    ) -> list[float | None]:
+        payload = {"prompts": prompts, "images": [encode_image(im) for im in images], "metadata": metadata}
+        if sources is not None:
+            payload["source_images"] = [encode_image(im) for im in sources]
+        answer = self._post(payload)
         scores = answer.get("scores") if isinstance(answer, dict) else None
         if not isinstance(scores, list) or len(scores) != len(images):
             shown = repr(answer)[:200]
@@ -298,8 +304,12 @@ class RemoteReward:
         return [None if score is None else float(score) for score in scores]
 
     def __call__(self, prompts: Sequence[str], images: Sequence[Image.Image], **kwargs: Any) -> list[float | None]:
-        """Score each (prompt, image) pair on the server; JSON-serialisable ``kwargs`` go along as metadata."""
+        """Score each (prompt, image) pair on the server; JSON-serialisable ``kwargs`` go along as metadata, and an
+        editing model's ``source_images`` as base64 PNGs beside the images."""
         check_pairs(prompts, images)
+        sources = kwargs.pop("source_images", None)
+        if sources is not None and len(sources) != len(images):
+            raise ValueError(f"Got {len(sources)} source images for {len(images)} images: give one per image.")
         step = self.batch_size or max(len(images), 1)
         columns = _json_columns(kwargs)
         scores: list[float | None] = []
@@ -309,8 +319,14 @@ class RemoteReward:
                 key: value[start : start + step] if isinstance(value, list) and len(value) == len(images) else value
                 for key, value in columns.items()
             }
+            batch = slice(start, start + step)
             scores.extend(
-                self._score(list(prompts[start : start + step]), list(images[start : start + step]), metadata)
+                self._score(
+                    list(prompts[batch]),
+                    list(images[batch]),
+                    metadata,
+                    None if sources is None else list(sources[batch]),
+                )
             )
         return scores
 

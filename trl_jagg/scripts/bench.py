@@ -94,6 +94,13 @@ class TrainerBenchmarkArguments:
     seed: int = field(default=0, metadata={"help": "Seed of the model weights and the rollouts."})
     num_threads: int = field(default=1, metadata={"help": "torch CPU threads while timing (restored afterwards)."})
     plot: bool = field(default=True, metadata={"help": "Write the PNG chart (--no_plot skips it)."})
+    family: str = field(
+        default="flux",
+        metadata={
+            "help": "flux, or flux_kontext: image editing, the source image's latents in every backbone call "
+            "(twice the image tokens)."
+        },
+    )
 
 
 def _whole_step_variants() -> tuple[str, ...]:

@@ -613,18 +613,19 @@ class TinyRun:
 
 def tiny_run(family: str, *, num_inference_steps: int = 5) -> TinyRun:
     """The ``--tiny`` setup of the examples for ``family``; ``num_inference_steps`` sets how many steps are trained
-    (5 gives 4 trained steps: one full JAGG group of W = 4). Editing families get a source image per prompt."""
+    (5 gives 4 trained steps: one full JAGG group of W = 4). An editing family's dataset also has a ``source_image``
+    column (grey images of different shades: the image each instruction edits)."""
     from datasets import Dataset
 
     config = dict(
         height=32, width=32, num_inference_steps=num_inference_steps, num_generations=2,
         per_device_train_batch_size=4, gradient_accumulation_steps=1, steps_per_generation=None, max_steps=2,
         max_sequence_length=16, dtype="float32", bf16=False, fp16=False, offload_frozen_modules=False,
-        report_to="none", save_strategy="no",
+        report_to="none", save_strategy="no", reward_weights=None,  # one reward, whatever the preset's weights
     )  # fmt: skip
     columns: dict[str, list[Any]] = {"prompt": list(TINY_PROMPTS)}
     if family in ("flux_kontext", "qwenimage_edit", "qwenimage_edit_plus"):  # editing: a grey image to edit
-        columns["source_image"] = [Image.new("RGB", (32, 32), (128, 128, 128))] * len(TINY_PROMPTS)
+        columns["source_image"] = [Image.new("RGB", (32, 32), (64 * i,) * 3) for i in range(len(TINY_PROMPTS))]
         if family != "flux_kontext":  # encoded at the output's 32 x 32 px, not the pipeline's 1024 x 1024
             config["source_image_area"] = 32 * 32
     model = save_tiny_pipeline(family, tempfile.mkdtemp(prefix=f"tiny-{family}-"))

@@ -14,7 +14,7 @@ from transformers import TrainerCallback
 
 from ..grpo_jagg_config import GRPOJaggConfig
 from ..models import FlowMatchingAdapter
-from ..prompts import prompt_dataset, prompt_text
+from ..prompts import SOURCE_IMAGE_COLUMN, prompt_dataset, prompt_text, source_image
 from ..rollout import generate_images
 from .conditioning import negative_prompt
 from .ema import EMAWeights, ema_swapped_in
@@ -47,8 +47,9 @@ class Evaluator:
         self.frozen = frozen
         self.reward_funcs = reward_funcs
 
-    def render(self, prompts: Sequence[str], seed: int) -> list:
-        """ODE images of ``prompts`` with the weights the backbone holds now."""
+    def render(self, prompts: Sequence[str], seed: int, source_images: Sequence | None = None) -> list:
+        """ODE images of ``prompts`` (editing ``source_images``, one per prompt) with the weights the backbone holds
+        now."""
         args = self.args
         with self.frozen.on_accelerator(self.frozen.text_encoders + self.frozen.vae):
             return generate_images(
@@ -62,14 +63,35 @@ class Evaluator:
                 negative_prompt=negative_prompt(self.adapter, args),
                 max_sequence_length=args.max_sequence_length,
                 seed=seed,
+                source_images=source_images,
             )
 
     def sample_images(
-        self, transformer: torch.nn.Module, ema: EMAWeights | None, prompts: Sequence[str], seed: int
+        self,
+        transformer: torch.nn.Module,
+        ema: EMAWeights | None,
+        prompts: Sequence[str] | None = None,
+        seed: int | None = None,
+        source_images: Sequence | None = None,
     ) -> list:
-        """ODE images of ``prompts`` with the EMA weights when there are some, else the trained ones."""
+        """ODE images of ``prompts`` (default ``eval_prompts`` with ``eval_source_images``; seed default
+        ``eval_seed``) with the EMA weights when there are some, else the trained ones. An editing model needs
+        ``source_images``: PIL images, paths or bytes, one per prompt."""
+        args = self.args
+        if prompts is None:
+            prompts = args.eval_prompts
+            source_images = args.eval_source_images if source_images is None else source_images
+        if prompts is None:
+            raise ValueError("sample_images() needs prompts: pass them, or set GRPOJaggConfig.eval_prompts.")
+        if self.adapter.edits_images and source_images is None:
+            raise ValueError(
+                f"{type(self.adapter).__name__} edits images: sample_images() needs the image each prompt edits. "
+                "Pass source_images=[...] (one per prompt), or set GRPOJaggConfig.eval_source_images for eval_prompts."
+            )
+        if source_images is not None:
+            source_images = [source_image(value, f"source_images[{i}]") for i, value in enumerate(source_images)]
         with eval_mode(transformer), ema_swapped_in(ema):
-            return self.render(prompts, seed)
+            return self.render(prompts, args.eval_seed if seed is None else seed, source_images)
 
     def evaluate(
         self, transformer: torch.nn.Module, ema: EMAWeights | None, dataset: Any, *, metric_key_prefix: str,
@@ -84,22 +106,30 @@ class Evaluator:
             )
         args = self.args
         start = time.perf_counter()
-        # Checked as the training prompts are: a list is converted, a missing 'prompt' column or a bad row named.
-        dataset = prompt_dataset(dataset, 1, name="eval_dataset")
+        # Checked as the training prompts are: a list is converted, a missing 'prompt' column (or an editing model's
+        # 'source_image' column) or a bad row named.
+        edits = self.adapter.edits_images
+        dataset = prompt_dataset(dataset, 1, name="eval_dataset", source_images=edits)
         with self.accelerator.split_between_processes(list(range(len(dataset)))) as rows:
             records = [dataset[i] for i in rows]
         prompts = [prompt_text(record["prompt"], "eval_dataset 'prompt'") for record in records]
-        images = []
-        with eval_mode(transformer), ema_swapped_in(ema):
-            for begin in range(0, len(prompts), args.per_device_eval_batch_size):
-                batch = prompts[begin : begin + args.per_device_eval_batch_size]
-                # A seed per batch, from its first row: deterministic for a given process count and batch size.
-                images.extend(self.render(batch, args.eval_seed + rows[begin]))
-        per_reward: dict[str, list[float]] = {}
-        reward_metrics: dict[str, list[float]] = defaultdict(list)
         columns = (
             {key: [record[key] for record in records] for key in records[0] if key != "prompt"} if records else {}
         )
+        sources = None
+        if edits:  # as in training: each edit is conditioned on its source and scored against it
+            where = f"eval_dataset '{SOURCE_IMAGE_COLUMN}'"
+            sources = [source_image(value, where) for value in columns.pop(SOURCE_IMAGE_COLUMN, [])]
+            columns["source_images"] = sources
+        images = []
+        size = args.per_device_eval_batch_size
+        with eval_mode(transformer), ema_swapped_in(ema):
+            for begin in range(0, len(prompts), size):
+                batch_sources = None if sources is None else sources[begin : begin + size]
+                # A seed per batch, from its first row: deterministic for a given process count and batch size.
+                images.extend(self.render(prompts[begin : begin + size], args.eval_seed + rows[begin], batch_sources))
+        per_reward: dict[str, list[float]] = {}
+        reward_metrics: dict[str, list[float]] = defaultdict(list)
         # As in training: retried, and a failure on any process raises RewardFailure on all (the trainer saves).
         total, parts = scored_rewards(
             self.reward_funcs, self.accelerator, prompts, images, weights=args.reward_weights,

@@ -10,7 +10,7 @@ from datasets import Dataset
 
 from ..grpo_jagg_config import GRPOJaggConfig
 from ..models import FlowMatchingAdapter
-from ..prompts import check_source_images, prompt_dataset
+from ..prompts import check_source_images, prompt_dataset, source_image
 from ..rewards import load_reward_funcs
 from .checkpoint_checks import check_checkpoint_dir
 
@@ -42,21 +42,36 @@ def checked_inputs(
 def checked_source_images(
     adapter: FlowMatchingAdapter, args: GRPOJaggConfig, train_dataset: Dataset, eval_dataset: Dataset | None
 ) -> None:
-    """For an editing model: ``source_image_area`` given to the adapter, then the images each prompt edits checked
-    row by row before training (errors name the row), and that they give one reference grid."""
+    """For an editing model: ``source_image_area`` given to the adapter, then the images each prompt edits (the
+    datasets' rows, ``eval_source_images`` for the sample images) checked before training (errors name the row), and
+    that they give one reference grid; a text-to-image model refuses ``eval_source_images``."""
+    name = type(adapter).__name__
     if args.source_image_area is not None:
         if not hasattr(adapter, "source_image_area"):
             raise ValueError(
-                f"GRPOJaggConfig.source_image_area is set, but {type(adapter).__name__} does not resize source images "
-                "by area (only Qwen-Image-Edit and Qwen-Image-Edit-Plus do). Leave it None."
+                f"GRPOJaggConfig.source_image_area is set, but {name} does not resize source images by area (only "
+                "Qwen-Image-Edit and Qwen-Image-Edit-Plus do). Leave it None."
             )
         adapter.source_image_area = args.source_image_area
     if args.precompute_prompt_embeds and adapter.prompts_see_images:
         raise ValueError(
-            f"GRPOJaggConfig.precompute_prompt_embeds cannot be used with {type(adapter).__name__}: its prompts are "
-            "encoded together with each sample's source images. Set precompute_prompt_embeds=False."
+            f"GRPOJaggConfig.precompute_prompt_embeds cannot be used with {name}: its prompts are encoded together "
+            "with each sample's source images. Set precompute_prompt_embeds=False."
         )
-    if adapter.edits_images:
-        for dataset, name in ((train_dataset, "train_dataset"), (eval_dataset, "eval_dataset")):
-            if dataset is not None:
-                check_source_images(dataset, name, adapter.max_source_images, adapter.reference_sizes)
+    if not adapter.edits_images:
+        if args.eval_source_images is not None:
+            raise ValueError(
+                f"GRPOJaggConfig.eval_source_images is set but {name} generates from text only: drop it, or train an "
+                "editing model (FluxKontextPipeline, QwenImageEditPipeline)."
+            )
+        return
+    for dataset, where in ((train_dataset, "train_dataset"), (eval_dataset, "eval_dataset")):
+        if dataset is not None:
+            check_source_images(dataset, where, adapter.max_source_images, adapter.reference_sizes)
+    if args.eval_prompts and args.image_log_steps and args.eval_source_images is None:
+        raise ValueError(
+            f"{name} edits images, so its sample images need the image each of GRPOJaggConfig.eval_prompts edits: set "
+            "GRPOJaggConfig.eval_source_images (one file path per prompt), or image_log_steps=0."
+        )
+    for i, value in enumerate(args.eval_source_images or ()):
+        source_image(value, f"GRPOJaggConfig.eval_source_images[{i}]")
