@@ -1,5 +1,6 @@
 """The checks of :class:`~trl_jagg.GRPOJaggConfig`'s fields: the allowed values, types, ranges and the combinations
-that cannot work, each failing early with the field's name and the fix (run by ``GRPOJaggConfig.__post_init__``)."""
+that cannot work, each failing early with the field's name and the fix, and the generation batch derived from the
+others (run by ``GRPOJaggConfig.__post_init__``)."""
 
 from __future__ import annotations
 
@@ -352,3 +353,33 @@ def _warn_clip_range_scale(config: GRPOJaggConfig) -> None:
 def _warn_no_effect(message: str) -> None:
     """A setting that does nothing: a warning pointing at the user's GRPOJaggConfig(...) call."""
     warnings.warn(message, UserWarning, stacklevel=5)
+
+
+def resolve_generation_batch(config: GRPOJaggConfig) -> None:
+    """``steps_per_generation`` and ``generation_batch_size`` from whichever is set, as TRL's GRPOConfig."""
+    per_step = config.per_device_train_batch_size * config.world_size
+    if config.generation_batch_size is None:
+        if config.steps_per_generation is None:
+            config.steps_per_generation = config.gradient_accumulation_steps
+        config.generation_batch_size = per_step * config.steps_per_generation
+    elif config.generation_batch_size < 1 or config.generation_batch_size % per_step:
+        raise ValueError(
+            f"GRPOJaggConfig.generation_batch_size ({config.generation_batch_size}) is not a positive multiple of "
+            f"per_device_train_batch_size ({config.per_device_train_batch_size}) x processes ({config.world_size}) "
+            f"= {per_step}. Use a multiple, or set steps_per_generation instead."
+        )
+    steps = config.generation_batch_size // per_step
+    if config.steps_per_generation is not None and config.steps_per_generation != steps:
+        raise ValueError(
+            f"GRPOJaggConfig.generation_batch_size ({config.generation_batch_size}) and steps_per_generation "
+            f"({config.steps_per_generation}) disagree: {config.generation_batch_size} images are {steps} "
+            f"micro-batches of {per_step}. Set only one of them."
+        )
+    config.steps_per_generation = steps
+    if config.generation_batch_size % config.num_generations:
+        raise ValueError(
+            f"GRPOJaggConfig.per_device_train_batch_size ({config.per_device_train_batch_size}) x processes "
+            f"({config.world_size}) x steps_per_generation ({config.steps_per_generation}) = generation_batch_size "
+            f"{config.generation_batch_size} is not a multiple of num_generations ({config.num_generations}). "
+            "Choose sizes that make whole prompt groups."
+        )

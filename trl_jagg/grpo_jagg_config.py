@@ -19,6 +19,7 @@ from .config_checks import (
     TRAIN_TIMESTEPS,
     check_fields,
     check_types_and_finiteness,
+    resolve_generation_batch,
     reward_kwargs_mapping,
 )
 from .grpo import MULTI_OBJECTIVE_AGGREGATIONS
@@ -657,36 +658,7 @@ class GRPOJaggConfig(TrainingArguments):
         # checks of the machine (bf16 on a CPU, ...) can stop on something else.
         check_fields(self)
         super().__post_init__()
-        self._resolve_generation_batch()  # needs the number of processes
-
-    def _resolve_generation_batch(self) -> None:
-        """``steps_per_generation`` and ``generation_batch_size`` from whichever is set, as TRL's GRPOConfig."""
-        per_step = self.per_device_train_batch_size * self.world_size
-        if self.generation_batch_size is None:
-            if self.steps_per_generation is None:
-                self.steps_per_generation = self.gradient_accumulation_steps
-            self.generation_batch_size = per_step * self.steps_per_generation
-        elif self.generation_batch_size < 1 or self.generation_batch_size % per_step:
-            raise ValueError(
-                f"GRPOJaggConfig.generation_batch_size ({self.generation_batch_size}) is not a positive multiple of "
-                f"per_device_train_batch_size ({self.per_device_train_batch_size}) x processes ({self.world_size}) "
-                f"= {per_step}. Use a multiple, or set steps_per_generation instead."
-            )
-        steps = self.generation_batch_size // per_step
-        if self.steps_per_generation is not None and self.steps_per_generation != steps:
-            raise ValueError(
-                f"GRPOJaggConfig.generation_batch_size ({self.generation_batch_size}) and steps_per_generation "
-                f"({self.steps_per_generation}) disagree: {self.generation_batch_size} images are {steps} "
-                f"micro-batches of {per_step}. Set only one of them."
-            )
-        self.steps_per_generation = steps
-        if self.generation_batch_size % self.num_generations:
-            raise ValueError(
-                f"GRPOJaggConfig.per_device_train_batch_size ({self.per_device_train_batch_size}) x processes "
-                f"({self.world_size}) x steps_per_generation ({self.steps_per_generation}) = generation_batch_size "
-                f"{self.generation_batch_size} is not a multiple of num_generations ({self.num_generations}). "
-                "Choose sizes that make whole prompt groups."
-            )
+        resolve_generation_batch(self)  # needs the number of processes
 
     @property
     def num_trained_steps(self) -> int:
