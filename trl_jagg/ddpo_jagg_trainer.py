@@ -26,7 +26,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, HubStrategy
 from transformers.utils.hub import PushInProgress
 from trl.trainer.base_trainer import _BaseTrainer
 
-from .distributed import check_backend, check_world_size, gradient_sync_deferred, shard_backbones
+from .distributed import check_backend, check_world_size, gradient_sync_deferred, shard_backbones, zero3_init_disabled
 from .grpo_jagg_config import GRPOJaggConfig
 from .models import load_adapter
 from .prompts import prompt_text
@@ -97,7 +97,8 @@ class DDPOJaggTrainer(_BaseTrainer):
             args, train_dataset, eval_dataset, reward_funcs
         )
         self.base_model_id = model if isinstance(model, str) else (model.name_or_path or None)
-        self.adapter = load_adapter(model, dtype=getattr(torch, args.dtype), revision=args.model_revision)
+        with zero3_init_disabled(args):  # the frozen encoders stay whole: they run outside the DeepSpeed engine
+            self.adapter = load_adapter(model, dtype=getattr(torch, args.dtype), revision=args.model_revision)
         checked_source_images(self.adapter, train_dataset, eval_dataset)
         self.scheduler_overridden = hub.scheduler_differs_from_base(
             self.adapter.pipeline.scheduler, self.base_model_id, args.model_revision
@@ -368,7 +369,9 @@ class DDPOJaggTrainer(_BaseTrainer):
         self._step = checkpointing.load_grpo_state(resume_from_checkpoint, self.generation.stat_tracker)
         self._buffered_inputs = None
         transformer = self.accelerator.unwrap_model(model if model is not None else self.model)
-        self.weights.load_resumed(transformer, resume_from_checkpoint, self.ema)
+        # Under DeepSpeed the Trainer loaded the weights from the engine's own folder already.
+        trained = not self.is_deepspeed_enabled
+        self.weights.load_resumed(transformer, resume_from_checkpoint, self.ema, trained=trained)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if not self.args.fully_shard_backbone:
@@ -378,6 +381,8 @@ class DDPOJaggTrainer(_BaseTrainer):
         )
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is not None and self.is_deepspeed_enabled:  # the Trainer skips _load_from_checkpoint then
+            self._load_from_checkpoint(checkpoint)
         if not self.args.fully_shard_backbone or checkpoint is None:
             if checkpoint is not None and not (self.is_deepspeed_enabled or self.is_fsdp_enabled):
                 checkpointing.check_optimizer_state(checkpoint, self.optimizer)

@@ -12,12 +12,20 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 
 # Where launchers put the number of processes they started: torchrun / accelerate's multi-process launchers, then
 # the MPI implementations accelerate reads for multi-CPU runs.
 _WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+
+
+# accelerate's DeepSpeed state finds no accelerator on CPU and counts 1 process per rank unless the backend is named.
+DEEPSPEED_CPU_FIX = (
+    ' Under DeepSpeed without GPUs (DS_ACCELERATOR=cpu), name the backend: GRPOJaggConfig(ddp_backend="gloo") '
+    "(`--ddp_backend gloo`)."
+)
 
 
 def _true(env: Mapping[str, str], name: str) -> bool:
@@ -41,6 +49,7 @@ def check_world_size(num_processes: int, env: Mapping[str, str] | None = None) -
                 "launch with `ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes N ...` or "
                 "`torchrun --nproc_per_node N ... --use_cpu true`; with GPUs, check that each process sees one "
                 "(CUDA_VISIBLE_DEVICES, `nvidia-smi`)."
+                + (DEEPSPEED_CPU_FIX if _true(env, "ACCELERATE_USE_DEEPSPEED") else "")
             )
     # accelerate's single-process launcher sets MASTER_ADDR only when asked for several processes, then starts one.
     launched_by_accelerate = "ACCELERATE_MIXED_PRECISION" in env
@@ -100,6 +109,14 @@ def check_backend(
                 "GRPOJaggConfig.fully_shard_backbone=True needs several processes, got 1. Launch with "
                 "`torchrun --nproc_per_node N ...` (add `--use_cpu true` on CPU), or set it to False."
             )
+
+
+def zero3_init_disabled(args: Any) -> contextlib.AbstractContextManager:
+    """The pipeline loads with DeepSpeed's ZeRO-3 ``zero.Init`` off: transformers would partition the frozen text
+    encoders at construction, and nothing gathers them (they run outside the engine); the trained backbone is
+    partitioned when the engine is built. diffusers' training scripts load their frozen models the same way."""
+    plugin = getattr(args, "deepspeed_plugin", None)
+    return plugin.zero3_init_context_manager(enable=False) if plugin is not None else contextlib.nullcontext()
 
 
 def fully_shard_blocks(backbone: torch.nn.Module) -> None:

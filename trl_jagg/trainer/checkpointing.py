@@ -160,13 +160,22 @@ class WeightsIO:
         self.adapter.pipeline.scheduler.save_pretrained(os.path.join(output_dir, SCHEDULER_FOLDER))
         torch.save(without_secrets(args), os.path.join(output_dir, TRAINING_ARGS_NAME))
 
-    def load_resumed(self, transformer: torch.nn.Module, checkpoint: str, ema: EMAWeights | None) -> None:
+    def load_resumed(
+        self, transformer: torch.nn.Module, checkpoint: str, ema: EMAWeights | None, *, trained: bool = True
+    ) -> None:
         """Load a checkpoint's weights and, with EMA, its ``ema/`` average (through the model, taken as the
-        average, then the trained weights are loaded)."""
+        average, then the trained weights are loaded). ``trained=False``: the trained weights are in place already
+        (DeepSpeed loads them from its own folder), only the EMA is read, around them."""
         if ema is not None:  # `check` found the folder
+            params = ema.parameters()
+            if not trained:
+                ema.store(params)
             self.load(transformer, os.path.join(checkpoint, EMA_DIR))
             ema.take_current_weights()
-        self.load(transformer, checkpoint)
+            if not trained:
+                ema.restore(params)
+        if trained:
+            self.load(transformer, checkpoint)
 
 
 def check_optimizer_state(checkpoint: str, optimizer: torch.optim.Optimizer) -> None:
