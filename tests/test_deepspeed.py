@@ -54,6 +54,7 @@ def _weights(folder: Path, kind: str) -> dict[str, torch.Tensor]:
     return load_file(str(folder / name))
 
 
+@pytest.mark.slow  # one launch per stage: DeepSpeed's import and 6 trainers, ~1 min of CPU per launch
 @pytest.mark.parametrize("stage", [2, 3])
 def test_trainer_under_deepspeed_zero_on_two_processes(stage, tiny_flux_path, tmp_path, capsys):
     worker = _load_worker()
@@ -121,3 +122,19 @@ def test_trainer_under_deepspeed_zero_on_two_processes(stage, tiny_flux_path, tm
             assert any(not torch.allclose(ema[k], w[k]) for k in w)
     with capsys.disabled():
         print(f"\nZeRO-{stage} max |grad 2 proc - grad 1 proc| and resume differences:", json.dumps(figures))
+
+
+def test_zero3_without_gathered_weights_at_save_is_refused():
+    """ZeRO-3 saving no gathered weights would leave checkpoints without diffusers weights: refused at start."""
+    from types import SimpleNamespace
+
+    from trl_jagg.distributed import check_backend
+
+    def plugin(stage: int, gather: bool) -> SimpleNamespace:
+        zero = {"stage": stage, "stage3_gather_16bit_weights_on_model_save": gather}
+        return SimpleNamespace(zero_stage=stage, deepspeed_config={"zero_optimization": zero})
+
+    with pytest.raises(ValueError, match="zero3_save_16bit_model: true"):
+        check_backend("DEEPSPEED", 2, fsdp_requested=False, deepspeed_plugin=plugin(3, False), env={})
+    check_backend("DEEPSPEED", 2, fsdp_requested=False, deepspeed_plugin=plugin(3, True), env={})
+    check_backend("DEEPSPEED", 2, fsdp_requested=False, deepspeed_plugin=plugin(2, False), env={})

@@ -128,7 +128,7 @@ class DDPOJaggTrainer(_BaseTrainer):
         accelerator = self.accelerator
         check_backend(
             accelerator.distributed_type, accelerator.num_processes, fsdp_requested=bool(args.fsdp),
-            fully_shard_backbone=args.fully_shard_backbone,
+            fully_shard_backbone=args.fully_shard_backbone, deepspeed_plugin=accelerator.state.deepspeed_plugin,
         )  # fmt: skip
         self.frozen = FrozenModules(self.adapter, self.accelerator.device, offload=args.offload_frozen_modules)
         self.frozen.place(transformer)
@@ -331,8 +331,7 @@ class DDPOJaggTrainer(_BaseTrainer):
 
     # ------------------------------------------------------------------ saving and resuming
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> Any:
-        """:meth:`transformers.Trainer.train`, after checking the checkpoint to resume from: its files must be
-        present, readable and match the model (errors name the file and the mismatch)."""
+        """:meth:`transformers.Trainer.train`, after checking the resumed checkpoint's files (present, readable, match)."""
         if resume_from_checkpoint is True:
             resume_from_checkpoint = checkpointing.last_checkpoint(self.args.output_dir)
         if resume_from_checkpoint:
@@ -358,20 +357,18 @@ class DDPOJaggTrainer(_BaseTrainer):
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         transformer = self.accelerator.unwrap_model(self.model)
         # `state_dict` is the gathered full state dict under FSDP / DeepSpeed (Trainer.save_model passes it).
-        if state_dict is None:
-            state_dict = self.weights.gathered_state_dict(transformer)
+        state_dict = state_dict if state_dict is not None else self.weights.gathered_state_dict(transformer)
+        ema_state_dict = checkpointing.gathered_ema_state_dict(self.accelerator, self.model_wrapped, self.ema)
         if not self.args.should_save:
             return
-        self.weights.save_model_folder(output_dir, transformer, state_dict, self.ema, self.args)
+        self.weights.save_model_folder(output_dir, transformer, state_dict, self.ema, self.args, ema_state_dict)
         self._write_model_card(output_dir, **self._model_card_kwargs)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
         self._step = checkpointing.load_grpo_state(resume_from_checkpoint, self.generation.stat_tracker)
         self._buffered_inputs = None
         transformer = self.accelerator.unwrap_model(model if model is not None else self.model)
-        # Under DeepSpeed the Trainer loaded the weights from the engine's own folder already.
-        trained = not self.is_deepspeed_enabled
-        self.weights.load_resumed(transformer, resume_from_checkpoint, self.ema, trained=trained)
+        self.weights.load_resumed(transformer, resume_from_checkpoint, self.ema, trained=not self.is_deepspeed_enabled)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if not self.args.fully_shard_backbone:
@@ -419,8 +416,7 @@ class DDPOJaggTrainer(_BaseTrainer):
             checkpointing.rotate_checkpoints(run_dir, args.save_total_limit, self.state.best_model_checkpoint)
 
     def _load_best_model(self) -> None:
-        """``load_best_model_at_end``: the weights (and EMA average) of ``best_model_checkpoint``, in this trainer's
-        format (Trainer's own reader knows only transformers' file names)."""
+        """``load_best_model_at_end``: the weights and EMA of ``best_model_checkpoint`` (Trainer reads its own names)."""
         transformer = self.accelerator.unwrap_model(self.model)
         self.weights.load_resumed(transformer, self.state.best_model_checkpoint, self.ema)
 

@@ -15,10 +15,12 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
 
 import torch
 from datasets import Dataset
 from peft import LoraConfig
+from transformers import TrainerCallback
 
 from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
 
@@ -53,6 +55,29 @@ def build_trainer(model_path: str, output_dir: str, kind: str, *, world_size: in
     )  # fmt: skip
 
 
+def call_before_engine_step(engine: torch.nn.Module, before: Callable[[], None]) -> None:
+    """Call ``before()`` at every ``engine.step`` (DeepSpeed's optimizer step, which accelerate's backward calls at
+    an accumulation boundary), before it runs: the gradients are complete and not yet cleared."""
+    step = engine.step
+
+    def stepped(*args, **kwargs):
+        before()
+        return step(*args, **kwargs)
+
+    engine.step = stepped
+
+
+class EngineStepCounter(TrainerCallback):
+    """The Trainer's global step at each engine step of ``trainer``'s run (the engine is built when `train` starts)."""
+
+    def __init__(self, trainer: DDPOJaggTrainer):
+        self.trainer = trainer
+        self.steps: list[int] = []
+
+    def on_train_begin(self, *args, **kwargs) -> None:
+        call_before_engine_step(self.trainer.model_wrapped, lambda: self.steps.append(self.trainer.state.global_step))
+
+
 def set_mode(trainer: DDPOJaggTrainer, mode: str) -> None:
     for name, value in MODES[mode].items():
         setattr(trainer.args, name, value)
@@ -80,49 +105,28 @@ def main(model_path: str, work_dir: str) -> None:
 
     for kind in KINDS:
         straight = build_trainer(model_path, f"{work_dir}/{kind}", kind, world_size=2)
-        engine_steps = []
-        trainer_box = [straight]
-
-        class CountSteps:
-            def on_train_begin(self, *args, **kwargs):
-                engine = trainer_box[0].model_wrapped
-                step = engine.step
-
-                def counted(*a, **k):
-                    engine_steps.append(trainer_box[0].state.global_step)
-                    return step(*a, **k)
-
-                engine.step = counted
-
-        from transformers import TrainerCallback
-
-        callback = type("CountStepsCallback", (CountSteps, TrainerCallback), {})()
-        straight.add_callback(callback)
+        counter = EngineStepCounter(straight)
+        straight.add_callback(counter)
         straight.train()
         rank, world = straight.accelerator.process_index, straight.accelerator.num_processes
+        engine = straight.model_wrapped
+        trained_steps = (list(counter.steps), engine.global_steps)
         resumed = build_trainer(model_path, f"{work_dir}/{kind}-resumed", kind, world_size=2)
         resumed.train(resume_from_checkpoint=f"{work_dir}/{kind}/checkpoint-2")
 
         # The gradients reaching the optimizer, at the straight run's final weights, without moving them.
-        engine = straight.model_wrapped
-        trained_steps = (list(engine_steps), engine.global_steps)
         for group in engine.optimizer.param_groups:
             group["lr"] = 0.0
-        grads: dict[str, dict[str, torch.Tensor]] = {}
-        batch = torch.load(f"{work_dir}/{kind}_batch.pt", weights_only=False)
-        local = split_rollout(batch, world)[rank]
+        local = split_rollout(torch.load(f"{work_dir}/{kind}_batch.pt", weights_only=False), world)[rank]
         named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
-        step = engine.step
+        seen: list[dict[str, torch.Tensor]] = []
+        record = lambda seen=seen, named=named: seen.append({n: safe_get_full_grad(p).clone() for n, p in named})  # noqa: E731
+        call_before_engine_step(engine, record)
+        grads = {}
         for mode in MODES:
             set_mode(straight, mode)
-            seen = []
-
-            def recorded(*a, _seen=seen, **k):
-                _seen.append({n: safe_get_full_grad(p).detach().clone() for n, p in named})
-                return step(*a, **k)
-
-            engine.step = recorded
-            straight.accelerator.gradient_state._set_sync_gradients(True)
+            seen.clear()
+            straight.accelerator.gradient_state._set_sync_gradients(True)  # an accumulation boundary
             run_update(straight, engine, local)
             assert len(seen) == 1, f"{mode}: {len(seen)} engine steps for one micro-batch"
             grads[mode] = seen[0]
@@ -132,7 +136,7 @@ def main(model_path: str, work_dir: str) -> None:
             "world": world,
             "distributed_type": str(straight.accelerator.distributed_type),
             "zero_stage": engine.zero_optimization_stage(),
-            "engine_steps": trained_steps[0],  # the Trainer's step at each engine step (the gradient checks excluded)
+            "engine_steps": trained_steps[0],  # the Trainer's global step at each engine step
             "engine_global_steps": trained_steps[1],
             "global_step": straight.state.global_step,
             "resumed_global_step": resumed.state.global_step,
@@ -141,7 +145,6 @@ def main(model_path: str, work_dir: str) -> None:
         del straight, resumed, engine
     with open(f"{work_dir}/report{rank}.json", "w") as f:
         json.dump(report, f)
-    os.environ.pop("UNUSED", None)
 
 
 if __name__ == "__main__":

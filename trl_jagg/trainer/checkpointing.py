@@ -126,7 +126,18 @@ class WeightsIO:
             )
 
     def load(self, transformer: torch.nn.Module, folder: str) -> None:
-        """Load the weights saved in ``folder`` into ``transformer`` (checked by :meth:`check` first)."""
+        """Load the weights saved in ``folder`` into ``transformer`` (checked by :meth:`check` first); under
+        DeepSpeed ZeRO-3 inside a gather every rank joins, whose exit partitions the loaded values again."""
+        params = [p for p in transformer.parameters() if hasattr(p, "ds_id")]
+        if params:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+                self._load(transformer, folder)
+        else:
+            self._load(transformer, folder)
+
+    def _load(self, transformer: torch.nn.Module, folder: str) -> None:
         if self.is_lora:
             (path,) = weight_files(folder, LORA_WEIGHTS_NAME, "LoRA")
             state = {k.removeprefix(self.lora_prefix): v for k, v in _load_safetensors(path).items()}
@@ -148,15 +159,16 @@ class WeightsIO:
 
     def save_model_folder(
         self, output_dir: str, transformer: torch.nn.Module, state_dict: dict | None, ema: EMAWeights | None,
-        args: GRPOJaggConfig,
+        args: GRPOJaggConfig, ema_state_dict: dict | None = None,
     ) -> None:  # fmt: skip
         """A model folder: the weights, the EMA weights beside them in their format (``ema/``: loadable with
         ``load_lora_weights(f"{output_dir}/ema")``), the schedule sampled in training (``scheduler/``: a recipe may
-        override the base model's, DanceGRPO's shift 3) and the training arguments without secrets."""
+        override the base model's, DanceGRPO's shift 3) and the training arguments without secrets.
+        ``ema_state_dict``: the gathered EMA weights under DeepSpeed ZeRO-3 (:func:`gathered_ema_state_dict`)."""
         self.save(output_dir, transformer, state_dict)
         if ema is not None:
             with ema.swapped_in():
-                self.save(os.path.join(output_dir, EMA_DIR), transformer, None)
+                self.save(os.path.join(output_dir, EMA_DIR), transformer, ema_state_dict)
         self.adapter.pipeline.scheduler.save_pretrained(os.path.join(output_dir, SCHEDULER_FOLDER))
         torch.save(without_secrets(args), os.path.join(output_dir, TRAINING_ARGS_NAME))
 
@@ -176,6 +188,15 @@ class WeightsIO:
                 ema.restore(params)
         if trained:
             self.load(transformer, checkpoint)
+
+
+def gathered_ema_state_dict(accelerator: Any, engine: torch.nn.Module, ema: EMAWeights | None) -> dict | None:
+    """Under DeepSpeed ZeRO-3, the full EMA weights (swapped into the partitions, gathered by every rank, the tensors
+    on the main process), else ``None`` (the EMA is saved through the model's own weights)."""
+    if ema is None or not any(hasattr(p, "ds_id") for p in engine.parameters()):
+        return None
+    with ema.swapped_in():
+        return accelerator.get_state_dict(engine)
 
 
 def check_optimizer_state(checkpoint: str, optimizer: torch.optim.Optimizer) -> None:

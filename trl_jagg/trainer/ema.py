@@ -10,13 +10,21 @@ import torch
 from diffusers.training_utils import EMAModel
 from transformers import TrainerCallback
 
+from ..distributed import zero3_init_disabled
 from ..grpo_jagg_config import GRPOJaggConfig
+
+
+def local_partitions(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
+    """What this process averages: under DeepSpeed ZeRO-3 each parameter's own flat partition (``ds_tensor``; the
+    parameter itself is empty outside a gather), else the parameter (ZeRO-2 leaves parameters whole)."""
+    return [p.ds_tensor if hasattr(p, "ds_tensor") else p for p in params]
 
 
 class EMAWeights(EMAModel):
     """diffusers' :class:`~diffusers.training_utils.EMAModel` of ``parameters()`` (the trainable ones), on the CPU
     with ``ema_offload``; Flow-GRPO's warm-up ``min(decay, (1 + t) / (10 + t))`` when ``ema_warmup``. ``sharded``:
-    the trained backbone is sharded by accelerate's FSDP plugin (refused for now)."""
+    the trained backbone is sharded by accelerate's FSDP plugin (refused for now). Under DeepSpeed ZeRO-3 each
+    process averages its own partitions (:func:`local_partitions`), gathered on save."""
 
     def __init__(self, args: GRPOJaggConfig, parameters: Callable[[], list[torch.nn.Parameter]], *, sharded: bool):
         if sharded or args.fully_shard_backbone:
@@ -25,10 +33,12 @@ class EMAWeights(EMAModel):
                 "shards only. Set ema_decay=0, or train without FSDP."
             )
         super().__init__(
-            parameters(), decay=args.ema_decay, min_decay=0.0 if args.ema_warmup else float(args.ema_decay)
+            local_partitions(parameters()),
+            decay=args.ema_decay,
+            min_decay=0.0 if args.ema_warmup else float(args.ema_decay),
         )
         self.args = args
-        self.parameters = parameters
+        self.parameters = lambda: local_partitions(parameters())
         self.shadow_device = "cpu" if args.ema_offload else None
         # float32: a bf16 average would lose updates of (1 - decay) * difference.
         self.to(device=self.shadow_device, dtype=torch.float32)
@@ -39,10 +49,16 @@ class EMAWeights(EMAModel):
         # updates makes it Flow-GRPO's min(decay, (1 + t) / (10 + t)) at optimizer step t.
         self.optimization_step = global_step
         params = self.parameters()
-        if self.args.ema_offload:
-            # EMAModel averages in place on the shadow's device and skips parameters without requires_grad.
-            params = [p.detach().to("cpu", torch.float32).requires_grad_(True) for p in params]
-        self.step(params)
+        if self.args.ema_offload or not all(p.requires_grad for p in params):
+            # EMAModel averages in place on the shadow's device, and copies the tensors without requires_grad
+            # instead of averaging them (ZeRO-3's partitions have none).
+            params = [
+                p.detach().to(device=self.shadow_device or p.device, dtype=torch.float32).requires_grad_(True)
+                for p in params
+            ]
+        # EMAModel would gather each parameter itself under ZeRO-3 (and fails to import deepspeed in diffusers 0.42).
+        with zero3_init_disabled(self.args):
+            self.step(params)
 
     @contextlib.contextmanager
     def swapped_in(self) -> Iterator[None]:
@@ -78,6 +94,12 @@ class EMACallback(TrainerCallback):
 
     def __init__(self, ema: EMAWeights):
         self.ema = ema
+
+    def on_train_begin(self, args: GRPOJaggConfig, state: Any, control: Any, **kwargs: Any) -> None:
+        # DeepSpeed ZeRO-3 partitions the weights when `train` builds the engine, after the average was taken from
+        # the same (untrained) weights whole: take it again from this process's partitions.
+        if [s.shape for s in self.ema.shadow_params] != [p.shape for p in self.ema.parameters()]:
+            self.ema.take_current_weights()
 
     def on_pre_optimizer_step(self, args: GRPOJaggConfig, state: Any, control: Any, **kwargs: Any) -> None:
         # The weights are still those after step t = global_step: Flow-GRPO's calls inside step t + 1's window.
