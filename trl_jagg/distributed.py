@@ -128,7 +128,8 @@ def zero3_init_disabled(args: Any) -> Iterator[None]:
     encoders at construction, and nothing gathers them (they run outside the engine); the trained backbone is
     partitioned when the engine is built. diffusers' training scripts load their frozen models outside it too
     (``deepspeed_zero_init_disabled_context_manager``); accelerate's ``zero3_init_context_manager(enable=False)``
-    leaves transformers' ZeRO-3 config set (accelerate 1.15), so the config is unset here while loading."""
+    leaves transformers' ZeRO-3 config set (accelerate 1.15), so the config is unset here while loading (and while
+    the EMA averages this process's partitions, which diffusers' EMAModel would otherwise try to gather)."""
     plugin = getattr(args, "deepspeed_plugin", None)
     if plugin is None:
         yield
