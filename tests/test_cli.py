@@ -485,7 +485,7 @@ def test_accelerate_config_passes_the_process_and_machine_options(monkeypatch, c
     assert code == 2 and "--num_machines is an accelerate launch option: give it with --accelerate_config" in err
 
 
-@pytest.mark.parametrize("name", ["single_gpu", "multi_gpu", "fsdp2", "deepspeed_zero2"])
+@pytest.mark.parametrize("name", ["single_gpu", "multi_gpu", "fsdp2", "deepspeed_zero2", "deepspeed_zero3"])
 def test_accelerate_config_names_resolve_to_the_example_configs(name):
     path = train.resolve_accelerate_config(name)
     assert os.path.samefile(

@@ -253,15 +253,18 @@ def test_accelerate_configs_load():
 
     folder = Path(__file__).resolve().parents[1] / "examples" / "accelerate_configs"
     assert sorted(p.name for p in folder.glob("*.yaml")) == [
-        "deepspeed_zero2.yaml", "fsdp2.yaml", "multi_gpu.yaml", "single_gpu.yaml"
+        "deepspeed_zero2.yaml", "deepspeed_zero3.yaml", "fsdp2.yaml", "multi_gpu.yaml", "single_gpu.yaml"
     ]  # fmt: skip
     configs = {p.stem: load_config_from_file(str(p)) for p in folder.glob("*.yaml")}
     assert {name: str(c.distributed_type.value) for name, c in configs.items()} == {
-        "single_gpu": "NO", "multi_gpu": "MULTI_GPU", "fsdp2": "FSDP", "deepspeed_zero2": "DEEPSPEED"
+        "single_gpu": "NO", "multi_gpu": "MULTI_GPU", "fsdp2": "FSDP", "deepspeed_zero2": "DEEPSPEED",
+        "deepspeed_zero3": "DEEPSPEED",
     }  # fmt: skip
     fsdp = configs["fsdp2"].fsdp_config
     assert fsdp["fsdp_version"] == 2 and fsdp["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
     assert configs["deepspeed_zero2"].deepspeed_config["zero_stage"] == 2
+    zero3 = configs["deepspeed_zero3"].deepspeed_config
+    assert zero3["zero_stage"] == 3 and zero3["zero3_save_16bit_model"] is True  # the diffusers weights at each save
     # The documented wrap classes are the backbones' blocks in the installed diffusers.
     from diffusers import FluxTransformer2DModel, QwenImageTransformer2DModel, SD3Transformer2DModel
 

@@ -80,7 +80,7 @@ def test_wheel_in_a_fresh_virtualenv_ships_the_configs_and_trains(tmp_path, tiny
         "    print(path)\n"
         "print(trl_jagg.__file__)\n"
     )
-    names = ["single_gpu", "multi_gpu", "fsdp2", "deepspeed_zero2"]
+    names = ["single_gpu", "multi_gpu", "fsdp2", "deepspeed_zero2", "deepspeed_zero3"]
     proc = subprocess.run([python, "-c", check, *names], capture_output=True, text=True, env=CLEAN_ENV, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     paths = proc.stdout.split()

@@ -26,7 +26,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, HubStrategy
 from transformers.utils.hub import PushInProgress
 from trl.trainer.base_trainer import _BaseTrainer
 
-from .distributed import check_backend, check_world_size, gradient_sync_deferred, is_fully_sharded, shard_backbones
+from . import distributed
 from .grpo_jagg_config import GRPOJaggConfig
 from .models import load_adapter
 from .prompts import prompt_text
@@ -89,7 +89,7 @@ class DDPOJaggTrainer(_BaseTrainer):
         if not isinstance(args, GRPOJaggConfig):
             raise TypeError(f"`args` must be a GRPOJaggConfig, got {type(args).__name__}.")
         # A launch that silently runs fewer processes stops here, before anything is loaded.
-        check_world_size(args.world_size)
+        distributed.check_world_size(args.world_size)
         # Seed before the adapter is created: Trainer seeds only in its own __init__, after LoRA init.
         set_seed(args.seed)
         # Cheap checks first: nothing is loaded before the inputs are known to be usable.
@@ -97,7 +97,9 @@ class DDPOJaggTrainer(_BaseTrainer):
             args, train_dataset, eval_dataset, reward_funcs
         )
         self.base_model_id = model if isinstance(model, str) else (model.name_or_path or None)
-        self.adapter = load_adapter(model, dtype=getattr(torch, args.dtype), revision=args.model_revision)
+        # The frozen encoders stay whole: they run outside the DeepSpeed engine.
+        with distributed.zero3_init_disabled(args):
+            self.adapter = load_adapter(model, dtype=getattr(torch, args.dtype), revision=args.model_revision)
         checked_source_images(self.adapter, args, train_dataset, eval_dataset)
         self.scheduler_overridden = hub.scheduler_differs_from_base(
             self.adapter.pipeline.scheduler, self.base_model_id, args.model_revision
@@ -125,9 +127,9 @@ class DDPOJaggTrainer(_BaseTrainer):
             optimizers=optimizers,
         )
         accelerator = self.accelerator
-        check_backend(
+        distributed.check_backend(
             accelerator.distributed_type, accelerator.num_processes, fsdp_requested=bool(args.fsdp),
-            fully_shard_backbone=args.fully_shard_backbone,
+            fully_shard_backbone=args.fully_shard_backbone, deepspeed_plugin=accelerator.state.deepspeed_plugin,
         )  # fmt: skip
         self.frozen = FrozenModules(self.adapter, self.accelerator.device, offload=args.offload_frozen_modules)
         self.frozen.place(transformer)
@@ -136,7 +138,9 @@ class DDPOJaggTrainer(_BaseTrainer):
             self.conditioner.precompute([prompt_text(p, "train_dataset 'prompt'") for p in train_dataset["prompt"]])
         if self.ref_transformer is not None:
             self.ref_transformer.to(self.accelerator.device)
-        shard_backbones(transformer, self.ref_transformer, args.fully_shard_backbone, self.accelerator.is_fsdp2)
+        distributed.shard_backbones(
+            transformer, self.ref_transformer, args.fully_shard_backbone, self.accelerator.is_fsdp2
+        )
         if args.fully_shard_backbone:
             # transformers' switch for a model sharded before the Trainer sees it: no DDP wrap (DDP rejects DTensor
             # parameters), the optimizer built on the shards, every rank inside `_save` for the gathers.
@@ -327,8 +331,7 @@ class DDPOJaggTrainer(_BaseTrainer):
 
     # ------------------------------------------------------------------ saving and resuming
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> Any:
-        """:meth:`transformers.Trainer.train`, after checking the checkpoint to resume from: its files must be
-        present, readable and match the model (errors name the file and the mismatch)."""
+        """:meth:`transformers.Trainer.train`, after checking the resumed checkpoint's files (present, readable, match)."""
         if resume_from_checkpoint is True:
             resume_from_checkpoint = checkpointing.last_checkpoint(self.args.output_dir)
         if resume_from_checkpoint:
@@ -354,27 +357,31 @@ class DDPOJaggTrainer(_BaseTrainer):
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         transformer = self.accelerator.unwrap_model(self.model)
         # `state_dict` is the gathered full state dict under FSDP / DeepSpeed (Trainer.save_model passes it).
-        state_dicts = self.weights.gathered_state_dicts(transformer, state_dict, self.ema)
+        state_dict, ema_state_dict = self.weights.gathered_state_dicts(transformer, state_dict, self.ema)
+        if ema_state_dict is None:  # under DeepSpeed ZeRO-3 the EMA's partitions are gathered through the engine
+            ema_state_dict = checkpointing.gathered_ema_state_dict(self.accelerator, self.model_wrapped, self.ema)
         if not self.args.should_save:
             return
-        self.weights.save_model_folder(output_dir, transformer, state_dicts, self.ema, self.args)
+        self.weights.save_model_folder(output_dir, transformer, (state_dict, ema_state_dict), self.ema, self.args)
         self._write_model_card(output_dir, **self._model_card_kwargs)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
         self._step = checkpointing.load_grpo_state(resume_from_checkpoint, self.generation.stat_tracker)
         self._buffered_inputs = None
         transformer = self.accelerator.unwrap_model(model if model is not None else self.model)
-        self.weights.load_resumed(transformer, resume_from_checkpoint, self.ema)
+        self.weights.load_resumed(transformer, resume_from_checkpoint, self.ema, trained=not self.is_deepspeed_enabled)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        if not is_fully_sharded(self.model):  # FSDP2 (either kind) writes the full state, not the plugin's files
+        if not distributed.is_fully_sharded(self.model):  # FSDP2 writes the full state, not the plugin's files
             return super()._save_optimizer_and_scheduler(output_dir)
         checkpointing.save_full_optimizer_state(
             self.model, self.optimizer, self.lr_scheduler, output_dir, self.args.should_save
         )
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        if not is_fully_sharded(self.model) or checkpoint is None:
+        if checkpoint is not None and self.is_deepspeed_enabled:  # the Trainer skips _load_from_checkpoint then
+            self._load_from_checkpoint(checkpoint)
+        if not distributed.is_fully_sharded(self.model) or checkpoint is None:
             if checkpoint is not None and not (self.is_deepspeed_enabled or self.is_fsdp_enabled):
                 checkpointing.check_optimizer_state(checkpoint, self.optimizer)
             return super()._load_optimizer_and_scheduler(checkpoint)
@@ -382,7 +389,7 @@ class DDPOJaggTrainer(_BaseTrainer):
 
     def _defer_fsdp_gradient_reduction(self) -> contextlib.AbstractContextManager:
         # The base class reads a transformers-only config attribute to choose between HSDP and FSDP.
-        return gradient_sync_deferred(self.model)
+        return distributed.gradient_sync_deferred(self.model)
 
     def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
         """Write ``checkpoint-N`` atomically (a staging folder, renamed once complete), push it, rotate."""
@@ -410,8 +417,7 @@ class DDPOJaggTrainer(_BaseTrainer):
             checkpointing.rotate_checkpoints(run_dir, args.save_total_limit, self.state.best_model_checkpoint)
 
     def _load_best_model(self) -> None:
-        """``load_best_model_at_end``: the weights (and EMA average) of ``best_model_checkpoint``, in this trainer's
-        format (Trainer's own reader knows only transformers' file names)."""
+        """``load_best_model_at_end``: the weights and EMA of ``best_model_checkpoint`` (Trainer reads its own names)."""
         transformer = self.accelerator.unwrap_model(self.model)
         self.weights.load_resumed(transformer, self.state.best_model_checkpoint, self.ema)
 

@@ -12,12 +12,20 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 
 # Where launchers put the number of processes they started: torchrun / accelerate's multi-process launchers, then
 # the MPI implementations accelerate reads for multi-CPU runs.
 _WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+
+
+# accelerate's DeepSpeed state finds no accelerator on CPU and counts 1 process per rank unless the backend is named.
+DEEPSPEED_CPU_FIX = (
+    ' Under DeepSpeed without GPUs (DS_ACCELERATOR=cpu), name the backend: GRPOJaggConfig(ddp_backend="gloo") '
+    "(`--ddp_backend gloo`)."
+)
 
 
 def _true(env: Mapping[str, str], name: str) -> bool:
@@ -41,6 +49,7 @@ def check_world_size(num_processes: int, env: Mapping[str, str] | None = None) -
                 "launch with `ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes N ...` or "
                 "`torchrun --nproc_per_node N ... --use_cpu true`; with GPUs, check that each process sees one "
                 "(CUDA_VISIBLE_DEVICES, `nvidia-smi`)."
+                + (DEEPSPEED_CPU_FIX if _true(env, "ACCELERATE_USE_DEEPSPEED") else "")
             )
     # accelerate's single-process launcher sets MASTER_ADDR only when asked for several processes, then starts one.
     launched_by_accelerate = "ACCELERATE_MIXED_PRECISION" in env
@@ -61,6 +70,7 @@ def check_backend(
     *,
     fsdp_requested: bool,
     fully_shard_backbone: bool = False,
+    deepspeed_plugin: Any = None,
     env: Mapping[str, str] | None = None,
 ) -> None:
     """Raise if FSDP or DeepSpeed was asked for but the accelerator state runs something else, or if the trainer's
@@ -71,6 +81,8 @@ def check_backend(
         num_processes: ``accelerator.num_processes``.
         fsdp_requested: whether the training arguments ask for FSDP (``TrainingArguments.fsdp``).
         fully_shard_backbone: ``GRPOJaggConfig.fully_shard_backbone``.
+        deepspeed_plugin: accelerate's ``DeepSpeedPlugin`` of the run, if any: ZeRO-3 must gather the weights at
+            each save (``zero3_save_16bit_model``), or checkpoints would hold no diffusers weights to resume from.
         env: the environment the launcher set (defaults to ``os.environ``).
     """
     env = os.environ if env is None else env
@@ -89,6 +101,14 @@ def check_backend(
             f"DeepSpeed was requested (ACCELERATE_USE_DEEPSPEED=true) but the accelerator runs {distributed_type}. "
             "Install deepspeed (`pip install deepspeed`) and launch on GPUs."
         )
+    if deepspeed_plugin is not None and deepspeed_plugin.zero_stage == 3:
+        zero = deepspeed_plugin.deepspeed_config.get("zero_optimization", {})
+        if not zero.get("stage3_gather_16bit_weights_on_model_save", False):
+            raise ValueError(
+                "DeepSpeed ZeRO-3 without gathered weights at save: checkpoints would hold no LoRA / diffusers "
+                "weights. Set `zero3_save_16bit_model: true` in the accelerate config (`--zero3_save_16bit_model "
+                "true`; `stage3_gather_16bit_weights_on_model_save` in a DeepSpeed JSON), as deepspeed_zero3.yaml does."
+            )
     if fully_shard_backbone:
         if distributed_type in ("FSDP", "DEEPSPEED"):
             raise ValueError(
@@ -100,6 +120,28 @@ def check_backend(
                 "GRPOJaggConfig.fully_shard_backbone=True needs several processes, got 1. Launch with "
                 "`torchrun --nproc_per_node N ...` (add `--use_cpu true` on CPU), or set it to False."
             )
+
+
+@contextlib.contextmanager
+def zero3_init_disabled(args: Any) -> Iterator[None]:
+    """The pipeline loads with DeepSpeed's ZeRO-3 ``zero.Init`` off: transformers would partition the frozen text
+    encoders at construction, and nothing gathers them (they run outside the engine); the trained backbone is
+    partitioned when the engine is built. diffusers' training scripts load their frozen models outside it too
+    (``deepspeed_zero_init_disabled_context_manager``); accelerate's ``zero3_init_context_manager(enable=False)``
+    leaves transformers' ZeRO-3 config set (accelerate 1.15), so the config is unset here while loading (and while
+    the EMA averages this process's partitions, which diffusers' EMAModel would otherwise try to gather)."""
+    plugin = getattr(args, "deepspeed_plugin", None)
+    if plugin is None:
+        yield
+        return
+    from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
+
+    config = plugin.dschf  # what transformers' weak reference points to
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        set_hf_deepspeed_config(config)
 
 
 def fully_shard_blocks(backbone: torch.nn.Module) -> None:

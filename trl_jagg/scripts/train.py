@@ -114,7 +114,7 @@ class ScriptArguments:
         metadata={
             "help": "Relaunch this command through `accelerate launch --config_file <file>`, as `trl` does: a path, "
             "or the name of a config shipped in the package, trl_jagg/configs/accelerate/ (single_gpu, multi_gpu, "
-            "fsdp2, deepspeed_zero2)."
+            "fsdp2, deepspeed_zero2, deepspeed_zero3)."
         },
     )
 

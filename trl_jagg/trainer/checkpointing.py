@@ -45,7 +45,7 @@ from .checkpoint_checks import (
     damaged_file,
     weight_files,
 )
-from .ema import EMAWeights
+from .ema import EMAWeights, local_parts
 from .files import EMA_DIR, FULL_WEIGHTS_PATTERN, GRPO_STATE_NAME, LORA_WEIGHTS_NAME, SCHEDULER_FOLDER, without_secrets
 from .guards import NON_FINITE_FIX, all_finite, any_process, last_checkpoint_note
 
@@ -135,7 +135,18 @@ class WeightsIO:
             )
 
     def load(self, transformer: torch.nn.Module, folder: str) -> None:
-        """Load the weights saved in ``folder`` into ``transformer`` (checked by :meth:`check` first)."""
+        """Load the weights saved in ``folder`` into ``transformer`` (checked by :meth:`check` first); under
+        DeepSpeed ZeRO-3 inside a gather every rank joins, whose exit partitions the loaded values again."""
+        params = [p for p in transformer.parameters() if hasattr(p, "ds_id")]
+        if params:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+                self._load(transformer, folder)
+        else:
+            self._load(transformer, folder)
+
+    def _load(self, transformer: torch.nn.Module, folder: str) -> None:
         if self.is_lora:
             (path,) = weight_files(folder, LORA_WEIGHTS_NAME, "LoRA")
             state = {k.removeprefix(self.lora_prefix): v for k, v in _load_safetensors(path).items()}
@@ -162,7 +173,8 @@ class WeightsIO:
         """A model folder: the weights, the EMA weights beside them in their format (``ema/``: loadable with
         ``load_lora_weights(f"{output_dir}/ema")``), the schedule sampled in training (``scheduler/``: a recipe may
         override the base model's, DanceGRPO's shift 3) and the training arguments without secrets.
-        ``state_dicts``: :meth:`gathered_state_dicts`."""
+        ``state_dicts``: the gathered weights and EMA weights (:meth:`gathered_state_dicts`; under DeepSpeed ZeRO-3
+        the EMA's from :func:`gathered_ema_state_dict`), ``None`` where the model holds them whole."""
         state_dict, ema_state_dict = state_dicts
         self.save(output_dir, transformer, state_dict)
         if ema_state_dict is not None:
@@ -173,13 +185,31 @@ class WeightsIO:
         self.adapter.pipeline.scheduler.save_pretrained(os.path.join(output_dir, SCHEDULER_FOLDER))
         torch.save(without_secrets(args), os.path.join(output_dir, TRAINING_ARGS_NAME))
 
-    def load_resumed(self, transformer: torch.nn.Module, checkpoint: str, ema: EMAWeights | None) -> None:
+    def load_resumed(
+        self, transformer: torch.nn.Module, checkpoint: str, ema: EMAWeights | None, *, trained: bool = True
+    ) -> None:
         """Load a checkpoint's weights and, with EMA, its ``ema/`` average (through the model, taken as the
-        average, then the trained weights are loaded)."""
+        average, then the trained weights are loaded). ``trained=False``: the trained weights are in place already
+        (DeepSpeed loads them from its own folder), only the EMA is read, around them."""
         if ema is not None:  # `check` found the folder
+            params = local_parts(ema.parameters())
+            if not trained:
+                ema.store(params)
             self.load(transformer, os.path.join(checkpoint, EMA_DIR))
             ema.take_current_weights()
-        self.load(transformer, checkpoint)
+            if not trained:
+                ema.restore(params)
+        if trained:
+            self.load(transformer, checkpoint)
+
+
+def gathered_ema_state_dict(accelerator: Any, engine: torch.nn.Module, ema: EMAWeights | None) -> dict | None:
+    """Under DeepSpeed ZeRO-3, the full EMA weights (swapped into the partitions, gathered by every rank, the tensors
+    on the main process), else ``None`` (the EMA is saved through the model's own weights)."""
+    if ema is None or not any(hasattr(p, "ds_id") for p in engine.parameters()):
+        return None
+    with ema.swapped_in():
+        return accelerator.get_state_dict(engine)
 
 
 def check_optimizer_state(checkpoint: str, optimizer: torch.optim.Optimizer) -> None:

@@ -11,6 +11,7 @@ import torch
 from diffusers.training_utils import EMAModel
 from transformers import TrainerCallback
 
+from ..distributed import zero3_init_disabled
 from ..grpo_jagg_config import GRPOJaggConfig
 
 
@@ -55,15 +56,20 @@ def sharding_of(param: torch.Tensor) -> Sharding | None:
 
 
 def local_parts(params: list[torch.Tensor]) -> list[torch.Tensor]:
-    """This process's part of each parameter: its shard of a sharded one, else the parameter itself."""
-    return [kind.local(p) if (kind := sharding_of(p)) is not None else p for p in params]
+    """This process's part of each parameter: its FSDP2 shard, its DeepSpeed ZeRO-3 partition (``ds_tensor``; the
+    parameter itself is empty outside a gather), else the parameter itself (ZeRO-2 leaves parameters whole)."""
+    return [
+        p.ds_tensor if hasattr(p, "ds_tensor") else kind.local(p) if (kind := sharding_of(p)) is not None else p
+        for p in params
+    ]
 
 
 class EMAWeights(EMAModel):
     """diffusers' :class:`~diffusers.training_utils.EMAModel` of ``parameters()`` (the trainable ones), on the CPU
     with ``ema_offload``; Flow-GRPO's warm-up ``min(decay, (1 + t) / (10 + t))`` when ``ema_warmup``. Under
-    sharding (:func:`sharding_of`) each process averages its own part of every weight; :meth:`full_weights`
-    gathers the average for saving. Refused under accelerate's FSDP version 1 plugin."""
+    sharding (FSDP2, :func:`sharding_of`; DeepSpeed ZeRO-3) each process averages its own part of every weight
+    (:func:`local_parts`); :meth:`full_weights` gathers an FSDP2 average for saving, the engine a ZeRO-3 one
+    (``checkpointing.gathered_ema_state_dict``). Refused under accelerate's FSDP version 1 plugin."""
 
     def __init__(
         self, args: GRPOJaggConfig, parameters: Callable[[], list[torch.nn.Parameter]], *, accelerator: Any = None
@@ -91,8 +97,8 @@ class EMAWeights(EMAModel):
         params = self.parameters()
         parts = local_parts(params)
         for i, (shadow, part, param) in enumerate(zip(self.shadow_params, parts, params)):
-            if shadow.shape != part.shape:
-                split = sharding_of(param).split(shadow, param)
+            if shadow.shape != part.shape and (kind := sharding_of(param)) is not None:  # ZeRO-3: EMACallback
+                split = kind.split(shadow, param)
                 self.shadow_params[i] = split.to(device=self.shadow_device or part.device, dtype=torch.float32)
         return parts
 
@@ -101,10 +107,13 @@ class EMAWeights(EMAModel):
         # EMAModel's warm-up decay at its update n is min(decay, n / (9 + n)); counting optimizer steps instead of
         # updates makes it Flow-GRPO's min(decay, (1 + t) / (10 + t)) at optimizer step t.
         self.optimization_step = global_step
-        # EMAModel averages only tensors that require grad (a shard's local tensor does not) and in place on the
-        # shadow's device.
+        # EMAModel averages only tensors that require grad (a shard's local tensor and a ZeRO-3 partition do not)
+        # and in place on the shadow's device.
         device, dtype = ("cpu", torch.float32) if self.args.ema_offload else (None, None)
-        self.step([p.detach().to(device=device, dtype=dtype).requires_grad_(True) for p in self._parts()])
+        params = [p.detach().to(device=device, dtype=dtype).requires_grad_(True) for p in self._parts()]
+        # EMAModel would gather each parameter itself under ZeRO-3 (and fails to import deepspeed in diffusers 0.42).
+        with zero3_init_disabled(self.args):
+            self.step(params)
 
     @contextlib.contextmanager
     def swapped_in(self) -> Iterator[None]:
@@ -153,6 +162,15 @@ class EMACallback(TrainerCallback):
 
     def __init__(self, ema: EMAWeights):
         self.ema = ema
+
+    def on_train_begin(self, args: GRPOJaggConfig, state: Any, control: Any, **kwargs: Any) -> None:
+        # DeepSpeed ZeRO-3 partitions the weights when `train` builds the engine, after the average was taken from
+        # the same (untrained) weights whole: take it again from this process's partitions.
+        params = self.ema.parameters()
+        if any(hasattr(p, "ds_tensor") for p in params) and [s.shape for s in self.ema.shadow_params] != [
+            p.shape for p in local_parts(params)
+        ]:
+            self.ema.take_current_weights()
 
     def on_pre_optimizer_step(self, args: GRPOJaggConfig, state: Any, control: Any, **kwargs: Any) -> None:
         # The weights are still those after step t = global_step: Flow-GRPO's calls inside step t + 1's window.
