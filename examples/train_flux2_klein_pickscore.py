@@ -1,6 +1,6 @@
 """GRPO on FLUX.2 klein base with the PickScore reward (Flow-Factory's recipe): LoRA, CFG 4, JAGG in the update.
 
-The `flow-factory-flux2-klein-base` preset (trl_jagg/recipes.py, docs/models.md): 8 sampling steps at 384 px with
+The `flow-factory-flux2-klein-base` preset (trl_jagg/recipes/, docs/models.md): 8 sampling steps at 384 px with
 CFG 4 (the pipeline's empty negative prompt), SDE noise level a = 0.7, G = 16, LoRA r 64 / alpha 128 on the attention
 and feed-forward of both streams; JAGG as in the paper, W = 4 and jagg_frac = 0.6 (of the 7 trained steps, one JAGG
 group of 4; the remaining 3 run exact).

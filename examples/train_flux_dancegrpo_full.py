@@ -1,6 +1,6 @@
 """DanceGRPO on FLUX.1-dev with the HPSv2.1 reward: full fine-tuning, constant-eta SDE, a random 60% of steps trained.
 
-The `dancegrpo-flux` preset (trl_jagg/recipes.py, docs/models.md): 720 px, 16 sampling steps with a fixed time shift
+The `dancegrpo-flux` preset (trl_jagg/recipes/, docs/models.md): 720 px, 16 sampling steps with a fixed time shift
 3 (a scheduler override, applied to the pipeline below), eta 0.3, full fine-tuning at a constant lr 1e-5, a random
 60% of the first 15 denoising steps trained per sample, G = 12 samples per process and three optimizer steps on them
 (each used once), bf16 autocast over float32 weights; JAGG as in the paper, W = 4 and jagg_frac = 0.6 over the trained

@@ -1,6 +1,6 @@
 """GRPO on FLUX.1 Kontext (image editing), Flow-GRPO's recipe: LoRA, embedded guidance 2.5, JAGG in the update.
 
-The `flow-grpo-kontext` preset (trl_jagg/recipes.py, docs/models.md): 6 sampling steps at 512 px, SDE a = 0.9,
+The `flow-grpo-kontext` preset (trl_jagg/recipes/, docs/models.md): 6 sampling steps at 512 px, SDE a = 0.9,
 groups of 21 edits of one (instruction, source image), LoRA r 64 / alpha 128 on attention, feed-forward and the
 single blocks' MLP; rewards: CLIP image similarity to the source + GenEval counting, 0.5 each. JAGG as in the paper:
 of the 5 trained steps, one JAGG group of W = 4. The dataset has `prompt` (the instruction), `source_image` and

@@ -1,6 +1,6 @@
 """Flow-GRPO on FLUX.1-dev with the PickScore reward: LoRA, JAGG on the high-noise 60% of the step groups.
 
-The `flow-grpo-flux` preset (trl_jagg/recipes.py, docs/models.md): 6 sampling steps, embedded guidance 3.5, SDE noise
+The `flow-grpo-flux` preset (trl_jagg/recipes/, docs/models.md): 6 sampling steps, embedded guidance 3.5, SDE noise
 level a = 0.9, LoRA r 64 / alpha 128 on the attention projections and the feed-forward layers, G = 24, every step
 trained but the last, two optimizer steps per rollout, bf16 autocast over float32 weights; JAGG as in the paper, W = 4
 and jagg_frac = 0.6 (the 5 trained steps make one JAGG group and one exact step).

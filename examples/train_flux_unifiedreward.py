@@ -3,7 +3,7 @@ with CLIPScore, LoRA, JAGG in the update stage.
 
 Pref-GRPO (CodeGoat24/Pref-GRPO, scripts/lora/lora_ur_think_prefgrpo_flux.sh) weights the judge's win rate 0.4
 and CLIP 0.6 with G = 8 images per prompt; every two images of a prompt are one judge request (28 per prompt).
-The rest is the `flow-grpo-flux` preset (trl_jagg/recipes.py). Serve the judge first (docs/rewards.md):
+The rest is the `flow-grpo-flux` preset (trl_jagg/recipes/). Serve the judge first (docs/rewards.md):
 
     vllm serve CodeGoat24/UnifiedReward-Think-qwen3vl-8b --served-model-name UnifiedReward --port 8080 \\
         --limit-mm-per-prompt.image 2 --enable-prefix-caching

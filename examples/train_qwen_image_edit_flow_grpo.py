@@ -1,6 +1,6 @@
 """GRPO on Qwen-Image-Edit (Flow-GRPO's counting-edit recipe): LoRA, true CFG 4, JAGG on the high-noise groups.
 
-The `flow-grpo-qwenimage-edit` preset (trl_jagg/recipes.py, docs/models.md): 10 steps, SDE a = 1.0 on every step but
+The `flow-grpo-qwenimage-edit` preset (trl_jagg/recipes/, docs/models.md): 10 steps, SDE a = 1.0 on every step but
 the last, G = 16, LoRA r 64 / alpha 128 on attention and MLPs, the GenEval reward (Flow-GRPO adds 0.2 of an image
 similarity reward, which trl_jagg does not have). The dataset is Flow-GRPO's dataset/counting_edit: JSON lines with
 an instruction (`prompt`), the image it edits (`image`, a path relative to the folder) and GenEval's metadata.

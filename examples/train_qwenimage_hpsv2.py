@@ -1,6 +1,6 @@
 """Flow-GRPO on Qwen-Image with the HPSv2.1 reward: LoRA, FSDP2 across GPUs, JAGG in the update stage.
 
-The `flow-grpo-qwenimage` preset (trl_jagg/recipes.py, docs/models.md): true CFG 4 with norm rescaling, SDE noise
+The `flow-grpo-qwenimage` preset (trl_jagg/recipes/, docs/models.md): true CFG 4 with norm rescaling, SDE noise
 level a = 1.2 in a 2-step window of the 10 steps (the trained steps), G = 16, LoRA r 64 / alpha 128 on the attention
 projections and both MLPs, two optimizer steps per rollout, bf16 over float32 weights, activation checkpointing; JAGG
 with W = 2, the window (exact at W = 2: one joint backward instead of two). The preset's reward is PickScore; this

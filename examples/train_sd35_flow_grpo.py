@@ -1,6 +1,6 @@
 """Flow-GRPO on Stable Diffusion 3.5 Medium with the PickScore reward (LoRA), JAGG in the update stage.
 
-The `flow-grpo-sd35` preset (trl_jagg/recipes.py, docs/models.md): 512 px, 10 sampling steps, CFG 4.5, SDE noise
+The `flow-grpo-sd35` preset (trl_jagg/recipes/, docs/models.md): 512 px, 10 sampling steps, CFG 4.5, SDE noise
 level a = 0.7, G = 24 images per prompt, LoRA r 32 / alpha 64 on the attention projections of `attn` (not SD3.5's
 `attn2`), constant lr 3e-4, KL beta 0.01 (Flow-GRPO's PickScore value), every step trained but the last; JAGG as in
 the paper, W = 4 and jagg_frac = 0.6 (the 9 trained steps make two JAGG groups and one exact step). Each process

@@ -1,6 +1,6 @@
 """GRPO on Z-Image-Turbo with the PickScore reward (Flow-Factory's recipe): LoRA, JAGG on the high-noise groups.
 
-The `flow-factory-z-image-turbo` preset (trl_jagg/recipes.py, docs/models.md): 6 sampling steps without CFG (the
+The `flow-factory-z-image-turbo` preset (trl_jagg/recipes/, docs/models.md): 6 sampling steps without CFG (the
 distilled Turbo samples at guidance_scale 0), SDE noise level a = 0.7, G = 16, LoRA r 64 / alpha 128 on the attention
 projections and the feed-forward; JAGG as in the paper, W = 4 and jagg_frac = 0.6 (the 5 trained steps make one JAGG
 group and one exact step).

@@ -20,6 +20,7 @@ from trl_jagg.recipes import RECIPES, get_recipe, list_recipes
 from trl_jagg.trainer import update
 
 YAML_DIR = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "recipes")
+PEER_MODULES = ("_shared", "dancegrpo", "flow_factory", "flow_grpo")
 FLOW_FACTORY = (
     "flow-factory-z-image",
     "flow-factory-z-image-turbo",
@@ -584,7 +585,10 @@ def test_recipes_import_nothing_of_trl_jagg():
 
     code = "import sys, trl_jagg.recipes; print(sorted(m for m in sys.modules if m.startswith('trl_jagg.')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "['trl_jagg.recipe', 'trl_jagg.recipes']"  # the presets and their record class
+    # the presets (one module per peer) and their record class
+    assert out.strip() == str(
+        sorted(["trl_jagg.recipe", "trl_jagg.recipes", *(f"trl_jagg.recipes.{m}" for m in PEER_MODULES)])
+    )
 
 
 # ---------------------------------------------------------------- through the public trainer (issue 18)

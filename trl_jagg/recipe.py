@@ -102,7 +102,7 @@ class Recipe:
         lines = [
             f"{self.name}: {self.description}",
             f"Source: {self.source}",
-            "Generated from trl_jagg/recipes.py by `python -m trl_jagg.recipes examples/recipes`: edit the preset "
+            "Generated from trl_jagg/recipes/ by `python -m trl_jagg.recipes examples/recipes`: edit the preset "
             "there, not this file (tests/test_recipes.py fails on drift).",
             f"Usage: {usage}",
         ]
