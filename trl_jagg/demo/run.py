@@ -186,11 +186,13 @@ def demo_lora_config() -> Any:
     )
 
 
-def _train(
-    model: str, run_dir: str, *, steps: int, seed: int, use_jagg: bool, eval_prompts: list[str], **overrides: Any
-) -> tuple[Any, list[list[Any]], list[list[Any]], float]:
-    """Fine-tune one LoRA on the demo model; returns the trainer, the eval images before and after (one list per
-    eval seed) and the seconds ``trainer.train()`` took."""
+def demo_trainer(
+    model: str, run_dir: str, *, steps: int, seed: int, use_jagg: bool = True, eval_dataset: Any = None,
+    **overrides: Any,
+) -> Any:  # fmt: skip
+    """The demo's :class:`~trl_jagg.DDPOJaggTrainer` on :func:`demo_prompts`: :func:`demo_config` (with
+    ``overrides``), :func:`demo_lora_config` initialised from ``seed``, ``prompt_color`` and the three diagnostics,
+    and a one-line progress print per step."""
     import torch
     from datasets import Dataset
     from transformers.trainer_callback import ProgressCallback
@@ -203,10 +205,20 @@ def _train(
         reward_funcs=["prompt_color", color_accuracy, shape_area, GroupRewardStd(NUM_GENERATIONS)],
         args=demo_config(run_dir, steps=steps, seed=seed, use_jagg=use_jagg, **overrides),
         train_dataset=Dataset.from_dict({"prompt": demo_prompts()}),
+        eval_dataset=eval_dataset,
         peft_config=demo_lora_config(),
     )
     trainer.remove_callback(ProgressCallback)
     trainer.add_callback(_progress_callback())
+    return trainer
+
+
+def _train(
+    model: str, run_dir: str, *, steps: int, seed: int, use_jagg: bool, eval_prompts: list[str], **overrides: Any
+) -> tuple[Any, list[list[Any]], list[list[Any]], float]:
+    """Fine-tune one LoRA on the demo model; returns the trainer, the eval images before and after (one list per
+    eval seed) and the seconds ``trainer.train()`` took."""
+    trainer = demo_trainer(model, run_dir, steps=steps, seed=seed, use_jagg=use_jagg, **overrides)
     before = [trainer.sample_images(eval_prompts, seed=s) for s in EVAL_SEEDS]
     start = time.perf_counter()
     trainer.train()
