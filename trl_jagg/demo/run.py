@@ -14,7 +14,8 @@ It writes to ``output_dir``: ``metrics.jsonl`` (the trainer's log history, one J
 format (``lora/``; ``lora_exact/`` with ``--compare``) and ``summary.json``, whose ``update_speedup_vs_exact`` is the
 update stage of JAGG (with the on-policy velocity cache) against exact backward, timed in interleaved pairs on one
 rollout after training. Everything runs offline; the default run takes about 1 minute on a 2-core CPU, ``--compare``
-about 2.
+about 2. ``trl-jagg bench quality`` (:mod:`trl_jagg.benchmarks.quality`) trains it with exact updates, JAGG + cache and
+the mixed ODE-SDE rollout for several seeds and compares their rewards.
 """
 
 from __future__ import annotations
