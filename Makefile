@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # torch 2.14.1 / torchvision 0.29.1 lie on this machine's disk; torchvision is needed by open_clip (HPSv2.1).
 TORCH_PIN ?= torch==2.14.1 torchvision==0.29.1
 
-.PHONY: demo test lint docs bench clean
+.PHONY: demo test lint docs bench bench-quality clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,9 @@ bench: $(VENV)/.installed
 	HF_HUB_OFFLINE=1 $(VENV)/bin/trl-jagg bench --output_dir runs/bench
 	HF_HUB_OFFLINE=1 $(VENV)/bin/trl-jagg bench trainer --output_dir runs/bench
 	HF_HUB_OFFLINE=1 $(VENV)/bin/trl-jagg bench whole-step --output_dir runs/bench
+
+bench-quality: $(VENV)/.installed
+	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(VENV)/bin/trl-jagg bench quality --output_dir runs/quality
 
 clean:
 	rm -rf runs .pytest_cache

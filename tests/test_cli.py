@@ -365,8 +365,9 @@ def test_lora_targets_default_to_the_family_attention(tiny_flux_path):
         (bench.EngineBenchmarkArguments, "trl_jagg.benchmarks.engine:run_engine_benchmark"),
         (bench.TrainerBenchmarkArguments, "trl_jagg.benchmarks.trainer:run_trainer_benchmark"),
         (bench.WholeStepBenchmarkArguments, "trl_jagg.benchmarks.whole_step:run_whole_step_benchmark"),
+        (bench.QualityBenchmarkArguments, "trl_jagg.benchmarks.quality:run_quality_benchmark"),
     ],
-    ids=["demo", "bench", "bench-trainer", "bench-whole-step"],
+    ids=["demo", "bench", "bench-trainer", "bench-whole-step", "bench-quality"],
 )
 def test_command_dataclasses_mirror_their_function(arguments, function):
     # Every option is a parameter of the function, with the same default; every parameter a user would set is an
@@ -418,6 +419,19 @@ def test_bench_trainer_lists_and_tuples(monkeypatch, capsys):
     code, _, err = run(["bench", "trainer", "--group_sizes", "8", "16", "--lora", "--num_threads", "2"], capsys)
     assert code == 0, err
     assert calls[-1]["group_sizes"] == (8, 16) and calls[-1]["lora"] is True and calls[-1]["num_threads"] == 2
+
+
+def test_bench_quality_flags_reach_the_function(monkeypatch, capsys):
+    calls: list = []
+    monkeypatch.setattr("trl_jagg.benchmarks.quality.run_quality_benchmark", lambda **kwargs: calls.append(kwargs))
+    code, out, _ = run(["bench", "quality", "--help"], capsys)
+    assert code == 0 and "--seeds" in out and "--variants" in out
+    code, _, err = run(["bench", "quality", "--seeds", "4", "5", "--variants", "exact", "--steps", "3"], capsys)
+    assert code == 0, err
+    assert calls[-1]["output_dir"] == "runs/quality" and calls[-1]["seeds"] == (4, 5)
+    assert calls[-1]["variants"] == ("exact",) and calls[-1]["steps"] == 3
+    code, _, err = run(["bench", "quality", "--seed", "3"], capsys)
+    assert code == 2 and "seeds" in err
 
 
 def test_bench_runs_the_engine_benchmark(tmp_path, capsys):

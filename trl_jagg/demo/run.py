@@ -14,7 +14,8 @@ It writes to ``output_dir``: ``metrics.jsonl`` (the trainer's log history, one J
 format (``lora/``; ``lora_exact/`` with ``--compare``) and ``summary.json``, whose ``update_speedup_vs_exact`` is the
 update stage of JAGG (with the on-policy velocity cache) against exact backward, timed in interleaved pairs on one
 rollout after training. Everything runs offline; the default run takes about 1 minute on a 2-core CPU, ``--compare``
-about 2.
+about 2. ``trl-jagg bench quality`` (:mod:`trl_jagg.benchmarks.quality`) trains it with exact updates, JAGG + cache and
+the mixed ODE-SDE rollout for several seeds and compares their rewards.
 """
 
 from __future__ import annotations
@@ -186,11 +187,13 @@ def demo_lora_config() -> Any:
     )
 
 
-def _train(
-    model: str, run_dir: str, *, steps: int, seed: int, use_jagg: bool, eval_prompts: list[str], **overrides: Any
-) -> tuple[Any, list[list[Any]], list[list[Any]], float]:
-    """Fine-tune one LoRA on the demo model; returns the trainer, the eval images before and after (one list per
-    eval seed) and the seconds ``trainer.train()`` took."""
+def demo_trainer(
+    model: str, run_dir: str, *, steps: int, seed: int, use_jagg: bool = True, eval_dataset: Any = None,
+    **overrides: Any,
+) -> Any:  # fmt: skip
+    """The demo's :class:`~trl_jagg.DDPOJaggTrainer` on :func:`demo_prompts`: :func:`demo_config` (with
+    ``overrides``), :func:`demo_lora_config` initialised from ``seed``, ``prompt_color`` and the three diagnostics,
+    and a one-line progress print per step."""
     import torch
     from datasets import Dataset
     from transformers.trainer_callback import ProgressCallback
@@ -203,10 +206,20 @@ def _train(
         reward_funcs=["prompt_color", color_accuracy, shape_area, GroupRewardStd(NUM_GENERATIONS)],
         args=demo_config(run_dir, steps=steps, seed=seed, use_jagg=use_jagg, **overrides),
         train_dataset=Dataset.from_dict({"prompt": demo_prompts()}),
+        eval_dataset=eval_dataset,
         peft_config=demo_lora_config(),
     )
     trainer.remove_callback(ProgressCallback)
     trainer.add_callback(_progress_callback())
+    return trainer
+
+
+def _train(
+    model: str, run_dir: str, *, steps: int, seed: int, use_jagg: bool, eval_prompts: list[str], **overrides: Any
+) -> tuple[Any, list[list[Any]], list[list[Any]], float]:
+    """Fine-tune one LoRA on the demo model; returns the trainer, the eval images before and after (one list per
+    eval seed) and the seconds ``trainer.train()`` took."""
+    trainer = demo_trainer(model, run_dir, steps=steps, seed=seed, use_jagg=use_jagg, **overrides)
     before = [trainer.sample_images(eval_prompts, seed=s) for s in EVAL_SEEDS]
     start = time.perf_counter()
     trainer.train()

@@ -5,11 +5,13 @@
     trl-jagg bench [--output_dir runs/bench] [--group_sizes 2 4 8 ...]           # the engine on a small DiT
     trl-jagg bench trainer [--output_dir runs/bench] [--group_sizes 2 4 8 ...]   # DDPOJaggTrainer on a tiny Flux
     trl-jagg bench whole-step [--output_dir runs/bench] [--repeats 5 ...]       # whole steps at recipe shapes
+    trl-jagg bench quality [--output_dir runs/quality] [--seeds 0 1 2 ...]      # the demo's reward per variant
 
 Each benchmark's options are the fields of a dataclass mirroring its function's parameters
 (:class:`EngineBenchmarkArguments` for :func:`trl_jagg.benchmarks.engine.run_engine_benchmark`,
 :class:`TrainerBenchmarkArguments` for :func:`trl_jagg.benchmarks.trainer.run_trainer_benchmark`,
-:class:`WholeStepBenchmarkArguments` for :func:`trl_jagg.benchmarks.whole_step.run_whole_step_benchmark`): a parameter
+:class:`WholeStepBenchmarkArguments` for :func:`trl_jagg.benchmarks.whole_step.run_whole_step_benchmark`,
+:class:`QualityBenchmarkArguments` for :func:`trl_jagg.benchmarks.quality.run_quality_benchmark`): a parameter
 added to the function is exposed by adding the field of the same name.
 """
 
@@ -17,6 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+
+from trl_jagg.demo.run import DEMO_ASSET_DIR
 
 from .utils import CommandParser
 
@@ -129,9 +133,45 @@ class WholeStepBenchmarkArguments:
     num_threads: int = field(default=1, metadata={"help": "torch CPU threads while timing (restored afterwards)."})
 
 
+QUALITY_DESCRIPTION = (
+    "Train the CPU demo with exact updates, JAGG + velocity cache and the mixed ODE-SDE rollout (MixGRPO-style "
+    "sliding window, DPM-Solver++) + JAGG + cache, for every seed in interleaved order; write quality.json (reward "
+    "and colour accuracy per step, evaluations half-way and at the end) and quality.png (reward against step and "
+    "CPU time)."
+)
+
+
+def _quality_variants() -> tuple[str, ...]:
+    from trl_jagg.benchmarks.quality import QUALITY_VARIANTS
+
+    return QUALITY_VARIANTS
+
+
+@dataclass
+class QualityBenchmarkArguments:
+    """The options of ``trl-jagg bench quality`` (parameters of
+    :func:`~trl_jagg.benchmarks.quality.run_quality_benchmark`)."""
+
+    _argument_group_name = "Quality benchmark"
+
+    output_dir: str = field(default="runs/quality", metadata={"help": "Where the JSON, PNG and run folders go."})
+    steps: int = field(default=100, metadata={"help": "Optimizer steps per run."})
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2], metadata={"help": "Training seeds (each variant)."})
+    variants: list[str] = field(
+        default_factory=lambda: list(_quality_variants()), metadata={"help": "The variants to train (all)."}
+    )
+    eval_repeats: int = field(default=8, metadata={"help": "Held-out images per prompt at each evaluation."})
+    model: str = field(
+        default=DEMO_ASSET_DIR,
+        metadata={"help": "The pipeline to fine-tune, a local directory or a Hub id (default: the demo's model)."},
+    )
+    num_threads: int = field(default=1, metadata={"help": "torch CPU threads while training (restored afterwards)."})
+
+
 COMMANDS = {
     "trainer": (TrainerBenchmarkArguments, "bench trainer", TRAINER_DESCRIPTION),
     "whole-step": (WholeStepBenchmarkArguments, "bench whole-step", WHOLE_STEP_DESCRIPTION),
+    "quality": (QualityBenchmarkArguments, "bench quality", QUALITY_DESCRIPTION),
 }
 """The sub-benchmarks by name; without one, ``trl-jagg bench`` runs the engine benchmark."""
 
@@ -142,14 +182,14 @@ def make_parser(command: str | None = None) -> CommandParser:
 
 
 def main(argv: Sequence[str]) -> int:
-    """``trl-jagg bench [trainer | whole-step] ARGV``: run the benchmark (it prints its table and where its files
+    """``trl-jagg bench [trainer | whole-step | quality] ARGV``: run the benchmark (it prints its table and where its files
     are)."""
     command = argv[0] if argv and argv[0] in COMMANDS else None
     parsed = make_parser(command).parse_command_line(argv[1:] if command else argv)
     if parsed is None:
         return 0
     kwargs = asdict(parsed[0])
-    for key in ("group_sizes", "jagg_fracs", "betas", "variants"):
+    for key in ("group_sizes", "jagg_fracs", "betas", "variants", "seeds"):
         if key in kwargs:
             kwargs[key] = tuple(kwargs[key])
     if command == "trainer":
@@ -160,6 +200,10 @@ def main(argv: Sequence[str]) -> int:
         from trl_jagg.benchmarks.whole_step import run_whole_step_benchmark
 
         run_whole_step_benchmark(**kwargs)
+    elif command == "quality":
+        from trl_jagg.benchmarks.quality import run_quality_benchmark
+
+        run_quality_benchmark(**kwargs)
     else:
         from trl_jagg.benchmarks.engine import run_engine_benchmark
 

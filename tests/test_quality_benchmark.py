@@ -1,0 +1,145 @@
+"""The quality benchmark (`trl-jagg bench quality`): its variants, its bookkeeping and one short end-to-end run.
+
+Whether a variant costs reward is measured by the 100-step benchmark (docs/benchmarks.md), never asserted here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from PIL import Image
+
+from trl_jagg.benchmarks.quality import (
+    QUALITY_VARIANTS,
+    TrainingCPUClock,
+    markdown_table,
+    milestones,
+    plot_quality,
+    run_order,
+    run_record,
+    summarize,
+    variant_overrides,
+)
+from trl_jagg.demo.run import DEMO_NUM_INFERENCE_STEPS, demo_config
+from trl_jagg.sde_window import compressed_path, sde_window
+
+
+def test_variant_configs_are_valid_demo_configs_and_the_mix_window_visits_each_start_once(tmp_path):
+    configs = {v: demo_config(str(tmp_path), steps=100, seed=0, **variant_overrides(v, 100)) for v in QUALITY_VARIANTS}
+    assert not configs["exact"].use_jagg
+    assert configs["jagg_cache"].use_jagg and configs["jagg_cache"].jagg_cache_velocities
+    mix = configs["mix_jagg_cache"]
+    assert mix.use_jagg and mix.jagg_group_size == mix.sde_window_size == 4  # the window is one JAGG group
+    assert mix.ode_solver_order == 2 and mix.same_group_noise
+    starts = [
+        sde_window(
+            mix.sde_window_schedule, num_steps=mix.num_inference_steps, size=mix.sde_window_size,
+            max_start=mix.sde_window_max_start, step=step, stride=mix.sde_window_stride,
+            shift_interval=mix.sde_window_shift_interval,
+        )[0]
+        for step in range(100)
+    ]  # fmt: skip
+    assert starts == [step // 20 for step in range(100)]  # starts 0, 1, 2, 3, 4 for 20 steps each
+    for start in range(5):  # 7 backbone calls a rollout (4 SDE + 3 ODE) instead of 9, wherever the window is
+        path = compressed_path(DEMO_NUM_INFERENCE_STEPS, list(range(start, start + 4)), mix.ode_step_ratio)
+        assert len(path) - 1 == 7, (start, path)
+    with pytest.raises(ValueError, match="Unknown variant"):
+        variant_overrides("mix", 100)
+
+
+def test_runs_are_interleaved_seed_by_seed_in_rotating_order():
+    assert run_order([0, 1, 2], ["a", "b", "c"]) == [
+        (0, "a"), (0, "b"), (0, "c"), (1, "b"), (1, "c"), (1, "a"), (2, "c"), (2, "a"), (2, "b"),
+    ]  # fmt: skip
+    assert milestones(100) == [50, 100] and milestones(2) == [1, 2] and milestones(1) == [1]
+
+
+def test_cpu_clock_leaves_evaluation_out():
+    times = iter([10.0, 11.0, 12.5, 14.5, 15.5])  # begin, step 1, step 2, evaluation done (2 s), step 3
+    clock = TrainingCPUClock(clock=lambda: next(times))
+
+    class State:
+        global_step = 0
+
+    state = State()
+    clock.on_train_begin(None, state, None)
+    for step in (1, 2):
+        state.global_step = step
+        clock.on_step_end(None, state, None)
+    clock.on_evaluate(None, state, None)
+    state.global_step = 3
+    clock.on_step_end(None, state, None)
+    assert clock.seconds == {1: 1.0, 2: 2.5, 3: 3.5}
+
+
+def _history(rewards, accuracies, evals):
+    history = [{"reward": r, "rewards/color_accuracy/mean": a, "step": i + 1} for i, (r, a) in enumerate(zip(rewards, accuracies))]  # fmt: skip
+    history += [{"eval_reward": r, "eval_rewards/color_accuracy/mean": a, "step": s} for s, (r, a) in evals.items()]
+    return history[::-1]  # any order: the record sorts by step
+
+
+def test_summary_equals_a_hand_computation():
+    cpu = {1: 1.0, 2: 2.0, 3: 3.5, 4: 5.0}
+    runs = [
+        run_record(
+            "exact", 0, _history([0.1, 0.2, 0.3, 0.4], [0.3, 0.4, 0.5, 0.6], {2: (0.05, 0.5), 4: (0.15, 0.7)}), cpu
+        ),  # fmt: skip
+        run_record(
+            "exact",
+            1,
+            _history([0.0, 0.4, 0.2, 0.6], [0.2, 0.6, 0.5, 0.9], {2: (0.25, 0.3), 4: (0.35, 0.9)}),
+            {k: 2 * v for k, v in cpu.items()},
+        ),  # fmt: skip
+        run_record(
+            "mix_jagg_cache", 0, _history([0.1, -0.1, 0.3, 0.2], [0.3, 0.2, 0.5, 0.4], {2: (0.0, 0.4)}), cpu
+        ),  # fmt: skip
+    ]
+    assert runs[0]["step"] == [1, 2, 3, 4] and runs[0]["reward"] == [0.1, 0.2, 0.3, 0.4]
+    summary = summarize(runs, [2, 4])
+    exact2, exact4 = summary["exact"]["2"], summary["exact"]["4"]
+    assert exact2["seeds"] == [0, 1] and exact2["per_seed"]["reward"] == [0.2, 0.4]
+    expected2 = {"reward": 0.3, "color_accuracy": 0.5, "eval_reward": 0.15, "eval_color_accuracy": 0.4, "cpu_s": 3.0}
+    expected4 = {"reward": 0.5, "color_accuracy": 0.75, "eval_reward": 0.25, "eval_color_accuracy": 0.8, "cpu_s": 7.5}
+    for got, expected in ((exact2["mean"], expected2), (exact4["mean"], expected4)):
+        assert got.keys() == expected.keys()
+        for key, value in expected.items():
+            assert got[key] == pytest.approx(value), key
+    mix4 = summary["mix_jagg_cache"]["4"]["mean"]
+    assert mix4["reward"] == pytest.approx(0.2) and math.isnan(mix4["eval_reward"])  # not evaluated at step 4
+    table = markdown_table(summary)
+    assert "| exact | 4 | 0,1 | **+0.500** [+0.400, +0.600] | **0.75** [0.60, 0.90] |" in table
+    assert len(table.splitlines()) == 2 + 4  # header, rule, a row per variant and step
+
+
+def test_plot_draws_every_variant(tmp_path):
+    runs = [
+        run_record(variant, seed, _history([0.1 * seed, 0.2], [0.3, 0.4], {}), {1: 1.0 + seed, 2: 2.0 + seed})
+        for variant in QUALITY_VARIANTS
+        for seed in (0, 1)
+    ]
+    path = plot_quality(runs, str(tmp_path / "quality.png"))
+    with Image.open(path) as png:
+        assert png.width > 500
+
+
+@pytest.mark.slow
+def test_bench_quality_command_writes_json_and_png(tmp_path):
+    """The command end to end, one variant (the mixed rollout, the most options) for 1 step: a few seconds of CPU.
+    The three variants' configs are checked above; each costs about as much again."""
+    from trl_jagg.scripts.bench import main
+
+    out = tmp_path / "quality"
+    argv = ["quality", "--output_dir", str(out), "--steps", "1", "--seeds", "3", "--eval_repeats", "1"]
+    assert main([*argv, "--variants", "mix_jagg_cache"]) == 0
+    report = json.loads((out / "quality.json").read_text())
+    assert [(r["seed"], r["variant"]) for r in report["runs"]] == [(3, "mix_jagg_cache")]
+    (run,) = report["runs"]
+    assert run["step"] == [1] and run["cpu_s"][0] > 0
+    assert math.isfinite(run["reward"][0]) and 0 <= run["color_accuracy"][0] <= 1
+    assert set(run["eval"]) == {"1"} and math.isfinite(run["eval"]["1"]["reward"])
+    assert report["config"]["eval_images"] == 9
+    assert report["summary"]["mix_jagg_cache"]["1"]["seeds"] == [3]
+    with Image.open(out / "quality.png") as png:
+        assert png.width > 500

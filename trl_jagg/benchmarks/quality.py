@@ -1,0 +1,297 @@
+"""Quality benchmark: does the faster step cost reward? The CPU demo trained with each update / rollout variant.
+
+Every variant trains the demo (:mod:`trl_jagg.demo.run`: the shipped tiny Flux pipeline, LoRA, 9 colour x shape
+prompts x 8 images per step, the ``prompt_color`` reward) from the same LoRA initialisation for each seed:
+
+- ``exact``: one backward per trained step (``use_jagg=False``); the demo's fixed SDE window on steps 0-3.
+- ``jagg_cache``: the demo as shipped, the window one JAGG group (W = 4) with the on-policy velocity cache.
+- ``mix_jagg_cache``: MixGRPO-Flash scaled to the demo (see :func:`variant_overrides`): the 4-step SDE window
+  slides over the schedule, ODE elsewhere with DPM-Solver++ (order 2) on fewer steps, same-noise groups sharing
+  the ODE before the window; the window is the JAGG group, with the cache.
+
+Runs go seed by seed, the variants of a seed in rotating order (interleaved: a slower stretch of a shared machine
+falls on every variant alike). Each run logs, per optimizer step, the rollout's mean reward, its share of images in
+the named colour (``rewards/color_accuracy/mean``) and the process CPU time of training so far (evaluation left
+out; one torch thread, so it counts the work and not the waits of a shared machine). At half-way and at the end the
+trainer's ``evaluate`` renders the same held-out images for every run (the 9 prompts x ``eval_repeats`` seeds, the
+full 9-step Euler ODE): the comparison that does not depend on how a variant samples its rollouts.
+
+    trl-jagg bench quality --output_dir runs/quality [--steps 100] [--seeds 0 1 2]
+
+writes ``quality.json`` (rewritten after every run, so an interrupted benchmark keeps its finished runs) and
+``quality.png`` (reward against optimizer step and against CPU time, mean over seeds and a thin line per seed).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainerCallback
+
+from ..demo.run import DEMO_ASSET_DIR, DEMO_NUM_INFERENCE_STEPS, demo_prompts, demo_trainer
+from ..sde_window import default_max_start
+
+JSON_NAME = "quality.json"
+PNG_NAME = "quality.png"
+QUALITY_VARIANTS = ("exact", "jagg_cache", "mix_jagg_cache")
+MIX_WINDOW_SIZE = 4
+"""The demo's window size (one JAGG group of W = 4), kept for the mixed rollout."""
+
+
+def variant_overrides(variant: str, steps: int) -> dict[str, Any]:
+    """The :func:`~trl_jagg.demo.run.demo_config` fields of ``variant`` for a run of ``steps`` optimizer steps.
+
+    The mixed rollout scales the ``mixgrpo-flux`` preset (25 steps, window 4 moving 1 step every 20 optimizer steps
+    up to start 19, DPM-Solver++ 2 on 40% of the ODE steps) to the demo's 9 steps: the window keeps its 4 steps and
+    its stride 1; its last start is MixGRPO's (the last full window before the final step: 4), and it moves every
+    ``steps // 5`` steps, so one run visits each of the 5 positions once (at 100 steps: every 20, the preset's
+    interval). ``ode_step_ratio`` is 0.6, not 0.4: the demo's sides of the window have 1-5 ODE steps, and 0.4
+    would leave a single (first-order) DPM step on sides of 2-3 steps; 0.6 keeps 2-3 a side, i.e. 7 backbone
+    calls per rollout instead of 9 at every window position. ``same_group_noise`` as in the preset (it lets a group
+    share the ODE before the window).
+    """
+    if variant not in QUALITY_VARIANTS:
+        raise ValueError(f"Unknown variant {variant!r}: use one of {QUALITY_VARIANTS}.")
+    if variant == "exact":
+        return {"use_jagg": False}
+    if variant == "jagg_cache":
+        return {"use_jagg": True, "jagg_cache_velocities": True}
+    positions = default_max_start("progressive", DEMO_NUM_INFERENCE_STEPS, MIX_WINDOW_SIZE) + 1
+    return {
+        "use_jagg": True,
+        "jagg_cache_velocities": True,
+        "sde_window_size": MIX_WINDOW_SIZE,
+        "sde_window_schedule": "progressive",
+        "sde_window_max_start": None,
+        "sde_window_stride": 1,
+        "sde_window_shift_interval": max(1, steps // positions),
+        "ode_solver_order": 2,
+        "ode_step_ratio": 0.6,
+        "same_group_noise": True,
+    }
+
+
+def milestones(steps: int) -> list[int]:
+    """The optimizer steps evaluated and tabulated: half-way and the last (50 and 100 for the default run)."""
+    return sorted({max(1, steps // 2), steps})
+
+
+class TrainingCPUClock(TrainerCallback):
+    """Process CPU seconds since ``train()`` began at the end of each optimizer step, evaluation time left out.
+
+    The Trainer evaluates after ``on_step_end`` and calls ``on_evaluate`` when done, so the time between the two is
+    the evaluation's (and the step's log line's), which later steps do not count.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.process_time) -> None:
+        self.clock = clock
+        self.seconds: dict[int, float] = {}
+        self._start = 0.0
+        self._last_step_end = 0.0
+        self._excluded = 0.0
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._start = self._last_step_end = self.clock()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._last_step_end = self.clock()
+        self.seconds[state.global_step] = self._last_step_end - self._start - self._excluded
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        now = self.clock()
+        self._excluded += now - self._last_step_end
+        self._last_step_end = now
+
+
+def run_record(variant: str, seed: int, log_history: Sequence[dict[str, Any]], cpu_seconds: dict[int, float]) -> dict:
+    """One run's curves and evaluations from the trainer's ``log_history`` and :class:`TrainingCPUClock`'s times."""
+    logs = sorted((e for e in log_history if "reward" in e), key=lambda e: e["step"])
+    evals = {e["step"]: e for e in log_history if "eval_reward" in e}
+    return {
+        "variant": variant,
+        "seed": seed,
+        "step": [e["step"] for e in logs],
+        "reward": [e["reward"] for e in logs],
+        "color_accuracy": [e["rewards/color_accuracy/mean"] for e in logs],
+        "cpu_s": [cpu_seconds[e["step"]] for e in logs],
+        "eval": {
+            str(step): {"reward": e["eval_reward"], "color_accuracy": e["eval_rewards/color_accuracy/mean"]}
+            for step, e in sorted(evals.items())
+        },
+    }
+
+
+def summarize(runs: Sequence[dict[str, Any]], at_steps: Sequence[int]) -> dict[str, Any]:
+    """Per variant and milestone step: the rollout's reward and colour accuracy at that step, the evaluation's, and
+    the training CPU seconds up to it, per seed (in run order) and their mean over seeds."""
+    table: dict[str, Any] = {}
+    for run in runs:
+        for step in at_steps:
+            if step not in run["step"]:
+                continue
+            i = run["step"].index(step)
+            values = {
+                "reward": run["reward"][i],
+                "color_accuracy": run["color_accuracy"][i],
+                "eval_reward": run["eval"].get(str(step), {}).get("reward", math.nan),
+                "eval_color_accuracy": run["eval"].get(str(step), {}).get("color_accuracy", math.nan),
+                "cpu_s": run["cpu_s"][i],
+            }
+            entry = table.setdefault(run["variant"], {}).setdefault(str(step), {"seeds": [], "per_seed": {}})
+            entry["seeds"].append(run["seed"])
+            for key, value in values.items():
+                entry["per_seed"].setdefault(key, []).append(value)
+    for variant in table.values():
+        for entry in variant.values():
+            entry["mean"] = {key: statistics.fmean(values) for key, values in entry["per_seed"].items()}
+    return table
+
+
+def markdown_table(summary: dict[str, Any]) -> str:
+    """The summary as a Markdown table: a row per variant and milestone, the mean over seeds with the per-seed
+    values in brackets."""
+    lines = [
+        "| variant | step | seeds | rollout reward | rollout colour acc. | eval reward | eval colour acc. | CPU s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for variant, by_step in summary.items():
+        for step, entry in by_step.items():
+            cells = []
+            for key, fmt in (("reward", "+.3f"), ("color_accuracy", ".2f"), ("eval_reward", "+.3f"),
+                             ("eval_color_accuracy", ".2f"), ("cpu_s", ".0f")):  # fmt: skip
+                per_seed = ", ".join(format(v, fmt) for v in entry["per_seed"][key])
+                cells.append(f"**{format(entry['mean'][key], fmt)}** [{per_seed}]")
+            seeds = ",".join(str(s) for s in entry["seeds"])
+            lines.append(f"| {variant} | {step} | {seeds} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot_quality(runs: Sequence[dict[str, Any]], path: str) -> str:
+    """Reward against optimizer step and against training CPU time, and colour accuracy against step: per variant
+    the mean over its seeds (thick; CPU time also averaged), every seed (thin), and the evaluations' means
+    (diamonds)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    colors = dict(zip(QUALITY_VARIANTS, ("tab:blue", "tab:orange", "tab:green")))
+    figure = Figure(figsize=(15, 4.5), dpi=90)
+    FigureCanvasAgg(figure)
+    step_ax, cpu_ax, accuracy_ax = figure.subplots(1, 3)
+    for variant in QUALITY_VARIANTS:
+        own = [r for r in runs if r["variant"] == variant]
+        if not own:
+            continue
+        color = colors[variant]
+        for run in own:
+            step_ax.plot(run["step"], run["reward"], color=color, lw=0.6, alpha=0.45)
+            cpu_ax.plot(run["cpu_s"], run["reward"], color=color, lw=0.6, alpha=0.45)
+            accuracy_ax.plot(run["step"], run["color_accuracy"], color=color, lw=0.6, alpha=0.45)
+        length = min(len(r["step"]) for r in own)
+        mean = {key: [statistics.fmean(r[key][i] for r in own) for i in range(length)]
+                for key in ("reward", "cpu_s", "color_accuracy")}  # fmt: skip
+        label = f"{variant} (mean of {len(own)} seed{'s' * (len(own) > 1)})"
+        step_ax.plot(own[0]["step"][:length], mean["reward"], color=color, lw=2.2, label=label)
+        cpu_ax.plot(mean["cpu_s"], mean["reward"], color=color, lw=2.2, label=label)
+        accuracy_ax.plot(own[0]["step"][:length], mean["color_accuracy"], color=color, lw=2.2, label=label)
+        evaluated = sorted(set.intersection(*(set(r["eval"]) for r in own)), key=int)
+        for ax, key in ((step_ax, "reward"), (accuracy_ax, "color_accuracy")):  # the held-out ODE images' means
+            means = [statistics.fmean(r["eval"][s][key] for r in own) for s in evaluated]
+            ax.plot([int(s) for s in evaluated], means, "D", color=color, ms=8, mec="black")
+    step_ax.set(xlabel="optimizer step", ylabel="mean reward (prompt_color)",
+                title="Reward per step (lines: rollouts; diamonds: held-out eval)")  # fmt: skip
+    cpu_ax.set(xlabel="process CPU seconds of training (1 thread)", ylabel="rollout mean reward",
+               title="Reward against CPU time")  # fmt: skip
+    accuracy_ax.axhline(1 / 3, color="gray", lw=0.8, ls=":")
+    accuracy_ax.set(xlabel="optimizer step", ylabel="fraction", title="Images in the named colour (diamonds: eval)",
+                    ylim=(0, 1.02))  # fmt: skip
+    for ax in (step_ax, cpu_ax, accuracy_ax):
+        ax.legend(loc="lower right", fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path)
+    return path
+
+
+def run_order(seeds: Sequence[int], variants: Sequence[str]) -> list[tuple[int, str]]:
+    """Seed by seed, the variants rotated by one at each seed (exact, jagg, mix; jagg, mix, exact; ...)."""
+    order = []
+    for i, seed in enumerate(seeds):
+        shift = i % len(variants)
+        order += [(seed, v) for v in (*variants[shift:], *variants[:shift])]
+    return order
+
+
+def run_quality_benchmark(
+    output_dir: str,
+    *,
+    steps: int = 100,
+    seeds: Sequence[int] = (0, 1, 2),
+    variants: Sequence[str] = QUALITY_VARIANTS,
+    eval_repeats: int = 8,
+    model: str = DEMO_ASSET_DIR,
+    num_threads: int = 1,
+) -> dict[str, Any]:
+    """Train the demo with every variant and seed (see the module docstring); returns and writes the report.
+
+    Args:
+        output_dir: where ``quality.json``, ``quality.png`` and the runs' trainer folders go.
+        steps: optimizer steps per run.
+        seeds: training seeds (the LoRA initialisation and the rollouts); every variant runs each.
+        variants: names from :data:`QUALITY_VARIANTS`.
+        eval_repeats: held-out images per prompt at each evaluation (a different noise seed each).
+        model: the pipeline (the shipped demo model by default).
+        num_threads: torch CPU threads while training; restored afterwards.
+    """
+    import torch
+    from datasets import Dataset
+
+    unknown = sorted(set(variants) - set(QUALITY_VARIANTS))
+    if unknown:
+        raise ValueError(f"Unknown `variants` {unknown}: use names of {list(QUALITY_VARIANTS)}.")
+    if steps < 1 or eval_repeats < 1 or not seeds:
+        raise ValueError(f"Need `steps` >= 1, `eval_repeats` >= 1 and a seed, got {steps}, {eval_repeats}, {seeds}.")
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    at_steps = milestones(steps)
+    prompts = demo_prompts()
+    eval_dataset = Dataset.from_dict({"prompt": prompts * eval_repeats})
+    report: dict[str, Any] = {
+        "config": {
+            "model": model, "steps": steps, "seeds": list(seeds), "eval_steps": at_steps,
+            "eval_images": len(prompts) * eval_repeats, "torch_threads": num_threads, "torch": torch.__version__,
+            "timer": "process CPU time of training (process_time), evaluation excluded",
+            "variants": {v: variant_overrides(v, steps) for v in variants},
+            "order": run_order(seeds, list(variants)),
+        },
+        "runs": [],
+    }  # fmt: skip
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        for seed, variant in report["config"]["order"]:
+            print(f"[quality] {variant} seed {seed}: {steps} steps", flush=True)
+            trainer = demo_trainer(
+                model, str(out / f"{variant}_seed{seed}"), steps=steps, seed=seed, eval_dataset=eval_dataset,
+                eval_strategy="steps", eval_steps=at_steps[0], per_device_eval_batch_size=len(prompts),
+                **variant_overrides(variant, steps),
+            )  # fmt: skip
+            clock = TrainingCPUClock()
+            trainer.add_callback(clock)
+            trainer.train()
+            if not any(e.get("step") == steps and "eval_reward" in e for e in trainer.state.log_history):
+                trainer.evaluate()  # an odd `steps`: the last step is not a multiple of the half-way one
+            report["runs"].append(run_record(variant, seed, trainer.state.log_history, clock.seconds))
+            del trainer
+            report["summary"] = summarize(report["runs"], at_steps)
+            (out / JSON_NAME).write_text(json.dumps(report, indent=2))
+            plot_quality(report["runs"], str(out / PNG_NAME))
+    finally:
+        torch.set_num_threads(previous_threads)
+    print(markdown_table(report["summary"]))
+    print(f"wrote {out / JSON_NAME} and {out / PNG_NAME}")
+    return report
