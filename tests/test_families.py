@@ -362,3 +362,42 @@ def test_kontext_lora_reloads_into_the_diffusers_pipeline(tiny_flux_kontext_path
     assert_same_images(ours, pipeline_edit(pipe))
     base = pipeline_edit(DiffusionPipeline.from_pretrained(tiny_flux_kontext_path))
     assert not np.array_equal(np.asarray(base[0]), np.asarray(ours[0]))  # the LoRA did load and change the edit
+
+
+# ---------------------------------------------------------------- video: Wan2.1
+
+
+def test_wan_num_frames_is_checked_and_image_models_refuse_it(tiny_wan_path, tiny_zimage_path, tmp_path):
+    from trl_jagg.trainer.inputs import checked_model_inputs
+
+    adapter = load_adapter(tiny_wan_path)
+    assert adapter.num_frames == 81  # WanPipeline's default
+    with pytest.raises(ValueError, match=r"num_frames=4: .* 4 k \+ 1 frames"):
+        adapter.num_frames = 4
+    dataset = Dataset.from_dict({"prompt": PROMPTS})
+    args = GRPOJaggConfig(output_dir=str(tmp_path), num_frames=9, per_device_train_batch_size=2, num_generations=2)
+    checked_model_inputs(adapter, args, dataset, None)
+    assert adapter.num_frames == 9
+    noise = adapter.prepare_latents(2, 32, 32, torch.Generator().manual_seed(0))
+    assert noise.shape == (2, 16, 3, 4, 4)  # 9 frames: 3 latent frames
+    with pytest.raises(ValueError, match="num_frames is 9, but ZImagePipeline makes images"):
+        checked_model_inputs(load_adapter(tiny_zimage_path), args, dataset, None)
+    with pytest.raises(ValueError, match="GRPOJaggConfig.num_frames is 0"):
+        GRPOJaggConfig(output_dir=str(tmp_path), num_frames=0)
+
+
+def test_wan_rollout_scores_videos_and_logs_frame_strips(tiny_wan_path, tmp_path):
+    """The rollout's samples are videos of `num_frames` frames, scored per frame by an image reward (the mean of
+    its frames' scores, recomputed here frame by frame), and the completions are logged as frame strips."""
+    trainer = make_trainer("wan", tiny_wan_path, tmp_path, FAMILIES["wan"]["cfg"], log_completions=True)
+    rollout = trainer._generate_and_score(next(iter(trainer.get_train_dataloader())))
+    assert rollout["latents"].shape == (4, 5, 16, 2, 4, 4)  # (batch, steps + 1, channels, latent frames, h, w)
+    prompts, videos, scores = trainer.generation.completions
+    assert [len(video) for video in videos] == [5] * 4 and videos[0][0].size == (32, 32)
+    by_frame = [np.mean([redness([p], [frame])[0] for frame in video]) for p, video in zip(prompts, videos)]
+    np.testing.assert_allclose(scores["redness"], by_frame, rtol=1e-5)
+    from trl_jagg.trainer.image_logging import frame_strip
+
+    strip = frame_strip(videos[0])
+    assert strip.size == (5 * 32, 32)
+    assert np.array_equal(np.asarray(strip)[:, 32:64], np.asarray(videos[0][1]))  # frames left to right
