@@ -220,6 +220,7 @@ RECIPES = [
     "flow-grpo-qwenimage-all-steps",
     "flow-grpo-qwenimage-edit",
     "flow-grpo-fast-flux",
+    "flow-grpo-wan2.1",
     "dancegrpo-flux",
     "dancegrpo-flux-8gpu",
     "mixgrpo-flux",

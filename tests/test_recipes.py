@@ -35,6 +35,7 @@ NAMES = [
     "flow-grpo-qwenimage-all-steps",
     "flow-grpo-qwenimage-edit",
     "flow-grpo-fast-flux",
+    "flow-grpo-wan2.1",
     "dancegrpo-flux",
     "dancegrpo-flux-8gpu",
     "mixgrpo-flux",
@@ -63,6 +64,11 @@ PUBLISHED = {
         num_generations=16, beta=0.0, train_timesteps="all_but_last", source_image_area=None,
     ),
     "flow-grpo-fast-flux": dict(train_timesteps="sde_window", sde_window_size=3, sde_window_max_start=0),
+    # FG config/grpo.py:29-79 (general_ocr_wan2_1): 240x416, 33 frames, 20 steps, CFG 4.5, lr 1e-4, clip 1e-3.
+    "flow-grpo-wan2.1": dict(
+        height=240, width=416, num_frames=33, num_inference_steps=20, guidance_scale=4.5, num_generations=4,
+        learning_rate=1e-4, beta=0.004, clip_range=1e-3, train_timesteps="all_but_last",
+    ),
     "dancegrpo-flux": _DANCE_PUBLISHED,
     "dancegrpo-flux-8gpu": _DANCE_PUBLISHED,
     # MixGRPO-Flash (Tencent-Hunyuan/MixGRPO scripts/finetune/finetune_flux_grpo_MixGRPO_Flash.sh).
@@ -126,6 +132,10 @@ PEER_CONVENTIONS = {
     "flow-grpo-qwenimage-edit": {**_QWENIMAGE_CONVENTIONS, "max_sequence_length": None, "negative_prompt": " "},
     "flow-grpo-fast-flux": dict(
         **_FLOW_GRPO, **_FLOW_GRPO_EMA, scale_rewards="group", max_sequence_length=128, eval_num_inference_steps=28,
+    ),
+    "flow-grpo-wan2.1": dict(
+        **_FLOW_GRPO, **_FLOW_GRPO_EMA, scale_rewards="group", max_sequence_length=512, eval_num_inference_steps=50,
+        drop_zero_advantages=True, cfg_gradient="both", negative_prompt="",
     ),
     "dancegrpo-flux": dict(**_DANCE_CONVENTIONS, ema_decay=0.0),
     "dancegrpo-flux-8gpu": dict(**_DANCE_CONVENTIONS, ema_decay=0.995, ema_warmup=False, ema_offload=True),
@@ -221,6 +231,15 @@ PEER_TRAINING = {
         ("dtype", "float32", "FG scripts/train_flux_fast.py:375, 412"),
         ("mixed_precision", "bf16", "FG config/grpo.py:640"),
     ],
+    "flow-grpo-wan2.1": [
+        _FG_CONSTANT_LR,
+        ("per_device_train_batch_size", 8, "FG config/grpo.py:43, 48 (train_batch_size 8)"),
+        ("optimizer_steps_per_rollout", 2, "FG config/grpo.py:45, 49 (2 batches, GA = 2 // 2 = 1)"),
+        ("num_iterations", 1, "FG config/grpo.py:50"),
+        ("reward_funcs", ("ocr",), "FG config/grpo.py:71-73 (video_ocr)"),
+        ("dtype", "float32", "FG scripts/train_wan2_1.py:444 (the LoRA transformer not cast)"),
+        ("mixed_precision", "bf16", "FG config/grpo.py:64"),
+    ],
     "dancegrpo-flux": [
         ("lr_scheduler_type", "constant_with_warmup", "DG fastvideo/train_grpo_flux.py:1047-1049 (the default)"),
         ("warmup_steps", 0, "DG scripts/finetune/finetune_flux_grpo.sh:47"),
@@ -297,6 +316,8 @@ PUBLISHED_LORA = {
     "flow-grpo-qwenimage-all-steps": _QWEN_LORA,
     "flow-grpo-qwenimage-edit": _QWEN_LORA,  # FG scripts/train_qwenimage_edit.py:416-435
     "flow-grpo-fast-flux": _FLUX_LORA,  # FG scripts/train_flux_fast.py:416-433
+    # FG scripts/train_wan2_1.py:451-466: its bare names but the add_* ones, absent from Wan's text-to-video blocks.
+    "flow-grpo-wan2.1": (32, 64, ("to_q", "to_k", "to_v", "to_out.0")),
     "dancegrpo-flux": None,  # full fine-tuning
     "mixgrpo-flux": None,
     "dancegrpo-flux-8gpu": None,
@@ -314,6 +335,7 @@ MODELS = {
     "flow-grpo-qwenimage-all-steps": "Qwen/Qwen-Image",
     "flow-grpo-qwenimage-edit": "Qwen/Qwen-Image-Edit",  # FG config/grpo.py:788
     "flow-grpo-fast-flux": "black-forest-labs/FLUX.1-dev",
+    "flow-grpo-wan2.1": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
     "dancegrpo-flux": "black-forest-labs/FLUX.1-dev",
     "mixgrpo-flux": "black-forest-labs/FLUX.1-dev",
     "dancegrpo-flux-8gpu": "black-forest-labs/FLUX.1-dev",
@@ -601,9 +623,9 @@ def test_preset_schedule_split_and_lora_through_the_trainer(name, request, tmp_p
     """The logged learning rate stays constant, one rollout feeds the peer's number of optimizer steps (2 for
     Flow-GRPO and Flow-Factory, 3 for DanceGRPO, 4 for MixGRPO), and the trained parameters are those of the peer's LoRA targets."""
     recipe = get_recipe(name)
-    family = {"stabilityai": "sd3", "black-forest-labs": "flux", "Qwen": "qwenimage", "Tongyi-MAI": "zimage"}[
-        recipe.model.split("/")[0]
-    ]
+    family = {
+        "stabilityai": "sd3", "black-forest-labs": "flux", "Qwen": "qwenimage", "Tongyi-MAI": "zimage", "Wan-AI": "wan",
+    }[recipe.model.split("/")[0]]  # fmt: skip
     family = "flux2_klein" if "FLUX.2-klein" in recipe.model else family
     edits = recipe.model == "Qwen/Qwen-Image-Edit"  # a source image per prompt, encoded at 32 x 32 px here
     family += "_edit" if edits else ""
@@ -623,13 +645,15 @@ def test_preset_schedule_split_and_lora_through_the_trainer(name, request, tmp_p
         args=GRPOJaggConfig.from_recipe(
             name,
             output_dir=str(tmp_path),
-            **PRESET_SPLIT_TINY,
             **{
+                **PRESET_SPLIT_TINY,
                 "num_inference_steps": 8 if name == "dancegrpo-flux" else 5,
                 "max_steps": steps_per_rollout,
                 # The window slides past the 5 tiny steps otherwise (its last start, 19, is for 25).
                 **({"sde_window_max_start": 1} if name == "mixgrpo-flux" else {}),
                 **({"source_image_area": 32 * 32} if edits else {}),
+                # 2 latent frames, not the preset's 9; micro-batches of 2 so that its 2 make a group of 4.
+                **({"num_frames": 5, "per_device_train_batch_size": 2} if family == "wan" else {}),
             },
         ),  # fmt: skip
         train_dataset=Dataset.from_dict(
@@ -641,7 +665,8 @@ def test_preset_schedule_split_and_lora_through_the_trainer(name, request, tmp_p
     trainer.train()
     args = trainer.args
     assert trainer.state.global_step == steps_per_rollout
-    assert len(scored) == args.generation_batch_size  # one rollout fed all of them, each image used once
+    # One rollout fed all of them, each image used once (a video's frames are scored one by one).
+    assert len(scored) == args.generation_batch_size * (args.num_frames or 1)
     rates = [entry["learning_rate"] for entry in trainer.state.log_history if "learning_rate" in entry]
     assert rates == [recipe.config["learning_rate"]] * steps_per_rollout  # constant, no warm-up
 
@@ -660,6 +685,8 @@ def test_preset_schedule_split_and_lora_through_the_trainer(name, request, tmp_p
         assert any(".ff_context." in n for n in trainable) and any(".ff.net." in n for n in trainable)
     if family.startswith("qwenimage"):
         assert any(".img_mlp." in n for n in trainable) and any(".txt_mlp." in n for n in trainable)
+    if family == "wan":  # Flow-GRPO's bare names adapt the self- and the cross-attention of every block
+        assert any(".attn1." in n for n in trainable) and any(".attn2." in n for n in trainable)
 
 
 # One optimizer step of plain SGD (no clipping, no decay, no KL) on one trained step: step 0, the SDE window.
