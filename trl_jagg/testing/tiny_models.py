@@ -668,7 +668,7 @@ TINY_PROMPTS: tuple[str, ...] = ("a red circle", "a green square", "a blue circl
 class TinyRun:
     """What an example's ``--tiny`` flag swaps in: a tiny pipeline saved to a temporary directory (loaded through
     ``from_pretrained`` like a Hub id), the weight-free ``prompt_color`` reward, a prompt dataset, and config values
-    that train two optimizer steps on 32x32 images in seconds on a CPU."""
+    that train two optimizer steps on 32x32 images (Wan: 5-frame videos) in seconds on a CPU."""
 
     model: str
     reward: str
@@ -692,5 +692,7 @@ def tiny_run(family: str, *, num_inference_steps: int = 5) -> TinyRun:
         columns["source_image"] = [Image.new("RGB", (32, 32), (128, 128, 128))] * len(TINY_PROMPTS)
         if family != "flux_kontext":  # encoded at the output's 32 x 32 px, not the pipeline's 1024 x 1024
             config["source_image_area"] = 32 * 32
+    if family == "wan":  # 5-frame videos: 2 latent frames
+        config["num_frames"] = 5
     model = save_tiny_pipeline(family, tempfile.mkdtemp(prefix=f"tiny-{family}-"))
     return TinyRun(model, "prompt_color", Dataset.from_dict(columns), config)
