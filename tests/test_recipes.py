@@ -579,7 +579,8 @@ def test_recipes_import_nothing_of_trl_jagg():
 
     code = "import sys, trl_jagg.recipes; print(sorted(m for m in sys.modules if m.startswith('trl_jagg.')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "['trl_jagg.recipe', 'trl_jagg.recipes']"  # the presets and their record class
+    # The presets, their record class and their shared building blocks.
+    assert out.strip() == "['trl_jagg.recipe', 'trl_jagg.recipe_parts', 'trl_jagg.recipes']"
 
 
 # ---------------------------------------------------------------- through the public trainer (issue 18)

@@ -30,8 +30,9 @@ EMA_SCHEDULES = ("step", "flow_grpo")
 CFG_GRADIENTS = ("both", "conditional")
 DTYPES = ("float32", "bfloat16", "float16")
 MAX_NOISE_LEVEL = 2.0
-CLIP_RANGE_SLACK = 1000.0
-"""How far (a factor) a clip range may lie outside the recipes' before the config warns about its scale."""
+CLIP_RANGE_SLACK = 100.0
+"""How far (a factor) a clip range may lie outside the recipes' (1e-5 .. 1e-3, Flow-GRPO's Wan2.1 the widest) before
+the config warns about its scale: TRL's token default 0.2 warns."""
 
 
 def check_types_and_finiteness(config: GRPOJaggConfig) -> None:
