@@ -193,8 +193,11 @@ def run_trainer_benchmark(
     seed: int = 0,
     num_threads: int = 1,
     plot: bool = True,
+    family: str = "flux",
+    num_frames: int = 9,
 ) -> dict[str, Any]:
-    """Time the update stage of the real trainer for every variant (see the module docstring) on a tiny Flux.
+    """Time the update stage of the real trainer for every variant (see the module docstring) on a tiny Flux, or on
+    a tiny Wan2.1 making videos (``family="wan"``: the long token sequences of video).
 
     Returns (and writes as JSON, and PNG unless ``plot=False``) the configuration, the rollout seconds of every
     repeat and, per (beta, W, jagg_frac, variant): update seconds, speedups over exact (update stage and whole
@@ -219,6 +222,9 @@ def run_trainer_benchmark(
         num_threads: torch CPU threads while timing (1: on a shared machine more threads mostly time the
             scheduler); restored afterwards.
         plot: write the PNG chart.
+        family: ``"flux"`` (images) or ``"wan"`` (videos of ``num_frames`` frames, ``(num_frames - 1) / 4 + 1``
+            latent frames of ``(resolution / 16)^2`` tokens each; ``num_layers`` Wan blocks, no CFG).
+        num_frames: frames of each video (``4 k + 1``) when ``family="wan"``.
     """
     from peft import LoraConfig
 
@@ -230,6 +236,8 @@ def run_trainer_benchmark(
         raise ValueError(f"`group_sizes` must be integers >= 1, got {group_sizes!r}.")
     if repeats < 1:
         raise ValueError(f"`repeats` must be >= 1, got {repeats}.")
+    if family not in ("flux", "wan"):
+        raise ValueError(f"`family` must be 'flux' or 'wan', got {family!r}.")
     if resolution % 16:
         raise ValueError(f"`resolution` must be a multiple of 16 (8x VAE, 2x2 packing), got {resolution}.")
     if batch < 2 or batch % 2:
@@ -243,12 +251,11 @@ def run_trainer_benchmark(
     rollouts: dict[str, list[float]] = {}
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            model_dir = save_tiny_pipeline(
-                "flux",
-                str(Path(tmp) / "flux"),
-                seed=seed,
-                transformer={"num_layers": num_layers, "num_single_layers": num_single_layers},
-            )
+            blocks = {"num_layers": num_layers}
+            blocks |= {"num_single_layers": num_single_layers} if family == "flux" else {}
+            model_dir = save_tiny_pipeline(family, str(Path(tmp) / family), seed=seed, transformer=blocks)
+            # Wan's guidance_scale is a CFG scale: 1 runs one branch, as Flux's embedded guidance does.
+            video = {"num_frames": num_frames, "guidance_scale": 1.0} if family == "wan" else {}
             for beta in betas:
                 config = GRPOJaggConfig(
                     output_dir=str(Path(tmp) / "run"),
@@ -264,6 +271,7 @@ def run_trainer_benchmark(
                     disable_tqdm=True,
                     use_cpu=not torch.cuda.is_available(),
                     seed=seed,
+                    **video,
                 )
                 torch.manual_seed(seed)
                 trainer = DDPOJaggTrainer(
@@ -285,10 +293,12 @@ def run_trainer_benchmark(
         torch.set_num_threads(previous_threads)
     report = {
         "config": {
+            "family": family,
+            "num_frames": num_frames if family == "wan" else None,
             "num_inference_steps": num_inference_steps,
             "trained_steps": num_trained,
             "resolution": resolution,
-            "image_tokens": (resolution // 16) ** 2,
+            "image_tokens": (resolution // 16) ** 2 * ((num_frames - 1) // 4 + 1 if family == "wan" else 1),
             "text_tokens": max_sequence_length,
             "batch": batch,
             "num_layers": num_layers,

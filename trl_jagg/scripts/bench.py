@@ -94,6 +94,10 @@ class TrainerBenchmarkArguments:
     seed: int = field(default=0, metadata={"help": "Seed of the model weights and the rollouts."})
     num_threads: int = field(default=1, metadata={"help": "torch CPU threads while timing (restored afterwards)."})
     plot: bool = field(default=True, metadata={"help": "Write the PNG chart (--no_plot skips it)."})
+    family: str = field(
+        default="flux", metadata={"help": "flux (images) or wan (videos: the long token sequences of video)."}
+    )
+    num_frames: int = field(default=9, metadata={"help": "Frames of each video with --family wan (4 k + 1)."})
 
 
 def _whole_step_variants() -> tuple[str, ...]:
