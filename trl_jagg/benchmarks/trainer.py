@@ -509,8 +509,13 @@ def _targets(results: list[dict[str, Any]], betas: Sequence[float]) -> list[dict
 
 def _print_report(report: dict[str, Any]) -> None:
     config = report["config"]
+    model = (
+        f"tiny Wan2.1 ({config['num_layers']} blocks, {config['num_frames']}-frame videos)"
+        if config["family"] == "wan"
+        else f"tiny Flux ({config['num_layers']}+{config['num_single_layers']} blocks)"
+    )
     print(
-        f"tiny Flux ({config['num_layers']}+{config['num_single_layers']} blocks), {config['trained_steps']} trained "
+        f"{model}, {config['trained_steps']} trained "
         f"steps, batch {config['batch']}, {config['image_tokens']} image + {config['text_tokens']} text tokens, "
         f"{config['repeats']} interleaved repeats (median [min, max])"
     )
@@ -569,7 +574,8 @@ def _plot(report: dict[str, Any], path: Path) -> None:
         mem_ax.bar(range(len(rows)), [r["peak_memory_mb"] for r in rows], color="tab:gray")
         mem_ax.set_xticks(range(len(rows)), labels, rotation=90, fontsize=7)
         mem_ax.set(ylabel="peak update memory (MiB)", title=f"peak memory, beta = {betas[0]}, frac 1.0")
-    figure.suptitle("DDPOJaggTrainer update stage on a tiny Flux (dotted: cost model)", fontsize=10)
+    model = "Wan2.1 (video)" if report["config"]["family"] == "wan" else "Flux"
+    figure.suptitle(f"DDPOJaggTrainer update stage on a tiny {model} (dotted: cost model)", fontsize=10)
     figure.tight_layout()
     figure.savefig(path)
 
