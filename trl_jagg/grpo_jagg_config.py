@@ -130,10 +130,7 @@ class GRPOJaggConfig(TrainingArguments):
     width: int = field(default=512, metadata={"help": "Image width in pixels (a multiple of 16)."})
     num_frames: int | None = field(
         default=None,
-        metadata={
-            "help": "Frames of each video, for video models (Wan: 4 k + 1, the pipeline's `num_frames`); None: the "
-            "model's default (Wan: 81). Image models take none."
-        },
+        metadata={"help": "Frames of each video (video models; Wan: 4 k + 1, None: its 81). Images: None."},
     )
     guidance_scale: float = field(
         default=3.5,
