@@ -68,3 +68,9 @@ def tiny_qwenimage_edit_path(tmp_path_factory: pytest.TempPathFactory) -> str:
 def tiny_qwenimage_edit_plus_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     """Directory of a tiny ``QwenImageEditPlusPipeline`` (several source images; seed 0, default vocabulary)."""
     return _save_tiny("qwenimage_edit_plus", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def tiny_wan_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Directory of a tiny ``WanPipeline`` (Wan2.1 text-to-video; seed 0, default vocabulary)."""
+    return _save_tiny("wan", tmp_path_factory)

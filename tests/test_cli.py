@@ -221,6 +221,7 @@ RECIPES = [
     "flow-grpo-qwenimage-edit",
     "flow-grpo-kontext",
     "flow-grpo-fast-flux",
+    "flow-grpo-wan2.1",
     "dancegrpo-flux",
     "dancegrpo-flux-8gpu",
     "mixgrpo-flux",
@@ -712,14 +713,17 @@ def test_errors_from_outside_trl_jagg_keep_their_traceback(tmp_path, monkeypatch
 
 @pytest.mark.parametrize(
     ("family", "recipe"),
-    [("zimage", "flow-factory-z-image-turbo"), ("flux2_klein", "flow-factory-flux2-klein-base")],
-)
+    [("zimage", "flow-factory-z-image-turbo"), ("flux2_klein", "flow-factory-flux2-klein-base"),
+     ("wan", "flow-grpo-wan2.1")],
+)  # fmt: skip
 def test_tiny_train_run_of_a_newer_family_from_its_recipe(request, family, recipe, tmp_path, capsys):
     """`trl-jagg train --recipe` on the tiny pipeline of each newer family: the preset's LoRA targets exist in the
     backbone and JAGG runs (the tiny sizes override the preset's)."""
     output_dir = tmp_path / "out"
     tiny = {**TINY, "gradient_accumulation_steps": 1, "steps_per_generation": 1, "max_steps": 1, "lora_r": 4,
             "lora_alpha": 8}  # fmt: skip
+    if family == "wan":  # 5 frames (2 latent frames) instead of the preset's 33
+        tiny["num_frames"] = 5
     flags = [f"--{key}={value}" for key, value in tiny.items()]
     argv = ["train", "--recipe", recipe, "--model_name_or_path", request.getfixturevalue(f"tiny_{family}_path"),
             "--reward_funcs", "prompt_color", "--prompts", "a red circle", "a green square", "--output_dir",

@@ -119,7 +119,7 @@ def test_presets_table_matches_the_recipes():
     rows = [
         [cell.strip().strip("`") for cell in line.strip().strip("|").split("|")]
         for line in (DOCS / "models.md").read_text().splitlines()
-        if re.match(r"\| `[a-z0-9-]+` \| `", line)
+        if re.match(r"\| `[a-z0-9.-]+` \| `", line)
     ]
     assert sorted(row[0] for row in rows) == sorted(RECIPES)
     for name, model, reward, sampler, noise, steps, _, size, g, _, lora, lr, beta, w, frac in rows:
@@ -127,7 +127,7 @@ def test_presets_table_matches_the_recipes():
         assert model == recipe.model and [r.strip("` ") for r in reward.split(",")] == list(recipe.reward_funcs), name
         assert (sampler, float(noise)) == (config["sampler"], config["noise_level"]), name
         assert int(steps.split()[0]) == config["num_inference_steps"], name
-        assert (int(size), int(g)) == (config["height"], config["num_generations"]), name
+        assert (int(size.split("x")[0]), int(g)) == (config["height"], config["num_generations"]), name  # HxW
         expected_lora = "full" if recipe.lora is None else f"{recipe.lora['r']} / {recipe.lora['lora_alpha']}"
         assert lora == expected_lora, name
         assert (float(lr), float(beta)) == (config["learning_rate"], config["beta"]), name

@@ -43,6 +43,9 @@ EXAMPLES = {
     "train_zimage_turbo_pickscore.py": (
         "zimage", "ZImagePipeline", "Tongyi-MAI/Z-Image-Turbo", LORA
     ),
+    "train_wan_ocr.py": (
+        "wan", "WanPipeline", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", LORA
+    ),
 }  # fmt: skip
 
 

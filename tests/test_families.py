@@ -1,4 +1,4 @@
-"""The newer families (Z-Image) on tiny pipelines built from config: the rollout at noise level 0 is the pipeline's
+"""The newer families (Z-Image, FLUX.2 klein, Wan2.1 text-to-video) on tiny pipelines built from config: the rollout at noise level 0 is the pipeline's
 own loop, the trained LoRA loads back with the pipeline's `load_lora_weights` and samples what the trainer sampled,
 W = 2 JAGG equals the exact gradient, the velocity cache gives the recomputed gradient with fewer forwards, and two
 LoRA + JAGG steps train end to end."""
@@ -25,7 +25,7 @@ from trl_jagg.models import MODEL_ADAPTERS, load_adapter
 from trl_jagg.rollout import generate_images, sample_trajectories
 
 # Per family: its pipeline class, guidance with CFG on and off, the negative prompt (FLUX.2 klein's pipeline always
-# uses "") and how many backbone calls a guided velocity makes.
+# uses "") and how many backbone calls a guided velocity makes; a video family's frames (5 pixel frames: 2 latent).
 FAMILIES = {
     "zimage": {
         "pipeline": "ZImagePipeline",
@@ -41,7 +41,33 @@ FAMILIES = {
         "negative": "",
         "cfg_calls": 1,  # both branches in one call on 2B (the pipeline makes two: FlowMatchingAdapter.guided_velocity)
     },
+    "wan": {
+        "pipeline": "WanPipeline",
+        "cfg": {"guidance_scale": 4.5, "true_cfg_scale": 1.0},  # Flow-GRPO's Wan2.1 guidance
+        "no_cfg": {"guidance_scale": 1.0, "true_cfg_scale": 1.0},
+        "negative": "dark",
+        "cfg_calls": 1,  # both branches in one call on 2B (the pipeline makes two)
+        "num_frames": 5,
+    },
 }
+
+
+def frames_of(family: str) -> dict:
+    """The `num_frames` keyword of a video family (for the pipeline and the config), none for image families."""
+    return {"num_frames": FAMILIES[family]["num_frames"]} if "num_frames" in FAMILIES[family] else {}
+
+
+def pipeline_output(family: str) -> dict:
+    """The pipeline's keywords for PIL output (WanPipeline returns float arrays by default) and its frame count."""
+    return frames_of(family) | {"output_type": "pil"} if "num_frames" in FAMILIES[family] else {}
+
+
+def family_adapter(model, family: str):
+    """The family's adapter, sampling the test's number of frames for a video family."""
+    adapter = load_adapter(model)
+    if adapter.makes_videos:
+        adapter.num_frames = FAMILIES[family]["num_frames"]
+    return adapter
 
 
 def pipeline_guidance(family: str, prompts: list[str], negative: str | None, guidance: dict) -> dict:
@@ -71,16 +97,20 @@ def reference_run(pipe: DiffusionPipeline, family: str, prompts: list[str], nega
         captured["latents"] = tensors["latents"]
         return {}
 
-    images = pipe(
+    output = pipe(
         prompt=list(prompts),  # ZImagePipeline rewrites the list it is given into chat-templated prompts
         height=32, width=32, num_inference_steps=4, max_sequence_length=16,
         generator=torch.Generator().manual_seed(0), callback_on_step_end=keep_latents,
-        **pipeline_guidance(family, prompts, negative, guidance),
-    ).images  # fmt: skip
-    return captured["latents"], images
+        **pipeline_guidance(family, prompts, negative, guidance), **pipeline_output(family),
+    )  # fmt: skip
+    return captured["latents"], output.frames if family == "wan" else output.images
 
 
 def assert_same_images(ours, theirs) -> None:
+    """Images, or videos (lists of frames) frame by frame, equal up to uint8 rounding."""
+    if isinstance(ours[0], list):
+        assert [len(video) for video in ours] == [len(video) for video in theirs]
+        ours, theirs = [f for video in ours for f in video], [f for video in theirs for f in video]
     for a, b in zip(ours, theirs, strict=True):
         diff = np.abs(np.asarray(a, dtype=np.int16) - np.asarray(b, dtype=np.int16))
         assert diff.max() <= 1  # uint8 rounding only
@@ -96,7 +126,7 @@ def test_rollout_at_noise_level_0_is_the_pipeline_loop(request, family, setting)
     prompts = ["a red circle", "a big blue square on the left"]
     pipe = DiffusionPipeline.from_pretrained(tiny_path(request, family))
     assert type(pipe).__name__ == FAMILIES[family]["pipeline"]
-    adapter = load_adapter(pipe)
+    adapter = family_adapter(pipe, family)
     guidance = FAMILIES[family][setting]
     negative = FAMILIES[family]["negative"] if adapter.needs_negative_prompt(**guidance) else None
     assert (negative is not None) == (setting == "cfg")
@@ -137,9 +167,8 @@ def make_trainer(
         jagg_frac=1.0, max_sequence_length=16, report_to="none", save_strategy="no",
         seed=0, disable_tqdm=True,
     )  # fmt: skip
-    config |= guidance | overrides
-    if "negative_prompt" not in config:
-        config["negative_prompt"] = FAMILIES[family]["negative"]
+    config |= frames_of(family) | guidance | overrides
+    config.setdefault("negative_prompt", FAMILIES[family]["negative"])
     return DDPOJaggTrainer(
         model=path,
         reward_funcs=redness,
@@ -423,3 +452,42 @@ def test_kontext_lora_reloads_into_the_diffusers_pipeline(tiny_flux_kontext_path
     assert_same_images(ours, pipeline_edit(pipe))
     base = pipeline_edit(DiffusionPipeline.from_pretrained(tiny_flux_kontext_path))
     assert not np.array_equal(np.asarray(base[0]), np.asarray(ours[0]))  # the LoRA did load and change the edit
+
+
+# ---------------------------------------------------------------- video: Wan2.1
+
+
+def test_wan_num_frames_is_checked_and_image_models_refuse_it(tiny_wan_path, tiny_zimage_path, tmp_path):
+    from trl_jagg.trainer.inputs import checked_model_inputs
+
+    adapter = load_adapter(tiny_wan_path)
+    assert adapter.num_frames == 81  # WanPipeline's default
+    with pytest.raises(ValueError, match=r"num_frames=4: .* 4 k \+ 1 frames"):
+        adapter.num_frames = 4
+    dataset = Dataset.from_dict({"prompt": PROMPTS})
+    args = GRPOJaggConfig(output_dir=str(tmp_path), num_frames=9, per_device_train_batch_size=2, num_generations=2)
+    checked_model_inputs(adapter, args, dataset, None)
+    assert adapter.num_frames == 9
+    noise = adapter.prepare_latents(2, 32, 32, torch.Generator().manual_seed(0))
+    assert noise.shape == (2, 16, 3, 4, 4)  # 9 frames: 3 latent frames
+    with pytest.raises(ValueError, match="num_frames is 9, but ZImagePipeline makes images"):
+        checked_model_inputs(load_adapter(tiny_zimage_path), args, dataset, None)
+    with pytest.raises(ValueError, match="GRPOJaggConfig.num_frames is 0"):
+        GRPOJaggConfig(output_dir=str(tmp_path), num_frames=0)
+
+
+def test_wan_rollout_scores_videos_and_logs_frame_strips(tiny_wan_path, tmp_path):
+    """The rollout's samples are videos of `num_frames` frames, scored per frame by an image reward (the mean of
+    its frames' scores, recomputed here frame by frame), and the completions are logged as frame strips."""
+    trainer = make_trainer("wan", tiny_wan_path, tmp_path, FAMILIES["wan"]["cfg"], log_completions=True)
+    rollout = trainer._generate_and_score(next(iter(trainer.get_train_dataloader())))
+    assert rollout["latents"].shape == (4, 5, 16, 2, 4, 4)  # (batch, steps + 1, channels, latent frames, h, w)
+    prompts, videos, scores = trainer.generation.completions
+    assert [len(video) for video in videos] == [5] * 4 and videos[0][0].size == (32, 32)
+    by_frame = [np.mean([redness([p], [frame])[0] for frame in video]) for p, video in zip(prompts, videos)]
+    np.testing.assert_allclose(scores["redness"], by_frame, rtol=1e-5)
+    from trl_jagg.trainer.image_logging import frame_strip
+
+    strip = frame_strip(videos[0])
+    assert strip.size == (5 * 32, 32)
+    assert np.array_equal(np.asarray(strip)[:, 32:64], np.asarray(videos[0][1]))  # frames left to right

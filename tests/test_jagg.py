@@ -472,6 +472,26 @@ def test_plan_groups_routing(num_steps, group_size, jagg_frac, expected):
     assert all(g.method == "exact" for g in plan_groups(times, group_size, jagg_frac, mode="exact"))
 
 
+def test_plan_groups_never_straddle_a_break():
+    """Wan2.2's expert switch as a break: 19 trained steps, the low-noise expert from step 9 (the boundary), W = 4.
+    Each side is chunked on its own (written out here), no group holds steps of both experts, and the alphas of a
+    group are those of its own steps."""
+    times = shifted_sigmas(20)[:19]
+    groups = plan_groups(times, 4, 1.0, breaks=[9])
+    assert [list(g.steps) for g in groups] == [
+        [0, 1, 2, 3], [4, 5, 6, 7], [8], [9, 10, 11, 12], [13, 14, 15, 16], [17, 18],
+    ]  # fmt: skip
+    assert [g.method for g in groups] == ["jagg", "jagg", "exact", "jagg", "jagg", "exact"]
+    assert all(max(g.steps) < 9 or min(g.steps) >= 9 for g in groups)
+    ts = [times[k] for k in (9, 10, 11, 12)]
+    assert groups[3].alphas == pytest.approx([(ts[0] - t) / (ts[0] - ts[-1]) for t in ts], abs=1e-15)
+    # jagg_frac counts every group: round(0.5 * 6) = 3 of the 4 full ones, highest noise first.
+    assert [g.method for g in plan_groups(times, 4, 0.5, breaks=[9])][:4] == ["jagg", "jagg", "exact", "jagg"]
+    for bad in ([0], [19], [2.5]):
+        with pytest.raises(ValueError, match=r"`breaks` must be step indices in \[1, 18\]"):
+            plan_groups(times, 4, 1.0, breaks=bad)
+
+
 def test_interpolation_weights_by_hand():
     assert interpolation_weights([1.0, 0.9, 0.6, 0.5]) == pytest.approx((0.0, 0.2, 0.8, 1.0))
     assert interpolation_weights([0.7]) == (0.0,)

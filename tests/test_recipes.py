@@ -37,6 +37,7 @@ NAMES = [
     "flow-grpo-qwenimage-edit",
     "flow-grpo-kontext",
     "flow-grpo-fast-flux",
+    "flow-grpo-wan2.1",
     "dancegrpo-flux",
     "dancegrpo-flux-8gpu",
     "mixgrpo-flux",
@@ -69,6 +70,11 @@ PUBLISHED = {
     "flow-grpo-kontext": dict(
         height=512, width=512, num_inference_steps=6, eval_num_inference_steps=28, guidance_scale=2.5, sampler="sde",
         noise_level=0.9, num_generations=21, learning_rate=3e-4, train_timesteps="all_but_last",
+    ),
+    # FG config/grpo.py:29-79 (general_ocr_wan2_1): 240x416, 33 frames, 20 steps, CFG 4.5, lr 1e-4, clip 1e-3.
+    "flow-grpo-wan2.1": dict(
+        height=240, width=416, num_frames=33, num_inference_steps=20, guidance_scale=4.5, num_generations=4,
+        learning_rate=1e-4, beta=0.004, clip_range=1e-3, train_timesteps="all_but_last",
     ),
     "dancegrpo-flux": _DANCE_PUBLISHED,
     "dancegrpo-flux-8gpu": _DANCE_PUBLISHED,
@@ -137,6 +143,10 @@ PEER_CONVENTIONS = {
     "flow-grpo-kontext": dict(
         **_FLOW_GRPO, **_FLOW_GRPO_EMA, scale_rewards="batch", max_sequence_length=128, eval_num_inference_steps=28,
         drop_zero_advantages=True,
+    ),
+    "flow-grpo-wan2.1": dict(
+        **_FLOW_GRPO, **_FLOW_GRPO_EMA, scale_rewards="group", max_sequence_length=512, eval_num_inference_steps=50,
+        drop_zero_advantages=True, cfg_gradient="both", negative_prompt="",
     ),
     "dancegrpo-flux": dict(**_DANCE_CONVENTIONS, ema_decay=0.0),
     "dancegrpo-flux-8gpu": dict(**_DANCE_CONVENTIONS, ema_decay=0.995, ema_warmup=False, ema_offload=True),
@@ -247,6 +257,15 @@ PEER_TRAINING = {
         ("dtype", "float32", "FG scripts/train_flux_kontext.py:370, 407"),
         ("mixed_precision", "bf16", "FG config/grpo.py:681"),
     ],
+    "flow-grpo-wan2.1": [
+        _FG_CONSTANT_LR,
+        ("per_device_train_batch_size", 8, "FG config/grpo.py:43, 48 (train_batch_size 8)"),
+        ("optimizer_steps_per_rollout", 2, "FG config/grpo.py:45, 49 (2 batches, GA = 2 // 2 = 1)"),
+        ("num_iterations", 1, "FG config/grpo.py:50"),
+        ("reward_funcs", ("ocr",), "FG config/grpo.py:71-73 (video_ocr)"),
+        ("dtype", "float32", "FG scripts/train_wan2_1.py:444 (the LoRA transformer not cast)"),
+        ("mixed_precision", "bf16", "FG config/grpo.py:64"),
+    ],
     "dancegrpo-flux": [
         ("lr_scheduler_type", "constant_with_warmup", "DG fastvideo/train_grpo_flux.py:1047-1049 (the default)"),
         ("warmup_steps", 0, "DG scripts/finetune/finetune_flux_grpo.sh:47"),
@@ -324,6 +343,8 @@ PUBLISHED_LORA = {
     "flow-grpo-qwenimage-edit": _QWEN_LORA,  # FG scripts/train_qwenimage_edit.py:416-435
     "flow-grpo-fast-flux": _FLUX_LORA,  # FG scripts/train_flux_fast.py:416-433
     "flow-grpo-kontext": (64, 128, _FLUX_LORA[2] + ("proj_mlp",)),  # FG scripts/train_flux_kontext.py:411-430
+    # FG scripts/train_wan2_1.py:451-466: its bare names but the add_* ones, absent from Wan's text-to-video blocks.
+    "flow-grpo-wan2.1": (32, 64, ("to_q", "to_k", "to_v", "to_out.0")),
     "dancegrpo-flux": None,  # full fine-tuning
     "mixgrpo-flux": None,
     "dancegrpo-flux-8gpu": None,
@@ -342,6 +363,7 @@ MODELS = {
     "flow-grpo-qwenimage-edit": "Qwen/Qwen-Image-Edit",  # FG config/grpo.py:788
     "flow-grpo-fast-flux": "black-forest-labs/FLUX.1-dev",
     "flow-grpo-kontext": "black-forest-labs/FLUX.1-Kontext-dev",
+    "flow-grpo-wan2.1": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
     "dancegrpo-flux": "black-forest-labs/FLUX.1-dev",
     "mixgrpo-flux": "black-forest-labs/FLUX.1-dev",
     "dancegrpo-flux-8gpu": "black-forest-labs/FLUX.1-dev",
@@ -633,9 +655,9 @@ def test_preset_schedule_split_and_lora_through_the_trainer(name, request, tmp_p
     Flow-GRPO and Flow-Factory, 3 for DanceGRPO, 4 for MixGRPO), and the trained parameters are those of the peer's
     LoRA targets."""
     recipe = get_recipe(name)
-    family = {"stabilityai": "sd3", "black-forest-labs": "flux", "Qwen": "qwenimage", "Tongyi-MAI": "zimage"}[
-        recipe.model.split("/")[0]
-    ]
+    family = {
+        "stabilityai": "sd3", "black-forest-labs": "flux", "Qwen": "qwenimage", "Tongyi-MAI": "zimage", "Wan-AI": "wan",
+    }[recipe.model.split("/")[0]]  # fmt: skip
     family = "flux2_klein" if "FLUX.2-klein" in recipe.model else family
     family = "flux_kontext" if "Kontext" in recipe.model else family
     family += "_edit" if recipe.model == "Qwen/Qwen-Image-Edit" else ""
@@ -669,6 +691,8 @@ def test_preset_schedule_split_and_lora_through_the_trainer(name, request, tmp_p
                 "reward_weights": None,  # one reward here
                 # Kontext's 14 micro-batches a rollout: groups of 2, so that they hold whole groups.
                 **({"num_generations": 2} if family == "flux_kontext" else {}),
+                # 2 latent frames, not the preset's 9; micro-batches of 2 so that its 2 make a group of 4.
+                **({"num_frames": 5, "per_device_train_batch_size": 2} if family == "wan" else {}),
             },
         ),  # fmt: skip
         train_dataset=Dataset.from_dict(columns),
@@ -677,7 +701,8 @@ def test_preset_schedule_split_and_lora_through_the_trainer(name, request, tmp_p
     trainer.train()
     args = trainer.args
     assert trainer.state.global_step == steps_per_rollout
-    assert len(scored) == args.generation_batch_size  # one rollout fed all of them, each image used once
+    # One rollout fed all of them, each image used once (a video's frames are scored one by one).
+    assert len(scored) == args.generation_batch_size * (args.num_frames or 1)
     rates = [entry["learning_rate"] for entry in trainer.state.log_history if "learning_rate" in entry]
     assert rates == [recipe.config["learning_rate"]] * steps_per_rollout  # constant, no warm-up
 
@@ -698,6 +723,8 @@ def test_preset_schedule_split_and_lora_through_the_trainer(name, request, tmp_p
         assert any("single_transformer_blocks." in n and ".proj_mlp." in n for n in trainable)
     if family.startswith("qwenimage"):
         assert any(".img_mlp." in n for n in trainable) and any(".txt_mlp." in n for n in trainable)
+    if family == "wan":  # Flow-GRPO's bare names adapt the self- and the cross-attention of every block
+        assert any(".attn1." in n for n in trainable) and any(".attn2." in n for n in trainable)
 
 
 # One optimizer step of plain SGD (no clipping, no decay, no KL) on one trained step: step 0, the SDE window.

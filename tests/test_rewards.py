@@ -299,3 +299,56 @@ def test_async_reward_errors_name_the_reward():
 
     with pytest.raises(ValueError, match="'broken'"):
         compute_rewards([broken], ["a"], [solid("red")])
+
+
+# ---------------------------------------------------------------- videos (lists of frames)
+
+
+def test_image_rewards_score_videos_per_frame_and_take_the_mean():
+    """An image reward scores every frame of a video (its prompt and dataset columns repeated per frame) and a video
+    gets its frames' mean, frames scored None left out; a reward declaring `takes_videos` receives the clips."""
+    videos = [[solid((200, 0, 0)), solid((0, 0, 0))], [solid((100, 100, 100))] * 3]
+    seen = {}
+
+    def red(prompts, images, ids, log_extra, **kwargs):
+        seen["red"] = (list(prompts), list(ids), len(images))
+        log_extra("redness", [float(np.asarray(im)[..., 0].mean()) for im in images])
+        return [float(np.asarray(im, np.float32)[..., 0].mean()) / 255 for im in images]
+
+    def dark_only(prompts, images, **kwargs):  # None for the frames it does not apply to
+        return [1.0 if np.asarray(im).max() == 0 else None for im in images]
+
+    def clip_length(prompts, images, **kwargs):
+        seen["clip"] = [len(video) for video in images]
+        return [float(len(video)) for video in images]
+
+    clip_length.takes_videos = True
+    logged = {}
+    total, per_reward = compute_rewards(
+        [red, dark_only, clip_length], ["a", "b"], videos, ids=[7, 8],
+        log_extra=lambda column, values: logged.setdefault(column, []).extend(values),
+    )  # fmt: skip
+    assert seen["red"] == (["a", "a", "b", "b", "b"], [7, 7, 8, 8, 8], 5)
+    assert seen["clip"] == [2, 3]
+    # By hand: red (200/255 + 0) / 2 and 100/255; dark only on the first video's black frame; the clip lengths.
+    torch.testing.assert_close(per_reward["red"], torch.tensor([100 / 255, 100 / 255]))
+    assert per_reward["dark_only"][0] == 1.0 and per_reward["dark_only"][1].isnan()
+    torch.testing.assert_close(per_reward["clip_length"], torch.tensor([2.0, 3.0]))
+    torch.testing.assert_close(total, torch.tensor([100 / 255 + 1 + 2, 100 / 255 + 3]))
+    assert logged == {"redness": [200.0, 100.0]}  # one value per video: its first frame's
+
+
+def test_async_image_rewards_score_videos_per_frame():
+    async def brightness(prompts, images, **kwargs):
+        return [float(np.asarray(im, np.float32).mean()) for im in images]
+
+    _, per_reward = compute_rewards([brightness], ["a"], [[solid((30, 30, 30)), solid((90, 90, 90))]])
+    torch.testing.assert_close(per_reward["brightness"], torch.tensor([60.0]))
+
+
+def test_per_frame_scores_are_checked_against_the_frame_count():
+    def one_per_video(prompts, images, **kwargs):  # a video reward that forgot to declare `takes_videos`
+        return [1.0]
+
+    with pytest.raises(ValueError, match="'one_per_video' returned .* expected a flat list of 3"):
+        compute_rewards([one_per_video], ["a"], [[solid((1, 1, 1))] * 3])

@@ -14,6 +14,7 @@ from diffusers import (
     QwenImageEditPlusPipeline,
     QwenImagePipeline,
     StableDiffusion3Pipeline,
+    WanPipeline,
     ZImagePipeline,
 )
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift
@@ -37,6 +38,7 @@ PIPELINE_CLASSES = {
     "flux_kontext": FluxKontextPipeline,
     "qwenimage_edit": QwenImageEditPipeline,
     "qwenimage_edit_plus": QwenImageEditPlusPipeline,
+    "wan": WanPipeline,
 }
 # The families whose pipelines also sample from text alone; the Qwen-Image-Edit pipelines need a source image, and
 # tests/test_qwen_edit.py checks their calls.
@@ -55,6 +57,7 @@ def _call_kwargs(family: str) -> dict:
         "zimage": {"guidance_scale": 3.0},
         "flux2_klein": {"guidance_scale": 4.0},  # the negative prompt is always ""
         "flux_kontext": {"guidance_scale": 3.5},  # without a source image: FLUX.1's text-to-image
+        "wan": {"guidance_scale": 4.5, "num_frames": 5},  # 5 frames: 2 latent frames
     }[family]
 
 
@@ -129,17 +132,18 @@ def test_pipeline_call_is_finite_sized_and_deterministic(saved, size):
     family, _, pipe = saved
 
     def generate() -> np.ndarray:
-        return pipe(
+        output = pipe(
             prompt=PROMPTS[0],  # by name: Flux2KleinPipeline's first argument is the reference image
             **_size_kwargs(family, size),
             num_inference_steps=2,
             generator=torch.Generator().manual_seed(0),
             output_type="np",
             **_call_kwargs(family),
-        ).images
+        )
+        return output.frames if family == "wan" else output.images
 
     images = generate()
-    assert images.shape == (1, size, size, 3)
+    assert images.shape == ((1, 5, size, size, 3) if family == "wan" else (1, size, size, 3))
     assert np.isfinite(images).all()
     np.testing.assert_array_equal(images, generate())
 
@@ -382,6 +386,30 @@ def _flux2_klein_by_hand(pipe: Flux2KleinPipeline, *, height: int, width: int, s
     return pipe._unpatchify_latents(grid)
 
 
+@torch.no_grad()
+def _wan_by_hand(pipe: WanPipeline, *, height: int, width: int, steps: int, seed: int) -> torch.Tensor:
+    batch, kwargs = len(PROMPTS), _call_kwargs("wan")
+    # The call pads the prompts with zeros to 512 tokens, which cross-attention attends to ("" for the negatives).
+    prompt_embeds, negative_embeds = pipe.encode_prompt(
+        PROMPTS, do_classifier_free_guidance=True, max_sequence_length=512
+    )
+    # Video latents: (batch, channels, (frames - 1) / 4 + 1, height / 8, width / 8).
+    latents = pipe.prepare_latents(
+        batch, pipe.transformer.config.in_channels, height, width, kwargs["num_frames"], torch.float32,
+        torch.device("cpu"), torch.Generator().manual_seed(seed),
+    )  # fmt: skip
+    assert latents.shape == (batch, 16, 2, height // 8, width // 8)
+    pipe.scheduler.set_timesteps(steps)  # the scheduler's own shifted schedule
+    for step, t in enumerate(pipe.scheduler.timesteps):
+        cond, uncond = (
+            pipe.transformer(hidden_states=latents, timestep=t.expand(batch), encoder_hidden_states=embeds,
+                             return_dict=False)[0]
+            for embeds in (prompt_embeds, negative_embeds)
+        )  # fmt: skip
+        latents = _euler(pipe, step, latents, uncond + kwargs["guidance_scale"] * (cond - uncond))
+    return latents
+
+
 MANUAL_SAMPLERS = {
     "flux": _flux_by_hand,
     "sd3": _sd3_by_hand,
@@ -389,6 +417,7 @@ MANUAL_SAMPLERS = {
     "zimage": _zimage_by_hand,
     "flux2_klein": _flux2_klein_by_hand,
     "flux_kontext": _flux_by_hand,  # no source image: Flux's loop
+    "wan": _wan_by_hand,
 }
 
 
@@ -402,7 +431,8 @@ def test_manual_sampling_reproduces_pipeline_latents(saved):
         generator=torch.Generator().manual_seed(seed),
         output_type="latent",
         **_call_kwargs(family),
-    ).images
+    )
+    expected = expected.frames if family == "wan" else expected.images
     actual = MANUAL_SAMPLERS[family](pipe, height=height, width=width, steps=steps, seed=seed)
     assert actual.shape == expected.shape
     assert (actual - expected).abs().max().item() < 1e-5

@@ -101,4 +101,18 @@ def test_editing_variant_runs_on_the_tiny_kontext(tmp_path):
     }
     assert counts["exact"] == (4, 0, 4) and counts["jagg"] == (2, 2, 1) and counts["jagg_cache"] == (2, 0, 1)
     with pytest.raises(ValueError, match="`family` must be one of"):
-        run_trainer_benchmark(str(tmp_path), family="wan")
+        run_trainer_benchmark(str(tmp_path), family="sd3")
+
+
+def test_video_variant_runs_the_same_update_on_wan(tmp_path):
+    """The video variant (a tiny Wan2.1, 5-frame videos: 2 latent frames of 4 tokens) makes the update's calls of the
+    image one: the engine does not know it serves videos."""
+    report = run_trainer_benchmark(
+        str(tmp_path), group_sizes=(4,), jagg_fracs=(1.0,), betas=(0.0,), num_inference_steps=5, resolution=32,
+        max_sequence_length=16, num_layers=1, repeats=1, memory=False, plot=False, family="wan", num_frames=5,
+    )  # fmt: skip
+    assert report["config"]["family"] == "wan" and report["config"]["image_tokens"] == 8
+    calls = {(r["variant"], r["group_size"]): r["calls"] for r in report["results"]}
+    assert calls["exact", None]["graph_forwards"] == 4 and calls["exact", None]["backward_calls"] == 4
+    assert calls["jagg_cache", 4]["graph_forwards"] == 2 and calls["jagg_cache", 4]["no_grad_forwards"] == 0
+    assert calls["jagg_cache", 4]["backward_calls"] == 1

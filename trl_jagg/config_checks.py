@@ -31,8 +31,9 @@ EMA_SCHEDULES = ("step", "flow_grpo")
 CFG_GRADIENTS = ("both", "conditional")
 DTYPES = ("float32", "bfloat16", "float16")
 MAX_NOISE_LEVEL = 2.0
-CLIP_RANGE_SLACK = 1000.0
-"""How far (a factor) a clip range may lie outside the recipes' before the config warns about its scale."""
+CLIP_RANGE_SLACK = 100.0
+"""How far (a factor) a clip range may lie outside the recipes' (1e-5 .. 1e-3, Flow-GRPO's Wan2.1 the widest) before
+the config warns about its scale: TRL's token default 0.2 warns."""
 
 
 def check_types_and_finiteness(config: GRPOJaggConfig) -> None:
@@ -136,6 +137,8 @@ def check_fields(config: GRPOJaggConfig) -> None:
     for name in ("height", "width"):
         if getattr(config, name) <= 0 or getattr(config, name) % 16:
             fail(name, f"is {getattr(config, name)}", "Use a positive multiple of 16 (8x VAE and 2x2 packing).")
+    if config.num_frames is not None and (not isinstance(config.num_frames, int) or config.num_frames < 1):
+        fail("num_frames", f"is {config.num_frames!r}", "Use a positive number of frames (Wan: 4 k + 1, e.g. 33).")
     if config.sampler not in TRAIN_SAMPLERS:
         fail("sampler", f"is {config.sampler!r}", f"Use one of {TRAIN_SAMPLERS} (the ODE step has no log-prob).")
     if config.noise_level <= 0:

@@ -42,7 +42,7 @@ from .trainer.files import EMA_DIR
 from .trainer.generation import RolloutGenerator
 from .trainer.guards import stop_if_non_finite
 from .trainer.image_logging import eval_images_key, log_completions, log_image_grid, save_images
-from .trainer.inputs import checked_inputs, checked_source_images
+from .trainer.inputs import checked_inputs, checked_model_inputs
 from .trainer.metrics import first_completions, logged_means
 from .trainer.placement import FrozenModules
 from .trainer.scoring import RewardFailure
@@ -100,7 +100,7 @@ class DDPOJaggTrainer(_BaseTrainer):
         # The frozen encoders stay whole: they run outside the DeepSpeed engine.
         with distributed.zero3_init_disabled(args):
             self.adapter = load_adapter(model, dtype=getattr(torch, args.dtype), revision=args.model_revision)
-        checked_source_images(self.adapter, args, train_dataset, eval_dataset)
+        checked_model_inputs(self.adapter, args, train_dataset, eval_dataset)
         self.scheduler_overridden = hub.scheduler_differs_from_base(
             self.adapter.pipeline.scheduler, self.base_model_id, args.model_revision
         )

@@ -48,7 +48,7 @@ class GRPOJaggConfig(TrainingArguments):
 
         > Sampling (rollouts)
 
-        num_generations, num_inference_steps, height, width, guidance_scale, true_cfg_scale, negative_prompt,
+        num_generations, num_inference_steps, height, width, num_frames, guidance_scale, true_cfg_scale, negative_prompt,
         sampler, noise_level, reward_on_predicted_x0, sample_batch_size, max_sequence_length, steps_per_generation,
         generation_batch_size, source_image_area.
 
@@ -130,6 +130,10 @@ class GRPOJaggConfig(TrainingArguments):
     num_inference_steps: int = field(default=10, metadata={"help": "Denoising steps of each rollout."})
     height: int = field(default=512, metadata={"help": "Image height in pixels (a multiple of 16)."})
     width: int = field(default=512, metadata={"help": "Image width in pixels (a multiple of 16)."})
+    num_frames: int | None = field(
+        default=None,
+        metadata={"help": "Frames of each video (video models; Wan: 4 k + 1, None: its 81). Images: None."},
+    )
     guidance_scale: float = field(
         default=3.5,
         metadata={

@@ -92,7 +92,9 @@ def interpolation_weights(times: Sequence[float]) -> tuple[float, ...]:
     return tuple((times[0] - t) / span for t in times)
 
 
-def plan_groups(times: Sequence[float], group_size: int, jagg_frac: float, mode: str = "jagg") -> list[StepGroup]:
+def plan_groups(
+    times: Sequence[float], group_size: int, jagg_frac: float, mode: str = "jagg", breaks: Sequence[int] = ()
+) -> list[StepGroup]:
     """Split the trained steps into groups of ``group_size`` and route the first ``jagg_frac`` of them to JAGG.
 
     Groups are consecutive chunks of the trained steps, high noise first; the last one may be shorter (the
@@ -104,6 +106,10 @@ def plan_groups(times: Sequence[float], group_size: int, jagg_frac: float, mode:
         group_size: ``W >= 1``.
         jagg_frac: fraction of groups routed to JAGG, in ``[0, 1]``.
         mode: ``"jagg"``, ``"endpoints"`` or ``"exact"`` (every group exact).
+        breaks: indices into ``times`` where a new group must start: the steps before and after a break are never
+            grouped together. A group interpolates one network's Jacobian, so a backbone that switches networks
+            between steps (Wan2.2's high- and low-noise experts) breaks at the first step of the second network. Each
+            segment is chunked on its own (its last chunk may be short, and exact).
     """
     if not isinstance(group_size, int) or group_size < 1:
         raise ValueError(f"`group_size` (jagg_group_size) must be an integer >= 1, got {group_size!r}.")
@@ -112,13 +118,20 @@ def plan_groups(times: Sequence[float], group_size: int, jagg_frac: float, mode:
     if mode not in JAGG_MODES:
         raise ValueError(f"`mode` (jagg_mode) must be one of {JAGG_MODES}, got {mode!r}.")
     times = _check_times(times)
-    chunks = [list(range(i, min(i + group_size, len(times)))) for i in range(0, len(times), group_size)]
-    num_full = sum(len(c) == group_size for c in chunks)
-    num_jagg = 0 if mode == "exact" else min(num_full, math.floor(jagg_frac * len(chunks) + 0.5))
+    bounds = sorted(set(breaks))
+    if any(not isinstance(b, int) or not 0 < b < len(times) for b in bounds):
+        raise ValueError(f"`breaks` must be step indices in [1, {len(times) - 1}], got {list(breaks)}.")
+    segments = zip([0, *bounds], [*bounds, len(times)])
+    chunks = [
+        list(range(i, min(i + group_size, end))) for start, end in segments for i in range(start, end, group_size)
+    ]
+    full = [g for g, chunk in enumerate(chunks) if len(chunk) == group_size and group_size > 1]
+    num_jagg = 0 if mode == "exact" else min(len(full), math.floor(jagg_frac * len(chunks) + 0.5))
+    routed = set(full[:num_jagg])  # the highest-noise full groups (a break may leave a short group between them)
     return [
         StepGroup(
             steps=tuple(chunk),
-            method=mode if g < num_jagg and len(chunk) > 1 else "exact",
+            method=mode if g in routed else "exact",
             alphas=interpolation_weights([times[k] for k in chunk]),
         )
         for g, chunk in enumerate(chunks)

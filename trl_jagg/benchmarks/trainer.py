@@ -43,8 +43,8 @@ import torch
 from datasets import Dataset
 
 PROMPTS = ["a red circle", "a green square", "a blue triangle", "a red square"]
-FAMILIES = ("flux", "flux_kontext")
-"""The tiny pipelines the benchmark runs on: text-to-image Flux, and FLUX.1 Kontext (editing)."""
+FAMILIES = ("flux", "flux_kontext", "wan")
+"""The tiny pipelines the benchmark runs on: text-to-image Flux, FLUX.1 Kontext (editing) and Wan2.1 (video)."""
 JSON_NAME = "trainer_benchmark.json"
 PNG_NAME = "trainer_benchmark.png"
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -200,9 +200,10 @@ def run_trainer_benchmark(
     num_threads: int = 1,
     plot: bool = True,
     family: str = "flux",
+    num_frames: int = 9,
 ) -> dict[str, Any]:
-    """Time the update stage of the real trainer for every variant (see the module docstring) on a tiny Flux (or
-    FLUX.1 Kontext: ``family``).
+    """Time the update stage of the real trainer for every variant (see the module docstring) on a tiny Flux, a
+    tiny FLUX.1 Kontext (editing) or a tiny Wan2.1 making videos (``family``: the long token sequences).
 
     Returns (and writes as JSON, and PNG unless ``plot=False``) the configuration, the rollout seconds of every
     repeat and, per (beta, W, jagg_frac, variant): update seconds, speedups over exact (update stage and whole
@@ -227,8 +228,11 @@ def run_trainer_benchmark(
         num_threads: torch CPU threads while timing (1: on a shared machine more threads mostly time the
             scheduler); restored afterwards.
         plot: write the PNG chart.
-        family: ``"flux"`` or ``"flux_kontext"`` (editing: one source image per prompt, as many reference tokens as
-            image tokens in every backbone call).
+        family: ``"flux"``, ``"flux_kontext"`` (editing: one source image per prompt, as many reference tokens as
+            image tokens in every backbone call) or ``"wan"`` (videos of ``num_frames`` frames,
+            ``(num_frames - 1) / 4 + 1`` latent frames of ``(resolution / 16)^2`` tokens each; ``num_layers`` Wan
+            blocks, no CFG).
+        num_frames: frames of each video (``4 k + 1``) when ``family="wan"``.
     """
     from peft import LoraConfig
 
@@ -259,12 +263,11 @@ def run_trainer_benchmark(
     rollouts: dict[str, list[float]] = {}
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            model_dir = save_tiny_pipeline(
-                family,
-                str(Path(tmp) / family),
-                seed=seed,
-                transformer={"num_layers": num_layers, "num_single_layers": num_single_layers},
-            )
+            blocks = {"num_layers": num_layers}
+            blocks |= {"num_single_layers": num_single_layers} if family != "wan" else {}
+            model_dir = save_tiny_pipeline(family, str(Path(tmp) / family), seed=seed, transformer=blocks)
+            # Wan's guidance_scale is a CFG scale: 1 runs one branch, as Flux's embedded guidance does.
+            video = {"num_frames": num_frames, "guidance_scale": 1.0} if family == "wan" else {}
             for beta in betas:
                 config = GRPOJaggConfig(
                     output_dir=str(Path(tmp) / "run"),
@@ -280,6 +283,7 @@ def run_trainer_benchmark(
                     disable_tqdm=True,
                     use_cpu=not torch.cuda.is_available(),
                     seed=seed,
+                    **video,
                 )
                 torch.manual_seed(seed)
                 trainer = DDPOJaggTrainer(
@@ -302,10 +306,11 @@ def run_trainer_benchmark(
     report = {
         "config": {
             "family": family,
+            "num_frames": num_frames if family == "wan" else None,
             "num_inference_steps": num_inference_steps,
             "trained_steps": num_trained,
             "resolution": resolution,
-            "image_tokens": (resolution // 16) ** 2,
+            "image_tokens": (resolution // 16) ** 2 * ((num_frames - 1) // 4 + 1 if family == "wan" else 1),
             "reference_tokens": (resolution // 16) ** 2 if family == "flux_kontext" else 0,
             "text_tokens": max_sequence_length,
             "batch": batch,
@@ -525,10 +530,14 @@ def _targets(results: list[dict[str, Any]], betas: Sequence[float]) -> list[dict
 
 def _print_report(report: dict[str, Any]) -> None:
     config = report["config"]
+    model = (
+        f"tiny Wan2.1 ({config['num_layers']} blocks, {config['num_frames']}-frame videos)"
+        if config["family"] == "wan"
+        else f"tiny {config['family']} ({config['num_layers']}+{config['num_single_layers']} blocks)"
+    )
     print(
-        f"tiny {config['family']} ({config['num_layers']}+{config['num_single_layers']} blocks), "
-        f"{config['trained_steps']} trained steps, batch {config['batch']}, {config['image_tokens']} image + "
-        f"{config['reference_tokens']} reference + {config['text_tokens']} text tokens, "
+        f"{model}, {config['trained_steps']} trained steps, batch {config['batch']}, {config['image_tokens']} "
+        f"image + {config.get('reference_tokens', 0)} reference + {config['text_tokens']} text tokens, "
         f"{config['repeats']} interleaved repeats (median [min, max])"
     )
     for beta, spread in report["rollout_s"].items():
@@ -586,7 +595,8 @@ def _plot(report: dict[str, Any], path: Path) -> None:
         mem_ax.bar(range(len(rows)), [r["peak_memory_mb"] for r in rows], color="tab:gray")
         mem_ax.set_xticks(range(len(rows)), labels, rotation=90, fontsize=7)
         mem_ax.set(ylabel="peak update memory (MiB)", title=f"peak memory, beta = {betas[0]}, frac 1.0")
-    figure.suptitle("DDPOJaggTrainer update stage on a tiny Flux (dotted: cost model)", fontsize=10)
+    model = "Wan2.1 (video)" if report["config"]["family"] == "wan" else "Flux"
+    figure.suptitle(f"DDPOJaggTrainer update stage on a tiny {model} (dotted: cost model)", fontsize=10)
     figure.tight_layout()
     figure.savefig(path)
 

@@ -15,6 +15,7 @@ from .flux_kontext import FluxKontextAdapter
 from .qwenimage import QwenImageAdapter
 from .qwenimage_edit import QwenImageEditAdapter, QwenImageEditPlusAdapter
 from .sd3 import SD3Adapter
+from .wan import WanAdapter
 from .zimage import ZImageAdapter
 
 MODEL_ADAPTERS: dict[str, type[FlowMatchingAdapter]] = {
@@ -26,6 +27,7 @@ MODEL_ADAPTERS: dict[str, type[FlowMatchingAdapter]] = {
     "QwenImageEditPipeline": QwenImageEditAdapter,  # Qwen-Image-Edit: image editing, one source image
     "QwenImageEditPlusPipeline": QwenImageEditPlusAdapter,  # Qwen-Image-Edit-2509/2511: one or several
     "ZImagePipeline": ZImageAdapter,
+    "WanPipeline": WanAdapter,  # Wan2.1 text-to-video
 }
 
 
@@ -67,6 +69,7 @@ __all__ = [
     "QwenImageEditAdapter",
     "QwenImageEditPlusAdapter",
     "SD3Adapter",
+    "WanAdapter",
     "ZImageAdapter",
     "adapter_class",
     "classifier_free_guidance",

@@ -114,6 +114,8 @@ class FlowMatchingAdapter:
         prompt_mask_dtype: set where prompts encode to different lengths (Qwen-Image, Z-Image): the batch is
             right-padded with a ``prompt_embeds_mask`` of this dtype (:func:`padded_prompt_batch`); ``None``: fixed
             lengths, batches concatenate.
+        makes_videos: whether samples are videos (Wan): 5-D latents ``(batch, channels, frames, h, w)`` for the
+            instance's ``num_frames`` pixel frames, and :meth:`to_images` gives one list of frames per sample.
         lora_target_modules: sensible default LoRA targets (the attention projections).
     """
 
@@ -125,6 +127,7 @@ class FlowMatchingAdapter:
     edits_images: ClassVar[bool] = False
     max_source_images: ClassVar[int | None] = 1
     prompts_see_images: ClassVar[bool] = False
+    makes_videos: ClassVar[bool] = False
     lora_target_modules: ClassVar[tuple[str, ...]] = ("to_q", "to_k", "to_v", "to_out.0")
 
     def __init__(self, pipeline: DiffusionPipeline):

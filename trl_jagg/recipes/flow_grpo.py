@@ -1,5 +1,5 @@
-"""Flow-GRPO's presets (and GRPO-Guard's, Flow-GRPO-Fast's): SD3.5, FLUX.1, FLUX.1 Kontext and Qwen-Image(-Edit), as
-Flow-GRPO's ``config/grpo.py`` and ``scripts/train_*.py`` set them."""
+"""Flow-GRPO's presets (and GRPO-Guard's, Flow-GRPO-Fast's): SD3.5, FLUX.1, FLUX.1 Kontext, Qwen-Image(-Edit) and
+Wan2.1, as Flow-GRPO's ``config/grpo.py`` and ``scripts/train_*.py`` set them."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from ._shared import (
     _FLOW_GRPO_OPTIM,
     _FLUX_FEED_FORWARD,
     _QWENIMAGE_FEED_FORWARD,
+    ATTENTION_PROJECTIONS,
     PAPER_JAGG,
     _lora,
     _two_updates_per_rollout,
@@ -213,6 +214,43 @@ _QWENIMAGE = Recipe(
     ),
 )
 
+_WAN21 = Recipe(
+    name="flow-grpo-wan2.1",
+    model="Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
+    description="Flow-GRPO on Wan2.1-T2V-1.3B: 33-frame 240x416 videos, LoRA r 32, CFG 4.5, 20 steps, OCR per frame.",
+    source="Flow-GRPO: config/grpo.py:29-79 (general_ocr_wan2_1) and scripts/train_wan2_1.py:444-478 at "
+    "zhtmike/flow_grpo@9745241; JAGG spec section 5.",
+    config={
+        **{"height": 240, "width": 416, "num_frames": 33, "num_inference_steps": 20, "guidance_scale": 4.5},  # L35-42
+        **{"negative_prompt": "", "sampler": "sde", "noise_level": 0.5},  # [""] negatives; a: see the notes
+        "num_generations": 4,  # num_image_per_prompt (L44)
+        # train_batch_size 8, num_batches_per_epoch 2, GA = 2 // 2 = 1 (L43-49): two optimizer steps per rollout.
+        **{"per_device_train_batch_size": 8, "steps_per_generation": 2, "gradient_accumulation_steps": 1},
+        "train_timesteps": "all_but_last",  # timestep_fraction 0.99: int(20 * 0.99) = 19 of 20 (L51)
+        **{"beta": 0.004, "clip_range": 1e-3, "adv_clip_max": 5.0, **_FLOW_GRPO_ADVANTAGES},  # L53, L55; base.py:97
+        "scale_rewards": "group",  # global_std = False (L62)
+        "drop_zero_advantages": True,  # train_wan2_1.py masks zero-advantage samples, as train_sd3.py
+        "max_sequence_length": 512,  # compute_text_embeddings(..., max_sequence_length=512)
+        "eval_num_inference_steps": 50,  # L36
+        **_FLOW_GRPO_EMA,  # ema = True (L63); EMAModuleWrapper(decay=0.9, update_step_interval=8) (train:478)
+        **{**_FLOW_GRPO_OPTIM, "learning_rate": 1e-4},  # L54
+        **PAPER_JAGG,
+        "dtype": "float32",  # the LoRA transformer kept in float32 under bf16 autocast (train_wan2_1.py:444)
+    },
+    lora=_lora(32, ATTENTION_PROJECTIONS[:4]),  # r 32, alpha 64 on train_wan2_1.py:451-466's names in T2V blocks
+    reward_funcs=("ocr",),  # video_ocr (L71-73)
+    mixed_precision="bf16",  # L64
+    notes=(
+        "Flow-GRPO's Wan SDE (wan_pipeline_with_logprob.py:51) has std_dev_t = sigma_min + (sigma_max - sigma_min) "
+        "sigma, not the noise level a of its SD3 SDE; sampler 'sde' with a = 0.5 matches it at sigma = 0.5.",
+        "The ocr reward scores every frame and a video gets the mean; Flow-GRPO's video OCR (flow_grpo/ocr.py:92-119) "
+        "reads every 4th frame and averages the frames with a positive score.",
+        "The steps run on the checkpoint's UniPC flow sigmas (shift 3), as Flow-GRPO's Wan sampler. Its LoRA list "
+        "also names add_k/q/v_proj and to_add_out, absent from text-to-video blocks (peft skips them; trl_jagg refuses "
+        "targets that match nothing).",
+    ),
+)
+
 
 FLOW_GRPO_RECIPES: tuple[Recipe, ...] = (
     _SD35,
@@ -290,5 +328,6 @@ FLOW_GRPO_RECIPES: tuple[Recipe, ...] = (
     ),
     _KONTEXT,
     _FAST_FLUX,
+    _WAN21,
 )
 """Flow-GRPO's presets, in the order of ``docs/models.md``."""

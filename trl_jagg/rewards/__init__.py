@@ -28,6 +28,7 @@ from trl_jagg.rewards.lazy import LazyModelReward
 from trl_jagg.rewards.ocr import ocr
 from trl_jagg.rewards.programmatic import brightness, prompt_color
 from trl_jagg.rewards.remote import remote
+from trl_jagg.rewards.video import takes_videos
 from trl_jagg.rewards.vlm_judge import vlm_judge
 
 __all__ = [
@@ -56,5 +57,6 @@ __all__ = [
     "register_reward",
     "remote",
     "reward_name",
+    "takes_videos",
     "vlm_judge",
 ]

@@ -26,6 +26,8 @@ from typing import Any, TypeVar
 import torch
 from PIL import Image
 
+from .video import frame_kwargs, is_video_batch, takes_videos, video_means
+
 RewardFunc = Callable[..., Sequence[float | None]]
 """``(*, prompts: list[str], images: list[PIL.Image.Image], completions, trainer_state, **columns) -> list[float |
 None]``, called with keywords."""
@@ -298,7 +300,9 @@ def compute_rewards(
     trainer_state=..., **columns)``, ``completions`` being the images too. A ``None`` score means "not applicable":
     it is left out of the sample's weighted sum (TRL's ``nansum``). ``async def`` rewards (see
     :func:`is_async_reward`) run concurrently with each other on one event loop and with the synchronous rewards,
-    which run one after the other; the results do not depend on which finishes first.
+    which run one after the other; the results do not depend on which finishes first. Videos (a list of frames per
+    sample, from video models) reach a reward declaring ``takes_videos`` whole; every other reward scores each frame
+    and a sample gets its frames' mean (:mod:`~trl_jagg.rewards.video`).
 
     Args:
         reward_funcs: The reward callables (e.g. from :func:`load_reward_funcs`).
@@ -335,6 +339,10 @@ def compute_rewards(
         while unique in names:
             unique, suffix = f"{name}_{suffix}", suffix + 1
         names.append(unique)
+    if is_video_batch(images):  # image rewards score every frame; a sample gets its frames' mean
+        reward_funcs = [
+            func if takes_videos(func) else _per_frame(func, name) for func, name in zip(reward_funcs, names)
+        ]
     kwargs = dict(prompts=list(prompts), images=list(images), completions=list(images), trainer_state=trainer_state,
                   **columns)  # fmt: skip
     # Async rewards (a judge or server client) start first and run concurrently on one event loop, while the
@@ -373,6 +381,24 @@ def compute_rewards(
                 "reward scores."
             )
     return total, per_reward
+
+
+def _per_frame(func: RewardFunc, name: str) -> RewardFunc:
+    """``func`` (an image reward) called on every frame of the videos it receives, returning each video's mean score
+    (:mod:`~trl_jagg.rewards.video`); asynchronous when ``func`` is."""
+    if is_async_reward(func):
+
+        async def call_async(**kwargs: Any) -> list[float | None]:
+            expanded, counts = frame_kwargs(kwargs)
+            return video_means(check_rewards(name, await func(**expanded), sum(counts)), counts)
+
+        return call_async
+
+    def call(**kwargs: Any) -> list[float | None]:
+        expanded, counts = frame_kwargs(kwargs)
+        return video_means(check_rewards(name, func(**expanded), sum(counts)), counts)
+
+    return call
 
 
 def _call_with_retries(func: RewardFunc, name: str, retries: int, /, **kwargs: Any) -> Any:

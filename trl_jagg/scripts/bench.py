@@ -101,10 +101,11 @@ class TrainerBenchmarkArguments:
     family: str = field(
         default="flux",
         metadata={
-            "help": "flux, or flux_kontext: image editing, the source image's latents in every backbone call "
-            "(twice the image tokens)."
+            "help": "flux (images), flux_kontext (image editing: the source image's latents in every backbone call, "
+            "twice the image tokens) or wan (videos: the long token sequences of video)."
         },
     )
+    num_frames: int = field(default=9, metadata={"help": "Frames of each video with --family wan (4 k + 1)."})
 
 
 def _whole_step_variants() -> tuple[str, ...]:

@@ -25,6 +25,8 @@ from transformers import (
     T5Config,
     T5EncoderModel,
     T5Tokenizer,
+    UMT5Config,
+    UMT5EncoderModel,
 )
 
 ConfigOverrides = Mapping[str, Any] | None
@@ -105,8 +107,12 @@ def _clip_text_encoder(
         return model_class(CLIPTextConfig(**config))
 
 
-def _t5_encoder(tokenizer: T5Tokenizer, *, seed: int, component: str, overrides: ConfigOverrides) -> T5EncoderModel:
-    """A 2-layer T5 v1.1-style encoder (gated GELU feed-forward, relative position buckets)."""
+def _t5_encoder(
+    tokenizer: T5Tokenizer, *, seed: int, component: str, overrides: ConfigOverrides, umt5: bool = False
+) -> T5EncoderModel | UMT5EncoderModel:
+    """A 2-layer T5 v1.1-style encoder (gated GELU feed-forward, relative position buckets); ``umt5``: the UMT5
+    variant (a relative position bias per layer) that Wan encodes prompts with."""
+    config_class, model_class = (UMT5Config, UMT5EncoderModel) if umt5 else (T5Config, T5EncoderModel)
     config = _merged(
         {
             "vocab_size": len(tokenizer),
@@ -120,10 +126,10 @@ def _t5_encoder(tokenizer: T5Tokenizer, *, seed: int, component: str, overrides:
             "eos_token_id": tokenizer.eos_token_id,
             "decoder_start_token_id": tokenizer.pad_token_id,
         },
-        _checked(overrides, T5Config, component),
+        _checked(overrides, config_class, component),
     )
     with _seeded(seed, component):
-        return T5EncoderModel(T5Config(**config))
+        return model_class(config_class(**config))
 
 
 def mrope_section(head_dim: int) -> list[int]:

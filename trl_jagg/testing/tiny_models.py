@@ -27,8 +27,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from diffusers import (
     AutoencoderKLFlux2,
+    AutoencoderKLWan,
     DiffusionPipeline,
     Flux2KleinPipeline,
     Flux2Transformer2DModel,
@@ -41,6 +43,8 @@ from diffusers import (
     QwenImageTransformer2DModel,
     SD3Transformer2DModel,
     StableDiffusion3Pipeline,
+    WanPipeline,
+    WanTransformer3DModel,
     ZImagePipeline,
     ZImageTransformer2DModel,
 )
@@ -80,6 +84,7 @@ __all__ = [
     "FLUX_SCHEDULER_CONFIG",
     "QWENIMAGE_SCHEDULER_CONFIG",
     "SD3_SCHEDULER_CONFIG",
+    "WAN_SCHEDULER_CONFIG",
     "ZIMAGE_SCHEDULER_CONFIG",
     "build_clip_tokenizer",
     "build_qwen2_tokenizer",
@@ -92,12 +97,13 @@ __all__ = [
     "build_tiny_qwenimage_edit_pipeline",
     "build_tiny_qwenimage_pipeline",
     "build_tiny_sd3_pipeline",
+    "build_tiny_wan_pipeline",
     "build_tiny_zimage_pipeline",
     "save_tiny_pipeline",
 ]
 
 FAMILIES: tuple[str, ...] = (
-    "flux", "sd3", "qwenimage", "zimage", "flux2_klein", "flux_kontext", "qwenimage_edit", "qwenimage_edit_plus",
+    "flux", "sd3", "qwenimage", "zimage", "flux2_klein", "flux_kontext", "qwenimage_edit", "qwenimage_edit_plus", "wan",
 )  # fmt: skip
 
 # Scheduler configs of the released checkpoints. The pipelines read `use_dynamic_shifting` and the
@@ -137,6 +143,9 @@ ZIMAGE_SCHEDULER_CONFIG: dict[str, Any] = {  # Tongyi-MAI/Z-Image-Turbo: a stati
     "shift": 3.0,
     "use_dynamic_shifting": False,
 }
+
+# Wan2.1-T2V ships UniPC with flow_shift 3; the Euler one with shift 3 makes the pipeline's loop the rollout's ODE.
+WAN_SCHEDULER_CONFIG: dict[str, Any] = {"num_train_timesteps": 1000, "shift": 3.0}
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -548,6 +557,61 @@ def build_tiny_flux2_klein_pipeline(
     return _finalize(pipe)
 
 
+def build_tiny_wan_pipeline(
+    *,
+    seed: int = 0,
+    vocab_words: Sequence[str] | None = None,
+    transformer: ConfigOverrides = None,
+    vae: ConfigOverrides = None,
+    text_encoder: ConfigOverrides = None,
+    scheduler: ConfigOverrides = None,
+) -> WanPipeline:
+    """A tiny Wan2.1-like ``WanPipeline`` (text-to-video: 5-D latents ``(batch, 16, frames, h, w)``).
+
+    Components: ``WanTransformer3DModel`` (2 layers, 2 heads of 12, 1x2x2 patches), a tiny ``AutoencoderKLWan``
+    (4x temporal, 8x spatial; random ``latents_mean`` / ``latents_std``, so that decoding tests see them), a 2-layer
+    ``UMT5EncoderModel``, a T5 tokenizer and an Euler scheduler with Wan's shift 3. ``num_frames = 4 k + 1`` pixel
+    frames give ``k + 1`` latent frames. Overrides as the other builders (``text_dim`` follows the text width).
+    """
+    tokenizer = build_t5_tokenizer(vocab_words)
+    umt5 = _t5_encoder(tokenizer, seed=seed, component="text_encoder", overrides=text_encoder, umt5=True)
+    vae_config = _merged(
+        {"base_dim": 4, "z_dim": 16, "dim_mult": [1, 1, 1, 1], "num_res_blocks": 1,
+         "temperal_downsample": [False, True, True]},  # lists: the VAE concatenates them
+        vae,
+    )  # fmt: skip
+    generator = torch.Generator().manual_seed(seed)
+    vae_config.setdefault("latents_mean", (torch.randn(vae_config["z_dim"], generator=generator) * 0.5).tolist())
+    vae_config.setdefault("latents_std", (torch.rand(vae_config["z_dim"], generator=generator) + 0.5).tolist())
+    with _seeded(seed, "vae"):
+        autoencoder = AutoencoderKLWan(**vae_config)
+    transformer_config = _merged(
+        {
+            "patch_size": (1, 2, 2),
+            "num_attention_heads": 2,
+            "attention_head_dim": 12,  # Wan's RoPE splits a head into (frame, height, width) parts
+            "in_channels": autoencoder.config.z_dim,
+            "out_channels": autoencoder.config.z_dim,
+            "text_dim": umt5.config.d_model,
+            "freq_dim": 32,
+            "ffn_dim": 32,
+            "num_layers": 2,
+            "rope_max_seq_len": 32,
+        },
+        transformer,
+    )
+    with _seeded(seed, "transformer"):
+        wan_transformer = WanTransformer3DModel(**transformer_config)
+    pipe = WanPipeline(
+        tokenizer=tokenizer,
+        text_encoder=umt5,
+        vae=autoencoder,
+        scheduler=_flow_match_scheduler(WAN_SCHEDULER_CONFIG, scheduler),
+        transformer=wan_transformer,
+    )
+    return _finalize(pipe)
+
+
 _BUILDERS = {
     "flux": build_tiny_flux_pipeline,
     "sd3": build_tiny_sd3_pipeline,
@@ -557,6 +621,7 @@ _BUILDERS = {
     "flux_kontext": build_tiny_flux_kontext_pipeline,
     "qwenimage_edit": build_tiny_qwenimage_edit_pipeline,
     "qwenimage_edit_plus": functools.partial(build_tiny_qwenimage_edit_pipeline, plus=True),
+    "wan": build_tiny_wan_pipeline,
 }
 
 
@@ -603,7 +668,7 @@ TINY_PROMPTS: tuple[str, ...] = ("a red circle", "a green square", "a blue circl
 class TinyRun:
     """What an example's ``--tiny`` flag swaps in: a tiny pipeline saved to a temporary directory (loaded through
     ``from_pretrained`` like a Hub id), the weight-free ``prompt_color`` reward, a prompt dataset, and config values
-    that train two optimizer steps on 32x32 images in seconds on a CPU."""
+    that train two optimizer steps on 32x32 images (Wan: 5-frame videos) in seconds on a CPU."""
 
     model: str
     reward: str
@@ -628,5 +693,7 @@ def tiny_run(family: str, *, num_inference_steps: int = 5) -> TinyRun:
         columns["source_image"] = [Image.new("RGB", (32, 32), (64 * i,) * 3) for i in range(len(TINY_PROMPTS))]
         if family != "flux_kontext":  # encoded at the output's 32 x 32 px, not the pipeline's 1024 x 1024
             config["source_image_area"] = 32 * 32
+    if family == "wan":  # 5-frame videos: 2 latent frames
+        config["num_frames"] = 5
     model = save_tiny_pipeline(family, tempfile.mkdtemp(prefix=f"tiny-{family}-"))
     return TinyRun(model, "prompt_color", Dataset.from_dict(columns), config)

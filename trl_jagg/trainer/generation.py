@@ -171,7 +171,9 @@ class RolloutGenerator:
             # Rows of one group share their noise and prompt: the rollout runs their deterministic prefix once.
             groups = torch.tensor(self.groups(len(prompts)), device=device) if args.same_group_noise else None
             chunk = args.sample_batch_size or args.per_device_train_batch_size
-            scorer = ChunkScorer(self.reward_funcs, enabled=args.overlap_rewards, trainer_state=trainer_state)
+            # Videos are scored whole, after the rollout (an image reward's per-frame mean is taken there).
+            overlap = args.overlap_rewards and not adapter.makes_videos
+            scorer = ChunkScorer(self.reward_funcs, enabled=overlap, trainer_state=trainer_state)
             trajectories: list[Trajectory] = []
             images, pixel_peaks = [], []
             # Rollouts of a large model take minutes: a transient bar under the Trainer's own, on a terminal only

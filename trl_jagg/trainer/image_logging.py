@@ -8,6 +8,9 @@ record whose explicit step is behind its history as "partial history", and track
 Image keys never equal a scalar key after transformers' ``rewrite_logs`` (``eval_samples`` is the number of
 evaluated prompts, ``eval/samples`` on the trackers): images are ``<section>/sample_images`` and
 ``train/completion_images``, so the eval grid sits in TensorBoard's ``eval`` section.
+
+A video (a list of frames, from a video model) is logged as its frame strip: the frames side by side, left to right
+(:func:`frame_strip`), so grids, PNGs and tables show every frame without a video encoder.
 """
 
 from __future__ import annotations
@@ -30,6 +33,17 @@ STEP_METRIC = "train/global_step"  # WandbCallback's step metric; trackio's call
 def eval_images_key(metric_key_prefix: str = "eval") -> str:
     """The key of ``evaluate()``'s grid: in the section of its metrics (``eval_reward`` shows as ``eval/reward``)."""
     return f"{metric_key_prefix}/sample_images"
+
+
+def frame_strip(sample: Image.Image | Sequence[Image.Image]) -> Image.Image:
+    """An image as is; a video (a list of frames) as its frames side by side, first frame on the left."""
+    if isinstance(sample, Image.Image):
+        return sample
+    width, height = sample[0].size
+    strip = Image.new("RGB", (len(sample) * width, height))
+    for i, frame in enumerate(sample):
+        strip.paste(frame.convert("RGB"), (i * width, 0))
+    return strip
 
 
 def image_grid(
@@ -61,6 +75,7 @@ def log_image_grid(
 ) -> str:
     """Save ``output_dir/<folder>/step-N.png`` and log the captioned images as ``key`` to the trackers of
     ``callbacks`` (the trainer's ``callback_handler.callbacks``); returns the PNG's path."""
+    images = [frame_strip(image) for image in images]
     grid = image_grid(images, prompts)
     path = _save(grid, output_dir, folder, step)
     send_images(callbacks, key, grid, images, prompts, step)
@@ -80,6 +95,7 @@ def log_completions(
     row per prompt group (``columns`` = ``num_generations``), saved as ``completions/step-N.png`` and sent to the
     trackers; W&B and trackio also get a table (step, prompt, image, total and per-reward scores)."""
     total = rewards["reward"]
+    images = [frame_strip(image) for image in images]
     grid = image_grid(images, [f"{r:+.3f}" for r in total], columns=columns)
     path = _save(grid, output_dir, "completions", step)
     captions = [f"{p} | reward {r:+.4g}" for p, r in zip(prompts, total)]
@@ -95,7 +111,7 @@ def save_images(images: list[Image.Image], output_dir: str, folder: str) -> list
     paths = []
     for i, image in enumerate(images):
         path = f"{folder.replace(os.sep, '/')}/{i}.png"
-        image.save(os.path.join(output_dir, path))
+        frame_strip(image).save(os.path.join(output_dir, path))
         paths.append(path)
     return paths
 

@@ -1,5 +1,5 @@
 """The trainer's inputs, checked before anything is loaded (datasets, the checkpoint to resume from, the rewards), and
-an editing model's source images, checked once it is known to edit."""
+what the model takes besides prompts (source images, video frames), checked once the model is known."""
 
 from __future__ import annotations
 
@@ -39,12 +39,14 @@ def checked_inputs(
     return train_dataset, eval_dataset, funcs
 
 
-def checked_source_images(
+def checked_model_inputs(
     adapter: FlowMatchingAdapter, args: GRPOJaggConfig, train_dataset: Dataset, eval_dataset: Dataset | None
 ) -> None:
-    """For an editing model: ``source_image_area`` given to the adapter, then the images each prompt edits (the
-    datasets' rows, ``eval_source_images`` for the sample images) checked before training (errors name the row), and
-    that they give one reference grid; a text-to-image model refuses ``eval_source_images``."""
+    """What the model takes besides prompts, checked before training (errors name the row or the field). For an
+    editing model: ``source_image_area`` given to the adapter, then the images each prompt edits (the datasets'
+    rows, ``eval_source_images`` for the sample images) checked row by row, and that they give one reference grid;
+    a text-to-image model refuses ``eval_source_images``. For a video model: ``num_frames``, set on the adapter
+    (refused by image models)."""
     name = type(adapter).__name__
     if args.source_image_area is not None:
         if not hasattr(adapter, "source_image_area"):
@@ -58,6 +60,13 @@ def checked_source_images(
             f"GRPOJaggConfig.precompute_prompt_embeds cannot be used with {name}: its prompts are encoded together "
             "with each sample's source images. Set precompute_prompt_embeds=False."
         )
+    if args.num_frames is not None:
+        if not adapter.makes_videos:
+            raise ValueError(
+                f"GRPOJaggConfig.num_frames is {args.num_frames}, but {type(adapter.pipeline).__name__} makes images. "
+                "Leave num_frames unset (None) for image models."
+            )
+        adapter.num_frames = args.num_frames
     if not adapter.edits_images:
         if args.eval_source_images is not None:
             raise ValueError(
