@@ -54,7 +54,8 @@ FAMILIES = {
 
 def frames_of(family: str) -> dict:
     """The `num_frames` keyword of a video family (for the pipeline and the config), none for image families."""
-    return {"num_frames": FAMILIES[family]["num_frames"]} if "num_frames" in FAMILIES[family] else {}
+    frames = FAMILIES.get(family, {}).get("num_frames")  # Kontext's tests use make_trainer outside FAMILIES
+    return {"num_frames": frames} if frames is not None else {}
 
 
 def pipeline_output(family: str) -> dict:
@@ -168,7 +169,8 @@ def make_trainer(
         seed=0, disable_tqdm=True,
     )  # fmt: skip
     config |= frames_of(family) | guidance | overrides
-    config.setdefault("negative_prompt", FAMILIES[family]["negative"])
+    if "negative_prompt" not in config:  # Kontext's guidance names its own (it is not one of FAMILIES)
+        config["negative_prompt"] = FAMILIES[family]["negative"]
     return DDPOJaggTrainer(
         model=path,
         reward_funcs=redness,
