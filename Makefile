@@ -17,8 +17,9 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	HF_HUB_OFFLINE=1 $(VENV)/bin/trl-jagg demo --output_dir runs/demo
 
+# Two pytest workers (pytest-xdist): the suite's single-process tests keep both CPU cores busy.
 test: $(VENV)/.installed
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n 2 tests
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check trl_jagg tests examples docs
