@@ -13,6 +13,7 @@ import pytest
 import torch
 import yaml
 from PIL import Image
+from testing_utils import NAMES
 
 from trl_jagg import cli
 from trl_jagg.scripts import bench, calibrate, demo, train
@@ -211,28 +212,7 @@ def test_unknown_recipe_suggests(tmp_path, capsys):
     assert "recipe: Unknown recipe 'flow-grpo-flx'. Did you mean 'flow-grpo-flux'?" in err
 
 
-RECIPES = [
-    "flow-grpo-sd35",
-    "flow-grpo-sd35-ocr",
-    "flow-grpo-guard-sd35",
-    "flow-grpo-flux",
-    "flow-grpo-qwenimage",
-    "flow-grpo-qwenimage-all-steps",
-    "flow-grpo-qwenimage-edit",
-    "flow-grpo-kontext",
-    "flow-grpo-fast-flux",
-    "flow-grpo-wan2.1",
-    "dancegrpo-flux",
-    "dancegrpo-flux-8gpu",
-    "mixgrpo-flux",
-    "flow-factory-z-image",
-    "flow-factory-z-image-turbo",
-    "flow-factory-flux2-klein-base",
-    "flow-factory-flux2-klein",
-]
-
-
-@pytest.mark.parametrize("name", RECIPES)
+@pytest.mark.parametrize("name", NAMES)
 def test_every_preset_parses(name, tmp_path):
     from trl_jagg.recipes import get_recipe
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from datasets import Dataset
 from diffusers import DiffusionPipeline, FluxPipeline
-from testing_utils import noise_image
+from testing_utils import FLOW_FACTORY, NAMES, noise_image
 
 from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
 from trl_jagg.models import load_adapter
@@ -21,28 +21,6 @@ from trl_jagg.trainer import update
 
 YAML_DIR = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "recipes")
 PEER_MODULES = ("_shared", "dancegrpo", "flow_factory", "flow_grpo")
-FLOW_FACTORY = (
-    "flow-factory-z-image",
-    "flow-factory-z-image-turbo",
-    "flow-factory-flux2-klein-base",
-    "flow-factory-flux2-klein",
-)
-NAMES = [
-    "flow-grpo-sd35",
-    "flow-grpo-sd35-ocr",
-    "flow-grpo-guard-sd35",
-    "flow-grpo-flux",
-    "flow-grpo-qwenimage",
-    "flow-grpo-qwenimage-all-steps",
-    "flow-grpo-qwenimage-edit",
-    "flow-grpo-kontext",
-    "flow-grpo-fast-flux",
-    "flow-grpo-wan2.1",
-    "dancegrpo-flux",
-    "dancegrpo-flux-8gpu",
-    "mixgrpo-flux",
-    *FLOW_FACTORY,
-]
 
 # The public numbers (JAGG spec section 5), written out independently of trl_jagg/recipes.py.
 _SD35_PUBLISHED = dict(

@@ -9,6 +9,31 @@ import numpy as np
 import torch
 from PIL import Image
 
+# Every preset, in the order of docs/models.md, written out here (not read from trl_jagg.recipes): a preset added
+# or dropped fails the tests that list them.
+FLOW_FACTORY = (
+    "flow-factory-z-image",
+    "flow-factory-z-image-turbo",
+    "flow-factory-flux2-klein-base",
+    "flow-factory-flux2-klein",
+)
+NAMES = [
+    "flow-grpo-sd35",
+    "flow-grpo-sd35-ocr",
+    "flow-grpo-guard-sd35",
+    "flow-grpo-flux",
+    "flow-grpo-qwenimage",
+    "flow-grpo-qwenimage-all-steps",
+    "flow-grpo-qwenimage-edit",
+    "flow-grpo-kontext",
+    "flow-grpo-fast-flux",
+    "flow-grpo-wan2.1",
+    "dancegrpo-flux",
+    "dancegrpo-flux-8gpu",
+    "mixgrpo-flux",
+    *FLOW_FACTORY,
+]
+
 PROMPTS = ["a red circle", "a green square", "a blue circle", "a red square"]
 
 
