@@ -1,8 +1,9 @@
 """Tiny, randomly initialised but fully functional diffusers pipelines, built offline from configs.
 
-The pipelines are real ``FluxPipeline``, ``StableDiffusion3Pipeline`` and ``QwenImagePipeline`` objects whose
-components have the same classes and wiring as the released checkpoints (FLUX.1-dev, SD3.5, Qwen-Image), only with
-widths of a few dozen channels. They serve the test suite, the examples' ``--tiny`` flag and the demo:
+The pipelines are real diffusers pipelines (``FluxPipeline``, ``StableDiffusion3Pipeline``, ``QwenImagePipeline``
+and the newer families; the FLUX.2 and Wan builders live in :mod:`.tiny_flux2` and :mod:`.tiny_wan`) whose components
+have the same classes and wiring as the released checkpoints, only with widths of a few dozen channels. They serve the test suite, the examples' ``--tiny`` flag and the
+demo:
 
     >>> pipe = build_tiny_pipeline("flux", seed=0)
     >>> image = pipe("a red circle", height=32, width=32, num_inference_steps=2).images[0]
@@ -27,13 +28,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from diffusers import (
-    AutoencoderKLFlux2,
-    AutoencoderKLWan,
     DiffusionPipeline,
-    Flux2KleinPipeline,
-    Flux2Transformer2DModel,
     FluxKontextPipeline,
     FluxPipeline,
     FluxTransformer2DModel,
@@ -43,13 +39,11 @@ from diffusers import (
     QwenImageTransformer2DModel,
     SD3Transformer2DModel,
     StableDiffusion3Pipeline,
-    WanPipeline,
-    WanTransformer3DModel,
     ZImagePipeline,
     ZImageTransformer2DModel,
 )
 from PIL import Image
-from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor, Qwen3ForCausalLM
+from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
 
 from .components import (
     ConfigOverrides,
@@ -65,6 +59,8 @@ from .components import (
     _seeded,
     _t5_encoder,
 )
+from .tiny_flux2 import FLUX2_SCHEDULER_CONFIG, build_tiny_flux2_klein_pipeline
+from .tiny_wan import WAN_SCHEDULER_CONFIG, build_tiny_wan_pipeline
 from .tokenizers import (
     DEFAULT_VOCAB_WORDS,
     QWEN_EDIT_TEMPLATE_TEXTS,
@@ -132,20 +128,11 @@ QWENIMAGE_SCHEDULER_CONFIG: dict[str, Any] = {  # Qwen/Qwen-Image: dynamic shift
     "shift_terminal": 0.02,
     "time_shift_type": "exponential",
 }
-FLUX2_SCHEDULER_CONFIG: dict[str, Any] = {  # black-forest-labs/FLUX.2-klein: mu from the pipeline's empirical fit
-    "num_train_timesteps": 1000,
-    "shift": 3.0,
-    "use_dynamic_shifting": True,
-    "time_shift_type": "exponential",
-}
 ZIMAGE_SCHEDULER_CONFIG: dict[str, Any] = {  # Tongyi-MAI/Z-Image-Turbo: a static shift of 3
     "num_train_timesteps": 1000,
     "shift": 3.0,
     "use_dynamic_shifting": False,
 }
-
-# Wan2.1-T2V ships UniPC with flow_shift 3; the Euler one with shift 3 makes the pipeline's loop the rollout's ODE.
-WAN_SCHEDULER_CONFIG: dict[str, Any] = {"num_train_timesteps": 1000, "shift": 3.0}
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -479,135 +466,6 @@ def build_tiny_zimage_pipeline(
         text_encoder=qwen,
         tokenizer=tokenizer,
         transformer=zimage_transformer,
-    )
-    return _finalize(pipe)
-
-
-def build_tiny_flux2_klein_pipeline(
-    *,
-    seed: int = 0,
-    vocab_words: Sequence[str] | None = None,
-    is_distilled: bool = False,
-    transformer: ConfigOverrides = None,
-    vae: ConfigOverrides = None,
-    text_encoder: ConfigOverrides = None,
-    scheduler: ConfigOverrides = None,
-) -> Flux2KleinPipeline:
-    """A tiny FLUX.2-klein-like ``Flux2KleinPipeline`` (the base model with CFG; ``is_distilled=True``: the
-    step-distilled one, which ignores guidance).
-
-    Components: ``Flux2Transformer2DModel`` (1 double-stream + 1 single-stream block, 2 heads of 16, 4 RoPE axes), a
-    tiny ``AutoencoderKLFlux2`` whose batch-norm statistics of the patchified latents are random (so decoding tests
-    see them), a ``Qwen3ForCausalLM`` of 28 narrow layers (the pipeline stacks hidden states 9, 18 and 27), a
-    tokenizer with Qwen3's chat template, and a ``FlowMatchEulerDiscreteScheduler`` with dynamic shifting.
-
-    Args:
-        seed: seed of the random weights.
-        vocab_words: extra words that must be single tokens (with and without a leading space).
-        is_distilled: the pipeline's ``is_distilled`` flag.
-        transformer, vae, text_encoder, scheduler: config overrides. The transformer's ``joint_attention_dim``
-            follows the three stacked text widths and its ``in_channels`` the patchified VAE channels.
-    """
-    tokenizer = build_qwen3_tokenizer(vocab_words)
-    qwen = _qwen3_text_encoder(
-        tokenizer, seed=seed, overrides=text_encoder, model_class=Qwen3ForCausalLM, num_layers=28
-    )
-    vae_config = _merged(
-        {
-            "block_out_channels": (8, 16, 16, 16),
-            "layers_per_block": 1,
-            "latent_channels": 8,
-            "norm_num_groups": 4,
-            "sample_size": 32,
-        },
-        vae,
-    )
-    with _seeded(seed, "vae"):
-        autoencoder = AutoencoderKLFlux2(**vae_config)
-        # Fresh batch norm has mean 0 / variance 1, under which a missing normalisation would go unnoticed.
-        autoencoder.bn.running_mean.normal_(0.0, 0.5)
-        autoencoder.bn.running_var.uniform_(0.5, 2.0)
-    transformer_config = _merged(
-        {
-            "patch_size": 1,
-            "in_channels": 4 * autoencoder.config.latent_channels,  # 2x2-patchified latents, one token each
-            "num_layers": 1,
-            "num_single_layers": 1,
-            "attention_head_dim": 16,
-            "num_attention_heads": 2,
-            "joint_attention_dim": 3 * qwen.config.hidden_size,  # three hidden states stacked per token
-            "timestep_guidance_channels": 32,
-            "axes_dims_rope": (4, 4, 4, 4),  # (time, height, width, layer)
-            "guidance_embeds": False,  # klein has no embedded guidance
-        },
-        transformer,
-    )
-    _check_rope_axes(transformer_config["axes_dims_rope"], transformer_config["attention_head_dim"])
-    with _seeded(seed, "transformer"):
-        flux2_transformer = Flux2Transformer2DModel(**transformer_config)
-
-    pipe = Flux2KleinPipeline(
-        scheduler=_flow_match_scheduler(FLUX2_SCHEDULER_CONFIG, scheduler),
-        vae=autoencoder,
-        text_encoder=qwen,
-        tokenizer=tokenizer,
-        transformer=flux2_transformer,
-        is_distilled=is_distilled,
-    )
-    return _finalize(pipe)
-
-
-def build_tiny_wan_pipeline(
-    *,
-    seed: int = 0,
-    vocab_words: Sequence[str] | None = None,
-    transformer: ConfigOverrides = None,
-    vae: ConfigOverrides = None,
-    text_encoder: ConfigOverrides = None,
-    scheduler: ConfigOverrides = None,
-) -> WanPipeline:
-    """A tiny Wan2.1-like ``WanPipeline`` (text-to-video: 5-D latents ``(batch, 16, frames, h, w)``).
-
-    Components: ``WanTransformer3DModel`` (2 layers, 2 heads of 12, 1x2x2 patches), a tiny ``AutoencoderKLWan``
-    (4x temporal, 8x spatial; random ``latents_mean`` / ``latents_std``, so that decoding tests see them), a 2-layer
-    ``UMT5EncoderModel``, a T5 tokenizer and an Euler scheduler with Wan's shift 3. ``num_frames = 4 k + 1`` pixel
-    frames give ``k + 1`` latent frames. Overrides as the other builders (``text_dim`` follows the text width).
-    """
-    tokenizer = build_t5_tokenizer(vocab_words)
-    umt5 = _t5_encoder(tokenizer, seed=seed, component="text_encoder", overrides=text_encoder, umt5=True)
-    vae_config = _merged(
-        {"base_dim": 4, "z_dim": 16, "dim_mult": [1, 1, 1, 1], "num_res_blocks": 1,
-         "temperal_downsample": [False, True, True]},  # lists: the VAE concatenates them
-        vae,
-    )  # fmt: skip
-    generator = torch.Generator().manual_seed(seed)
-    vae_config.setdefault("latents_mean", (torch.randn(vae_config["z_dim"], generator=generator) * 0.5).tolist())
-    vae_config.setdefault("latents_std", (torch.rand(vae_config["z_dim"], generator=generator) + 0.5).tolist())
-    with _seeded(seed, "vae"):
-        autoencoder = AutoencoderKLWan(**vae_config)
-    transformer_config = _merged(
-        {
-            "patch_size": (1, 2, 2),
-            "num_attention_heads": 2,
-            "attention_head_dim": 12,  # Wan's RoPE splits a head into (frame, height, width) parts
-            "in_channels": autoencoder.config.z_dim,
-            "out_channels": autoencoder.config.z_dim,
-            "text_dim": umt5.config.d_model,
-            "freq_dim": 32,
-            "ffn_dim": 32,
-            "num_layers": 2,
-            "rope_max_seq_len": 32,
-        },
-        transformer,
-    )
-    with _seeded(seed, "transformer"):
-        wan_transformer = WanTransformer3DModel(**transformer_config)
-    pipe = WanPipeline(
-        tokenizer=tokenizer,
-        text_encoder=umt5,
-        vae=autoencoder,
-        scheduler=_flow_match_scheduler(WAN_SCHEDULER_CONFIG, scheduler),
-        transformer=wan_transformer,
     )
     return _finalize(pipe)
 

@@ -1,0 +1,70 @@
+"""A tiny Wan text-to-video pipeline built offline from configs (see :mod:`trl_jagg.testing.tiny_models`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
+
+from .components import ConfigOverrides, _finalize, _flow_match_scheduler, _merged, _seeded, _t5_encoder
+from .tokenizers import build_t5_tokenizer
+
+# Wan2.1-T2V ships UniPC with flow_shift 3; the Euler one with shift 3 makes the pipeline's loop the rollout's ODE.
+WAN_SCHEDULER_CONFIG: dict[str, Any] = {"num_train_timesteps": 1000, "shift": 3.0}
+
+
+def build_tiny_wan_pipeline(
+    *,
+    seed: int = 0,
+    vocab_words: Sequence[str] | None = None,
+    transformer: ConfigOverrides = None,
+    vae: ConfigOverrides = None,
+    text_encoder: ConfigOverrides = None,
+    scheduler: ConfigOverrides = None,
+) -> WanPipeline:
+    """A tiny Wan2.1-like ``WanPipeline`` (text-to-video: 5-D latents ``(batch, 16, frames, h, w)``).
+
+    Components: ``WanTransformer3DModel`` (2 layers, 2 heads of 12, 1x2x2 patches), a tiny ``AutoencoderKLWan``
+    (4x temporal, 8x spatial; random ``latents_mean`` / ``latents_std``, so that decoding tests see them), a 2-layer
+    ``UMT5EncoderModel``, a T5 tokenizer and an Euler scheduler with Wan's shift 3. ``num_frames = 4 k + 1`` pixel
+    frames give ``k + 1`` latent frames. Overrides as the other builders (``text_dim`` follows the text width).
+    """
+    tokenizer = build_t5_tokenizer(vocab_words)
+    umt5 = _t5_encoder(tokenizer, seed=seed, component="text_encoder", overrides=text_encoder, umt5=True)
+    vae_config = _merged(
+        {"base_dim": 4, "z_dim": 16, "dim_mult": [1, 1, 1, 1], "num_res_blocks": 1,
+         "temperal_downsample": [False, True, True]},  # lists: the VAE concatenates them
+        vae,
+    )  # fmt: skip
+    generator = torch.Generator().manual_seed(seed)
+    vae_config.setdefault("latents_mean", (torch.randn(vae_config["z_dim"], generator=generator) * 0.5).tolist())
+    vae_config.setdefault("latents_std", (torch.rand(vae_config["z_dim"], generator=generator) + 0.5).tolist())
+    with _seeded(seed, "vae"):
+        autoencoder = AutoencoderKLWan(**vae_config)
+    transformer_config = _merged(
+        {
+            "patch_size": (1, 2, 2),
+            "num_attention_heads": 2,
+            "attention_head_dim": 12,  # Wan's RoPE splits a head into (frame, height, width) parts
+            "in_channels": autoencoder.config.z_dim,
+            "out_channels": autoencoder.config.z_dim,
+            "text_dim": umt5.config.d_model,
+            "freq_dim": 32,
+            "ffn_dim": 32,
+            "num_layers": 2,
+            "rope_max_seq_len": 32,
+        },
+        transformer,
+    )
+    with _seeded(seed, "transformer"):
+        wan_transformer = WanTransformer3DModel(**transformer_config)
+    pipe = WanPipeline(
+        tokenizer=tokenizer,
+        text_encoder=umt5,
+        vae=autoencoder,
+        scheduler=_flow_match_scheduler(WAN_SCHEDULER_CONFIG, scheduler),
+        transformer=wan_transformer,
+    )
+    return _finalize(pipe)
