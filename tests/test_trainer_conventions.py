@@ -19,6 +19,8 @@ from transformers import TrainerCallback
 
 from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
 from trl_jagg.errors import CheckpointError
+from trl_jagg.prompts import prompt_dataset
+from trl_jagg.trainer import evaluation
 
 
 def make_trainer(path, tmp_path, *, reward=redness, eval_dataset=None, **overrides) -> DDPOJaggTrainer:
@@ -249,8 +251,16 @@ def _checkpoint_without_ema(path, tmp_path) -> str:
 
 
 # ---------------------------------------------------------------- held-out evaluation
-def test_evaluation_on_the_eval_dataset_every_eval_steps(tiny_flux_path, tmp_path):
+def test_evaluation_on_the_eval_dataset_every_eval_steps(tiny_flux_path, tmp_path, monkeypatch):
     eval_prompts = ["a red square", "a blue circle", "a green circle"]
+    # The eval set is checked row by row once, at __init__, not again at every evaluation.
+    checks = []
+
+    def counted_check(*args, **kwargs):
+        checks.append(args)
+        return prompt_dataset(*args, **kwargs)
+
+    monkeypatch.setattr(evaluation, "prompt_dataset", counted_check)
     trainer = make_trainer(
         tiny_flux_path, tmp_path, eval_dataset=Dataset.from_dict({"prompt": eval_prompts}), eval_strategy="steps",
         eval_steps=1, per_device_eval_batch_size=2, eval_num_inference_steps=3, eval_seed=5,
@@ -275,6 +285,7 @@ def test_evaluation_on_the_eval_dataset_every_eval_steps(tiny_flux_path, tmp_pat
     metrics = trainer.evaluate()
     assert metrics["eval_reward"] == pytest.approx(np.mean(rewards), abs=2e-3)
     assert metrics["eval_samples"] == 3
+    assert checks == []
     with pytest.raises(ValueError, match="no 'prompt' column"):
         make_trainer(tiny_flux_path, tmp_path, eval_dataset=Dataset.from_dict({"text": eval_prompts}))
 

@@ -153,7 +153,7 @@ class DDPOJaggTrainer(_BaseTrainer):
             self.adapter, args, self.accelerator, self._metrics,
             ref_transformer=self.ref_transformer, has_dropout=has_active_dropout(transformer),
         )  # fmt: skip
-        self.evaluator = Evaluator(self.adapter, args, self.accelerator, self.frozen, self.reward_funcs)
+        self.evaluator = Evaluator(self.adapter, args, self.accelerator, self.frozen, self.reward_funcs, eval_dataset)
         self.ema: EMAWeights | None = None
         if args.ema_decay > 0:
             self.ema = EMAWeights(args, self._trainable_parameters, accelerator=self.accelerator)

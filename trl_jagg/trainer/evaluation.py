@@ -31,6 +31,8 @@ class Evaluator:
         accelerator: the Trainer's accelerator (splits the prompts over processes, gathers the scores).
         frozen: where the text encoders and the VAE run.
         reward_funcs: the loaded reward functions.
+        eval_dataset: the held-out prompts the trainer already checked (:func:`~trl_jagg.prompts.prompt_dataset`),
+            which :meth:`evaluate` then renders without checking every row again.
     """
 
     def __init__(
@@ -40,8 +42,10 @@ class Evaluator:
         accelerator: Any,
         frozen: FrozenModules,
         reward_funcs: Sequence[Callable[..., Any]],
+        eval_dataset: Any = None,
     ):
         self.adapter = adapter
+        self.checked_eval_dataset = eval_dataset
         self.args = args
         self.accelerator = accelerator
         self.frozen = frozen
@@ -106,10 +110,11 @@ class Evaluator:
             )
         args = self.args
         start = time.perf_counter()
-        # Checked as the training prompts are: a list is converted, a missing 'prompt' column (or an editing model's
-        # 'source_image' column) or a bad row named.
         edits = self.adapter.edits_images
-        dataset = prompt_dataset(dataset, 1, name="eval_dataset", source_images=edits)
+        if dataset is not self.checked_eval_dataset:
+            # Checked as the training prompts are: a list is converted, a missing 'prompt' column (or an editing
+            # model's 'source_image' column) or a bad row named.
+            dataset = prompt_dataset(dataset, 1, name="eval_dataset", source_images=edits)
         with self.accelerator.split_between_processes(list(range(len(dataset)))) as rows:
             records = [dataset[i] for i in rows]
         prompts = [prompt_text(record["prompt"], "eval_dataset 'prompt'") for record in records]
