@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -170,7 +171,7 @@ class StepCosts:
 
 
 @functools.cache
-def flux_dev_costs(resolution: int = 1024, text_tokens: int = 512) -> dict[str, StepCosts]:
+def flux_dev_costs(resolution: int = 1024, text_tokens: int = 512) -> Mapping[str, StepCosts]:
     """The unit costs of FLUX.1-dev at ``resolution`` pixels (``(resolution / 16)^2`` image tokens: 4096 at
     1024 px) and ``text_tokens`` T5 tokens (512 for dev), per way of training it (:data:`TRAINING`: ``"lora"`` is
     :func:`flux_dev_lora`). Counted once per process (a minute or two of Python)."""
@@ -184,7 +185,7 @@ def flux_dev_costs(resolution: int = 1024, text_tokens: int = 512) -> dict[str, 
             lora=flux_dev_lora() if training == "lora" else None,
         )  # fmt: skip
         costs[training] = StepCosts(forward, backward, vae_decode, text_encode)
-    return costs
+    return MappingProxyType(costs)  # read-only: the cache hands the same one to every caller
 
 
 def step_flops(costs: StepCosts, counts: Mapping[str, int]) -> float:

@@ -242,15 +242,16 @@ def flop_model(
     }  # fmt: skip
 
 
-def reprice(report: dict[str, Any], costs: Mapping[str, StepCosts]) -> dict[str, Any]:
-    """``report`` (a whole-step report, as written) with its predictions recomputed from its counted work at
-    ``costs``; the measured times and ratios are unchanged."""
+def reprice(report: dict[str, Any]) -> dict[str, Any]:
+    """``report`` (a whole-step report, as written) with its predictions recomputed from its counted work by
+    today's FLOP model at :data:`PREDICTED_AT`; the measured times and ratios are unchanged."""
+    costs = flux_dev_costs(*PREDICTED_AT)
     measured = {
         entry["variant"]: {
             "times": entry["step_s"]["per_repeat"],
             "work": entry["counted"],
             "peak_memory_mb": entry["peak_memory_mb"],
-        }  # fmt: skip
+        }
         for entry in report["results"]
     }
     config = report["config"] | {"flop_model": flop_model(costs)}
@@ -301,7 +302,7 @@ def run_whole_step_benchmark(
     """
     out = Path(output_dir)
     if reprice_report is not None:
-        report = reprice(json.loads(Path(reprice_report).read_text()), flux_dev_costs(*PREDICTED_AT))
+        report = reprice(json.loads(Path(reprice_report).read_text()))
     else:
         report = _timed_report(variants, resolution, max_sequence_length, num_layers, num_single_layers, repeats,
                                seed, num_threads)  # fmt: skip
