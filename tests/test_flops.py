@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from trl_jagg.benchmarks.flops import FLUX_DEV_TRANSFORMER, StepCosts, step_flops, transformer_flops
+from trl_jagg.benchmarks.flops import FLUX_DEV_TRANSFORMER, StepCosts, flux_dev_lora, step_flops, transformer_flops
 
 TINY = FLUX_DEV_TRANSFORMER | {
-    "in_channels": 8, "num_layers": 1, "num_single_layers": 2, "attention_head_dim": 16, "num_attention_heads": 2,
+    "in_channels": 8, "num_layers": 2, "num_single_layers": 2, "attention_head_dim": 16, "num_attention_heads": 2,
     "joint_attention_dim": 12, "pooled_projection_dim": 10, "axes_dims_rope": (4, 6, 6),
 }  # fmt: skip
 
@@ -29,12 +29,71 @@ def flux_forward_flops(c: dict, image_tokens: int, text_tokens: int) -> int:
     return 2 * macs + attention
 
 
+# Flow-GRPO's FLUX.1 LoRA targets, written out: the attention projections of both streams (the single blocks'
+# attention has no output projection: attn.to_q, to_k and to_v match there too) and the joint blocks' feed-forwards.
+LORA_TARGETS = [
+    "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj",
+    "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2",
+]  # fmt: skip
+
+
+def flux_full_backward_flops(c: dict, image_tokens: int, text_tokens: int) -> int:
+    """Full fine-tuning: every linear layer computes its weight's gradient and its input's (one forward's products
+    each), attention's backward four products (twice its forward), except the input gradients nothing needs: the
+    embedders of the latents, the text, the timestep, the guidance and the pooled text take inputs without grad."""
+    i = c["num_attention_heads"] * c["attention_head_dim"]
+    skipped = image_tokens * c["in_channels"] * i + text_tokens * c["joint_attention_dim"] * i
+    skipped += 2 * 256 * i + c["pooled_projection_dim"] * i
+    return 2 * flux_forward_flops(c, image_tokens, text_tokens) - 2 * skipped
+
+
+def flux_lora_flops(c: dict, image_tokens: int, text_tokens: int, r: int) -> tuple[int, int]:
+    """Forward and backward of a rank-``r`` LoRA on ``LORA_TARGETS`` over the frozen base.
+
+    Forward: each adapted linear a -> b on m rows adds its adapter's m r (a + b) multiply-adds. Backward (autograd
+    computes a product only where a gradient is needed): a frozen linear costs its input's gradient (m a b) if
+    its input depends on an adapter, else nothing; an adapter costs B's weight and input gradients (2 m r b), A's
+    weight gradient (m a r) and, if its input depends on an adapter, A's input gradient (m a r). So nothing below
+    the first joint block's q, k, v adapters costs a backward: the embedders, and every AdaLN modulation (fed by
+    the timestep embedding, frozen). Attention's backward is four products, as in full fine-tuning."""
+    i, n, t = c["num_attention_heads"] * c["attention_head_dim"], image_tokens, text_tokens
+    s, joint, single = n + t, c["num_layers"], c["num_single_layers"]
+    # Per token of a joint block: q, k, v, out (i -> i) and the MLP (i -> 4i -> i) of its stream; a single block:
+    # q, k, v (i -> i).
+    adapter_macs = joint * s * r * (4 * 2 * i + 2 * 5 * i) + single * s * r * 3 * 2 * i
+    forward = flux_forward_flops(c, n, t) + 2 * adapter_macs
+    # The first joint block: q, k, v have inputs without grad (adapters only: 2 r i + i r each); out and the MLP
+    # have inputs with grad (the base's input gradient: i^2 for out, 8 i^2 for the MLP; the adapters twice their
+    # forward).
+    first = s * (9 * i * i + 3 * 3 * r * i + 2 * r * 2 * i + 2 * 2 * r * 5 * i)
+    # Later joint blocks: q, k, v, out and the MLP (12 i^2), the adapters twice their forward (36 r i).
+    later = (joint - 1) * s * (12 * i * i + 2 * r * 18 * i)
+    # Single blocks: the frozen proj_mlp (4 i^2) and proj_out (from 5i: 5 i^2), q, k, v (3 i^2), their adapters.
+    singles = single * s * (12 * i * i + 2 * r * 6 * i)
+    proj_out = n * i * c["in_channels"]  # norm_out's modulation needs nothing: temb has no grad
+    attention = (joint + single) * 8 * s * s * i
+    return forward, 2 * (first + later + singles + proj_out) + attention
+
+
 def test_tiny_flux_forward_flops_match_the_architecture_and_scale_with_rows():
     forward, backward = transformer_flops(TINY, image_tokens=16, text_tokens=8)
     assert forward == flux_forward_flops(TINY, 16, 8)
-    # Full fine-tuning: weight and activation gradients, about twice the forward (the embedders' inputs need none).
-    assert 1.8 * forward < backward < 2.1 * forward
+    # Full fine-tuning: weight and activation gradients, twice the forward less the embedders' input gradients.
+    assert backward == flux_full_backward_flops(TINY, 16, 8)
     assert transformer_flops(TINY, image_tokens=16, text_tokens=8, rows=2) == (2 * forward, 2 * backward)
+
+
+def test_tiny_flux_lora_flops_count_only_the_gradients_the_adapters_need():
+    # Two joint blocks: the first one's q, k, v adapters are the lowest trained weights, the second has inputs
+    # with grad everywhere. Exact integers: FlopCounterMode counts products by shape.
+    lora = {"r": 4, "lora_alpha": 8, "target_modules": LORA_TARGETS}
+    forward, backward = transformer_flops(TINY, image_tokens=16, text_tokens=8, lora=lora)
+    assert (forward, backward) == flux_lora_flops(TINY, 16, 8, r=4)
+    # No weight gradient of the base: far below full fine-tuning's backward.
+    assert backward < 0.7 * transformer_flops(TINY, image_tokens=16, text_tokens=8)[1]
+    # The costs price the LoRA preset this formula models: rank 64 on these targets.
+    preset = flux_dev_lora()
+    assert (preset["r"], sorted(preset["target_modules"])) == (64, sorted(LORA_TARGETS))
 
 
 def test_step_flops_prices_the_counted_work():

@@ -14,7 +14,11 @@ from trl_jagg.benchmarks.whole_step import JSON_NAME, run_whole_step_benchmark
 
 def test_mixed_variants_count_the_work_of_their_rollout_and_update(tmp_path, monkeypatch):
     # Made-up unit costs (the real ones take a minute to count on the meta device; tests/test_flops.py checks them).
-    costs = StepCosts(forward_row=10.0, backward_row=20.0, vae_decode=3.0, text_encode=1.0)
+    # A LoRA backward is about one forward (no weight gradients of the base), its forward a little dearer.
+    costs = {
+        "full": StepCosts(forward_row=10.0, backward_row=20.0, vae_decode=3.0, text_encode=1.0),
+        "lora": StepCosts(forward_row=11.0, backward_row=12.0, vae_decode=3.0, text_encode=1.0),
+    }
     monkeypatch.setattr(whole_step, "flux_dev_costs", lambda *args: costs)
     report = run_whole_step_benchmark(
         str(tmp_path), variants=("mix_exact", "mix_jagg_cache_prefix_dpm"), resolution=32, max_sequence_length=16,
@@ -31,10 +35,28 @@ def test_mixed_variants_count_the_work_of_their_rollout_and_update(tmp_path, mon
     # prefix), 6 steps on 12; the update is one JAGG group: two 12-row endpoints, one joint backward, no
     # intermediate forward (the velocity cache).
     assert fast["counted"] == {"graph_rows": 24, "no_grad_rows": 3 + 6 * 12, "backward_rows": 24, **images_and_prompt}
-    by_hand = (10 * (48 + 192) + 20 * 48 + 3 * 12 + 1) / (10 * (24 + 75) + 20 * 24 + 3 * 12 + 1)
-    assert fast["predicted_speedup_vs_mix_exact"] == pytest.approx(by_hand)
+    full = (10 * (48 + 192) + 20 * 48 + 3 * 12 + 1) / (10 * (24 + 75) + 20 * 24 + 3 * 12 + 1)
+    lora = (11 * (48 + 192) + 12 * 48 + 3 * 12 + 1) / (11 * (24 + 75) + 12 * 24 + 3 * 12 + 1)
+    assert fast["predicted_speedup_vs_mix_exact"] == pytest.approx({"full": full, "lora": lora})
     assert len(fast["speedup_vs_mix_exact"]["per_repeat"]) == 1 and "speedup_vs_mix_exact" not in exact
-    assert report["config"]["flop_model"]["flops"] == costs.as_dict()
+    assert report["config"]["flop_model"]["flops"] == {
+        "full": costs["full"].as_dict(),
+        "lora": costs["lora"].as_dict(),
+    }
+    assert report["config"]["flop_model"]["training"]["lora"]["preset"] == "flow-grpo-flux"
+
+    # Repricing the saved report at other costs recomputes the predictions from its counted work, and nothing else.
+    saved = tmp_path / "saved.json"
+    saved.write_text((tmp_path / JSON_NAME).read_text())
+    dearer = {"full": StepCosts(10.0, 20.0, 30.0, 1.0), "lora": StepCosts(11.0, 12.0, 30.0, 1.0)}
+    monkeypatch.setattr(whole_step, "flux_dev_costs", lambda *args: dearer)
+    repriced = run_whole_step_benchmark(str(tmp_path / "repriced"), reprice_report=str(saved))
+    full = (10 * (48 + 192) + 20 * 48 + 30 * 12 + 1) / (10 * (24 + 75) + 20 * 24 + 30 * 12 + 1)
+    assert repriced["results"][1]["predicted_speedup_vs_mix_exact"]["full"] == pytest.approx(full)
+    for before, after in zip(report["results"], repriced["results"]):
+        assert {k: v for k, v in after.items() if not k.startswith("predicted")} == json.loads(
+            json.dumps({k: v for k, v in before.items() if not k.startswith("predicted")})
+        )
 
 
 def test_unknown_variant_raises(tmp_path):

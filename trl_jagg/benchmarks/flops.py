@@ -9,6 +9,12 @@ is counted exactly, forward and backward, in seconds of Python. The configs belo
 A step's cost is then the counted work times these unit costs (:func:`step_flops`): one backbone row forward (with
 or without a graph: the same products) and backward, one VAE decode per image, one prompt encoding per distinct
 prompt. The reward is left out: the benchmarks score with the weight-free ``prompt_color``.
+
+The backbone is priced for both ways the presets train it (:data:`TRAINING`): full fine-tuning (DanceGRPO's and
+MixGRPO's presets), whose backward computes every weight's gradient besides the activations' (about twice the
+forward), and LoRA (Flow-GRPO's, the README's), whose backward through the frozen base computes activation gradients
+only, and none at all below the first adapter (the embedders, the modulations fed by the timestep embedding), plus
+the adapters' own products: about one forward, so each backward JAGG saves is worth less.
 """
 
 from __future__ import annotations
@@ -16,9 +22,12 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
+from types import MappingProxyType
 from typing import Any
 
 import torch
+
+from ..recipes import get_recipe
 
 FLUX_DEV_TRANSFORMER = {  # black-forest-labs/FLUX.1-dev, transformer/config.json
     "patch_size": 1,
@@ -63,6 +72,15 @@ FLUX_DEV_CLIP = {  # text_encoder/config.json (openai/clip-vit-large-patch14's t
     "projection_dim": 768,
 }
 VAE_FACTOR = 8  # pixels per latent side; the transformer packs 2 x 2 latents into a token
+TRAINING = ("full", "lora")
+"""The ways the backbone is trained that the FLOP model prices: every parameter, or a LoRA on the frozen base."""
+LORA_PRESET = "flow-grpo-flux"
+"""The preset whose LoRA the ``"lora"`` costs price: FLUX.1-dev's LoRA preset (r 64 on attention and feed-forward)."""
+
+
+def flux_dev_lora() -> dict[str, Any]:
+    """The keyword arguments of :data:`LORA_PRESET`'s ``peft.LoraConfig``, as JSON-friendly values."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in get_recipe(LORA_PRESET).lora.items()}
 
 
 def counted_flops(fn: Callable[[], Any]) -> int:
@@ -75,15 +93,29 @@ def counted_flops(fn: Callable[[], Any]) -> int:
 
 
 def transformer_flops(
-    config: Mapping[str, Any], *, image_tokens: int, text_tokens: int, rows: int = 1
+    config: Mapping[str, Any],
+    *,
+    image_tokens: int,
+    text_tokens: int,
+    rows: int = 1,
+    lora: Mapping[str, Any] | None = None,
 ) -> tuple[int, int]:
     """Forward and backward FLOPs of a ``FluxTransformer2DModel`` of ``config`` on ``rows`` samples of
-    ``image_tokens`` + ``text_tokens`` tokens, every parameter trained (full fine-tuning: the backward computes the
-    weights' and the activations' gradients). Built and run on the meta device."""
+    ``image_tokens`` + ``text_tokens`` tokens. Built and run on the meta device.
+
+    ``lora=None`` trains every parameter (full fine-tuning: the backward computes the weights' and the activations'
+    gradients); ``lora`` (``peft.LoraConfig`` keyword arguments) freezes the base and adds that adapter as the
+    trainer does (``add_adapter``): the adapters' products join the forward, and the backward computes only what
+    autograd needs for the adapters' gradients."""
     from diffusers import FluxTransformer2DModel
 
     with torch.device("meta"):
         model = FluxTransformer2DModel(**config)
+        if lora is not None:
+            from peft import LoraConfig
+
+            model.requires_grad_(False)
+            model.add_adapter(LoraConfig(**lora))
         inputs = {
             "hidden_states": torch.empty(rows, image_tokens, config["in_channels"]),
             "encoder_hidden_states": torch.empty(rows, text_tokens, config["joint_attention_dim"]),
@@ -139,17 +171,21 @@ class StepCosts:
 
 
 @functools.cache
-def flux_dev_costs(resolution: int = 1024, text_tokens: int = 512) -> StepCosts:
+def flux_dev_costs(resolution: int = 1024, text_tokens: int = 512) -> Mapping[str, StepCosts]:
     """The unit costs of FLUX.1-dev at ``resolution`` pixels (``(resolution / 16)^2`` image tokens: 4096 at
-    1024 px) and ``text_tokens`` T5 tokens (512 for dev). Counted once per process (about a minute of Python)."""
+    1024 px) and ``text_tokens`` T5 tokens (512 for dev), per way of training it (:data:`TRAINING`: ``"lora"`` is
+    :func:`flux_dev_lora`). Counted once per process (a minute or two of Python)."""
     image_tokens = (resolution // (2 * VAE_FACTOR)) ** 2
-    forward, backward = transformer_flops(FLUX_DEV_TRANSFORMER, image_tokens=image_tokens, text_tokens=text_tokens)
-    return StepCosts(
-        forward_row=forward,
-        backward_row=backward,
-        vae_decode=vae_decode_flops(FLUX_DEV_VAE, resolution),
-        text_encode=text_encoder_flops(FLUX_DEV_T5, FLUX_DEV_CLIP, text_tokens),
-    )
+    vae_decode = vae_decode_flops(FLUX_DEV_VAE, resolution)
+    text_encode = text_encoder_flops(FLUX_DEV_T5, FLUX_DEV_CLIP, text_tokens)
+    costs = {}
+    for training in TRAINING:
+        forward, backward = transformer_flops(
+            FLUX_DEV_TRANSFORMER, image_tokens=image_tokens, text_tokens=text_tokens,
+            lora=flux_dev_lora() if training == "lora" else None,
+        )  # fmt: skip
+        costs[training] = StepCosts(forward, backward, vae_decode, text_encode)
+    return MappingProxyType(costs)  # read-only: the cache hands the same one to every caller
 
 
 def step_flops(costs: StepCosts, counts: Mapping[str, int]) -> float:

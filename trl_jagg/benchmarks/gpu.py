@@ -18,8 +18,9 @@ exact, JAGG, JAGG + cache; Mix shape: exact update, JAGG + cache, + shared prefi
 variant definitions, interleaving and hook counts, on the FLUX.1-dev-size transformer with full fine-tuning (as
 DanceGRPO and MixGRPO train it; every trainer shares the one pipeline, and no optimizer step is taken), G = 12 in
 micro-batches of ``--batch`` that the rollout also samples at. It reports synchronised wall time, the peak CUDA
-memory of each variant's step, and beside each measured ratio the FLOP model's prediction for the counted work
-(:mod:`trl_jagg.benchmarks.flops`), and writes ``gpu_whole_step_benchmark.json``.
+memory of each variant's step, and beside each measured ratio the FLOP model's predictions for the counted work
+(:mod:`trl_jagg.benchmarks.flops`: full fine-tuning, as timed here, and Flow-GRPO's LoRA on the frozen base), and
+writes ``gpu_whole_step_benchmark.json``.
 
     python -m trl_jagg.benchmarks.gpu --output_dir runs/gpu_bench            # one GPU, about 5 minutes
     python -m trl_jagg.benchmarks.gpu --output_dir runs/gpu_bench --tiny     # the same code on a CPU, seconds
@@ -40,8 +41,15 @@ from typing import Any
 
 import torch
 
-from .flops import FLUX_DEV_TRANSFORMER, StepCosts, flux_dev_costs, transformer_flops
-from .whole_step import WHOLE_STEP_VARIANTS, build_trainers, print_table, summarize, time_whole_steps
+from .flops import FLUX_DEV_TRANSFORMER, TRAINING, StepCosts, flux_dev_costs, flux_dev_lora, transformer_flops
+from .whole_step import (
+    WHOLE_STEP_VARIANTS,
+    build_trainers,
+    flop_model,
+    print_table,
+    summarize,
+    time_whole_steps,
+)
 
 TINY_TRANSFORMER = FLUX_DEV_TRANSFORMER | {
     "num_layers": 1,
@@ -209,12 +217,20 @@ def run_whole_step(
     )  # fmt: skip
     measured = time_whole_steps(trainers, repeats=repeats)
     if tiny:
-        forward, backward = transformer_flops(
-            config, image_tokens=(resolution // 16) ** 2, text_tokens=max_sequence_length
-        )
-        costs = StepCosts(forward_row=forward, backward_row=backward, vae_decode=0.0, text_encode=0.0)
+        lora = flux_dev_lora() | {"r": 4, "lora_alpha": 8}  # the preset's targets, at a rank below the tiny width
+        costs = {
+            training: StepCosts(
+                *transformer_flops(config, image_tokens=(resolution // 16) ** 2, text_tokens=max_sequence_length,
+                                   lora=lora if training == "lora" else None),
+                vae_decode=0.0, text_encode=0.0,
+            )
+            for training in TRAINING
+        }  # fmt: skip
+        model = flop_model(costs, model="tiny transformer", resolution=resolution, text_tokens=max_sequence_length,
+                           lora=lora)  # fmt: skip
     else:
         costs = flux_dev_costs(resolution, max_sequence_length)
+        model = flop_model(costs, resolution=resolution, text_tokens=max_sequence_length)
     report = {
         "config": {
             "transformer": {k: list(v) if isinstance(v, tuple) else v for k, v in config.items()},
@@ -222,7 +238,7 @@ def run_whole_step(
             "resolution": resolution, "text_tokens": max_sequence_length, "micro_batch": batch,
             "gradient_checkpointing": gradient_checkpointing, "repeats": repeats, "torch": torch.__version__,
             "timer": "wall time (perf_counter), synchronised" if cuda else "process CPU time (process_time)",
-            "variants": {name: WHOLE_STEP_VARIANTS[name] for name in variants}, "flops": costs.as_dict(),
+            "variants": {name: WHOLE_STEP_VARIANTS[name] for name in variants}, "flop_model": model,
         },
         "results": summarize(measured, costs),
         "total_s": time.perf_counter() - start,

@@ -12,11 +12,14 @@ process CPU time on a CPU and synchronised wall time on a GPU (:func:`~trl_jagg.
   with an exact update), ``mix_jagg_cache``, ``+_prefix`` (same-noise groups share the ODE before the window),
   ``+_dpm`` (DPM-Solver++ of order 2 on 40% of the ODE steps). The window slides between repeats.
 
-Beside each measured ratio stands the ratio predicted at FLUX.1-dev size (1024 px: 4096 image tokens, 512 text
-tokens, full fine-tuning): the work of the timed steps is counted by hooks (backbone rows forward with and without a
-graph and backward, VAE decodes, prompt encodings) and priced by the FLOP model of the real modules on the meta
-device (:mod:`~trl_jagg.benchmarks.flops`). On the tiny model the VAE decode, rewards and Python overhead are a
-larger share of a step than at real size, so the measured ratios fall short of the predicted ones.
+Beside each measured ratio stand the ratios predicted at FLUX.1-dev size (1024 px: 4096 image tokens, 512 text
+tokens), for full fine-tuning (as the tiny model is trained here, and as DanceGRPO's and MixGRPO's presets train) and
+for a LoRA on the frozen base (Flow-GRPO's presets): the work of the timed steps is counted by hooks (backbone rows
+forward with and without a graph and backward, VAE decodes, prompt encodings) and priced by the FLOP model of the
+real modules on the meta device (:mod:`~trl_jagg.benchmarks.flops`). On the tiny model the VAE decode, rewards and
+Python overhead are a larger share of a step than at real size, so the measured ratios fall short of the predicted
+ones. A LoRA backward costs about one forward instead of two, so the backwards JAGG saves are worth less there.
+``reprice`` recomputes a saved report's predictions from its counted work (nothing is timed).
 
 The pieces (:func:`build_trainers`, :func:`time_whole_steps`, :func:`summarize`) also serve
 :mod:`trl_jagg.benchmarks.gpu` at FLUX.1-dev size.
@@ -27,13 +30,13 @@ from __future__ import annotations
 import gc
 import json
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .flops import StepCosts, flux_dev_costs, step_flops
+from .flops import LORA_PRESET, StepCosts, flux_dev_costs, flux_dev_lora, step_flops
 from .trainer import PROMPTS, _endless, _spread, _sync, benchmark_clock, measure_peak_memory_mb
 
 JSON_NAME = "whole_step_benchmark.json"
@@ -197,10 +200,12 @@ def time_whole_steps(trainers: dict[str, Any], *, repeats: int) -> dict[str, dic
     return measured
 
 
-def summarize(measured: dict[str, dict[str, Any]], costs: StepCosts) -> list[dict[str, Any]]:
+def summarize(measured: dict[str, dict[str, Any]], costs: Mapping[str, StepCosts]) -> list[dict[str, Any]]:
     """Per variant: the step time, the per-repeat ratios against its baselines (median, min, max), the counted work,
-    and the ratio the FLOP model predicts for that work at ``costs``."""
-    flops = {name: step_flops(costs, m["work"]) for name, m in measured.items()}
+    and the FLOPs and ratios the FLOP model predicts for that work at each of ``costs`` (by way of training)."""
+    flops = {
+        name: {training: step_flops(c, m["work"]) for training, c in costs.items()} for name, m in measured.items()
+    }
     results = []
     for name, m in measured.items():
         entry: dict[str, Any] = {
@@ -211,18 +216,57 @@ def summarize(measured: dict[str, dict[str, Any]], costs: StepCosts) -> list[dic
             if baseline in measured and baseline != name:
                 times = zip(measured[baseline]["times"], m["times"])
                 entry[f"speedup_vs_{baseline}"] = _spread([b / t for b, t in times])
-                entry[f"predicted_speedup_vs_{baseline}"] = flops[baseline] / flops[name]
+                entry[f"predicted_speedup_vs_{baseline}"] = {
+                    training: flops[baseline][training] / flops[name][training] for training in costs
+                }
         results.append(entry)
     return results
 
 
+def flop_model(
+    costs: Mapping[str, StepCosts],
+    *,
+    model: str = "FLUX.1-dev",
+    resolution: int = PREDICTED_AT[0],
+    text_tokens: int = PREDICTED_AT[1],
+    lora: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The report's record of the FLOP model: what it prices (``model`` at ``resolution`` pixels and
+    ``text_tokens`` text tokens; the LoRA ``lora``, by default :data:`~trl_jagg.benchmarks.flops.LORA_PRESET`'s)
+    and its unit costs per way of training."""
+    return {
+        "model": model, "resolution": resolution, "text_tokens": text_tokens,
+        "training": {"full": "every parameter (dancegrpo-flux, mixgrpo-flux)",
+                     "lora": dict(lora) if lora is not None else {"preset": LORA_PRESET, **flux_dev_lora()}},
+        "flops": {training: c.as_dict() for training, c in costs.items()},
+    }  # fmt: skip
+
+
+def reprice(report: dict[str, Any]) -> dict[str, Any]:
+    """``report`` (a whole-step report, as written) with its predictions recomputed from its counted work by
+    today's FLOP model at :data:`PREDICTED_AT`; the measured times and ratios are unchanged."""
+    costs = flux_dev_costs(*PREDICTED_AT)
+    measured = {
+        entry["variant"]: {
+            "times": entry["step_s"]["per_repeat"],
+            "work": entry["counted"],
+            "peak_memory_mb": entry["peak_memory_mb"],
+        }
+        for entry in report["results"]
+    }
+    config = report["config"] | {"flop_model": flop_model(costs)}
+    return report | {"config": config, "results": summarize(measured, costs)}
+
+
 def print_table(results: list[dict[str, Any]], predicted_for: str = "FLUX.1-dev") -> None:
     """One line per variant: median step time, measured ratios [min, max] and the ones predicted for
-    ``predicted_for``."""
+    ``predicted_for`` (per way of training)."""
     for entry in results:
         ratios = "  ".join(
             f"{key.removeprefix('speedup_vs_')}: {entry[key]['median']:.2f}x "
-            f"[{entry[key]['min']:.2f}, {entry[key]['max']:.2f}] ({predicted_for} {entry['predicted_' + key]:.2f}x)"
+            f"[{entry[key]['min']:.2f}, {entry[key]['max']:.2f}] ({predicted_for} "
+            + ", ".join(f"{training} {ratio:.2f}x" for training, ratio in entry["predicted_" + key].items())
+            + ")"
             for key in entry
             if key.startswith("speedup_vs_")
         )
@@ -240,6 +284,7 @@ def run_whole_step_benchmark(
     repeats: int = 5,
     seed: int = 0,
     num_threads: int = 1,
+    reprice_report: str | None = None,
 ) -> dict[str, Any]:
     """Time whole steps of every variant (see the module docstring); returns and writes the report as JSON.
 
@@ -252,13 +297,31 @@ def run_whole_step_benchmark(
         repeats: timed repeats after one warm-up.
         seed: seed of the weights and rollouts.
         num_threads: torch CPU threads while timing; restored afterwards.
+        reprice_report: a report written before (a path): instead of timing, its predictions are recomputed from
+            its counted work by today's FLOP model (:func:`reprice`) and the report written to ``output_dir``.
     """
+    out = Path(output_dir)
+    if reprice_report is not None:
+        report = reprice(json.loads(Path(reprice_report).read_text()))
+    else:
+        report = _timed_report(variants, resolution, max_sequence_length, num_layers, num_single_layers, repeats,
+                               seed, num_threads)  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    (out / JSON_NAME).write_text(json.dumps(report, indent=2))
+    print_table(report["results"])
+    print(f"wrote {out / JSON_NAME}")
+    return report
+
+
+def _timed_report(
+    variants: tuple[str, ...], resolution: int, max_sequence_length: int, num_layers: int, num_single_layers: int,
+    repeats: int, seed: int, num_threads: int,
+) -> dict[str, Any]:  # fmt: skip
+    """The whole-step report of :func:`run_whole_step_benchmark`'s timing (its arguments)."""
     from ..testing.tiny_models import save_tiny_pipeline
 
     if repeats < 1:
         raise ValueError(f"`repeats` must be >= 1, got {repeats}.")
-    out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(num_threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -278,19 +341,13 @@ def run_whole_step_benchmark(
     finally:
         torch.set_num_threads(previous_threads)
     costs = flux_dev_costs(*PREDICTED_AT)
-    report = {
+    return {
         "config": {
             "resolution": resolution, "text_tokens": max_sequence_length, "num_layers": num_layers,
             "num_single_layers": num_single_layers, "repeats": repeats, "torch_threads": num_threads,
             "device": device.type, "torch": torch.__version__,
             "timer": "wall time (perf_counter)" if device.type != "cpu" else "process CPU time (process_time)",
-            "variants": {name: WHOLE_STEP_VARIANTS[name] for name in variants},
-            "flop_model": {"model": "FLUX.1-dev, full fine-tuning", "resolution": PREDICTED_AT[0],
-                           "text_tokens": PREDICTED_AT[1], "flops": costs.as_dict()},
+            "variants": {name: WHOLE_STEP_VARIANTS[name] for name in variants}, "flop_model": flop_model(costs),
         },
         "results": summarize(measured, costs),
     }  # fmt: skip
-    (out / JSON_NAME).write_text(json.dumps(report, indent=2))
-    print_table(report["results"])
-    print(f"wrote {out / JSON_NAME}")
-    return report

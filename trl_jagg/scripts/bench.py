@@ -39,7 +39,7 @@ WHOLE_STEP_DESCRIPTION = (
     "Time whole steps of DDPOJaggTrainer (rollout, decode, rewards, update) at the DanceGRPO shape (exact, JAGG, "
     "JAGG + cache) and the mixed ODE-SDE shape (exact update, JAGG + cache, + shared prefix, + DPM-Solver++ on 40% "
     "of the ODE steps), interleaved per repeat, with the work counted by hooks and each ratio predicted at "
-    "FLUX.1-dev size by a FLOP model of the real modules; write whole_step_benchmark.json."
+    "FLUX.1-dev size by a FLOP model of the real modules (full fine-tuning and LoRA); write whole_step_benchmark.json."
 )
 
 
@@ -132,6 +132,13 @@ class WholeStepBenchmarkArguments:
     repeats: int = field(default=5, metadata={"help": "Timed repeats after a warm-up, each a step of every variant."})
     seed: int = field(default=0, metadata={"help": "Seed of the model weights and the rollouts."})
     num_threads: int = field(default=1, metadata={"help": "torch CPU threads while timing (restored afterwards)."})
+    reprice_report: str | None = field(
+        default=None,
+        metadata={
+            "help": "A whole_step_benchmark.json written before: time nothing, recompute its FLUX.1-dev predictions "
+            "(full fine-tuning and LoRA) from its counted work and write it to --output_dir."
+        },
+    )
 
 
 QUALITY_DESCRIPTION = (
