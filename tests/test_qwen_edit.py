@@ -202,7 +202,9 @@ def test_source_images_are_checked_at_init(request, tiny_qwenimage_edit_path, ti
     config = dict(output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2, report_to="none")
 
     def trainer(path, column, **overrides):
-        dataset = Dataset.from_dict({"prompt": ["make it red", "make it blue"], "source_image": column})
+        dataset = Dataset.from_dict(
+            {"prompt": ["make it red", "make it blue", "a cat"][: len(column)], "source_image": column}
+        )
         return DDPOJaggTrainer(model=path, reward_funcs=redness, args=GRPOJaggConfig(**config | overrides),
                                train_dataset=dataset)  # fmt: skip
 
@@ -213,8 +215,11 @@ def test_source_images_are_checked_at_init(request, tiny_qwenimage_edit_path, ti
     path = str(tmp_path / "square.png")
     with pytest.raises(ValueError, match=r"row 1 'source_image'\[1\] cannot be read"):
         trainer(tiny_qwenimage_edit_plus_path, [[path, path], [path, "missing.png"]])
-    with pytest.raises(ValueError, match="row 1 'source_image' resizes to"):
-        trainer(tiny_qwenimage_edit_path, [square, wide], source_image_area=AREA)
+    # A rollout's 2 prompts come from one bucket of equal grids: a bucket of one row could never be drawn.
+    with pytest.raises(ValueError, match=r"row 2 \(1 of 3\) resize 'source_image' to \(\(64, 32\),\).*its 2 prompts"):
+        trainer(
+            tiny_qwenimage_edit_path, [square, square, wide], source_image_area=AREA, per_device_train_batch_size=4
+        )
     with pytest.raises(ValueError, match="precompute_prompt_embeds cannot be used"):
         trainer(tiny_qwenimage_edit_path, [square, square], precompute_prompt_embeds=True)
     with pytest.raises(ValueError, match="FluxKontextAdapter does not resize source images by area"):
