@@ -23,7 +23,9 @@ from testing_utils import (
 
 from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
 from trl_jagg.models import QwenImageEditAdapter, QwenImageEditPlusAdapter, load_adapter
+from trl_jagg.prompts import check_source_images
 from trl_jagg.rollout import generate_images, sample_trajectories
+from trl_jagg.trainer.data import EpochSeededRepeatSampler
 
 AREA = 64 * 32  # the source images' pixel area: 32 x 32 for a square image, 64 x 32 for a 2:1 one (not 1024^2)
 CFG = {"guidance_scale": 1.0, "true_cfg_scale": 4.0}
@@ -54,9 +56,10 @@ def pipeline_latents(pipe, prompts, images, negative, **kwargs) -> torch.Tensor:
     return captured["latents"]
 
 
-def adapter_latents(adapter, prompts, sources, negative, *, sampler="sde", **guidance) -> torch.Tensor:
+def adapter_latents(adapter, prompts, sources, negative, *, sampler="sde", noise=None, **guidance) -> torch.Tensor:
     cond = adapter.condition(prompts, height=32, width=32, negative_prompt=negative, source_images=sources)
-    noise = adapter.prepare_latents(len(prompts), 32, 32, torch.Generator().manual_seed(0))
+    if noise is None:
+        noise = adapter.prepare_latents(len(prompts), 32, 32, torch.Generator().manual_seed(0))
     sigmas, timesteps = adapter.schedule(4, 32, 32)
     trajectory = sample_trajectories(adapter, cond, noise, sigmas, timesteps, sampler=sampler, noise_level=0.0,
                                      **guidance)  # fmt: skip
@@ -103,6 +106,37 @@ def test_edit_plus_rollout_at_noise_level_0_is_the_pipeline_loop(tiny_qwenimage_
     assert not torch.allclose(one, ours, atol=1e-3)  # the second image is read
 
 
+def mixed_plus_dataset() -> Dataset:
+    """Edit-Plus rows of one and of two source images (a square and a 2:1 one), interleaved, prompts of different
+    lengths."""
+    wide = [noise_image(seed, 48).crop((0, 0, 48, 24)) for seed in (7, 8)]
+    column = [[noise_image(0, 32)], [noise_image(1, 32), wide[0]], [noise_image(2, 32)], [noise_image(3, 32), wide[1]]]
+    prompts = ["make it red", "put the second picture left of the first", "a cat on it, in the rain", "swap them"]
+    return Dataset.from_dict({"prompt": prompts, "source_image": column})
+
+
+def test_edit_plus_rows_of_each_bucket_roll_out_as_the_pipeline_edits_each(tiny_qwenimage_edit_plus_path, small_area):
+    """The trainer's sampler on a dataset mixing rows of one and two source images: each rollout of two prompts
+    holds rows of one count, and each row of the batch is the pipeline's own loop on that row alone (its
+    `__call__` takes one prompt), from the same initial noise."""
+    pipe = DiffusionPipeline.from_pretrained(tiny_qwenimage_edit_plus_path)
+    adapter = load_adapter(pipe)
+    adapter.source_image_area = AREA
+    dataset = mixed_plus_dataset()
+    buckets = check_source_images(dataset, "train_dataset", adapter.max_source_images, adapter.reference_sizes)
+    order = list(EpochSeededRepeatSampler(dataset, 1, batch_size=2, shuffle=False, buckets=buckets))
+    assert order == [0, 2, 1, 3]  # each bucket's rows together, emitted once two of them are drawn
+    for rows in (order[:2], order[2:]):
+        prompts, sources = dataset[rows]["prompt"], dataset[rows]["source_image"]
+        assert len({len(images) for images in sources}) == 1
+        noise = adapter.prepare_latents(2, 32, 32, torch.Generator().manual_seed(0))
+        ours = adapter_latents(adapter, prompts, sources, "dark", noise=noise, **CFG)
+        for i in range(2):
+            expected = pipeline_latents(pipe, [prompts[i]], sources[i], ["dark"], latents=noise[i : i + 1],
+                                        true_cfg_scale=CFG["true_cfg_scale"])  # fmt: skip
+            torch.testing.assert_close(ours[i : i + 1], expected, atol=1e-5, rtol=0)
+
+
 # ---------------------------------------------------------------- training
 
 PLUS = "plus"  # the family parameter of the training tests: Edit (one source image per row) or Edit-Plus (two)
@@ -124,7 +158,7 @@ def edit_dataset(variant: str, rows: int = 2) -> Dataset:
     return Dataset.from_dict({"prompt": ["make it red"] * rows, "source_image": column})
 
 
-def make_trainer(path: str, variant: str, tmp_path, reward=redness, **overrides) -> DDPOJaggTrainer:
+def make_trainer(path: str, variant: str, tmp_path, reward=redness, dataset=None, **overrides) -> DDPOJaggTrainer:
     torch.manual_seed(0)
     config = dict(
         output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=2, num_inference_steps=4,
@@ -134,7 +168,7 @@ def make_trainer(path: str, variant: str, tmp_path, reward=redness, **overrides)
     )  # fmt: skip
     return DDPOJaggTrainer(
         model=path, reward_funcs=reward, args=GRPOJaggConfig(**config | overrides),
-        train_dataset=edit_dataset(variant),
+        train_dataset=dataset if dataset is not None else edit_dataset(variant),
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_k", "to_v"], init_lora_weights="gaussian"),
     )  # fmt: skip
 
@@ -161,6 +195,24 @@ def test_two_training_steps_and_rewards_receive_the_source_images(request, varia
             images = sample if variant == PLUS else [sample]
             assert len(images) == (2 if variant == PLUS else 1)
             assert all(image.mode == "RGB" and image.size == (32, 32) for image in images)
+
+
+def test_edit_plus_trains_on_rows_of_different_image_counts(tiny_qwenimage_edit_plus_path, tmp_path):
+    """Two LoRA + JAGG steps on rows of one and two source images, interleaved: each rollout (2 prompts x G = 2)
+    draws rows of one count, the first rollout's bucket and then the other's (unshuffled: each bucket's rows in
+    dataset order)."""
+    counts = []
+
+    def change(prompts, images, source_images, **kwargs):
+        counts.append([len(sample) for sample in source_images])
+        return redness(prompts, images)
+
+    trainer = make_trainer(
+        tiny_qwenimage_edit_plus_path, PLUS, tmp_path, reward=change, dataset=mixed_plus_dataset(),
+        shuffle_dataset=False,
+    )  # fmt: skip
+    assert_two_lora_jagg_steps(trainer)
+    assert counts == [[1] * 4, [2] * 4]
 
 
 def test_w2_jagg_gradient_equals_exact(request, variant, tmp_path):
