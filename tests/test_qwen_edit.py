@@ -215,6 +215,40 @@ def test_edit_plus_trains_on_rows_of_different_image_counts(tiny_qwenimage_edit_
     assert counts == [[1] * 4, [2] * 4]
 
 
+def test_edit_plus_evaluates_rows_of_different_image_counts(tiny_qwenimage_edit_plus_path, tmp_path, small_area):
+    """evaluate() renders the rows of one image count together (rows 0 and 2, then 1 and 3: batches of 2, a seed
+    from each batch's first row) and scores them in row order; each image is the pipeline's own edit of its row
+    (untrained full fine-tuning: the pipeline's weights) from that batch's noise."""
+    received = []
+
+    def change(prompts, images, source_images, **kwargs):
+        received.append(([len(sample) for sample in source_images], list(images)))
+        return redness(prompts, images)
+
+    dataset = mixed_plus_dataset()
+    config = GRPOJaggConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, num_inference_steps=4, height=32,
+        width=32, per_device_eval_batch_size=2, eval_seed=5, negative_prompt="dark", source_image_area=AREA, use_jagg=False,
+        report_to="none", disable_tqdm=True, **CFG,
+    )  # fmt: skip
+    trainer = DDPOJaggTrainer(tiny_qwenimage_edit_plus_path, change, config, train_dataset=dataset)
+    trainer.evaluate(dataset)
+    [(counts, images)] = received
+    assert counts == [1, 2, 1, 2]
+    pipe = DiffusionPipeline.from_pretrained(tiny_qwenimage_edit_plus_path)
+    expected = [None] * 4
+    for rows in ([0, 2], [1, 3]):
+        noise = trainer.adapter.prepare_latents(2, 32, 32, torch.Generator().manual_seed(5 + rows[0]))
+        for i, row in enumerate(rows):
+            expected[row] = pipe(
+                image=dataset[row]["source_image"], prompt=[dataset[row]["prompt"]], negative_prompt=["dark"],
+                height=32, width=32, num_inference_steps=4, true_cfg_scale=CFG["true_cfg_scale"],
+                latents=noise[i : i + 1],
+            ).images[0]  # fmt: skip
+    for ours, theirs in zip(images, expected, strict=True):
+        assert np.abs(np.asarray(ours, np.int16) - np.asarray(theirs, np.int16)).max() <= 1  # uint8 rounding only
+
+
 def test_w2_jagg_gradient_equals_exact(request, variant, tmp_path):
     assert_w2_jagg_equals_exact(make_trainer(edit_path(request, variant), variant, tmp_path, num_inference_steps=5))
 

@@ -150,18 +150,16 @@ def check_source_images(
     return layouts if layout is not None else None
 
 
-def prompt_dataset(
-    dataset: Any, prompts_per_rollout: int, name: str = "train_dataset", *, source_images: bool = False
-) -> Any:
+def prompt_dataset(dataset: Any, prompts_per_rollout: int, name: str = "train_dataset") -> Any:
     """``dataset`` as a :class:`datasets.Dataset` whose every ``prompt`` is usable, holding at least one rollout's
     ``prompts_per_rollout`` prompts. A Python list of prompts or of records is converted. ``name`` is the argument
-    the errors name (``eval_dataset`` for the held-out prompts). ``source_images``: the model edits images, so every
-    row also needs a readable RGB ``source_image`` (see :func:`source_image`).
+    the errors name (``eval_dataset`` for the held-out prompts). An editing model's source images are checked by
+    :func:`check_source_images`.
 
     Raises:
         TypeError: a streaming ``IterableDataset``, a ``DatasetDict`` or another type.
-        ValueError: no ``prompt`` column (or no ``source_image`` column for an editing model), a column named like
-            a reward keyword (``images``, ...), a bad row (its index is named) or too few prompts.
+        ValueError: no ``prompt`` column, a column named like a reward keyword (``images``, ...), a bad row (its
+            index is named) or too few prompts.
     """
     from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
 
@@ -201,8 +199,6 @@ def prompt_dataset(
         )
     for i, value in enumerate(dataset["prompt"]):
         prompt_text(value, f"{name} row {i} 'prompt'")
-    if source_images:
-        check_source_images(dataset, name)
     if len(dataset) < prompts_per_rollout:
         raise ValueError(
             f"{name} has {len(dataset)} prompt{'s' if len(dataset) != 1 else ''}; one rollout needs "
