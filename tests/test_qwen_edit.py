@@ -174,14 +174,18 @@ def make_trainer(path: str, variant: str, tmp_path, reward=redness, dataset=None
 
 
 def test_two_training_steps_and_rewards_receive_the_source_images(request, variant, tmp_path):
-    """Two LoRA + JAGG steps (W = 3) with true CFG; every reward call receives each sample's source image(s)."""
+    """Two LoRA + JAGG steps (W = 3) with true CFG; every reward call receives each sample's source image(s).
+    Edit-Plus trains on rows of one and of two images, interleaved: each rollout (2 prompts x G = 2) draws rows of
+    one count, one bucket and then the other (unshuffled: each bucket's rows in dataset order, emitted once full)."""
     received = []
 
     def change(prompts, images, source_images, **kwargs):
         received.append(source_images)
         return redness(prompts, images)
 
-    trainer = make_trainer(edit_path(request, variant), variant, tmp_path, reward=change, offload_frozen_modules=True)
+    dataset = mixed_plus_dataset() if variant == PLUS else edit_dataset(variant)
+    trainer = make_trainer(edit_path(request, variant), variant, tmp_path, reward=change, dataset=dataset,
+                           shuffle_dataset=False, offload_frozen_modules=True)  # fmt: skip
     assert trainer.adapter.source_image_area == AREA
     # Offloaded frozen modules visit the accelerator while they run: conditioning runs the VAE too (source images).
     visits, on_accelerator = [], trainer.frozen.on_accelerator
@@ -189,30 +193,17 @@ def test_two_training_steps_and_rewards_receive_the_source_images(request, varia
     assert_two_lora_jagg_steps(trainer)
     vae, text_encoder = trainer.adapter.pipeline.vae, trainer.adapter.pipeline.text_encoder
     assert any(any(m is vae for m in v) and any(m is text_encoder for m in v) for v in visits)
-    assert len(received) == 2 and all(len(sources) == 4 for sources in received)
-    for sources in received:
-        for sample in sources:
-            images = sample if variant == PLUS else [sample]
-            assert len(images) == (2 if variant == PLUS else 1)
-            assert all(image.mode == "RGB" and image.size == (32, 32) for image in images)
+    steps = [[0, 0, 2, 2], [1, 1, 3, 3]] if variant == PLUS else [[0, 0, 1, 1]] * 2  # rows, each G = 2 times
 
+    def pixels(sample) -> list[bytes]:
+        assert all(image.mode == "RGB" for image in (sample if variant == PLUS else [sample]))
+        return [image.tobytes() for image in (sample if variant == PLUS else [sample])]
 
-def test_edit_plus_trains_on_rows_of_different_image_counts(tiny_qwenimage_edit_plus_path, tmp_path):
-    """Two LoRA + JAGG steps on rows of one and two source images, interleaved: each rollout (2 prompts x G = 2)
-    draws rows of one count, the first rollout's bucket and then the other's (unshuffled: each bucket's rows in
-    dataset order)."""
-    counts = []
-
-    def change(prompts, images, source_images, **kwargs):
-        counts.append([len(sample) for sample in source_images])
-        return redness(prompts, images)
-
-    trainer = make_trainer(
-        tiny_qwenimage_edit_plus_path, PLUS, tmp_path, reward=change, dataset=mixed_plus_dataset(),
-        shuffle_dataset=False,
-    )  # fmt: skip
-    assert_two_lora_jagg_steps(trainer)
-    assert counts == [[1] * 4, [2] * 4]
+    assert [[pixels(sample) for sample in sources] for sources in received] == [
+        [pixels(dataset[row]["source_image"]) for row in rows] for rows in steps
+    ]
+    if variant == PLUS:
+        assert [{len(sample) for sample in sources} for sources in received] == [{1}, {2}]
 
 
 def test_edit_plus_evaluates_rows_of_different_image_counts(tiny_qwenimage_edit_plus_path, tmp_path, small_area):
