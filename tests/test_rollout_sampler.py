@@ -76,7 +76,8 @@ def test_processes_share_each_rollout_of_one_bucket(world):
     steps = list(zip(*shards, strict=True))
     assert len(steps) == len(sampler()) // (PROMPTS * G)
     for step, parts in zip(rollouts(list(sampler())), steps[::REPEATS]):
-        assert [row for part in parts for row in part] == step  # the global order, split between the processes
+        rows = [row for part in parts for row in part]
+        assert rows == step and len({BUCKETS[row] for row in rows}) == 1  # the global order, split between them
 
 
 def test_the_order_is_fixed_by_the_seed_and_replayed_on_resume():
