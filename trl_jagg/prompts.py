@@ -146,7 +146,8 @@ def check_source_images(
     layouts = []
     for i, value in enumerate(dataset[SOURCE_IMAGE_COLUMN]):  # one row's images at a time: only layouts are kept
         images = source_images_of(value, f"{name} row {i} '{SOURCE_IMAGE_COLUMN}'", limit)
-        layouts.append(layout(images) if layout is not None else None)
+        if layout is not None:
+            layouts.append(layout(images))
     return layouts if layout is not None else None
 
 
