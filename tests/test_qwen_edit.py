@@ -196,8 +196,9 @@ def test_two_training_steps_and_rewards_receive_the_source_images(request, varia
     steps = [[0, 0, 2, 2], [1, 1, 3, 3]] if variant == PLUS else [[0, 0, 1, 1]] * 2  # rows, each G = 2 times
 
     def pixels(sample) -> list[bytes]:
-        assert all(image.mode == "RGB" for image in (sample if variant == PLUS else [sample]))
-        return [image.tobytes() for image in (sample if variant == PLUS else [sample])]
+        images = sample if variant == PLUS else [sample]
+        assert all(image.mode == "RGB" for image in images)
+        return [image.tobytes() for image in images]
 
     assert [[pixels(sample) for sample in sources] for sources in received] == [
         [pixels(dataset[row]["source_image"]) for row in rows] for rows in steps
@@ -219,8 +220,8 @@ def test_edit_plus_evaluates_rows_of_different_image_counts(tiny_qwenimage_edit_
     dataset = mixed_plus_dataset()
     config = GRPOJaggConfig(
         output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, num_inference_steps=4, height=32,
-        width=32, per_device_eval_batch_size=2, eval_seed=5, negative_prompt="dark", source_image_area=AREA, use_jagg=False,
-        report_to="none", disable_tqdm=True, **CFG,
+        width=32, per_device_eval_batch_size=2, eval_seed=5, negative_prompt="dark", source_image_area=AREA,
+        use_jagg=False, report_to="none", disable_tqdm=True, **CFG,
     )  # fmt: skip
     trainer = DDPOJaggTrainer(tiny_qwenimage_edit_plus_path, change, config, train_dataset=dataset)
     trainer.evaluate(dataset)
