@@ -13,7 +13,7 @@ from testing_utils import noise_image
 
 import trl_jagg.ddpo_jagg_trainer as trainer_module
 from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
-from trl_jagg.prompts import prompt_dataset, prompt_text, source_image
+from trl_jagg.prompts import check_source_images, prompt_dataset, prompt_text, source_image
 
 
 def test_strings_pass_unchanged():
@@ -188,7 +188,7 @@ def test_source_images_in_every_form_read_as_the_same_rgb_image(tmp_path):
     for cell in cells:
         got = source_image(cell, "row 0")
         assert got.mode == "RGB" and np.array_equal(np.asarray(got), np.asarray(image)), type(cell)
-    assert prompt_dataset(dataset, 2, source_images=True) is dataset
+    assert check_source_images(dataset, layout=lambda image: image.size) == [(8, 8), (8, 8)]  # each row's layout
 
 
 @pytest.mark.parametrize(
@@ -216,11 +216,11 @@ def test_dataset_validation_names_the_bad_row(tmp_path):
     noise_image(0, size=8).save(good)
     dataset = Dataset.from_dict({"prompt": ["a", "b", "c"], "source_image": [str(good), str(good), "missing.png"]})
     with pytest.raises(ValueError, match="train_dataset row 2 'source_image' cannot be read"):
-        prompt_dataset(dataset, 3, source_images=True)
+        check_source_images(dataset)
 
 
 def test_editing_dataset_needs_the_source_image_column():
     dataset = Dataset.from_dict({"prompt": ["a", "b"], "image": [None, None]})
     with pytest.raises(ValueError, match="no 'source_image' column.*rename_column\\('image', 'source_image'\\)"):
-        prompt_dataset(dataset, 2, source_images=True)
+        check_source_images(dataset)
     assert prompt_dataset(dataset, 2) is dataset  # text-to-image models ignore image columns

@@ -100,7 +100,7 @@ class DDPOJaggTrainer(_BaseTrainer):
         # The frozen encoders stay whole: they run outside the DeepSpeed engine.
         with distributed.zero3_init_disabled(args):
             self.adapter = load_adapter(model, dtype=getattr(torch, args.dtype), revision=args.model_revision)
-        checked_model_inputs(self.adapter, args, train_dataset, eval_dataset)
+        self.train_buckets = checked_model_inputs(self.adapter, args, train_dataset, eval_dataset)  # source grids
         self.scheduler_overridden = hub.scheduler_differs_from_base(
             self.adapter.pipeline.scheduler, self.base_model_id, args.model_revision
         )
@@ -195,6 +195,7 @@ class DDPOJaggTrainer(_BaseTrainer):
             repeat_count=self.args.num_iterations * self.args.steps_per_generation,
             shuffle=self.args.shuffle_dataset,
             seed=self.args.seed,
+            buckets=self.train_buckets,  # a rollout's rows share their source images' grids (Qwen-Image-Edit)
         )
 
     # ------------------------------------------------------------------ the GRPO loop

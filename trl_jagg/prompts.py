@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import io
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 from PIL import Image
@@ -127,14 +127,15 @@ def check_source_images(
     dataset: Any,
     name: str = "train_dataset",
     limit: int | None = 1,
-    layout: Callable[[Any], Any] | None = None,
-) -> None:
+    layout: Callable[[Any], Hashable] | None = None,
+) -> list[Hashable] | None:
     """Every row of ``dataset`` has readable RGB source images (:func:`source_images_of` with ``limit``); errors
-    name the row. ``layout``: what every row's images must agree on (e.g. the reference grids an editing model
-    encodes them into, which one batch must share), computed from the row's images.
+    name the row. Returns each row's ``layout``, computed from its images (e.g. the reference grids an editing model
+    encodes them into, which the rows of one batch must share: the rollout batches rows of one layout), or ``None``
+    without ``layout``.
 
     Raises:
-        ValueError: no ``source_image`` column, a bad row, or a row whose ``layout`` differs from the first's.
+        ValueError: no ``source_image`` column, or a bad row.
     """
     if SOURCE_IMAGE_COLUMN not in dataset.column_names:
         raise ValueError(
@@ -142,34 +143,24 @@ def check_source_images(
             "model needs: the image each prompt edits (PIL images, paths or bytes). Rename the image column, e.g. "
             f"`dataset.rename_column('image', '{SOURCE_IMAGE_COLUMN}')`."
         )
-    first = None
-    for i, value in enumerate(dataset[SOURCE_IMAGE_COLUMN]):
-        where = f"{name} row {i} '{SOURCE_IMAGE_COLUMN}'"
-        images = source_images_of(value, where, limit)
-        if layout is None:
-            continue
-        if i == 0:
-            first = layout(images)
-        elif layout(images) != first:
-            raise ValueError(
-                f"{where} resizes to {layout(images)} (width, height per image), row 0 to {first}: the rows of one "
-                "batch must give the same reference grid. Give the source images one aspect ratio (and, for "
-                "several per row, the same count), e.g. resize them to the training resolution as Flow-GRPO does."
-            )
+    layouts = []
+    for i, value in enumerate(dataset[SOURCE_IMAGE_COLUMN]):  # one row's images at a time: only layouts are kept
+        images = source_images_of(value, f"{name} row {i} '{SOURCE_IMAGE_COLUMN}'", limit)
+        if layout is not None:
+            layouts.append(layout(images))
+    return layouts if layout is not None else None
 
 
-def prompt_dataset(
-    dataset: Any, prompts_per_rollout: int, name: str = "train_dataset", *, source_images: bool = False
-) -> Any:
+def prompt_dataset(dataset: Any, prompts_per_rollout: int, name: str = "train_dataset") -> Any:
     """``dataset`` as a :class:`datasets.Dataset` whose every ``prompt`` is usable, holding at least one rollout's
     ``prompts_per_rollout`` prompts. A Python list of prompts or of records is converted. ``name`` is the argument
-    the errors name (``eval_dataset`` for the held-out prompts). ``source_images``: the model edits images, so every
-    row also needs a readable RGB ``source_image`` (see :func:`source_image`).
+    the errors name (``eval_dataset`` for the held-out prompts). An editing model's source images are checked by
+    :func:`check_source_images`.
 
     Raises:
         TypeError: a streaming ``IterableDataset``, a ``DatasetDict`` or another type.
-        ValueError: no ``prompt`` column (or no ``source_image`` column for an editing model), a column named like
-            a reward keyword (``images``, ...), a bad row (its index is named) or too few prompts.
+        ValueError: no ``prompt`` column, a column named like a reward keyword (``images``, ...), a bad row (its
+            index is named) or too few prompts.
     """
     from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
 
@@ -209,8 +200,6 @@ def prompt_dataset(
         )
     for i, value in enumerate(dataset["prompt"]):
         prompt_text(value, f"{name} row {i} 'prompt'")
-    if source_images:
-        check_source_images(dataset, name)
     if len(dataset) < prompts_per_rollout:
         raise ValueError(
             f"{name} has {len(dataset)} prompt{'s' if len(dataset) != 1 else ''}; one rollout needs "

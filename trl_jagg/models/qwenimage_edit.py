@@ -29,7 +29,9 @@ class QwenImageEditAdapter(QwenImageAdapter):
     training often uses less, as Flow-Factory's ``condition_image_size``), then encoded by the VAE at its mode and
     2x2-packed into ``reference_latents``. The prompt and the negative prompt are encoded by Qwen2.5-VL with the
     resized image in the pipeline's template, sample by sample (the text depends on the image). Every sample of a
-    batch must give the same reference grid: the backbone takes one tensor of tokens.
+    batch must give the same reference grids (:meth:`reference_sizes`): the backbone takes one tensor of tokens and
+    one ``img_shapes`` for the batch, and cannot mask image tokens (its attention processor refuses an external
+    mask), so the trainer draws each rollout from rows of one grid (a bucket, see ``EpochSeededRepeatSampler``).
     """
 
     pipeline_class = QwenImageEditPipeline
@@ -78,8 +80,8 @@ class QwenImageEditAdapter(QwenImageAdapter):
         if len(sizes) > 1:
             raise ValueError(
                 f"The source images of one batch resize to different sizes {sorted(sizes)} (width, height) at "
-                f"source_image_area={self.source_image_area}: the backbone takes one grid per batch. Give the "
-                "dataset's source images one aspect ratio (Flow-GRPO resizes them to the training resolution)."
+                f"source_image_area={self.source_image_area}: the backbone takes one grid per batch. Batch rows "
+                "whose images give the same sizes (DDPOJaggTrainer draws each rollout from one such bucket)."
             )
         per_image = list(zip(*(self.sources_of(sample) for sample in images), strict=True))
         latents, shapes = [], []

@@ -319,7 +319,8 @@ FLOW_GRPO_RECIPES: tuple[Recipe, ...] = (
         notes=(
             "Datasets carry a `source_image` column (Flow-GRPO's dataset/counting_edit), resized by Flow-GRPO "
             "to 512 x 512 (train_qwenimage_edit.py:614), then by its pipeline to 1024 x 1024 for the VAE: "
-            "source_image_area stays None (1024^2), 4096 reference tokens. Give them one aspect ratio.",
+            "source_image_area stays None (1024^2), 4096 reference tokens. Sources of other aspect ratios "
+            "train too: each rollout draws rows of one reference grid (a bucket).",
             "Flow-GRPO's reward is 0.2 image_similarity + 0.8 geneval (config/grpo.py:817-820); trl_jagg has "
             "no image_similarity reward yet: the preset trains GenEval alone (add one with reward_funcs).",
             *_QWENIMAGE.notes[:1],

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
@@ -14,12 +14,29 @@ from transformers import TrainerCallback
 
 from ..grpo_jagg_config import GRPOJaggConfig
 from ..models import FlowMatchingAdapter
-from ..prompts import SOURCE_IMAGE_COLUMN, prompt_dataset, prompt_text, source_image
+from ..prompts import (
+    SOURCE_IMAGE_COLUMN,
+    check_source_images,
+    prompt_dataset,
+    prompt_text,
+    source_image,
+    source_images_of,
+)
 from ..rollout import generate_images
 from .conditioning import negative_prompt
 from .ema import EMAWeights, ema_swapped_in
 from .placement import FrozenModules, eval_mode
 from .scoring import scored_rewards
+
+
+def render_batches(layouts: Sequence[Hashable], size: int) -> list[list[int]]:
+    """The rows (indices into ``layouts``) grouped by layout, in order of first appearance, and cut into batches of
+    at most ``size``: an editing model's reference grids, which one backbone call shares (the other models give
+    ``None`` for every row: consecutive batches)."""
+    groups: dict[Hashable, list[int]] = {}
+    for row, layout in enumerate(layouts):
+        groups.setdefault(layout, []).append(row)
+    return [rows[i : i + size] for rows in groups.values() for i in range(0, len(rows), size)]
 
 
 class Evaluator:
@@ -110,11 +127,14 @@ class Evaluator:
             )
         args = self.args
         start = time.perf_counter()
-        edits = self.adapter.edits_images
+        adapter = self.adapter
+        edits = adapter.edits_images
         if dataset is not self.checked_eval_dataset:
             # Checked as the training prompts are: a list is converted, a missing 'prompt' column (or an editing
             # model's 'source_image' column) or a bad row named.
-            dataset = prompt_dataset(dataset, 1, name="eval_dataset", source_images=edits)
+            dataset = prompt_dataset(dataset, 1, name="eval_dataset")
+            if edits:
+                check_source_images(dataset, "eval_dataset", adapter.max_source_images)
         with self.accelerator.split_between_processes(list(range(len(dataset)))) as rows:
             records = [dataset[i] for i in rows]
         prompts = [prompt_text(record["prompt"], "eval_dataset 'prompt'") for record in records]
@@ -124,15 +144,20 @@ class Evaluator:
         sources = None
         if edits:  # as in training: each edit is conditioned on its source and scored against it
             where = f"eval_dataset '{SOURCE_IMAGE_COLUMN}'"
-            sources = [source_image(value, where) for value in columns.pop(SOURCE_IMAGE_COLUMN, [])]
+            sources = [
+                source_images_of(value, where, adapter.max_source_images)
+                for value in columns.pop(SOURCE_IMAGE_COLUMN, [])
+            ]
             columns["source_images"] = sources
-        images = []
-        size = args.per_device_eval_batch_size
+        layouts = [adapter.reference_sizes(sample) for sample in sources] if edits else [None] * len(prompts)
+        images: list = [None] * len(prompts)
         with eval_mode(transformer), ema_swapped_in(ema):
-            for begin in range(0, len(prompts), size):
-                batch_sources = None if sources is None else sources[begin : begin + size]
+            for batch in render_batches(layouts, args.per_device_eval_batch_size):
+                batch_sources = None if sources is None else [sources[i] for i in batch]
                 # A seed per batch, from its first row: deterministic for a given process count and batch size.
-                images.extend(self.render(prompts[begin : begin + size], args.eval_seed + rows[begin], batch_sources))
+                rendered = self.render([prompts[i] for i in batch], args.eval_seed + rows[batch[0]], batch_sources)
+                for i, image in zip(batch, rendered, strict=True):
+                    images[i] = image
         per_reward: dict[str, list[float]] = {}
         reward_metrics: dict[str, list[float]] = defaultdict(list)
         # As in training: retried, and a failure on any process raises RewardFailure on all (the trainer saves).

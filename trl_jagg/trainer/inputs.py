@@ -3,7 +3,8 @@ what the model takes besides prompts (source images, video frames), checked once
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 from datasets import Dataset
@@ -41,12 +42,12 @@ def checked_inputs(
 
 def checked_model_inputs(
     adapter: FlowMatchingAdapter, args: GRPOJaggConfig, train_dataset: Dataset, eval_dataset: Dataset | None
-) -> None:
+) -> list[Hashable] | None:
     """What the model takes besides prompts, checked before training (errors name the row or the field). For an
     editing model: ``source_image_area`` given to the adapter, then the images each prompt edits (the datasets'
-    rows, ``eval_source_images`` for the sample images) checked row by row, and that they give one reference grid;
-    a text-to-image model refuses ``eval_source_images``. For a video model: ``num_frames``, set on the adapter
-    (refused by image models)."""
+    rows, ``eval_source_images`` for the sample images) checked row by row; returns each training row's bucket, the
+    reference grids its images give (:func:`checked_buckets`). A text-to-image model refuses ``eval_source_images``.
+    For a video model: ``num_frames``, set on the adapter (refused by image models)."""
     name = type(adapter).__name__
     if args.source_image_area is not None:
         if not hasattr(adapter, "source_image_area"):
@@ -73,10 +74,10 @@ def checked_model_inputs(
                 f"GRPOJaggConfig.eval_source_images is set but {name} generates from text only: drop it, or train an "
                 "editing model (FluxKontextPipeline, QwenImageEditPipeline)."
             )
-        return
-    for dataset, where in ((train_dataset, "train_dataset"), (eval_dataset, "eval_dataset")):
-        if dataset is not None:
-            check_source_images(dataset, where, adapter.max_source_images, adapter.reference_sizes)
+        return None
+    buckets = check_source_images(train_dataset, "train_dataset", adapter.max_source_images, adapter.reference_sizes)
+    if eval_dataset is not None:
+        check_source_images(eval_dataset, "eval_dataset", adapter.max_source_images)
     if args.eval_prompts and args.image_log_steps and args.eval_source_images is None:
         raise ValueError(
             f"{name} edits images, so its sample images need the image each of GRPOJaggConfig.eval_prompts edits: set "
@@ -84,3 +85,29 @@ def checked_model_inputs(
         )
     for i, value in enumerate(args.eval_source_images or ()):
         source_image(value, f"GRPOJaggConfig.eval_source_images[{i}]")
+    return checked_buckets(buckets, args.prompts_per_rollout)
+
+
+def checked_buckets(buckets: list[Hashable], prompts_per_rollout: int) -> list[Hashable]:
+    """``buckets`` (each training row's reference grids), once every bucket can fill a rollout: one rollout's
+    ``prompts_per_rollout`` prompts all come from one bucket (the backbone takes one grid per batch), so a smaller
+    bucket would never be drawn.
+
+    Raises:
+        ValueError: a bucket with fewer rows than one rollout's prompts (its rows and the fix are named).
+    """
+    sizes = Counter(buckets)
+    small = {key: size for key, size in sizes.items() if size < prompts_per_rollout}
+    if small:
+        key, size = next(iter(small.items()))
+        rows = [i for i, bucket in enumerate(buckets) if bucket == key]
+        shown = ", ".join(map(str, rows[:5])) + (", ..." if len(rows) > 5 else "")
+        raise ValueError(
+            f"train_dataset row{'s' if size != 1 else ''} {shown} ({size} of {len(buckets)}) resize 'source_image' "
+            f"to {key} (width, height per image), but a rollout draws its {prompts_per_rollout} prompts "
+            "(generation_batch_size / num_generations) from rows of one such layout (one backbone call takes one "
+            "reference grid), so these rows would never be drawn. Rows per layout: "
+            f"{dict(sizes)}. Give every layout at least {prompts_per_rollout} rows (or drop these), resize the "
+            "images to another layout's aspect ratio, or lower per_device_train_batch_size or steps_per_generation."
+        )
+    return buckets
