@@ -510,3 +510,12 @@ def test_wan_rollout_scores_videos_and_logs_frame_strips(tiny_wan_path, tmp_path
     strip = frame_strip(videos[0])
     assert strip.size == (5 * 32, 32)
     assert np.array_equal(np.asarray(strip)[:, 32:64], np.asarray(videos[0][1]))  # frames left to right
+
+
+# ---------------------------------------------------------------- FLUX.2 dev: embedded guidance only
+
+
+def test_flux2_dev_refuses_true_cfg_at_init(tiny_flux2_dev_path, tmp_path):
+    """Flux2Pipeline has no negative prompt nor CFG: a true CFG scale is an error naming the field, before training."""
+    with pytest.raises(ValueError, match="true_cfg_scale=2.0: Flux2Pipeline has no negative prompt"):
+        make_trainer("flux2_dev", tiny_flux2_dev_path, tmp_path, {"guidance_scale": 4.0, "true_cfg_scale": 2.0})
