@@ -138,27 +138,27 @@ PEER_CONVENTIONS = {
         per_prompt_stat_tracking=False, scale_rewards="group", advantage_std_ddof=1, advantage_eps=1e-8,
         quantize_timesteps=True, same_group_noise=True, beta=0.0, clip_range=1e-4, adv_clip_max=5.0,
     ),
-    # Flow-Factory: global_std false (L59), EMA 0.9 every 4 (L73-74), the pipeline's 512 prompt tokens.
+    # Flow-Factory: global_std false (L59), numpy's std (src/flow_factory/advantage/advantage_processor.py:385, 463),
+    # EMA 0.9 every 4 (L73-74), the pipeline's 512 prompt tokens.
     "flow-factory-z-image": dict(
-        scale_rewards="group", ema_decay=0.9, ema_update_interval=4, max_sequence_length=512,
+        scale_rewards="group", advantage_std_ddof=0, ema_decay=0.9, ema_update_interval=4, max_sequence_length=512,
         eval_num_inference_steps=40, negative_prompt="",
     ),
     "flow-factory-z-image-turbo": dict(
-        scale_rewards="group", ema_decay=0.9, ema_update_interval=4, max_sequence_length=512,
+        scale_rewards="group", advantage_std_ddof=0, ema_decay=0.9, ema_update_interval=4, max_sequence_length=512,
         eval_num_inference_steps=10,
     ),
     "flow-factory-flux2-klein-base": dict(
-        scale_rewards="group", ema_decay=0.9, ema_update_interval=4, max_sequence_length=512,
+        scale_rewards="group", advantage_std_ddof=0, ema_decay=0.9, ema_update_interval=4, max_sequence_length=512,
         eval_num_inference_steps=28, negative_prompt="",
     ),
     "flow-factory-flux2-klein": dict(
-        scale_rewards="group", ema_decay=0.9, ema_update_interval=4, max_sequence_length=512,
+        scale_rewards="group", advantage_std_ddof=0, ema_decay=0.9, ema_update_interval=4, max_sequence_length=512,
         eval_num_inference_steps=10,
     ),
-    # GDPO's stds are numpy's (FF src/flow_factory/advantage/advantage_processor.py:463, 259-262).
     "flow-factory-flux2-dev": dict(
-        scale_rewards="group", ema_decay=0.9, ema_update_interval=4, max_sequence_length=512,
-        eval_num_inference_steps=28, advantage_std_ddof=0,
+        scale_rewards="group", advantage_std_ddof=0, ema_decay=0.9, ema_update_interval=4, max_sequence_length=512,
+        eval_num_inference_steps=28,
     ),
 }  # fmt: skip
 

@@ -61,6 +61,9 @@ def _flow_factory(
             "clip_range": 1e-4,  # L44
             "adv_clip_max": 5.0,  # adv_clip_range (L45)
             "scale_rewards": "group",  # global_std: false (L59)
+            # numpy's population std, per group and over the batch (src/flow_factory/advantage/
+            # advantage_processor.py L385, L463, L259-262)
+            "advantage_std_ddof": 0,
             "max_sequence_length": 512,  # the pipelines' default, which Flow-Factory keeps
             "ema_decay": 0.9,  # L73
             "ema_update_interval": 4,  # L74
@@ -167,8 +170,7 @@ FLOW_FACTORY_RECIPES: tuple[Recipe, ...] = (
         "PickScore with GDPO.",
         # resolution 512 (L51), 8 steps, guidance 4 (L52-53: embedded, one backbone call, no negative prompt), noise
         # 1.0 (L89), eval 28 steps (L99). Rewards CLIP (weight 1.0) and PickScore (0.5) (L104-116), aggregated with
-        # GDPO (advantage_aggregation 'gdpo', L41: src/flow_factory/advantage/advantage_processor.py:403-470), whose
-        # per-group and batch stds are numpy's population std (L463, L259-262).
+        # GDPO (advantage_aggregation 'gdpo', L41: src/flow_factory/advantage/advantage_processor.py:403-470).
         {
             "height": 512,
             "width": 512,
@@ -178,7 +180,6 @@ FLOW_FACTORY_RECIPES: tuple[Recipe, ...] = (
             "eval_num_inference_steps": 28,
             "reward_weights": [1.0, 0.5],
             "multi_objective_aggregation": "normalize_then_sum",
-            "advantage_std_ddof": 0,
         },
         _FLUX2_LORA_TARGETS,
         sde_steps="steps {1, 2, 3} (L91)",
