@@ -31,6 +31,7 @@ from trl_jagg.testing.tiny_models import (
     build_t5_tokenizer,
     build_tiny_pipeline,
 )
+from trl_jagg.testing.tokenizers import build_mistral3_processor
 
 PIPELINE_CLASSES = {
     "flux": FluxPipeline,
@@ -204,7 +205,13 @@ def test_vocab_words_are_single_tokens_with_own_embeddings(family):
 
 def test_tokenizers_still_encode_unknown_text():
     text = "an unseen word: xylophone 42!"
-    for tokenizer in (build_clip_tokenizer(), build_t5_tokenizer(), build_qwen2_tokenizer()):
+    tokenizers = (
+        build_clip_tokenizer(),
+        build_t5_tokenizer(),
+        build_qwen2_tokenizer(),
+        build_mistral3_processor().tokenizer,
+    )
+    for tokenizer in tokenizers:
         ids = tokenizer(text, add_special_tokens=False).input_ids
         assert len(ids) > 5
         assert tokenizer.unk_token_id not in ids  # byte-level BPE covers every byte; T5 has every ASCII character
