@@ -292,11 +292,15 @@ PEER_TRAINING = {
     **{
         name: [  # Flow-Factory's presets share these (trl_jagg.recipes._flow_factory)
             ("lr_scheduler_type", "constant", "FF src/flow_factory/trainers/abc.py:198-207 (an AdamW, no scheduler)"),
-            ("steps_per_generation", 24, "FF default.yaml: 48 prompts x 16 on 8 processes = 96 each, 4 a batch"),
-            ("optimizer_steps_per_rollout", 2, "FF default.yaml gradient_step_per_epoch: 2"),
-            ("mixed_precision", "bf16", "FF default.yaml mixed_precision (L6)"),
-            ("max_grad_norm", 1.0, "FF default.yaml max_grad_norm"),
-            ("weight_decay", 1e-4, "FF default.yaml adam_weight_decay"),
+            (
+                "steps_per_generation",
+                24,
+                "FF default.yaml / t2i.yaml: 48 prompts x 16 on 8 processes = 96 each, 4 a batch",
+            ),
+            ("optimizer_steps_per_rollout", 2, "FF default.yaml / t2i.yaml gradient_step_per_epoch: 2"),
+            ("mixed_precision", "bf16", "FF default.yaml / t2i.yaml mixed_precision (L6)"),
+            ("max_grad_norm", 1.0, "FF default.yaml / t2i.yaml max_grad_norm"),
+            ("weight_decay", 1e-4, "FF default.yaml / t2i.yaml adam_weight_decay"),
         ]
         for name in FLOW_FACTORY
     },
