@@ -1,8 +1,8 @@
 """Tokenizers of the tiny pipelines, built in code (nothing is downloaded) from a small vocabulary.
 
 Every word of :data:`DEFAULT_VOCAB_WORDS` plus the caller's ``vocab_words`` is a single token with its own embedding
-in every tokenizer (CLIP, T5, Qwen2); other words still encode (byte-level BPE for CLIP and Qwen, single characters
-for T5), only into several tokens.
+in every tokenizer (CLIP, T5, Qwen2, Mistral-3's in a PixtralProcessor); other words still encode (byte-level BPE for
+CLIP, Qwen and Mistral-3, single characters for T5), only into several tokens.
 """
 
 from __future__ import annotations
