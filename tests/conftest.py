@@ -53,6 +53,12 @@ def tiny_flux2_klein_path(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_flux2_dev_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Directory of a tiny ``Flux2Pipeline`` (FLUX.2 dev: embedded guidance; seed 0, default vocabulary)."""
+    return _save_tiny("flux2_dev", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
 def tiny_flux_kontext_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     """Directory of a tiny ``FluxKontextPipeline`` (image editing; seed 0, default vocabulary)."""
     return _save_tiny("flux_kontext", tmp_path_factory)

@@ -36,6 +36,9 @@ EXAMPLES = {
     "train_flux2_klein_pickscore.py": (
         "flux2_klein", "Flux2KleinPipeline", "black-forest-labs/FLUX.2-klein-base-9B", LORA
     ),
+    "train_flux2_dev_clip_pickscore.py": (
+        "flux2_dev", "Flux2Pipeline", "black-forest-labs/FLUX.2-dev", LORA
+    ),
     "train_qwen_image_edit_flow_grpo.py": (
         "qwenimage_edit", "QwenImageEditPipeline", "Qwen/Qwen-Image-Edit", LORA
     ),

@@ -1,7 +1,7 @@
-"""The newer families (Z-Image, FLUX.2 klein, Wan2.1 text-to-video) on tiny pipelines built from config: the rollout at noise level 0 is the pipeline's
-own loop, the trained LoRA loads back with the pipeline's `load_lora_weights` and samples what the trainer sampled,
-W = 2 JAGG equals the exact gradient, the velocity cache gives the recomputed gradient with fewer forwards, and two
-LoRA + JAGG steps train end to end."""
+"""The newer families (Z-Image, FLUX.2 klein and dev, Wan2.1 text-to-video) on tiny pipelines built from config: the
+rollout at noise level 0 is the pipeline's own loop, the trained LoRA loads back with the pipeline's
+`load_lora_weights` and samples what the trainer sampled, W = 2 JAGG equals the exact gradient, the velocity cache gives
+the recomputed gradient with fewer forwards, and two LoRA + JAGG steps train end to end."""
 
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ from trl_jagg.models import MODEL_ADAPTERS, load_adapter
 from trl_jagg.rollout import generate_images, sample_trajectories
 
 # Per family: its pipeline class, guidance with CFG on and off, the negative prompt (FLUX.2 klein's pipeline always
-# uses "") and how many backbone calls a guided velocity makes; a video family's frames (5 pixel frames: 2 latent).
+# uses ""; FLUX.2 dev has none: its "cfg" setting is embedded guidance) and how many backbone calls a guided velocity
+# makes; a video family's frames (5 pixel frames: 2 latent); the prompt length where it is not 16 tokens.
 FAMILIES = {
     "zimage": {
         "pipeline": "ZImagePipeline",
@@ -40,6 +41,14 @@ FAMILIES = {
         "no_cfg": {"guidance_scale": 1.0, "true_cfg_scale": 1.0},
         "negative": "",
         "cfg_calls": 1,  # both branches in one call on 2B (the pipeline makes two: FlowMatchingAdapter.guided_velocity)
+    },
+    "flux2_dev": {
+        "pipeline": "Flux2Pipeline",
+        "cfg": {"guidance_scale": 4.0, "true_cfg_scale": 1.0},  # embedded guidance 4 (Flow-Factory's)
+        "no_cfg": {"guidance_scale": 1.0, "true_cfg_scale": 1.0},  # another embedded value: the guidance is read
+        "negative": None,
+        "cfg_calls": 1,
+        "max_sequence_length": 48,  # the system message takes the first 31 tokens
     },
     "wan": {
         "pipeline": "WanPipeline",
@@ -63,6 +72,11 @@ def pipeline_output(family: str) -> dict:
     return frames_of(family) | {"output_type": "pil"} if "num_frames" in FAMILIES[family] else {}
 
 
+def prompt_length(family: str) -> int:
+    """The test's `max_sequence_length` for this family."""
+    return FAMILIES.get(family, {}).get("max_sequence_length", 16)
+
+
 def family_adapter(model, family: str):
     """The family's adapter, sampling the test's number of frames for a video family."""
     adapter = load_adapter(model)
@@ -73,7 +87,7 @@ def family_adapter(model, family: str):
 
 def pipeline_guidance(family: str, prompts: list[str], negative: str | None, guidance: dict) -> dict:
     """The pipeline's own keyword arguments for these guidance settings."""
-    if family == "flux2_klein":  # no negative_prompt argument: "" whenever CFG is on
+    if family.startswith("flux2"):  # no negative_prompt argument (klein: "" whenever CFG is on; dev: no CFG)
         return {"guidance_scale": guidance["guidance_scale"]}
     return {
         "guidance_scale": guidance["guidance_scale"],
@@ -100,7 +114,7 @@ def reference_run(pipe: DiffusionPipeline, family: str, prompts: list[str], nega
 
     output = pipe(
         prompt=list(prompts),  # ZImagePipeline rewrites the list it is given into chat-templated prompts
-        height=32, width=32, num_inference_steps=4, max_sequence_length=16,
+        height=32, width=32, num_inference_steps=4, max_sequence_length=prompt_length(family),
         generator=torch.Generator().manual_seed(0), callback_on_step_end=keep_latents,
         **pipeline_guidance(family, prompts, negative, guidance), **pipeline_output(family),
     )  # fmt: skip
@@ -130,10 +144,12 @@ def test_rollout_at_noise_level_0_is_the_pipeline_loop(request, family, setting)
     adapter = family_adapter(pipe, family)
     guidance = FAMILIES[family][setting]
     negative = FAMILIES[family]["negative"] if adapter.needs_negative_prompt(**guidance) else None
-    assert (negative is not None) == (setting == "cfg")
+    assert (negative is not None) == (setting == "cfg" and FAMILIES[family]["negative"] is not None)
     expected_latents, expected_images = reference_run(pipe, family, prompts, negative, guidance)
 
-    cond = adapter.condition(prompts, height=32, width=32, negative_prompt=negative, max_sequence_length=16)
+    cond = adapter.condition(
+        prompts, height=32, width=32, negative_prompt=negative, max_sequence_length=prompt_length(family)
+    )
     noise = adapter.prepare_latents(len(prompts), 32, 32, torch.Generator().manual_seed(0))
     sigmas, timesteps = adapter.schedule(4, 32, 32)
     trajectory = sample_trajectories(
@@ -148,8 +164,8 @@ def test_precomputed_encodings_collate_to_the_batch_encoding(request, family):
     `precompute_prompt_embeds` table)."""
     adapter = load_adapter(tiny_path(request, family))
     prompts = ["a red circle", "a big blue square on the left"]
-    together = adapter.encode_prompts(prompts, 16)
-    collated = adapter.collate([adapter.encode_prompts([p], 16) for p in prompts])
+    together = adapter.encode_prompts(prompts, prompt_length(family))
+    collated = adapter.collate([adapter.encode_prompts([p], prompt_length(family)) for p in prompts])
     assert collated.keys() == {k for k, v in together.items() if v is not None}
     for key, value in collated.items():
         torch.testing.assert_close(value, together[key], atol=1e-6, rtol=0)
@@ -165,11 +181,11 @@ def make_trainer(
     config = dict(
         output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=2, num_inference_steps=4,
         height=32, width=32, max_steps=2, learning_rate=1e-2, clip_range=1e-1, noise_level=0.9, jagg_group_size=3,
-        jagg_frac=1.0, max_sequence_length=16, report_to="none", save_strategy="no",
+        jagg_frac=1.0, max_sequence_length=prompt_length(family), report_to="none", save_strategy="no",
         seed=0, disable_tqdm=True,
     )  # fmt: skip
     config |= frames_of(family) | guidance | overrides
-    if "negative_prompt" not in config:  # Kontext's guidance names its own (it is not one of FAMILIES)
+    if "negative_prompt" not in config and FAMILIES[family]["negative"] is not None:  # Kontext names its own
         config["negative_prompt"] = FAMILIES[family]["negative"]
     return DDPOJaggTrainer(
         model=path,
@@ -184,7 +200,8 @@ def make_trainer(
 
 def test_two_training_steps_lora_jagg_cfg(request, family, tmp_path):
     trainer = make_trainer(family, tiny_path(request, family), tmp_path, FAMILIES[family]["cfg"])
-    assert trainer.adapter.needs_negative_prompt(trainer.args.guidance_scale, trainer.args.true_cfg_scale)
+    has_cfg = FAMILIES[family]["negative"] is not None  # FLUX.2 dev: embedded guidance, one branch
+    assert trainer.adapter.needs_negative_prompt(trainer.args.guidance_scale, trainer.args.true_cfg_scale) == has_cfg
     assert_two_lora_jagg_steps(trainer)
 
 
@@ -493,3 +510,12 @@ def test_wan_rollout_scores_videos_and_logs_frame_strips(tiny_wan_path, tmp_path
     strip = frame_strip(videos[0])
     assert strip.size == (5 * 32, 32)
     assert np.array_equal(np.asarray(strip)[:, 32:64], np.asarray(videos[0][1]))  # frames left to right
+
+
+# ---------------------------------------------------------------- FLUX.2 dev: embedded guidance only
+
+
+def test_flux2_dev_refuses_true_cfg_at_init(tiny_flux2_dev_path, tmp_path):
+    """Flux2Pipeline has no negative prompt nor CFG: a true CFG scale is an error naming the field, before training."""
+    with pytest.raises(ValueError, match="true_cfg_scale=2.0: Flux2Pipeline has no negative prompt"):
+        make_trainer("flux2_dev", tiny_flux2_dev_path, tmp_path, {"guidance_scale": 4.0, "true_cfg_scale": 2.0})

@@ -80,6 +80,12 @@ PUBLISHED = {
         height=384, width=384, num_inference_steps=4, guidance_scale=1.0, sampler="sde", noise_level=0.5,
         num_generations=16, learning_rate=3e-4, beta=0.0, clip_range=1e-4, adv_clip_max=5.0,
     ),
+    # Flow-Factory examples/grpo/lora/flux2/t2i.yaml (L41-116): CLIP 1.0 + PickScore 0.5, GDPO
+    "flow-factory-flux2-dev": dict(
+        height=512, width=512, num_inference_steps=8, guidance_scale=4.0, sampler="sde", noise_level=1.0,
+        num_generations=16, learning_rate=3e-4, beta=0.0, clip_range=1e-4, adv_clip_max=5.0,
+        reward_weights=[1.0, 0.5], multi_objective_aggregation="normalize_then_sum",
+    ),
 }  # fmt: skip
 # The peers' conventions around the formulas, read from their code (docs/models.md lists file and line for each).
 # Flow-GRPO: config/grpo.py (pickscore_sd3, pickscore_flux, pickscore_flux_fast, pickscore_qwenimage),
@@ -132,22 +138,27 @@ PEER_CONVENTIONS = {
         per_prompt_stat_tracking=False, scale_rewards="group", advantage_std_ddof=1, advantage_eps=1e-8,
         quantize_timesteps=True, same_group_noise=True, beta=0.0, clip_range=1e-4, adv_clip_max=5.0,
     ),
-    # Flow-Factory: global_std false (L59), EMA 0.9 every 4 (L73-74), the pipeline's 512 prompt tokens.
+    # Flow-Factory: global_std false (L59), numpy's std (src/flow_factory/advantage/advantage_processor.py:385, 463),
+    # EMA 0.9 every 4 (L73-74), the pipeline's 512 prompt tokens.
     "flow-factory-z-image": dict(
-        scale_rewards="group", ema_decay=0.9, ema_update_interval=4, max_sequence_length=512,
+        scale_rewards="group", advantage_std_ddof=0, ema_decay=0.9, ema_update_interval=4, max_sequence_length=512,
         eval_num_inference_steps=40, negative_prompt="",
     ),
     "flow-factory-z-image-turbo": dict(
-        scale_rewards="group", ema_decay=0.9, ema_update_interval=4, max_sequence_length=512,
+        scale_rewards="group", advantage_std_ddof=0, ema_decay=0.9, ema_update_interval=4, max_sequence_length=512,
         eval_num_inference_steps=10,
     ),
     "flow-factory-flux2-klein-base": dict(
-        scale_rewards="group", ema_decay=0.9, ema_update_interval=4, max_sequence_length=512,
+        scale_rewards="group", advantage_std_ddof=0, ema_decay=0.9, ema_update_interval=4, max_sequence_length=512,
         eval_num_inference_steps=28, negative_prompt="",
     ),
     "flow-factory-flux2-klein": dict(
-        scale_rewards="group", ema_decay=0.9, ema_update_interval=4, max_sequence_length=512,
+        scale_rewards="group", advantage_std_ddof=0, ema_decay=0.9, ema_update_interval=4, max_sequence_length=512,
         eval_num_inference_steps=10,
+    ),
+    "flow-factory-flux2-dev": dict(
+        scale_rewards="group", advantage_std_ddof=0, ema_decay=0.9, ema_update_interval=4, max_sequence_length=512,
+        eval_num_inference_steps=28,
     ),
 }  # fmt: skip
 
@@ -279,13 +290,17 @@ PEER_TRAINING = {
         ("weight_decay", 1e-4, "MG finetune_flux_grpo_MixGRPO_Flash.sh:149"),
     ],
     **{
-        name: [  # Flow-Factory's four presets share these (trl_jagg.recipes._flow_factory)
+        name: [  # Flow-Factory's presets share these (trl_jagg.recipes._flow_factory)
             ("lr_scheduler_type", "constant", "FF src/flow_factory/trainers/abc.py:198-207 (an AdamW, no scheduler)"),
-            ("steps_per_generation", 24, "FF default.yaml: 48 prompts x 16 on 8 processes = 96 each, 4 a batch"),
-            ("optimizer_steps_per_rollout", 2, "FF default.yaml gradient_step_per_epoch: 2"),
-            ("mixed_precision", "bf16", "FF default.yaml mixed_precision (L6)"),
-            ("max_grad_norm", 1.0, "FF default.yaml max_grad_norm"),
-            ("weight_decay", 1e-4, "FF default.yaml adam_weight_decay"),
+            (
+                "steps_per_generation",
+                24,
+                "FF default.yaml / t2i.yaml: 48 prompts x 16 on 8 processes = 96 each, 4 a batch",
+            ),
+            ("optimizer_steps_per_rollout", 2, "FF default.yaml / t2i.yaml gradient_step_per_epoch: 2"),
+            ("mixed_precision", "bf16", "FF default.yaml / t2i.yaml mixed_precision (L6)"),
+            ("max_grad_norm", 1.0, "FF default.yaml / t2i.yaml max_grad_norm"),
+            ("weight_decay", 1e-4, "FF default.yaml / t2i.yaml adam_weight_decay"),
         ]
         for name in FLOW_FACTORY
     },
@@ -301,8 +316,8 @@ _QWEN_LORA = (
     64, 128, _FG_ATTENTION + ("img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2")
 )  # FG scripts/train_qwenimage.py:410-427  # fmt: skip
 # Flow-Factory: lora_rank 64, lora_alpha 128 (examples/grpo/lora/*/default.yaml@a0b2bc5), its adapters'
-# default_target_modules at a0b2bc5 (src/flow_factory/models/z_image/z_image.py:70-75; models/flux/flux2_klein.py:92-104,
-# whose list has attn.to_out.0 twice).
+# default_target_modules at a0b2bc5 (src/flow_factory/models/z_image/z_image.py:70-75; models/flux/flux2_klein.py:92-104
+# and flux2.py:92-104, whose lists have attn.to_out.0 twice).
 _ZIMAGE_LORA = (
     64, 128, ("attention.to_k", "attention.to_q", "attention.to_v", "attention.to_out.0",
               "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"),
@@ -330,6 +345,7 @@ PUBLISHED_LORA = {
     "flow-factory-z-image-turbo": _ZIMAGE_LORA,
     "flow-factory-flux2-klein-base": _FLUX2_KLEIN_LORA,
     "flow-factory-flux2-klein": _FLUX2_KLEIN_LORA,
+    "flow-factory-flux2-dev": _FLUX2_KLEIN_LORA,  # the same list
 }
 MODELS = {
     "flow-grpo-sd35": "stabilityai/stable-diffusion-3.5-medium",
@@ -349,6 +365,7 @@ MODELS = {
     "flow-factory-z-image-turbo": "Tongyi-MAI/Z-Image-Turbo",
     "flow-factory-flux2-klein-base": "black-forest-labs/FLUX.2-klein-base-9B",
     "flow-factory-flux2-klein": "black-forest-labs/FLUX.2-klein-9B",
+    "flow-factory-flux2-dev": "black-forest-labs/FLUX.2-dev",
 }
 
 
@@ -624,9 +641,15 @@ PRESET_SPLIT_TINY = dict(
 )  # fmt: skip
 
 
-# Every preset with its peer's training rows; of the four Flow-Factory presets (one shared split) the two cheapest.
+# Every preset with its peer's training rows; of the five Flow-Factory presets (one shared split) the two cheapest
+# (FLUX.2 dev's LoRA targets are klein's, and test_cli trains its preset on the tiny FLUX.2 dev).
 @pytest.mark.parametrize(
-    "name", [n for n in PEER_TRAINING if n not in ("flow-factory-z-image", "flow-factory-flux2-klein-base")]
+    "name",
+    [
+        n
+        for n in PEER_TRAINING
+        if n not in ("flow-factory-z-image", "flow-factory-flux2-klein-base", "flow-factory-flux2-dev")
+    ],
 )
 def test_preset_schedule_split_and_lora_through_the_trainer(name, request, tmp_path):
     """The logged learning rate stays constant, one rollout feeds the peer's number of optimizer steps (2 for

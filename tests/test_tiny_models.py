@@ -8,6 +8,7 @@ import torch
 from diffusers import (
     DiffusionPipeline,
     Flux2KleinPipeline,
+    Flux2Pipeline,
     FluxKontextPipeline,
     FluxPipeline,
     QwenImageEditPipeline,
@@ -19,6 +20,8 @@ from diffusers import (
 )
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
+from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+from transformers import ProcessorMixin
 
 from trl_jagg.testing.tiny_models import (
     DEFAULT_VOCAB_WORDS,
@@ -28,6 +31,7 @@ from trl_jagg.testing.tiny_models import (
     build_t5_tokenizer,
     build_tiny_pipeline,
 )
+from trl_jagg.testing.tokenizers import build_mistral3_processor
 
 PIPELINE_CLASSES = {
     "flux": FluxPipeline,
@@ -35,6 +39,7 @@ PIPELINE_CLASSES = {
     "qwenimage": QwenImagePipeline,
     "zimage": ZImagePipeline,
     "flux2_klein": Flux2KleinPipeline,
+    "flux2_dev": Flux2Pipeline,
     "flux_kontext": FluxKontextPipeline,
     "qwenimage_edit": QwenImageEditPipeline,
     "qwenimage_edit_plus": QwenImageEditPlusPipeline,
@@ -49,13 +54,15 @@ EXTRA_WORDS = ["crimson", "teal", "hexagon", "Zebra"]
 
 def _call_kwargs(family: str) -> dict:
     """Keyword arguments that switch guidance on the way each family is used: Flux's distilled guidance, SD3's
-    CFG, Qwen-Image's true CFG (which needs a negative prompt), Z-Image's and FLUX.2 klein's CFG."""
+    CFG, Qwen-Image's true CFG (which needs a negative prompt), Z-Image's and FLUX.2 klein's CFG, FLUX.2 dev's
+    embedded guidance (its system message takes 31 tokens: 48 leave room for the prompt)."""
     return {
         "flux": {"guidance_scale": 3.5},
         "sd3": {"guidance_scale": 4.5},
         "qwenimage": {"true_cfg_scale": 4.0, "negative_prompt": " "},
         "zimage": {"guidance_scale": 3.0},
         "flux2_klein": {"guidance_scale": 4.0},  # the negative prompt is always ""
+        "flux2_dev": {"guidance_scale": 4.0, "max_sequence_length": 48},
         "flux_kontext": {"guidance_scale": 3.5},  # without a source image: FLUX.1's text-to-image
         "wan": {"guidance_scale": 4.5, "num_frames": 5},  # 5 frames: 2 latent frames
     }[family]
@@ -64,6 +71,14 @@ def _call_kwargs(family: str) -> dict:
 def _size_kwargs(family: str, size: int) -> dict:
     """The output size; FluxKontextPipeline also rescales it to ``max_area`` (1024^2 by default)."""
     return {"height": size, "width": size, **({"max_area": size * size} if family == "flux_kontext" else {})}
+
+
+def _tokenizers(pipe: DiffusionPipeline) -> list:
+    """The pipeline's tokenizers (a processor's, for FLUX.2 dev's PixtralProcessor)."""
+    components = [
+        pipe.components[name] for name in ("tokenizer", "tokenizer_2", "tokenizer_3") if name in pipe.components
+    ]
+    return [c.tokenizer if isinstance(c, ProcessorMixin) else c for c in components]
 
 
 def _state_dicts(pipe: DiffusionPipeline) -> dict[str, dict[str, torch.Tensor]]:
@@ -150,10 +165,7 @@ def test_pipeline_call_is_finite_sized_and_deterministic(saved, size):
 
 def test_default_vocabulary_survives_save_and_reload(saved_any):
     family, _, pipe = saved_any
-    tokenizers = [
-        pipe.components[name] for name in ("tokenizer", "tokenizer_2", "tokenizer_3") if name in pipe.components
-    ]
-    for tokenizer in tokenizers:
+    for tokenizer in _tokenizers(pipe):
         for word in DEFAULT_VOCAB_WORDS:
             assert len(tokenizer(word, add_special_tokens=False).input_ids) == 1, (family, type(tokenizer), word)
     if family.startswith("qwenimage"):
@@ -172,28 +184,34 @@ def test_default_vocabulary_survives_save_and_reload(saved_any):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_vocab_words_are_single_tokens_with_own_embeddings(family):
     pipe = build_tiny_pipeline(family, vocab_words=EXTRA_WORDS)
-    pairs = [
-        (pipe.components[name], pipe.components[name.replace("tokenizer", "text_encoder")])
-        for name in ("tokenizer", "tokenizer_2", "tokenizer_3")
+    encoders = [
+        pipe.components[name]
+        for name in ("text_encoder", "text_encoder_2", "text_encoder_3")
         if name in pipe.components
     ]
-    for tokenizer, encoder in pairs:
+    for tokenizer, encoder in zip(_tokenizers(pipe), encoders, strict=True):
         assert encoder.get_input_embeddings().num_embeddings == len(tokenizer)
         for word in EXTRA_WORDS:
             # Qwen's byte-level BPE attaches the preceding space to a word; CLIP lower-cases.
-            texts = [word, " " + word] if family.startswith(("qwenimage", "zimage", "flux2_klein")) else [word]
+            texts = [word, " " + word] if family.startswith(("qwenimage", "zimage", "flux2")) else [word]
             for text in texts:
                 ids = tokenizer(text, add_special_tokens=False).input_ids
                 assert len(ids) == 1, (type(tokenizer).__name__, text, tokenizer.convert_ids_to_tokens(ids))
             in_prompt = tokenizer(f"a {word} circle", add_special_tokens=False).input_ids
             assert len(in_prompt) == 3, (type(tokenizer).__name__, word)
-    distinct_ids = {pipe.components["tokenizer"](word, add_special_tokens=False).input_ids[0] for word in EXTRA_WORDS}
+    distinct_ids = {_tokenizers(pipe)[0](word, add_special_tokens=False).input_ids[0] for word in EXTRA_WORDS}
     assert len(distinct_ids) == len(EXTRA_WORDS)
 
 
 def test_tokenizers_still_encode_unknown_text():
     text = "an unseen word: xylophone 42!"
-    for tokenizer in (build_clip_tokenizer(), build_t5_tokenizer(), build_qwen2_tokenizer()):
+    tokenizers = (
+        build_clip_tokenizer(),
+        build_t5_tokenizer(),
+        build_qwen2_tokenizer(),
+        build_mistral3_processor().tokenizer,
+    )
+    for tokenizer in tokenizers:
         ids = tokenizer(text, add_special_tokens=False).input_ids
         assert len(ids) > 5
         assert tokenizer.unk_token_id not in ids  # byte-level BPE covers every byte; T5 has every ASCII character
@@ -387,6 +405,35 @@ def _flux2_klein_by_hand(pipe: Flux2KleinPipeline, *, height: int, width: int, s
 
 
 @torch.no_grad()
+def _flux2_dev_by_hand(pipe: Flux2Pipeline, *, height: int, width: int, steps: int, seed: int) -> torch.Tensor:
+    batch, kwargs = len(PROMPTS), _call_kwargs("flux2_dev")
+    # Mistral's chat template around the system message and each prompt, then hidden states 10, 20, 30 side by side.
+    texts = [f"<s>[SYSTEM_PROMPT]{SYSTEM_MESSAGE}[/SYSTEM_PROMPT][INST]{prompt}[/INST]" for prompt in PROMPTS]
+    tokens = pipe.tokenizer.tokenizer(
+        texts, add_special_tokens=False, padding="max_length", max_length=kwargs["max_sequence_length"],
+        return_tensors="pt",
+    )  # fmt: skip
+    hidden = pipe.text_encoder(**tokens, output_hidden_states=True, use_cache=False).hidden_states
+    prompt_embeds = torch.cat([hidden[10], hidden[20], hidden[30]], dim=-1)
+    text_ids = pipe._prepare_text_ids(prompt_embeds)
+    latents, image_ids = pipe.prepare_latents(
+        batch, pipe.transformer.config.in_channels // 4, height, width, torch.float32, torch.device("cpu"),
+        torch.Generator().manual_seed(seed),
+    )  # fmt: skip
+    pipe.scheduler.set_timesteps(
+        sigmas=np.linspace(1.0, 1 / steps, steps), mu=compute_empirical_mu(latents.shape[1], steps)
+    )
+    guidance = torch.full((batch,), kwargs["guidance_scale"])  # embedded: one call per step, no negative prompt
+    for step, t in enumerate(pipe.scheduler.timesteps):
+        velocity = pipe.transformer(
+            hidden_states=latents, timestep=t.expand(batch) / 1000, guidance=guidance,
+            encoder_hidden_states=prompt_embeds, txt_ids=text_ids, img_ids=image_ids, return_dict=False,
+        )[0]  # fmt: skip
+        latents = _euler(pipe, step, latents, velocity)
+    return latents  # output_type="latent": the packed tokens
+
+
+@torch.no_grad()
 def _wan_by_hand(pipe: WanPipeline, *, height: int, width: int, steps: int, seed: int) -> torch.Tensor:
     batch, kwargs = len(PROMPTS), _call_kwargs("wan")
     # The call pads the prompts with zeros to 512 tokens, which cross-attention attends to ("" for the negatives).
@@ -416,6 +463,7 @@ MANUAL_SAMPLERS = {
     "qwenimage": _qwenimage_by_hand,
     "zimage": _zimage_by_hand,
     "flux2_klein": _flux2_klein_by_hand,
+    "flux2_dev": _flux2_dev_by_hand,
     "flux_kontext": _flux_by_hand,  # no source image: Flux's loop
     "wan": _wan_by_hand,
 }

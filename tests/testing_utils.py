@@ -16,6 +16,7 @@ FLOW_FACTORY = (
     "flow-factory-z-image-turbo",
     "flow-factory-flux2-klein-base",
     "flow-factory-flux2-klein",
+    "flow-factory-flux2-dev",
 )
 NAMES = [
     "flow-grpo-sd35",

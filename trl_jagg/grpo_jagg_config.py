@@ -407,8 +407,9 @@ class GRPOJaggConfig(TrainingArguments):
             "group std), sums them with `reward_weights`, then normalises the sum over the whole batch, so a reward "
             "with a large scale or spread cannot drown the others. With one reward the two differ only in the final "
             "std (group or batch). With 'normalize_then_sum' each reward's share is logged as "
-            "`advantages/<name>/abs_mean` (the mean |weight x group-normalised reward|). Every preset keeps "
-            "'sum_then_normalize' (each trains one reward)."
+            "`advantages/<name>/abs_mean` (the mean |weight x group-normalised reward|). The presets follow their "
+            "peer: flow-factory-flux2-dev (CLIP + PickScore, Flow-Factory's GDPO) sets 'normalize_then_sum', the "
+            "others keep 'sum_then_normalize'."
         },
     )
     overlap_rewards: bool = field(

@@ -10,7 +10,7 @@ from diffusers import DiffusionPipeline
 
 from .base import Conditioning, FlowMatchingAdapter, classifier_free_guidance
 from .flux import FluxAdapter
-from .flux2 import Flux2KleinAdapter
+from .flux2 import Flux2Adapter, Flux2KleinAdapter
 from .flux_kontext import FluxKontextAdapter
 from .qwenimage import QwenImageAdapter
 from .qwenimage_edit import QwenImageEditAdapter, QwenImageEditPlusAdapter
@@ -21,6 +21,7 @@ from .zimage import ZImageAdapter
 MODEL_ADAPTERS: dict[str, type[FlowMatchingAdapter]] = {
     "FluxPipeline": FluxAdapter,
     "FluxKontextPipeline": FluxKontextAdapter,  # FLUX.1 Kontext: image editing
+    "Flux2Pipeline": Flux2Adapter,  # FLUX.2 dev: embedded guidance
     "Flux2KleinPipeline": Flux2KleinAdapter,  # FLUX.2 klein, base and step-distilled
     "StableDiffusion3Pipeline": SD3Adapter,  # SD3 and SD3.5
     "QwenImagePipeline": QwenImageAdapter,
@@ -62,6 +63,7 @@ __all__ = [
     "MODEL_ADAPTERS",
     "Conditioning",
     "FlowMatchingAdapter",
+    "Flux2Adapter",
     "Flux2KleinAdapter",
     "FluxKontextAdapter",
     "FluxAdapter",

@@ -59,7 +59,7 @@ from .components import (
     _seeded,
     _t5_encoder,
 )
-from .tiny_flux2 import FLUX2_SCHEDULER_CONFIG, build_tiny_flux2_klein_pipeline
+from .tiny_flux2 import FLUX2_SCHEDULER_CONFIG, build_tiny_flux2_dev_pipeline, build_tiny_flux2_klein_pipeline
 from .tiny_wan import WAN_SCHEDULER_CONFIG, build_tiny_wan_pipeline
 from .tokenizers import (
     DEFAULT_VOCAB_WORDS,
@@ -86,6 +86,7 @@ __all__ = [
     "build_qwen2_tokenizer",
     "build_qwen3_tokenizer",
     "build_t5_tokenizer",
+    "build_tiny_flux2_dev_pipeline",
     "build_tiny_flux2_klein_pipeline",
     "build_tiny_flux_kontext_pipeline",
     "build_tiny_flux_pipeline",
@@ -99,7 +100,8 @@ __all__ = [
 ]
 
 FAMILIES: tuple[str, ...] = (
-    "flux", "sd3", "qwenimage", "zimage", "flux2_klein", "flux_kontext", "qwenimage_edit", "qwenimage_edit_plus", "wan",
+    "flux", "sd3", "qwenimage", "zimage", "flux2_klein", "flux2_dev", "flux_kontext", "qwenimage_edit",
+    "qwenimage_edit_plus", "wan",
 )  # fmt: skip
 
 # Scheduler configs of the released checkpoints. The pipelines read `use_dynamic_shifting` and the
@@ -476,6 +478,7 @@ _BUILDERS = {
     "qwenimage": build_tiny_qwenimage_pipeline,
     "zimage": build_tiny_zimage_pipeline,
     "flux2_klein": build_tiny_flux2_klein_pipeline,
+    "flux2_dev": build_tiny_flux2_dev_pipeline,
     "flux_kontext": build_tiny_flux_kontext_pipeline,
     "qwenimage_edit": build_tiny_qwenimage_edit_pipeline,
     "qwenimage_edit_plus": functools.partial(build_tiny_qwenimage_edit_pipeline, plus=True),
@@ -553,5 +556,7 @@ def tiny_run(family: str, *, num_inference_steps: int = 5) -> TinyRun:
             config["source_image_area"] = 32 * 32
     if family == "wan":  # 5-frame videos: 2 latent frames
         config["num_frames"] = 5
+    if family == "flux2_dev":  # its system message takes the first 31 tokens of the prompt encoding
+        config["max_sequence_length"] = 48
     model = save_tiny_pipeline(family, tempfile.mkdtemp(prefix=f"tiny-{family}-"))
     return TinyRun(model, "prompt_color", Dataset.from_dict(columns), config)

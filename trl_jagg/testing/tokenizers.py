@@ -1,8 +1,8 @@
 """Tokenizers of the tiny pipelines, built in code (nothing is downloaded) from a small vocabulary.
 
 Every word of :data:`DEFAULT_VOCAB_WORDS` plus the caller's ``vocab_words`` is a single token with its own embedding
-in every tokenizer (CLIP, T5, Qwen2); other words still encode (byte-level BPE for CLIP and Qwen, single characters
-for T5), only into several tokens.
+in every tokenizer (CLIP, T5, Qwen2, Mistral-3's in a PixtralProcessor); other words still encode (byte-level BPE for
+CLIP, Qwen and Mistral-3, single characters for T5), only into several tokens.
 """
 
 from __future__ import annotations
@@ -11,7 +11,14 @@ import string
 import unicodedata
 from collections.abc import Mapping, Sequence
 
-from transformers import CLIPTokenizer, PreTrainedTokenizerBase, Qwen2Tokenizer, T5Tokenizer
+from transformers import (
+    CLIPTokenizer,
+    PixtralImageProcessor,
+    PixtralProcessor,
+    PreTrainedTokenizerBase,
+    Qwen2Tokenizer,
+    T5Tokenizer,
+)
 
 # Words that are single tokens in every tiny tokenizer: the vocabulary of the prompts used by tests, examples and the
 # demo (colours, shapes, simple scene words). Callers add their own with `vocab_words`.
@@ -64,6 +71,22 @@ _QWEN3_CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n"
     "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+# Mistral-Small-3's special tokens (its Tekken vocabulary starts with them), the chat turn and the image placeholders.
+_MISTRAL_SPECIAL_TOKENS: tuple[str, ...] = (
+    "<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[IMG]", "[IMG_BREAK]",
+    "[IMG_END]", "<pad>",
+)  # fmt: skip
+# Mistral-Small-3's chat template reduced to what Flux2Pipeline renders (format_input): the beginning of sequence, the
+# system message, then each user turn's text blocks inside [INST] ... [/INST] (an image block: the [IMG] placeholder).
+_MISTRAL3_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% set text = message.content if message.content is string else "
+    "message.content | map(attribute='text', default='[IMG]') | join('') %}"
+    "{% if message.role == 'system' %}[SYSTEM_PROMPT]{{ text }}[/SYSTEM_PROMPT]"
+    "{% elif message.role == 'user' %}[INST]{{ text }}[/INST]"
+    "{% else %}{{ text }}{{ eos_token }}{% endif %}{% endfor %}"
 )
 
 
@@ -239,3 +262,36 @@ def build_qwen3_tokenizer(vocab_words: Sequence[str] | None = None) -> Qwen2Toke
     tokenizer = build_qwen2_tokenizer(vocab_words, extra_special_tokens=("<think>", "</think>"))
     tokenizer.chat_template = _QWEN3_CHAT_TEMPLATE
     return tokenizer
+
+
+def build_mistral3_processor(
+    vocab_words: Sequence[str] | None = None, *, template_words: Sequence[str] = ()
+) -> PixtralProcessor:
+    """The ``PixtralProcessor`` of Mistral-3 text encoders (FLUX.2 dev): a byte-level BPE tokenizer in which
+    :data:`DEFAULT_VOCAB_WORDS`, ``vocab_words`` and ``template_words`` (the words of the pipeline's system message,
+    so that it takes about as many tokens as with the real tokenizer) are single tokens, with and without a leading
+    space (Tekken's pre-tokenizer attaches it), Mistral's special tokens, and the chat template ``Flux2Pipeline``
+    renders each prompt through: ``<s>[SYSTEM_PROMPT]...[/SYSTEM_PROMPT][INST]prompt[/INST]``.
+
+    The BPE is ``Qwen2Tokenizer``'s (Tekken is a byte-level BPE with the same kind of pre-tokenizer); the image
+    processor is Pixtral's default, which text-only prompts never use.
+    """
+    words = dict.fromkeys((*template_words, *_vocabulary(vocab_words)))
+    texts = [form for word in words for form in (word, " " + word)]
+    vocab, merges = _byte_level_bpe(texts)
+    for special in _MISTRAL_SPECIAL_TOKENS:
+        vocab[special] = len(vocab)
+    tokenizer = Qwen2Tokenizer(
+        vocab=vocab,
+        merges=merges,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        additional_special_tokens=[t for t in _MISTRAL_SPECIAL_TOKENS if t not in ("<unk>", "<s>", "</s>", "<pad>")],
+        model_max_length=131072,
+    )
+    _check_single_tokens(tokenizer, texts)
+    return PixtralProcessor(
+        image_processor=PixtralImageProcessor(), tokenizer=tokenizer, chat_template=_MISTRAL3_CHAT_TEMPLATE
+    )

@@ -47,8 +47,11 @@ def checked_model_inputs(
     editing model: ``source_image_area`` given to the adapter, then the images each prompt edits (the datasets'
     rows, ``eval_source_images`` for the sample images) checked row by row; returns each training row's bucket, the
     reference grids its images give (:func:`checked_buckets`). A text-to-image model refuses ``eval_source_images``.
-    For a video model: ``num_frames``, set on the adapter (refused by image models)."""
+    For a video model: ``num_frames``, set on the adapter (refused by image models). The guidance settings, which the
+    adapter refuses where the pipeline has no such guidance (``true_cfg_scale`` for CFG-scale families and FLUX.2
+    dev)."""
     name = type(adapter).__name__
+    adapter.needs_negative_prompt(args.guidance_scale, args.true_cfg_scale)  # raises on guidance it cannot apply
     if args.source_image_area is not None:
         if not hasattr(adapter, "source_image_area"):
             raise ValueError(
