@@ -130,6 +130,7 @@ class DDPOJaggTrainer(_BaseTrainer):
         distributed.check_backend(
             accelerator.distributed_type, accelerator.num_processes, fsdp_requested=bool(args.fsdp),
             fully_shard_backbone=args.fully_shard_backbone, deepspeed_plugin=accelerator.state.deepspeed_plugin,
+            fsdp_plugin=getattr(accelerator.state, "fsdp_plugin", None),
         )  # fmt: skip
         self.frozen = FrozenModules(self.adapter, self.accelerator.device, offload=args.offload_frozen_modules)
         self.frozen.place(transformer)

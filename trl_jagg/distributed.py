@@ -71,6 +71,7 @@ def check_backend(
     fsdp_requested: bool,
     fully_shard_backbone: bool = False,
     deepspeed_plugin: Any = None,
+    fsdp_plugin: Any = None,
     env: Mapping[str, str] | None = None,
 ) -> None:
     """Raise if FSDP or DeepSpeed was asked for but the accelerator state runs something else, or if the trainer's
@@ -83,6 +84,8 @@ def check_backend(
         fully_shard_backbone: ``GRPOJaggConfig.fully_shard_backbone``.
         deepspeed_plugin: accelerate's ``DeepSpeedPlugin`` of the run, if any: ZeRO-3 must gather the weights at
             each save (``zero3_save_16bit_model``), or checkpoints would hold no diffusers weights to resume from.
+        fsdp_plugin: accelerate's ``FullyShardedDataParallelPlugin`` of the run, if any: its state dict must be the
+            full one (``fsdp_state_dict_type: FULL_STATE_DICT``) for the same reason.
         env: the environment the launcher set (defaults to ``os.environ``).
     """
     env = os.environ if env is None else env
@@ -109,6 +112,17 @@ def check_backend(
                 "weights. Set `zero3_save_16bit_model: true` in the accelerate config (`--zero3_save_16bit_model "
                 "true`; `stage3_gather_16bit_weights_on_model_save` in a DeepSpeed JSON), as deepspeed_zero3.yaml does."
             )
+    state_dict_type = getattr(fsdp_plugin, "state_dict_type", None)
+    state_dict_type = getattr(state_dict_type, "name", state_dict_type)  # a StateDictType, or its name
+    if state_dict_type not in (None, "FULL_STATE_DICT"):
+        # transformers' Trainer hands `_save` the gathered weights only with the full state dict; otherwise it
+        # writes accelerate's own sharded folder of the whole backbone instead.
+        raise ValueError(
+            f"accelerate's FSDP plugin saves with fsdp_state_dict_type {state_dict_type} (FSDP version 2's default "
+            "when the config does not set it): checkpoints would hold no LoRA / diffusers weights. Set "
+            "`fsdp_state_dict_type: FULL_STATE_DICT` in the accelerate config (`--fsdp_state_dict_type "
+            "FULL_STATE_DICT`), as fsdp2.yaml does."
+        )
     if fully_shard_backbone:
         if distributed_type in ("FSDP", "DEEPSPEED"):
             raise ValueError(
