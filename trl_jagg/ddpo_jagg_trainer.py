@@ -139,9 +139,10 @@ class DDPOJaggTrainer(_BaseTrainer):
             self.conditioner.precompute([prompt_text(p, "train_dataset 'prompt'") for p in train_dataset["prompt"]])
         if self.ref_transformer is not None:
             self.ref_transformer.to(self.accelerator.device)
-        distributed.shard_backbones(
-            transformer, self.ref_transformer, args.fully_shard_backbone, self.accelerator.is_fsdp2
-        )
+        self.ref_transformer = distributed.shard_backbones(
+            transformer, self.ref_transformer, args.fully_shard_backbone, self.accelerator.is_fsdp2,
+            deepspeed_plugin=accelerator.state.deepspeed_plugin,
+        )  # fmt: skip
         if args.fully_shard_backbone:
             # transformers' switch for a model sharded before the Trainer sees it: no DDP wrap (DDP rejects DTensor
             # parameters), the optimizer built on the shards, every rank inside `_save` for the gathers.
