@@ -65,6 +65,7 @@ def test_trainer_under_deepspeed_zero_on_two_processes(stage, tiny_flux_path, tm
         trainer = worker.build_trainer(tiny_flux_path, str(tmp_path / f"ref-{kind}"), kind, world_size=1)
         batches[kind] = trainer._generate_and_score([{"prompt": p} for p in worker.PROMPTS[:2]])
         torch.save(batches[kind], tmp_path / f"{kind}_batch.pt")
+        trainer.weights.save(str(tmp_path / f"{kind}-initial"), trainer.model, None)  # w0, the same on every process
         del trainer
 
     _launch_deepspeed(stage, tiny_flux_path, str(tmp_path))
@@ -132,11 +133,14 @@ def test_trainer_under_deepspeed_zero_on_two_processes(stage, tiny_flux_path, tm
             figures[kind][f"resume{sub or ''}"] = max(float((a[k] - b[k]).abs().max()) for k in a)
             for k in a:
                 torch.testing.assert_close(b[k], a[k], atol=1e-6, rtol=0, msg=f"{sub} {k}")
-        # The EMA (decay d, updated after every step): ema_t = d ema_{t-1} + (1 - d) w_t, from the saved files.
+        # The EMA (decay d, updated after every step): ema_t = d ema_{t-1} + (1 - d) w_t from the saved files, with
+        # ema_0 = w0 (under ZeRO-3 each process's part of it was cut from the whole weights when train() built the
+        # engine).
         d = worker.EMA_DECAY
-        for t in (2, 3, 4):
-            folder, before = tmp_path / kind / f"checkpoint-{t}", tmp_path / kind / f"checkpoint-{t - 1}"
-            w, ema, ema_before = _weights(folder, kind), _weights(folder / "ema", kind), _weights(before / "ema", kind)
+        for t in (1, 2, 3, 4):
+            folder = tmp_path / kind / f"checkpoint-{t}"
+            before = tmp_path / f"{kind}-initial" if t == 1 else tmp_path / kind / f"checkpoint-{t - 1}" / "ema"
+            w, ema, ema_before = _weights(folder, kind), _weights(folder / "ema", kind), _weights(before, kind)
             for k in w:
                 torch.testing.assert_close(ema[k], d * ema_before[k] + (1 - d) * w[k], atol=1e-6, rtol=1e-5)
             assert any(not torch.allclose(ema[k], w[k]) for k in w)

@@ -361,8 +361,6 @@ class DDPOJaggTrainer(_BaseTrainer):
         transformer = self.accelerator.unwrap_model(self.model)
         # `state_dict` is the gathered full state dict under FSDP / DeepSpeed (Trainer.save_model passes it).
         state_dict, ema_state_dict = self.weights.gathered_state_dicts(transformer, state_dict, self.ema)
-        if ema_state_dict is None:  # under DeepSpeed ZeRO-3 the EMA's partitions are gathered through the engine
-            ema_state_dict = checkpointing.gathered_ema_state_dict(self.accelerator, self.model_wrapped, self.ema)
         if not self.args.should_save:
             return
         self.weights.save_model_folder(output_dir, transformer, (state_dict, ema_state_dict), self.ema, self.args)
