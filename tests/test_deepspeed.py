@@ -35,7 +35,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch_deepspeed(stage: int, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+def _launch_deepspeed(stage: int, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     """``accelerate launch --use_deepspeed --zero_stage N`` of the worker on 2 CPU processes."""
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--num_machines", "1",
            "--use_deepspeed", "--zero_stage", str(stage), "--zero3_init_flag", str(stage == 3).lower(),
@@ -65,6 +65,7 @@ def test_trainer_under_deepspeed_zero_on_two_processes(stage, tiny_flux_path, tm
         trainer = worker.build_trainer(tiny_flux_path, str(tmp_path / f"ref-{kind}"), kind, world_size=1)
         batches[kind] = trainer._generate_and_score([{"prompt": p} for p in worker.PROMPTS[:2]])
         torch.save(batches[kind], tmp_path / f"{kind}_batch.pt")
+        trainer.weights.save(str(tmp_path / f"{kind}-initial"), trainer.model, None)  # w0, the same on every process
         del trainer
 
     _launch_deepspeed(stage, tiny_flux_path, str(tmp_path))
@@ -80,6 +81,26 @@ def test_trainer_under_deepspeed_zero_on_two_processes(stage, tiny_flux_path, tm
         # micro-batches), and DeepSpeed counts the same optimizer steps as the Trainer.
         assert report["engine_steps"] == [0, 1, 2, 3] and report["engine_global_steps"] == 4 == report["global_step"]
         assert report["resumed_global_step"] == 4
+
+        # The KL reference of full fine-tuning: under ZeRO-3 each process holds its partition of every weight, as
+        # DeepSpeed pads it (ceil(numel / 2)), and the weights above the persistence threshold (10 block widths of
+        # elements) only as that partition; under ZeRO-2 it is whole on each process. Its forwards gave the
+        # gradients compared below.
+        if kind == "full":
+            config = json.loads((Path(tiny_flux_path) / "transformer" / "config.json").read_text())
+            threshold = 10 * config["num_attention_heads"] * config["attention_head_dim"]
+            numel = sum(w.numel() for w in _weights(Path(tiny_flux_path) / "transformer", kind).values())
+            for r in reports:
+                layout = r[kind]["reference"].values()
+                held = sum((part or 0) + whole for _, part, whole in layout)
+                assert sum(n for n, _, _ in layout) == numel
+                if stage == 3:
+                    assert all(part == -(-n // 2) for n, part, _ in layout)
+                    assert all(whole == 0 for n, _, whole in layout if n > threshold)
+                    assert sum(n for n, _, _ in layout if n > threshold) > numel / 2 and held < 0.6 * numel
+                else:
+                    assert all(part is None and whole == n for n, part, whole in layout) and held == numel
+            figures["reference held / numel"] = held / numel
 
         # The gradients reaching the optimizer against one process on the same micro-batch, at the same weights.
         final = tmp_path / kind / "checkpoint-4"
@@ -112,11 +133,14 @@ def test_trainer_under_deepspeed_zero_on_two_processes(stage, tiny_flux_path, tm
             figures[kind][f"resume{sub or ''}"] = max(float((a[k] - b[k]).abs().max()) for k in a)
             for k in a:
                 torch.testing.assert_close(b[k], a[k], atol=1e-6, rtol=0, msg=f"{sub} {k}")
-        # The EMA (decay d, updated after every step): ema_t = d ema_{t-1} + (1 - d) w_t, from the saved files.
+        # The EMA (decay d, updated after every step): ema_t = d ema_{t-1} + (1 - d) w_t from the saved files, with
+        # ema_0 = w0 (under ZeRO-3 each process's part of it was cut from the whole weights when train() built the
+        # engine).
         d = worker.EMA_DECAY
-        for t in (2, 3, 4):
-            folder, before = tmp_path / kind / f"checkpoint-{t}", tmp_path / kind / f"checkpoint-{t - 1}"
-            w, ema, ema_before = _weights(folder, kind), _weights(folder / "ema", kind), _weights(before / "ema", kind)
+        for t in (1, 2, 3, 4):
+            folder = tmp_path / kind / f"checkpoint-{t}"
+            before = tmp_path / f"{kind}-initial" if t == 1 else tmp_path / kind / f"checkpoint-{t - 1}" / "ema"
+            w, ema, ema_before = _weights(folder, kind), _weights(folder / "ema", kind), _weights(before, kind)
             for k in w:
                 torch.testing.assert_close(ema[k], d * ema_before[k] + (1 - d) * w[k], atol=1e-6, rtol=1e-5)
             assert any(not torch.allclose(ema[k], w[k]) for k in w)

@@ -206,6 +206,23 @@ def test_fsdp_or_deepspeed_fallback_is_refused():
     check_backend("MULTI_CPU", 2, fsdp_requested=False, fully_shard_backbone=True, env={})
 
 
+def test_fsdp_plugin_sharded_state_dict_is_refused():
+    """Under accelerate's FSDP plugin with SHARDED_STATE_DICT (FSDP2's default) transformers' Trainer never hands the
+    trainer gathered weights to save: refused at start, naming the setting and its fix."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from trl_jagg.distributed import check_backend
+
+    def plugin(state_dict_type: str | None) -> FullyShardedDataParallelPlugin:
+        return FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type=state_dict_type)
+
+    refused = "fsdp_state_dict_type SHARDED_STATE_DICT.*`fsdp_state_dict_type: FULL_STATE_DICT`"
+    for state_dict_type in ("SHARDED_STATE_DICT", None):  # None: the plugin's own default for FSDP2
+        with pytest.raises(ValueError, match=refused):
+            check_backend("FSDP", 2, fsdp_requested=False, fsdp_plugin=plugin(state_dict_type), env={})
+    check_backend("FSDP", 2, fsdp_requested=False, fsdp_plugin=plugin("FULL_STATE_DICT"), env={})
+
+
 def test_ema_under_fsdp_version_1_is_refused(tmp_path):
     """FSDP version 1's flat parameters are neither whole weights nor DTensor shards: the EMA would average garbage."""
     from types import SimpleNamespace

@@ -130,6 +130,7 @@ class DDPOJaggTrainer(_BaseTrainer):
         distributed.check_backend(
             accelerator.distributed_type, accelerator.num_processes, fsdp_requested=bool(args.fsdp),
             fully_shard_backbone=args.fully_shard_backbone, deepspeed_plugin=accelerator.state.deepspeed_plugin,
+            fsdp_plugin=getattr(accelerator.state, "fsdp_plugin", None),
         )  # fmt: skip
         self.frozen = FrozenModules(self.adapter, self.accelerator.device, offload=args.offload_frozen_modules)
         self.frozen.place(transformer)
@@ -138,9 +139,10 @@ class DDPOJaggTrainer(_BaseTrainer):
             self.conditioner.precompute([prompt_text(p, "train_dataset 'prompt'") for p in train_dataset["prompt"]])
         if self.ref_transformer is not None:
             self.ref_transformer.to(self.accelerator.device)
-        distributed.shard_backbones(
-            transformer, self.ref_transformer, args.fully_shard_backbone, self.accelerator.is_fsdp2
-        )
+        self.ref_transformer = distributed.shard_backbones(
+            transformer, self.ref_transformer, args.fully_shard_backbone, self.accelerator.is_fsdp2,
+            deepspeed_plugin=accelerator.state.deepspeed_plugin,
+        )  # fmt: skip
         if args.fully_shard_backbone:
             # transformers' switch for a model sharded before the Trainer sees it: no DDP wrap (DDP rejects DTensor
             # parameters), the optimizer built on the shards, every rank inside `_save` for the gathers.
@@ -359,8 +361,6 @@ class DDPOJaggTrainer(_BaseTrainer):
         transformer = self.accelerator.unwrap_model(self.model)
         # `state_dict` is the gathered full state dict under FSDP / DeepSpeed (Trainer.save_model passes it).
         state_dict, ema_state_dict = self.weights.gathered_state_dicts(transformer, state_dict, self.ema)
-        if ema_state_dict is None:  # under DeepSpeed ZeRO-3 the EMA's partitions are gathered through the engine
-            ema_state_dict = checkpointing.gathered_ema_state_dict(self.accelerator, self.model_wrapped, self.ema)
         if not self.args.should_save:
             return
         self.weights.save_model_folder(output_dir, transformer, (state_dict, ema_state_dict), self.ema, self.args)

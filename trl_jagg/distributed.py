@@ -10,6 +10,7 @@ with what the accelerator state is, and stop with the cause.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -71,6 +72,7 @@ def check_backend(
     fsdp_requested: bool,
     fully_shard_backbone: bool = False,
     deepspeed_plugin: Any = None,
+    fsdp_plugin: Any = None,
     env: Mapping[str, str] | None = None,
 ) -> None:
     """Raise if FSDP or DeepSpeed was asked for but the accelerator state runs something else, or if the trainer's
@@ -83,6 +85,8 @@ def check_backend(
         fully_shard_backbone: ``GRPOJaggConfig.fully_shard_backbone``.
         deepspeed_plugin: accelerate's ``DeepSpeedPlugin`` of the run, if any: ZeRO-3 must gather the weights at
             each save (``zero3_save_16bit_model``), or checkpoints would hold no diffusers weights to resume from.
+        fsdp_plugin: accelerate's ``FullyShardedDataParallelPlugin`` of the run, if any: its state dict must be the
+            full one (``fsdp_state_dict_type: FULL_STATE_DICT``) for the same reason.
         env: the environment the launcher set (defaults to ``os.environ``).
     """
     env = os.environ if env is None else env
@@ -109,6 +113,17 @@ def check_backend(
                 "weights. Set `zero3_save_16bit_model: true` in the accelerate config (`--zero3_save_16bit_model "
                 "true`; `stage3_gather_16bit_weights_on_model_save` in a DeepSpeed JSON), as deepspeed_zero3.yaml does."
             )
+    state_dict_type = getattr(fsdp_plugin, "state_dict_type", None)
+    state_dict_type = getattr(state_dict_type, "name", state_dict_type)  # a StateDictType, or its name
+    if state_dict_type not in (None, "FULL_STATE_DICT"):
+        # transformers' Trainer hands `_save` the gathered weights only with the full state dict; otherwise it
+        # writes accelerate's own sharded folder of the whole backbone instead.
+        raise ValueError(
+            f"accelerate's FSDP plugin saves with fsdp_state_dict_type {state_dict_type} (FSDP version 2's default "
+            "when the config does not set it): checkpoints would hold no LoRA / diffusers weights. Set "
+            "`fsdp_state_dict_type: FULL_STATE_DICT` in the accelerate config (`--fsdp_state_dict_type "
+            "FULL_STATE_DICT`), as fsdp2.yaml does."
+        )
     if fully_shard_backbone:
         if distributed_type in ("FSDP", "DEEPSPEED"):
             raise ValueError(
@@ -177,14 +192,56 @@ def shard_backbones(
     ref_transformer: torch.nn.Module | None,
     fully_shard_backbone: bool,
     plugin_fsdp2: bool,
-) -> None:
-    """Shard the trained backbone and the frozen KL reference with :func:`fully_shard_blocks` as the run asks: both
-    with ``fully_shard_backbone``; under accelerate's FSDP2 plugin (``plugin_fsdp2``), which shards the trained
-    backbone when it prepares it, only the reference."""
+    deepspeed_plugin: Any = None,
+) -> torch.nn.Module | None:
+    """Shard the trained backbone and the frozen KL reference as the run asks, and return the reference to call:
+    both with :func:`fully_shard_blocks` under ``fully_shard_backbone``; under accelerate's FSDP2 plugin
+    (``plugin_fsdp2``), which shards the trained backbone when it prepares it, only the reference, and under
+    DeepSpeed ZeRO-3 (``deepspeed_plugin``) the reference becomes :func:`zero3_reference`'s engine."""
     if fully_shard_backbone:
         fully_shard_blocks(transformer)
     if ref_transformer is not None and (fully_shard_backbone or plugin_fsdp2):
         fully_shard_blocks(ref_transformer)
+    if ref_transformer is not None and deepspeed_plugin is not None and deepspeed_plugin.zero_stage == 3:
+        return zero3_reference(ref_transformer, deepspeed_plugin.deepspeed_config)
+    return ref_transformer
+
+
+def zero3_reference(model: torch.nn.Module, deepspeed_config: Mapping[str, Any]) -> torch.nn.Module:
+    """``model`` (the frozen KL reference) as an inference-only DeepSpeed ZeRO-3 engine: each process keeps its
+    partition of every weight, gathered block by block for a forward, as TRL's ``prepare_deepspeed`` prepares
+    GRPOTrainer's ``ref_model``. A forward is then a collective: every process must make the same calls.
+
+    The run's ``deepspeed_config`` without what only training uses (optimizer, scheduler, optimizer offload, which
+    DeepSpeed would build with no optimizer to attach to), and TRL's bucket sizes from the backbone's width; TRL
+    writes them as dotted top-level keys, which DeepSpeed does not read, so here they go inside ``zero_optimization``.
+    Under ZeRO-2 the reference stays whole on every process (TRL: a stage-0 engine, the same thing)."""
+    import deepspeed
+
+    config = copy.deepcopy(dict(deepspeed_config))
+    config.pop("optimizer", None)
+    config.pop("scheduler", None)
+    zero = config["zero_optimization"]
+    zero.pop("offload_optimizer", None)
+    width = _backbone_width(model.config)
+    if width is not None:
+        # Weights under 10 widths (biases, norms) stay whole on every process, as TRL sets for a hidden size.
+        zero.update(
+            reduce_bucket_size=width * width,
+            stage3_prefetch_bucket_size=int(0.9 * width * width),
+            stage3_param_persistence_threshold=10 * width,
+        )
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    engine.eval()  # DeepSpeedEngine.eval returns None
+    return engine
+
+
+def _backbone_width(config: Mapping[str, Any]) -> int | None:
+    """A diffusers backbone's block width, the ``hidden_size`` TRL reads from a transformers config (``None`` when
+    the config names neither heads x head width nor ``dim``: DeepSpeed's defaults are kept)."""
+    if "num_attention_heads" in config and "attention_head_dim" in config:
+        return config["num_attention_heads"] * config["attention_head_dim"]
+    return config.get("dim")  # Z-Image
 
 
 @contextlib.contextmanager

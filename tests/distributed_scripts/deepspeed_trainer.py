@@ -7,7 +7,7 @@ One launch runs every setup of its ZeRO stage in sequence and writes ``report{ra
   (a checkpoint and its EMA at every step; the engine's ``step`` calls counted), then a fresh trainer resumed from
   checkpoint-2 trains to 4; then, on the straight run's engine at its final weights, the gradients that reach the
   optimizer (``safe_get_full_grad`` inside the engine's step, learning rate 0) for each MODE on this rank's half of
-  the micro-batch the test saved.
+  the micro-batch the test saved; and how the KL reference of full fine-tuning is laid out on this rank.
 """
 
 from __future__ import annotations
@@ -78,6 +78,19 @@ class EngineStepCounter(TrainerCallback):
         call_before_engine_step(self.trainer.model_wrapped, lambda: self.steps.append(self.trainer.state.global_step))
 
 
+def reference_layout(reference: torch.nn.Module | None) -> dict[str, list[int | None]] | None:
+    """Per parameter of the full fine-tuning KL reference (after its forwards): ``[numel, partition, held whole]``,
+    the elements of the weight, of this process's ZeRO-3 partition (``None`` outside ZeRO-3) and of the whole
+    weight this process holds (0 while only the partition is)."""
+    if reference is None:
+        return None
+    return {
+        name: [int(getattr(p, "ds_numel", p.numel())), p.ds_tensor.numel() if hasattr(p, "ds_tensor") else None,
+               p.numel()]
+        for name, p in reference.named_parameters()
+    }  # fmt: skip
+
+
 def set_mode(trainer: DDPOJaggTrainer, mode: str) -> None:
     for name, value in MODES[mode].items():
         setattr(trainer.args, name, value)
@@ -141,6 +154,7 @@ def main(model_path: str, work_dir: str) -> None:
             "global_step": straight.state.global_step,
             "resumed_global_step": resumed.state.global_step,
             "num_trainable": len(named),
+            "reference": reference_layout(straight.ref_transformer),
         }
         del straight, resumed, engine
     with open(f"{work_dir}/report{rank}.json", "w") as f:

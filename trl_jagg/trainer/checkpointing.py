@@ -45,7 +45,7 @@ from .checkpoint_checks import (
     damaged_file,
     weight_files,
 )
-from .ema import EMAWeights, local_parts
+from .ema import EMAWeights, local_parts, sharding_of
 from .files import EMA_DIR, FULL_WEIGHTS_PATTERN, GRPO_STATE_NAME, LORA_WEIGHTS_NAME, SCHEDULER_FOLDER, without_secrets
 from .guards import NON_FINITE_FIX, all_finite, any_process, last_checkpoint_note
 
@@ -103,18 +103,19 @@ class WeightsIO:
         self, transformer: torch.nn.Module, state_dict: dict | None, ema: EMAWeights | None
     ) -> tuple[dict | None, dict | None]:
         """The full state dicts of the weights and of the EMA weights of a sharded backbone (FSDP2, by the trainer or
-        accelerate's plugin): collectives every rank joins, the main process gets the tensors (only the trainable
-        ones for LoRA). ``state_dict``: the weights' one the Trainer gathered (accelerate's plugin), else gathered
-        here. ``(state_dict, None)`` for a backbone every process holds whole, whose EMA is saved swapped in."""
-        if not is_fully_sharded(transformer):
-            return state_dict, None
-        if state_dict is None:
+        accelerate's plugin; DeepSpeed ZeRO-3): collectives every rank joins, the main process gets the tensors
+        (only the trainable ones for LoRA under FSDP2). ``state_dict``: the weights' one the Trainer gathered
+        (accelerate's FSDP2 plugin; DeepSpeed, ``None`` on the other processes under ZeRO-3), else gathered here
+        under FSDP2. ``(state_dict, None)`` for trained weights every process holds whole, whose EMA is saved swapped
+        in."""
+        if is_fully_sharded(transformer) and state_dict is None:
             options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=self.is_lora)
             state_dict = get_model_state_dict(transformer, options=options)
-        if ema is None:
+        if ema is None or all(sharding_of(p) is None for p in ema.parameters()):
             return state_dict, None
         names = [name for name, p in transformer.named_parameters() if p.requires_grad]  # ema.parameters()' order
-        return state_dict, {**state_dict, **dict(zip(names, ema.full_weights()))}
+        ema_weights = dict(zip(names, ema.full_weights()))
+        return state_dict, None if state_dict is None else {**state_dict, **ema_weights}
 
     def save(self, output_dir: str, transformer: torch.nn.Module, state_dict: dict | None) -> None:
         """Write the weights (``state_dict``: the gathered full one under FSDP / DeepSpeed) into ``output_dir``."""
@@ -173,8 +174,8 @@ class WeightsIO:
         """A model folder: the weights, the EMA weights beside them in their format (``ema/``: loadable with
         ``load_lora_weights(f"{output_dir}/ema")``), the schedule sampled in training (``scheduler/``: a recipe may
         override the base model's, DanceGRPO's shift 3) and the training arguments without secrets.
-        ``state_dicts``: the gathered weights and EMA weights (:meth:`gathered_state_dicts`; under DeepSpeed ZeRO-3
-        the EMA's from :func:`gathered_ema_state_dict`), ``None`` where the model holds them whole."""
+        ``state_dicts``: the gathered weights and EMA weights (:meth:`gathered_state_dicts`), ``None`` where the
+        model holds them whole."""
         state_dict, ema_state_dict = state_dicts
         self.save(output_dir, transformer, state_dict)
         if ema_state_dict is not None:
@@ -201,15 +202,6 @@ class WeightsIO:
                 ema.restore(params)
         if trained:
             self.load(transformer, checkpoint)
-
-
-def gathered_ema_state_dict(accelerator: Any, engine: torch.nn.Module, ema: EMAWeights | None) -> dict | None:
-    """Under DeepSpeed ZeRO-3, the full EMA weights (swapped into the partitions, gathered by every rank, the tensors
-    on the main process), else ``None`` (the EMA is saved through the model's own weights)."""
-    if ema is None or not any(hasattr(p, "ds_id") for p in engine.parameters()):
-        return None
-    with ema.swapped_in():
-        return accelerator.get_state_dict(engine)
 
 
 def check_optimizer_state(checkpoint: str, optimizer: torch.optim.Optimizer) -> None:

@@ -48,28 +48,48 @@ FSDP2 = Sharding(local=lambda param: param.to_local(), split=_fsdp2_split, gathe
 """FSDP2 (``fully_shard``, by the trainer or accelerate's plugin): parameters are ``DTensor`` shards."""
 
 
+def _zero3_split(full: torch.Tensor, param: Any) -> torch.Tensor:
+    # DeepSpeed's partitioning: the flattened weight, zero-padded to a multiple of the processes, rank r keeping
+    # the slice at r x partition size (`Init._partition_param`, deepspeed 0.19.8).
+    size = param.ds_tensor.numel()
+    start = torch.distributed.get_rank(group=param.ds_process_group) * size
+    part = full.reshape(-1)[start : start + size]
+    return torch.nn.functional.pad(part, (0, size - part.numel()))
+
+
+def _zero3_gather(part: torch.Tensor, param: Any) -> torch.Tensor:
+    group = param.ds_process_group
+    part = part.to(param.ds_tensor.device).contiguous()
+    parts = [torch.empty_like(part) for _ in range(torch.distributed.get_world_size(group=group))]
+    torch.distributed.all_gather(parts, part, group=group)
+    return torch.cat(parts)[: param.ds_numel].view(param.ds_shape)
+
+
+ZERO3 = Sharding(local=lambda param: param.ds_tensor, split=_zero3_split, gather=_zero3_gather)
+"""DeepSpeed ZeRO-3: each process holds a flat partition (``ds_tensor``) of every parameter, which is itself empty
+outside a gather."""
+
+
 def sharding_of(param: torch.Tensor) -> Sharding | None:
-    """The sharding kind of a trained parameter, ``None`` when every process holds it whole."""
+    """The sharding kind of a trained parameter, ``None`` when every process holds it whole (ZeRO-2 included)."""
     from torch.distributed.tensor import DTensor
 
+    if hasattr(param, "ds_tensor"):
+        return ZERO3
     return FSDP2 if isinstance(param, DTensor) else None
 
 
 def local_parts(params: list[torch.Tensor]) -> list[torch.Tensor]:
-    """This process's part of each parameter: its FSDP2 shard, its DeepSpeed ZeRO-3 partition (``ds_tensor``; the
-    parameter itself is empty outside a gather), else the parameter itself (ZeRO-2 leaves parameters whole)."""
-    return [
-        p.ds_tensor if hasattr(p, "ds_tensor") else kind.local(p) if (kind := sharding_of(p)) is not None else p
-        for p in params
-    ]
+    """This process's part of each parameter (:class:`Sharding`'s ``local``), else the parameter itself."""
+    return [kind.local(p) if (kind := sharding_of(p)) is not None else p for p in params]
 
 
 class EMAWeights(EMAModel):
     """diffusers' :class:`~diffusers.training_utils.EMAModel` of ``parameters()`` (the trainable ones), on the CPU
     with ``ema_offload``; Flow-GRPO's warm-up ``min(decay, (1 + t) / (10 + t))`` when ``ema_warmup``. Under
-    sharding (FSDP2, :func:`sharding_of`; DeepSpeed ZeRO-3) each process averages its own part of every weight
-    (:func:`local_parts`); :meth:`full_weights` gathers an FSDP2 average for saving, the engine a ZeRO-3 one
-    (``checkpointing.gathered_ema_state_dict``). Refused under accelerate's FSDP version 1 plugin."""
+    sharding (FSDP2 or DeepSpeed ZeRO-3, :func:`sharding_of`) each process averages its own part of every weight
+    (:func:`local_parts`); :meth:`full_weights` gathers the average for saving. Refused under accelerate's FSDP
+    version 1 plugin."""
 
     def __init__(
         self, args: GRPOJaggConfig, parameters: Callable[[], list[torch.nn.Parameter]], *, accelerator: Any = None
@@ -93,11 +113,12 @@ class EMAWeights(EMAModel):
 
     def _parts(self) -> list[torch.Tensor]:
         """This process's part of each trainable weight, the average cut to the same parts if it was taken whole:
-        accelerate's FSDP2 plugin shards the backbone in ``train()``, after the trainer made the average."""
+        accelerate's FSDP2 plugin and DeepSpeed's ZeRO-3 engine shard the backbone in ``train()``, after the trainer
+        made the average."""
         params = self.parameters()
         parts = local_parts(params)
         for i, (shadow, part, param) in enumerate(zip(self.shadow_params, parts, params)):
-            if shadow.shape != part.shape and (kind := sharding_of(param)) is not None:  # ZeRO-3: EMACallback
+            if shadow.shape != part.shape and (kind := sharding_of(param)) is not None:
                 split = kind.split(shadow, param)
                 self.shadow_params[i] = split.to(device=self.shadow_device or part.device, dtype=torch.float32)
         return parts
@@ -162,15 +183,6 @@ class EMACallback(TrainerCallback):
 
     def __init__(self, ema: EMAWeights):
         self.ema = ema
-
-    def on_train_begin(self, args: GRPOJaggConfig, state: Any, control: Any, **kwargs: Any) -> None:
-        # DeepSpeed ZeRO-3 partitions the weights when `train` builds the engine, after the average was taken from
-        # the same (untrained) weights whole: take it again from this process's partitions.
-        params = self.ema.parameters()
-        if any(hasattr(p, "ds_tensor") for p in params) and [s.shape for s in self.ema.shadow_params] != [
-            p.shape for p in local_parts(params)
-        ]:
-            self.ema.take_current_weights()
 
     def on_pre_optimizer_step(self, args: GRPOJaggConfig, state: Any, control: Any, **kwargs: Any) -> None:
         # The weights are still those after step t = global_step: Flow-GRPO's calls inside step t + 1's window.
