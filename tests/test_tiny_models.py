@@ -44,6 +44,7 @@ PIPELINE_CLASSES = {
     "qwenimage_edit": QwenImageEditPipeline,
     "qwenimage_edit_plus": QwenImageEditPlusPipeline,
     "wan": WanPipeline,
+    "wan22": WanPipeline,  # two experts
 }
 # The families whose pipelines also sample from text alone; the Qwen-Image-Edit pipelines need a source image, and
 # tests/test_qwen_edit.py checks their calls.
@@ -65,6 +66,7 @@ def _call_kwargs(family: str) -> dict:
         "flux2_dev": {"guidance_scale": 4.0, "max_sequence_length": 48},
         "flux_kontext": {"guidance_scale": 3.5},  # without a source image: FLUX.1's text-to-image
         "wan": {"guidance_scale": 4.5, "num_frames": 5},  # 5 frames: 2 latent frames
+        "wan22": {"guidance_scale": 4.0, "guidance_scale_2": 3.0, "num_frames": 5},  # Flow-Factory's two scales
     }[family]
 
 
@@ -155,10 +157,10 @@ def test_pipeline_call_is_finite_sized_and_deterministic(saved, size):
             output_type="np",
             **_call_kwargs(family),
         )
-        return output.frames if family == "wan" else output.images
+        return output.frames if family.startswith("wan") else output.images
 
     images = generate()
-    assert images.shape == ((1, 5, size, size, 3) if family == "wan" else (1, size, size, 3))
+    assert images.shape == ((1, 5, size, size, 3) if family.startswith("wan") else (1, size, size, 3))
     assert np.isfinite(images).all()
     np.testing.assert_array_equal(images, generate())
 
