@@ -221,3 +221,23 @@ def test_train_experts_values_are_the_config_checks_ones():
     from trl_jagg.models.wan_experts import TRAIN_EXPERTS
 
     assert tuple(TRAIN_EXPERTS) == CHECKED
+
+
+def test_resume_keeps_both_experts_weights_and_optimizer_state(tiny_wan22_path, tmp_path):
+    """1 step, a checkpoint, a fresh trainer, 1 more step == 2 straight steps, for both experts' LoRA weights (the
+    second Adam step needs the first's moments: a lost optimizer state would move the weights otherwise)."""
+    from test_trainer import StopAt, trainable_state
+
+    straight = wan22_trainer(tiny_wan22_path, tmp_path / "straight")
+    straight.train()
+    first = wan22_trainer(tiny_wan22_path, tmp_path / "resumed", save_strategy="steps", save_steps=1)
+    first.add_callback(StopAt(1))
+    first.train()
+    checkpoint = os.path.join(first.args.output_dir, "checkpoint-1")
+    assert {"transformer", "transformer_2"} <= set(os.listdir(checkpoint))
+    second = wan22_trainer(tiny_wan22_path, tmp_path / "resumed")
+    second.train(resume_from_checkpoint=checkpoint)
+    a, b = trainable_state(straight), trainable_state(second)
+    assert {name.split(".")[0] for name in a} == {"transformer", "transformer_2"}
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0)
