@@ -560,5 +560,7 @@ def tiny_run(family: str, *, num_inference_steps: int = 5) -> TinyRun:
         config["num_frames"] = 5
     if family == "flux2_dev":  # its system message takes the first 31 tokens of the prompt encoding
         config["max_sequence_length"] = 48
+    if family == "wan22":  # the 4 trained steps are 2 per expert: groups of W = 2, one on each side of the switch
+        config["jagg_group_size"] = 2
     model = save_tiny_pipeline(family, tempfile.mkdtemp(prefix=f"tiny-{family}-"))
     return TinyRun(model, "prompt_color", Dataset.from_dict(columns), config)
