@@ -146,7 +146,8 @@ def test_both_experts_lora_reload_with_load_lora_weights(tiny_wan22_path, tmp_pa
     ours = trainer.sample_images(["a red circle"], seed=0)
     pipe = DiffusionPipeline.from_pretrained(tiny_wan22_path)
     pipe.load_lora_weights(os.path.join(out, "transformer"))
-    pipe.load_lora_weights(os.path.join(out, "transformer_2"), load_into_transformer_2=True)
+    # The model card's form (tests below): the folder as `subfolder=`, which a Hub repository takes too.
+    pipe.load_lora_weights(out, subfolder="transformer_2", load_into_transformer_2=True)
     lora_latents, theirs = pipeline_sample(pipe)
     assert_same_images(ours, theirs)
     high_only = DiffusionPipeline.from_pretrained(tiny_wan22_path)
@@ -241,3 +242,18 @@ def test_resume_keeps_both_experts_weights_and_optimizer_state(tiny_wan22_path, 
     assert {name.split(".")[0] for name in a} == {"transformer", "transformer_2"}
     for name in a:
         torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0)
+
+
+def test_model_card_snippet_loads_each_expert():
+    """The card's snippet for a two-expert run loads each trained expert from its folder, as the tests above do."""
+    from trl_jagg.trainer.model_card import usage_snippet
+
+    settings = dict(base="Wan-AI/Wan2.2-T2V-A14B-Diffusers", repo="me/run", pipeline_class="WanPipeline",
+                    transformer_class="WanTransformer3DModel", dtype="bfloat16", scheduler_class=None,
+                    call_kwargs={}, experts=["transformer", "transformer_2"])  # fmt: skip
+    lora = usage_snippet(is_lora=True, **settings)
+    assert 'pipe.load_lora_weights("me/run", subfolder="transformer")' in lora
+    assert 'pipe.load_lora_weights("me/run", subfolder="transformer_2", load_into_transformer_2=True)' in lora
+    full = usage_snippet(is_lora=False, **settings)
+    assert 'transformer_2 = WanTransformer3DModel.from_pretrained("me/run", subfolder="transformer_2"' in full
+    assert "transformer=transformer, transformer_2=transformer_2" in full

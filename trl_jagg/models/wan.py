@@ -32,7 +32,7 @@ class WanAdapter(FlowMatchingAdapter):
     Wan2.2 A14B (``transformer_2`` and ``boundary_ratio``): the trained backbone is :class:`WanExperts`, and each
     backbone call goes to the expert ``WanPipeline.__call__`` picks, ``transformer`` for timesteps ``>=
     boundary_ratio * num_train_timesteps`` and ``transformer_2`` below, with :attr:`guidance_scale_2` for the latter.
-    :attr:`train_experts` says which experts are trained. TI2V's per-token timesteps (``expand_timesteps``) are
+    :meth:`choose_experts` says which experts are trained. TI2V's per-token timesteps (``expand_timesteps``) are
     refused with an error: not supported yet.
     """
 
@@ -60,7 +60,7 @@ class WanAdapter(FlowMatchingAdapter):
         if pipeline.config.expand_timesteps:
             raise ValueError(
                 "This WanPipeline samples with per-token timesteps (`expand_timesteps`, Wan2.2 TI2V), which trl_jagg "
-                "does not train yet. Use a Wan2.1 checkpoint."
+                "does not train yet. Use a Wan2.1 or Wan2.2 A14B checkpoint."
             )
         self._num_frames = DEFAULT_NUM_FRAMES
 
@@ -73,14 +73,14 @@ class WanAdapter(FlowMatchingAdapter):
     def trained_experts(self) -> tuple[str, ...]:
         return self.experts.trained if self.experts is not None else EXPERTS[:1]
 
-    @trained_experts.setter
-    def trained_experts(self, value: str) -> None:
-        """``GRPOJaggConfig.train_experts``: ``"both"``, ``"high_noise"`` or ``"low_noise"``."""
-        if value not in TRAIN_EXPERTS:
-            raise ValueError(f"train_experts={value!r}: use one of {tuple(TRAIN_EXPERTS)}.")
+    def choose_experts(self, train_experts: str) -> None:
+        """``GRPOJaggConfig.train_experts``: train ``"both"`` experts, the ``"high_noise"`` or the ``"low_noise"``
+        one (set before the trainer prepares the backbone: the others get no LoRA)."""
+        if train_experts not in TRAIN_EXPERTS:
+            raise ValueError(f"train_experts={train_experts!r}: use one of {tuple(TRAIN_EXPERTS)}.")
         if self.experts is None:
-            raise ValueError(f"train_experts={value!r}: this WanPipeline has one transformer (Wan2.1), no experts.")
-        self.experts.trained = TRAIN_EXPERTS[value]
+            raise ValueError(f"train_experts={train_experts!r}: this WanPipeline has one transformer (Wan2.1).")
+        self.experts.trained = TRAIN_EXPERTS[train_experts]
 
     def expert_of(self, timestep: float | torch.Tensor) -> str:
         return self.experts.expert_of(timestep) if self.experts is not None else EXPERTS[0]

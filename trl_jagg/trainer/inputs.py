@@ -73,7 +73,7 @@ def checked_model_inputs(
             )
         adapter.num_frames = args.num_frames
     if getattr(adapter, "experts", None) is not None:
-        adapter.trained_experts = args.train_experts
+        adapter.choose_experts(args.train_experts)
         adapter.guidance_scale_2 = args.guidance_scale_2
     elif args.train_experts != "both" or args.guidance_scale_2 is not None:
         raise ValueError(
