@@ -80,3 +80,9 @@ def tiny_qwenimage_edit_plus_path(tmp_path_factory: pytest.TempPathFactory) -> s
 def tiny_wan_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     """Directory of a tiny ``WanPipeline`` (Wan2.1 text-to-video; seed 0, default vocabulary)."""
     return _save_tiny("wan", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def tiny_wan22_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny Wan2.2 A14B-like pipeline (two experts, boundary_ratio 0.8) saved to disk."""
+    return _save_tiny("wan22", tmp_path_factory)

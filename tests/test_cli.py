@@ -694,7 +694,7 @@ def test_errors_from_outside_trl_jagg_keep_their_traceback(tmp_path, monkeypatch
 @pytest.mark.parametrize(
     ("family", "recipe"),
     [("zimage", "flow-factory-z-image-turbo"), ("flux2_klein", "flow-factory-flux2-klein-base"),
-     ("flux2_dev", "flow-factory-flux2-dev"), ("wan", "flow-grpo-wan2.1")],
+     ("flux2_dev", "flow-factory-flux2-dev"), ("wan", "flow-grpo-wan2.1"), ("wan22", "flow-factory-wan2.2")],
 )  # fmt: skip
 def test_tiny_train_run_of_a_newer_family_from_its_recipe(request, family, recipe, tmp_path, capsys):
     """`trl-jagg train --recipe` on the tiny pipeline of each newer family: the preset's LoRA targets exist in the
@@ -702,19 +702,24 @@ def test_tiny_train_run_of_a_newer_family_from_its_recipe(request, family, recip
     output_dir = tmp_path / "out"
     tiny = {**TINY, "gradient_accumulation_steps": 1, "steps_per_generation": 1, "max_steps": 1, "lora_r": 4,
             "lora_alpha": 8}  # fmt: skip
-    if family == "wan":  # 5 frames (2 latent frames) instead of the preset's 33
+    if family.startswith("wan"):  # 5 frames (2 latent frames) instead of the presets' 33 / 5
         tiny["num_frames"] = 5
     if family == "flux2_dev":  # the system message takes 31 tokens; one reward for the preset's two weights; 2 steps
         tiny |= {"max_sequence_length": 48, "reward_weights": 1.0, "max_steps": 2}
+    if family == "wan22":  # two steps; 4 trained steps, 2 per expert: groups of W = 2
+        tiny |= {"max_steps": 2, "jagg_group_size": 2}
     flags = [f"--{key}={value}" for key, value in tiny.items()]
     argv = ["train", "--recipe", recipe, "--model_name_or_path", request.getfixturevalue(f"tiny_{family}_path"),
             "--reward_funcs", "prompt_color", "--prompts", "a red circle", "a green square", "--output_dir",
             str(output_dir), *flags]  # fmt: skip
     code, out, err = run(argv, capsys)
     assert code == 0, err
-    assert os.path.isfile(output_dir / "pytorch_lora_weights.safetensors")
+    # Wan2.2: each expert's LoRA in its component folder (both trained, the preset's train_experts).
+    folders = ["transformer", "transformer_2"] if family == "wan22" else [""]
+    assert all(os.path.isfile(output_dir / folder / "pytorch_lora_weights.safetensors") for folder in folders)
     logged = [ast.literal_eval(line) for line in out.splitlines() if line.startswith("{'loss'")]
-    assert len(logged) == tiny["max_steps"] and all(float(log["jagg/groups_jagg"]) == 1 for log in logged)
+    groups = 2 if family == "wan22" else 1  # one JAGG group on each side of Wan2.2's expert switch
+    assert len(logged) == tiny["max_steps"] and all(float(e["jagg/groups_jagg"]) == groups for e in logged)
 
 
 @pytest.mark.parametrize("family", ["qwenimage_edit", "qwenimage_edit_plus"])

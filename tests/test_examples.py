@@ -51,6 +51,9 @@ EXAMPLES = {
     "train_wan_ocr.py": (
         "wan", "WanPipeline", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", LORA
     ),
+    "train_wan22_pickscore.py": (  # each expert's LoRA in its component folder
+        "wan22", "WanPipeline", "Wan-AI/Wan2.2-T2V-A14B-Diffusers", f"transformer_2/{LORA}"
+    ),
 }  # fmt: skip
 
 

@@ -92,6 +92,7 @@ def pipeline_guidance(family: str, prompts: list[str], negative: str | None, gui
     return {
         "guidance_scale": guidance["guidance_scale"],
         "negative_prompt": [negative] * len(prompts) if negative else None,
+        **{key: guidance[key] for key in ("guidance_scale_2",) if key in guidance},  # Wan2.2's low-noise expert
     }
 
 

@@ -86,6 +86,12 @@ PUBLISHED = {
         num_generations=16, learning_rate=3e-4, beta=0.0, clip_range=1e-4, adv_clip_max=5.0,
         reward_weights=[1.0, 0.5], multi_objective_aggregation="normalize_then_sum",
     ),
+    # Flow-Factory examples/grpo/lora/wan22/t2v.yaml (L27, L53-98): both experts, CFG 4 then 3, lr 1e-4.
+    "flow-factory-wan2.2": dict(
+        height=480, width=480, num_frames=5, num_inference_steps=10, guidance_scale=4.0, guidance_scale_2=3.0,
+        train_experts="both", sampler="sde", noise_level=0.9, num_generations=16, learning_rate=1e-4, beta=0.0,
+        clip_range=1e-4, adv_clip_max=5.0,
+    ),
 }  # fmt: skip
 # The peers' conventions around the formulas, read from their code (docs/models.md lists file and line for each).
 # Flow-GRPO: config/grpo.py (pickscore_sd3, pickscore_flux, pickscore_flux_fast, pickscore_qwenimage),
@@ -159,6 +165,10 @@ PEER_CONVENTIONS = {
     "flow-factory-flux2-dev": dict(
         scale_rewards="group", advantage_std_ddof=0, ema_decay=0.9, ema_update_interval=4, max_sequence_length=512,
         eval_num_inference_steps=28,
+    ),
+    "flow-factory-wan2.2": dict(  # t2v.yaml L70, L84-85, eval 28 steps (L108)
+        scale_rewards="group", advantage_std_ddof=0, ema_decay=0.9, ema_update_interval=4, max_sequence_length=512,
+        eval_num_inference_steps=28, negative_prompt="",
     ),
 }  # fmt: skip
 
@@ -346,7 +356,12 @@ PUBLISHED_LORA = {
     "flow-factory-flux2-klein-base": _FLUX2_KLEIN_LORA,
     "flow-factory-flux2-klein": _FLUX2_KLEIN_LORA,
     "flow-factory-flux2-dev": _FLUX2_KLEIN_LORA,  # the same list
-}
+    # FF src/flow_factory/models/wan/wan2_t2v.py:74-85 (default_target_modules), on both experts (t2v.yaml L27).
+    "flow-factory-wan2.2": (
+        64, 128, ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "attn2.to_q", "attn2.to_k",
+                  "attn2.to_v", "attn2.to_out.0", "ffn.net.0.proj", "ffn.net.2"),
+    ),
+}  # fmt: skip
 MODELS = {
     "flow-grpo-sd35": "stabilityai/stable-diffusion-3.5-medium",
     "flow-grpo-sd35-ocr": "stabilityai/stable-diffusion-3.5-medium",
@@ -366,6 +381,7 @@ MODELS = {
     "flow-factory-flux2-klein-base": "black-forest-labs/FLUX.2-klein-base-9B",
     "flow-factory-flux2-klein": "black-forest-labs/FLUX.2-klein-9B",
     "flow-factory-flux2-dev": "black-forest-labs/FLUX.2-dev",
+    "flow-factory-wan2.2": "Wan-AI/Wan2.2-T2V-A14B-Diffusers",  # t2v.yaml L34
 }
 
 
@@ -641,14 +657,21 @@ PRESET_SPLIT_TINY = dict(
 )  # fmt: skip
 
 
-# Every preset with its peer's training rows; of the five Flow-Factory presets (one shared split) the two cheapest
-# (FLUX.2 dev's LoRA targets are klein's, and test_cli trains its preset on the tiny FLUX.2 dev).
+# Every preset with its peer's training rows; of the six Flow-Factory presets (one shared split) the two cheapest
+# (FLUX.2 dev's LoRA targets are klein's, and test_cli trains its preset on the tiny FLUX.2 dev; Wan2.2's targets
+# and both experts train through `trl-jagg train` there too).
 @pytest.mark.parametrize(
     "name",
     [
         n
         for n in PEER_TRAINING
-        if n not in ("flow-factory-z-image", "flow-factory-flux2-klein-base", "flow-factory-flux2-dev")
+        if n
+        not in (
+            "flow-factory-z-image",
+            "flow-factory-flux2-klein-base",
+            "flow-factory-flux2-dev",
+            "flow-factory-wan2.2",
+        )
     ],
 )
 def test_preset_schedule_split_and_lora_through_the_trainer(name, request, tmp_path):

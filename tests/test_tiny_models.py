@@ -44,6 +44,7 @@ PIPELINE_CLASSES = {
     "qwenimage_edit": QwenImageEditPipeline,
     "qwenimage_edit_plus": QwenImageEditPlusPipeline,
     "wan": WanPipeline,
+    "wan22": WanPipeline,  # two experts
 }
 # The families whose pipelines also sample from text alone; the Qwen-Image-Edit pipelines need a source image, and
 # tests/test_qwen_edit.py checks their calls.
@@ -65,6 +66,7 @@ def _call_kwargs(family: str) -> dict:
         "flux2_dev": {"guidance_scale": 4.0, "max_sequence_length": 48},
         "flux_kontext": {"guidance_scale": 3.5},  # without a source image: FLUX.1's text-to-image
         "wan": {"guidance_scale": 4.5, "num_frames": 5},  # 5 frames: 2 latent frames
+        "wan22": {"guidance_scale": 4.0, "guidance_scale_2": 3.0, "num_frames": 5},  # Flow-Factory's two scales
     }[family]
 
 
@@ -155,10 +157,10 @@ def test_pipeline_call_is_finite_sized_and_deterministic(saved, size):
             output_type="np",
             **_call_kwargs(family),
         )
-        return output.frames if family == "wan" else output.images
+        return output.frames if family.startswith("wan") else output.images
 
     images = generate()
-    assert images.shape == ((1, 5, size, size, 3) if family == "wan" else (1, size, size, 3))
+    assert images.shape == ((1, 5, size, size, 3) if family.startswith("wan") else (1, size, size, 3))
     assert np.isfinite(images).all()
     np.testing.assert_array_equal(images, generate())
 
@@ -435,7 +437,8 @@ def _flux2_dev_by_hand(pipe: Flux2Pipeline, *, height: int, width: int, steps: i
 
 @torch.no_grad()
 def _wan_by_hand(pipe: WanPipeline, *, height: int, width: int, steps: int, seed: int) -> torch.Tensor:
-    batch, kwargs = len(PROMPTS), _call_kwargs("wan")
+    two_experts = pipe.transformer_2 is not None
+    batch, kwargs = len(PROMPTS), _call_kwargs("wan22" if two_experts else "wan")
     # The call pads the prompts with zeros to 512 tokens, which cross-attention attends to ("" for the negatives).
     prompt_embeds, negative_embeds = pipe.encode_prompt(
         PROMPTS, do_classifier_free_guidance=True, max_sequence_length=512
@@ -448,12 +451,16 @@ def _wan_by_hand(pipe: WanPipeline, *, height: int, width: int, steps: int, seed
     assert latents.shape == (batch, 16, 2, height // 8, width // 8)
     pipe.scheduler.set_timesteps(steps)  # the scheduler's own shifted schedule
     for step, t in enumerate(pipe.scheduler.timesteps):
+        # Wan2.2 A14B: the low-noise expert and its own scale below boundary_ratio * 1000 (the tiny one: 800).
+        low = two_experts and t < pipe.config.boundary_ratio * 1000
+        model, scale = (
+            (pipe.transformer_2, kwargs["guidance_scale_2"]) if low else (pipe.transformer, kwargs["guidance_scale"])
+        )
         cond, uncond = (
-            pipe.transformer(hidden_states=latents, timestep=t.expand(batch), encoder_hidden_states=embeds,
-                             return_dict=False)[0]
+            model(hidden_states=latents, timestep=t.expand(batch), encoder_hidden_states=embeds, return_dict=False)[0]
             for embeds in (prompt_embeds, negative_embeds)
         )  # fmt: skip
-        latents = _euler(pipe, step, latents, uncond + kwargs["guidance_scale"] * (cond - uncond))
+        latents = _euler(pipe, step, latents, uncond + scale * (cond - uncond))
     return latents
 
 
@@ -466,6 +473,7 @@ MANUAL_SAMPLERS = {
     "flux2_dev": _flux2_dev_by_hand,
     "flux_kontext": _flux_by_hand,  # no source image: Flux's loop
     "wan": _wan_by_hand,
+    "wan22": _wan_by_hand,  # with its expert switch
 }
 
 
@@ -480,7 +488,7 @@ def test_manual_sampling_reproduces_pipeline_latents(saved):
         output_type="latent",
         **_call_kwargs(family),
     )
-    expected = expected.frames if family == "wan" else expected.images
+    expected = expected.frames if family.startswith("wan") else expected.images
     actual = MANUAL_SAMPLERS[family](pipe, height=height, width=width, steps=steps, seed=seed)
     assert actual.shape == expected.shape
     assert (actual - expected).abs().max().item() < 1e-5

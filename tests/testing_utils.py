@@ -17,6 +17,7 @@ FLOW_FACTORY = (
     "flow-factory-flux2-klein-base",
     "flow-factory-flux2-klein",
     "flow-factory-flux2-dev",
+    "flow-factory-wan2.2",
 )
 NAMES = [
     "flow-grpo-sd35",

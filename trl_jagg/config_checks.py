@@ -29,6 +29,7 @@ SCALE_REWARDS = ("group", "batch", "none")
 KL_STDS = ("step", "flow_grpo")
 EMA_SCHEDULES = ("step", "flow_grpo")
 CFG_GRADIENTS = ("both", "conditional")
+TRAIN_EXPERTS = ("both", "high_noise", "low_noise")  # Wan2.2 A14B's; models/wan_experts.py maps them to experts
 DTYPES = ("float32", "bfloat16", "float16")
 MAX_NOISE_LEVEL = 2.0
 CLIP_RANGE_SLACK = 100.0
@@ -139,6 +140,14 @@ def check_fields(config: GRPOJaggConfig) -> None:
             fail(name, f"is {getattr(config, name)}", "Use a positive multiple of 16 (8x VAE and 2x2 packing).")
     if config.num_frames is not None and (not isinstance(config.num_frames, int) or config.num_frames < 1):
         fail("num_frames", f"is {config.num_frames!r}", "Use a positive number of frames (Wan: 4 k + 1, e.g. 33).")
+    if config.guidance_scale_2 is not None and not config.guidance_scale_2 > 1:
+        fail(
+            "guidance_scale_2",
+            f"is {config.guidance_scale_2!r}",
+            "Wan2.2's low-noise CFG scale applies where guidance_scale > 1 turns CFG on: use a value > 1, or None.",
+        )
+    if config.train_experts not in TRAIN_EXPERTS:
+        fail("train_experts", f"is {config.train_experts!r}", f"Use one of {TRAIN_EXPERTS} (Wan2.2 A14B).")
     if config.sampler not in TRAIN_SAMPLERS:
         fail("sampler", f"is {config.sampler!r}", f"Use one of {TRAIN_SAMPLERS} (the ODE step has no log-prob).")
     if config.noise_level <= 0:

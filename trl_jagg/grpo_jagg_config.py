@@ -48,8 +48,8 @@ class GRPOJaggConfig(TrainingArguments):
 
         > Sampling (rollouts)
 
-        num_generations, num_inference_steps, height, width, num_frames, guidance_scale, true_cfg_scale, negative_prompt,
-        sampler, noise_level, reward_on_predicted_x0, sample_batch_size, max_sequence_length, steps_per_generation,
+        num_generations, num_inference_steps, height, width, num_frames, guidance_scale, guidance_scale_2, true_cfg_scale,
+        negative_prompt, sampler, noise_level, reward_on_predicted_x0, sample_batch_size, max_sequence_length, steps_per_generation,
         generation_batch_size, source_image_area.
 
         > Training (which steps, which loss)
@@ -141,6 +141,10 @@ class GRPOJaggConfig(TrainingArguments):
             "the classifier-free guidance scale of SD3 (1 disables it)."
         },
     )
+    guidance_scale_2: float | None = field(
+        default=None,
+        metadata={"help": "Wan2.2 A14B: the low-noise expert's CFG scale, as the pipeline's (None: guidance_scale)."},
+    )
     true_cfg_scale: float = field(
         default=1.0,
         metadata={
@@ -149,6 +153,12 @@ class GRPOJaggConfig(TrainingArguments):
         },
     )
     negative_prompt: str = field(default="", metadata={"help": "Negative prompt for classifier-free guidance."})
+    train_experts: str = field(
+        default="both",
+        metadata={
+            "help": "Wan2.2 A14B: the experts trained, `both`, `high_noise` or `low_noise` (the others frozen)."
+        },
+    )
     sampler: str = field(
         default="sde",
         metadata={

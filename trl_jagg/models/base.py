@@ -144,6 +144,17 @@ class FlowMatchingAdapter:
         return self.pipeline.transformer
 
     @property
+    def trained_experts(self) -> tuple[str, ...]:
+        """The experts (:meth:`expert_of` values) the training updates: the one transformer, except where a
+        two-expert pipeline trains one of them (Wan2.2 A14B's ``train_experts``)."""
+        return ("transformer",)
+
+    def expert_of(self, timestep: float | torch.Tensor) -> str:
+        """The pipeline component that denoises scheduler timestep ``timestep``: ``"transformer"``, except in
+        two-expert pipelines (Wan2.2 A14B switches to ``"transformer_2"`` below its boundary)."""
+        return "transformer"
+
+    @property
     def device(self) -> torch.device:
         """The backbone's device, read once (see :meth:`refresh_placement`)."""
         return self._read_placement()[0]

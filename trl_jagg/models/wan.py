@@ -1,5 +1,6 @@
-"""Wan2.1 text-to-video (``WanPipeline``): UMT5 prompts, 5-D video latents ``(batch, 16, frames, h, w)`` denoised by
-a 3-D DiT predicting the flow velocity, and the causal video VAE with per-channel latent statistics."""
+"""Wan2.1 and Wan2.2 A14B text-to-video (``WanPipeline``): UMT5 prompts, 5-D video latents ``(batch, 16, frames, h,
+w)`` denoised by a 3-D DiT predicting the flow velocity (Wan2.2 A14B: two experts, switched at ``boundary_ratio``),
+and the causal video VAE with per-channel latent statistics."""
 
 from __future__ import annotations
 
@@ -10,13 +11,14 @@ from diffusers import WanPipeline
 from PIL import Image
 
 from .base import Conditioning, FlowMatchingAdapter
+from .wan_experts import EXPERTS, TRAIN_EXPERTS, WanExperts
 
 DEFAULT_NUM_FRAMES = 81
 """``WanPipeline``'s default ``num_frames``."""
 
 
 class WanAdapter(FlowMatchingAdapter):
-    """Adapter for :class:`~diffusers.WanPipeline` with one transformer (Wan2.1).
+    """Adapter for :class:`~diffusers.WanPipeline`: Wan2.1 (one transformer) and Wan2.2 A14B (two experts).
 
     Differs from the base in five ways. Latents are videos ``(batch, channels, latent frames, h, w)``, drawn by the
     pipeline's ``prepare_latents`` for :attr:`num_frames` pixel frames; the sampler, log-probs (means over every
@@ -27,8 +29,11 @@ class WanAdapter(FlowMatchingAdapter):
     :meth:`to_images` one list of PIL frames per sample (a video; rewards score it per frame or whole, see
     :func:`~trl_jagg.rewards.takes_videos`).
 
-    Wan2.2's two-expert checkpoints (``transformer_2``, ``boundary_ratio``) and TI2V's per-token timesteps
-    (``expand_timesteps``) are refused with an error: not supported yet.
+    Wan2.2 A14B (``transformer_2`` and ``boundary_ratio``): the trained backbone is :class:`WanExperts`, and each
+    backbone call goes to the expert ``WanPipeline.__call__`` picks, ``transformer`` for timesteps ``>=
+    boundary_ratio * num_train_timesteps`` and ``transformer_2`` below, with :attr:`guidance_scale_2` for the latter.
+    :meth:`choose_experts` says which experts are trained. TI2V's per-token timesteps (``expand_timesteps``) are
+    refused with an error: not supported yet.
     """
 
     pipeline_class = WanPipeline
@@ -41,17 +46,44 @@ class WanAdapter(FlowMatchingAdapter):
 
     def __init__(self, pipeline: WanPipeline):
         super().__init__(pipeline)
-        if pipeline.transformer_2 is not None or pipeline.config.boundary_ratio is not None:
+        if (pipeline.transformer_2 is None) != (pipeline.config.boundary_ratio is None):
+            # The pipeline itself runs one expert then (whichever is present); nothing to train the switch on.
             raise ValueError(
-                "This WanPipeline has two experts (Wan2.2 A14B: `transformer_2`, `boundary_ratio`), which trl_jagg "
-                "does not train yet. Use a Wan2.1 checkpoint (one transformer)."
+                "This WanPipeline has one of `transformer_2` and `boundary_ratio` without the other. Wan2.2 A14B "
+                "has both (two experts), Wan2.1 neither: load a complete checkpoint."
             )
+        self.experts: WanExperts | None = None
+        if pipeline.transformer_2 is not None:
+            boundary = pipeline.config.boundary_ratio * pipeline.scheduler.config.num_train_timesteps
+            self.experts = WanExperts(pipeline.transformer, pipeline.transformer_2, boundary)
+        self.guidance_scale_2: float | None = None
         if pipeline.config.expand_timesteps:
             raise ValueError(
                 "This WanPipeline samples with per-token timesteps (`expand_timesteps`, Wan2.2 TI2V), which trl_jagg "
-                "does not train yet. Use a Wan2.1 checkpoint."
+                "does not train yet. Use a Wan2.1 or Wan2.2 A14B checkpoint."
             )
         self._num_frames = DEFAULT_NUM_FRAMES
+
+    @property
+    def transformer(self) -> torch.nn.Module:
+        """The trained backbone: the pipeline's transformer, or Wan2.2's :class:`WanExperts`."""
+        return self.experts if self.experts is not None else self.pipeline.transformer
+
+    @property
+    def trained_experts(self) -> tuple[str, ...]:
+        return self.experts.trained if self.experts is not None else EXPERTS[:1]
+
+    def choose_experts(self, train_experts: str) -> None:
+        """``GRPOJaggConfig.train_experts``: train ``"both"`` experts, the ``"high_noise"`` or the ``"low_noise"``
+        one (set before the trainer prepares the backbone: the others get no LoRA)."""
+        if train_experts not in TRAIN_EXPERTS:
+            raise ValueError(f"train_experts={train_experts!r}: use one of {tuple(TRAIN_EXPERTS)}.")
+        if self.experts is None:
+            raise ValueError(f"train_experts={train_experts!r}: this WanPipeline has one transformer (Wan2.1).")
+        self.experts.trained = TRAIN_EXPERTS[train_experts]
+
+    def expert_of(self, timestep: float | torch.Tensor) -> str:
+        return self.experts.expert_of(timestep) if self.experts is not None else EXPERTS[0]
 
     @property
     def num_frames(self) -> int:
@@ -96,6 +128,36 @@ class WanAdapter(FlowMatchingAdapter):
         uncond_grad: bool = True,
     ) -> torch.Tensor:
         hidden = latents.to(self.dtype)
+        if self.experts is None:
+            return self._guided(transformer, {}, hidden, timestep, cond, guidance_scale, true_cfg_scale, uncond_grad)
+        # One backbone call may batch several steps (the update's no-grad velocities): each row goes to its expert.
+        high = timestep >= self.experts.boundary_timestep
+        scales = {EXPERTS[0]: guidance_scale, EXPERTS[1]: self._low_noise_scale(guidance_scale)}
+        if high.all() or not high.any():
+            expert = EXPERTS[0] if high.all() else EXPERTS[1]
+            return self._guided(
+                transformer, {"expert": expert}, hidden, timestep, cond, scales[expert], true_cfg_scale, uncond_grad
+            )
+        velocity = None
+        for expert, rows in ((EXPERTS[0], high.nonzero()[:, 0]), (EXPERTS[1], (~high).nonzero()[:, 0])):
+            part = self._guided(
+                transformer, {"expert": expert}, hidden[rows], timestep[rows], cond.select(rows), scales[expert],
+                true_cfg_scale, uncond_grad,
+            )  # fmt: skip
+            velocity = part.new_zeros(hidden.shape) if velocity is None else velocity
+            velocity = velocity.index_copy(0, rows, part)
+        return velocity
+
+    def _low_noise_scale(self, guidance_scale: float) -> float:
+        """The low-noise expert's CFG scale as the pipeline has it: CFG runs on both experts or neither (from
+        ``guidance_scale > 1``), the low-noise one at ``guidance_scale_2`` (``guidance_scale`` when unset)."""
+        return guidance_scale if self.guidance_scale_2 is None or guidance_scale <= 1 else self.guidance_scale_2
+
+    def _guided(
+        self, transformer: torch.nn.Module, route: dict[str, str], hidden: torch.Tensor, timestep: torch.Tensor,
+        cond: Conditioning, guidance_scale: float, true_cfg_scale: float, uncond_grad: bool,
+    ) -> torch.Tensor:  # fmt: skip
+        """One guided call of ``transformer`` (``route``: Wan2.2's expert keyword) on these rows."""
 
         def branch_inputs(prefix: str) -> dict[str, Any]:
             return {
@@ -105,7 +167,7 @@ class WanAdapter(FlowMatchingAdapter):
             }
 
         def call(inputs: dict[str, Any]) -> torch.Tensor:
-            return transformer(**inputs, return_dict=False)[0]
+            return transformer(**route, **inputs, return_dict=False)[0]
 
         return self.guided_velocity(
             call, branch_inputs, cond, guidance_scale=guidance_scale, true_cfg_scale=true_cfg_scale,

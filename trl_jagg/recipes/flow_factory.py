@@ -1,4 +1,4 @@
-"""Flow-Factory's GRPO LoRA presets: Z-Image(-Turbo), FLUX.2 klein (base and distilled) and FLUX.2 dev."""
+"""Flow-Factory's GRPO LoRA presets: Z-Image(-Turbo), FLUX.2 klein (base and distilled), FLUX.2 dev and Wan2.2 A14B."""
 
 from __future__ import annotations
 
@@ -20,6 +20,11 @@ _FLUX2_LORA_TARGETS = (
     *_FLOW_GRPO_ATTENTION, "ff.linear_in", "ff.linear_out", "ff_context.linear_in", "ff_context.linear_out",
     "attn.to_qkv_mlp_proj",
 )  # fmt: skip
+# src/flow_factory/models/wan/wan2_t2v.py:74-85 at a0b2bc5: self- and cross-attention and the feed-forward.
+_WAN_LORA_TARGETS = (
+    "attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "attn2.to_q", "attn2.to_k", "attn2.to_v",
+    "attn2.to_out.0", "ffn.net.0.proj", "ffn.net.2",
+)  # fmt: skip
 
 
 def _flow_factory(
@@ -34,11 +39,12 @@ def _flow_factory(
     reward_funcs: tuple[str, ...] = ("pickscore",),  # rewards: pick_score
     reward_note: str = "Flow-Factory aggregates several rewards with GDPO (advantage_aggregation); with the one "
     "reward of this preset that is the per-group normalisation of scale_rewards='group'.",
+    notes: Sequence[str] = (),
 ) -> Recipe:
     """A Flow-Factory GRPO LoRA preset (``examples/grpo/lora/<config_file>`` at a0b2bc5). The settings its configs
     share are here, with their lines in the Z-Image files (the FLUX.2 klein files hold the same keys at L43-73, FLUX.2
-    dev's ``flux2/t2i.yaml`` at L43-72); ``settings`` holds the model's own, ``reward_funcs`` and ``reward_note`` its
-    rewards and how they are aggregated."""
+    dev's ``flux2/t2i.yaml`` at L43-72, Wan2.2's ``wan22/t2v.yaml`` at L53-85); ``settings`` holds the model's own,
+    ``reward_funcs`` and ``reward_note`` its rewards and how they are aggregated, ``notes`` its other differences."""
     steps = settings["num_inference_steps"]
     width = settings.get("jagg_group_size", PAPER_JAGG["jagg_group_size"])
     return Recipe(
@@ -84,6 +90,7 @@ def _flow_factory(
             reward_note,
             "LoRA r 64 / alpha 128 on Flow-Factory's default targets (lora_rank, lora_alpha, target_modules: "
             "default).",
+            *notes,
         ),
     )
 
@@ -188,6 +195,37 @@ FLOW_FACTORY_RECIPES: tuple[Recipe, ...] = (
         "(src/flow_factory/rewards/clip.py:33, 87-97): GDPO normalises each reward within its group, so the factor "
         "100 cancels, and the clamp at 0 only acts on a negative cosine. Flow-Factory evaluates at 1024 px (L96); "
         "evaluation here samples at the training size.",
+    ),
+    _flow_factory(
+        "flow-factory-wan2.2",
+        "Wan-AI/Wan2.2-T2V-A14B-Diffusers",
+        "wan22/t2v.yaml",
+        "Flow-Factory's GRPO on Wan2.2 T2V A14B: LoRA on both experts, CFG 4 / 3, SDE a = 0.9, 10 steps, 5 frames.",
+        # resolution 480, 5 frames, 10 steps, guidance 4.0 / guidance_scale_2 3.0 (L61-65), noise 0.9 (L96),
+        # learning rate 1e-4 (L77), both experts (target_components, L27); eval 720 px, 21 frames, 28 steps (L103-108).
+        {
+            "height": 480,
+            "width": 480,
+            "num_frames": 5,
+            "num_inference_steps": 10,
+            "guidance_scale": 4.0,
+            "guidance_scale_2": 3.0,
+            "train_experts": "both",
+            "noise_level": 0.9,
+            "learning_rate": 1e-4,
+            "eval_num_inference_steps": 28,
+        },
+        _WAN_LORA_TARGETS,
+        sde_steps="steps {1, 2, 3} (L97-98)",
+        notes=(
+            "JAGG groups never straddle the switch between the experts (boundary_ratio): each group interpolates one "
+            "expert's Jacobian, so the trained steps are grouped on each side of it.",
+            "Each expert's LoRA is saved in its own folder (transformer/, transformer_2/), loaded with "
+            "load_lora_weights (load_into_transformer_2=True for the second), as Flow-Factory saves one folder per "
+            "target component.",
+            "Flow-Factory evaluates at 720 px and 21 frames (L103-104); the preset's sample images use the training "
+            "size and frames. It launches DeepSpeed ZeRO-2 (L7); the preset sets no launcher.",
+        ),
     ),
 )
 """Flow-Factory's presets, in the order of ``docs/models.md``."""

@@ -23,8 +23,11 @@ def build_tiny_wan_pipeline(
     vae: ConfigOverrides = None,
     text_encoder: ConfigOverrides = None,
     scheduler: ConfigOverrides = None,
+    boundary_ratio: float | None = None,
 ) -> WanPipeline:
-    """A tiny Wan2.1-like ``WanPipeline`` (text-to-video: 5-D latents ``(batch, 16, frames, h, w)``).
+    """A tiny Wan2.1-like ``WanPipeline`` (text-to-video: 5-D latents ``(batch, 16, frames, h, w)``); with
+    ``boundary_ratio``, Wan2.2 A14B-like: a second expert ``transformer_2`` (same config, its own random weights)
+    denoises the timesteps below ``boundary_ratio * 1000``.
 
     Components: ``WanTransformer3DModel`` (2 layers, 2 heads of 12, 1x2x2 patches), a tiny ``AutoencoderKLWan``
     (4x temporal, 8x spatial; random ``latents_mean`` / ``latents_std``, so that decoding tests see them), a 2-layer
@@ -60,11 +63,17 @@ def build_tiny_wan_pipeline(
     )
     with _seeded(seed, "transformer"):
         wan_transformer = WanTransformer3DModel(**transformer_config)
+    low_noise = None
+    if boundary_ratio is not None:
+        with _seeded(seed, "transformer_2"):
+            low_noise = WanTransformer3DModel(**transformer_config)
     pipe = WanPipeline(
         tokenizer=tokenizer,
         text_encoder=umt5,
         vae=autoencoder,
         scheduler=_flow_match_scheduler(WAN_SCHEDULER_CONFIG, scheduler),
         transformer=wan_transformer,
+        transformer_2=low_noise,
+        boundary_ratio=boundary_ratio,
     )
     return _finalize(pipe)

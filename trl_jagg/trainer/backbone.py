@@ -15,6 +15,7 @@ from peft import LoraConfig
 
 from ..grpo_jagg_config import GRPOJaggConfig
 from ..models import FlowMatchingAdapter
+from ..models.wan_experts import WanExperts, trained_parts
 
 
 class TrackableConfig(FrozenDict):
@@ -49,27 +50,33 @@ def prepare_backbone(
     adapter: FlowMatchingAdapter, args: GRPOJaggConfig, peft_config: LoraConfig | None
 ) -> tuple[torch.nn.Module, torch.nn.Module | None]:
     """Freeze the pipeline, make the backbone trainable (LoRA or all of it) and return it with the frozen reference
-    copy of full fine-tuning with ``beta > 0`` (``None`` otherwise: LoRA's reference is the base weights)."""
+    copy of full fine-tuning with ``beta > 0`` (``None`` otherwise: LoRA's reference is the base weights). A
+    two-expert backbone (Wan2.2's :class:`~trl_jagg.models.wan_experts.WanExperts`) trains its trained experts only:
+    the others keep no LoRA and no trainable weight."""
     pipeline = adapter.pipeline
     pipeline.set_progress_bar_config(disable=True)
     for component in pipeline.components.values():
         if isinstance(component, torch.nn.Module):
             component.requires_grad_(False).eval()
     transformer = adapter.transformer
-    transformer._internal_dict = TrackableConfig(transformer._internal_dict)
-    if peft_config is not None:
-        check_lora_targets(transformer, peft_config)
-        transformer.add_adapter(peft_config)
-        # Trainable LoRA weights live in float32 even when the backbone runs in bf16.
-        cast_training_params(transformer, dtype=torch.float32)
-    else:
-        transformer.requires_grad_(True)
+    parts = trained_parts(transformer)
+    config_owner = transformer.transformer if isinstance(transformer, WanExperts) else transformer  # whose config
+    config_owner._internal_dict = TrackableConfig(config_owner._internal_dict)
+    for part in parts.values():
+        if peft_config is not None:
+            check_lora_targets(part, peft_config)
+            part.add_adapter(peft_config)
+            # Trainable LoRA weights live in float32 even when the backbone runs in bf16.
+            cast_training_params(part, dtype=torch.float32)
+        else:
+            part.requires_grad_(True)
     ref_transformer = None
     if args.beta > 0 and peft_config is None:
         ref_transformer = copy.deepcopy(transformer).requires_grad_(False).eval()
     if args.gradient_checkpointing or getattr(args, "activation_checkpointing", False):
         # transformers' own switch calls a transformers-only method; diffusers has its own.
-        transformer.enable_gradient_checkpointing()
+        for part in parts.values():
+            part.enable_gradient_checkpointing()
         args.gradient_checkpointing = args.activation_checkpointing = False
     if args.compile_repeated_blocks:
         for backbone in (transformer, ref_transformer):

@@ -34,6 +34,7 @@ from ..errors import CheckpointError, NonFiniteError, TrainingError
 from ..grpo import PerPromptStatTracker
 from ..grpo_jagg_config import GRPOJaggConfig
 from ..models import FlowMatchingAdapter
+from ..models.wan_experts import WanExperts, trained_parts
 from .checkpoint_checks import (
     check_checkpoint_dir,
     check_finite_weights,
@@ -52,7 +53,8 @@ from .guards import NON_FINITE_FIX, all_finite, any_process, last_checkpoint_not
 
 class WeightsIO:
     """Saves and loads the trained backbone's weights: LoRA in the diffusers format ``pipe.load_lora_weights``
-    reads, full fine-tuning as ``save_pretrained`` writes it; into FSDP2 shards when the backbone is sharded."""
+    reads, full fine-tuning as ``save_pretrained`` writes it; into FSDP2 shards when the backbone is sharded. A
+    two-expert backbone (Wan2.2) writes each trained expert in its pipeline folder (:meth:`parts`)."""
 
     def __init__(self, adapter: FlowMatchingAdapter, peft_config: LoraConfig | None):
         self.adapter = adapter
@@ -67,6 +69,24 @@ class WeightsIO:
         """The prefix of the backbone's keys in a diffusers LoRA file (``transformer.``)."""
         return f"{self.adapter.pipeline_class.transformer_name}."
 
+    @staticmethod
+    def parts(transformer: torch.nn.Module, folder: str) -> list[tuple[str, torch.nn.Module, str]]:
+        """``(name, module, folder)`` of each saved part: the backbone in ``folder``; a two-expert backbone's
+        trained experts each in its component folder, ``folder/transformer`` and ``folder/transformer_2`` (the
+        pipeline's layout; a LoRA there loads with ``load_lora_weights``, ``load_into_transformer_2=True`` for the
+        second)."""
+        split = isinstance(transformer, WanExperts)
+        return [(name, part, os.path.join(folder, name) if split else folder) for name, part in
+                trained_parts(transformer).items()]  # fmt: skip
+
+    @staticmethod
+    def part_state(transformer: torch.nn.Module, name: str, state_dict: dict | None) -> dict | None:
+        """The part ``name``'s entries of a gathered state dict of the whole backbone (keys ``name.*`` in a two-expert
+        backbone)."""
+        if state_dict is None or not isinstance(transformer, WanExperts):
+            return state_dict
+        return {key.removeprefix(f"{name}."): value for key, value in state_dict.items() if key.startswith(f"{name}.")}
+
     def check(
         self, path: str, transformer: torch.nn.Module, args: GRPOJaggConfig, *, ema: EMAWeights | None,
         optimizer_files: bool,
@@ -75,13 +95,8 @@ class WeightsIO:
         state disagrees (names the file); with ``ema``, its ``ema/`` folder too. ``optimizer_files``: the Trainer
         resumes from ``optimizer.pt`` / ``scheduler.pt`` (not a DeepSpeed or FSDP-plugin folder)."""
         check_checkpoint_dir(path, args.output_dir)
-        if self.is_lora:
-            pattern, kind = LORA_WEIGHTS_NAME, "LoRA"
-            expected, prefix = get_peft_model_state_dict(transformer), self.lora_prefix
-        else:
-            pattern, kind = FULL_WEIGHTS_PATTERN, "full fine-tuning"
-            expected, prefix = transformer.state_dict(), ""
-        shapes = {key: tuple(value.shape) for key, value in expected.items()}
+        pattern, kind = (LORA_WEIGHTS_NAME, "LoRA") if self.is_lora else (FULL_WEIGHTS_PATTERN, "full fine-tuning")
+        prefix = self.lora_prefix if self.is_lora else ""
         folders = [path]
         if ema is not None:
             folders.append(os.path.join(path, EMA_DIR))
@@ -91,9 +106,11 @@ class WeightsIO:
                     "Resume with ema_decay=0, or start a new run."
                 )
         for folder in folders:
-            files = weight_files(folder, pattern, kind)
-            check_weights(files, shapes, prefix)
-            check_finite_weights(files)
+            for _, part, part_folder in self.parts(transformer, folder):
+                expected = get_peft_model_state_dict(part) if self.is_lora else part.state_dict()
+                files = weight_files(part_folder, pattern, kind)
+                check_weights(files, {key: tuple(value.shape) for key, value in expected.items()}, prefix)
+                check_finite_weights(files)
         check_state_files(path, json_files=(TRAINER_STATE_NAME, GRPO_STATE_NAME))
         check_step_agreement(path, args.gradient_accumulation_steps)
         if optimizer_files:
@@ -119,6 +136,10 @@ class WeightsIO:
 
     def save(self, output_dir: str, transformer: torch.nn.Module, state_dict: dict | None) -> None:
         """Write the weights (``state_dict``: the gathered full one under FSDP / DeepSpeed) into ``output_dir``."""
+        for name, part, folder in self.parts(transformer, output_dir):
+            self._save(folder, part, self.part_state(transformer, name, state_dict))
+
+    def _save(self, output_dir: str, transformer: torch.nn.Module, state_dict: dict | None) -> None:
         os.makedirs(output_dir, exist_ok=True)
         if self.is_lora:
             self.adapter.pipeline_class.save_lora_weights(
@@ -148,6 +169,10 @@ class WeightsIO:
             self._load(transformer, folder)
 
     def _load(self, transformer: torch.nn.Module, folder: str) -> None:
+        for _, part, part_folder in self.parts(transformer, folder):
+            self._load_part(part, part_folder)
+
+    def _load_part(self, transformer: torch.nn.Module, folder: str) -> None:
         if self.is_lora:
             (path,) = weight_files(folder, LORA_WEIGHTS_NAME, "LoRA")
             state = {k.removeprefix(self.lora_prefix): v for k, v in _load_safetensors(path).items()}

@@ -8,6 +8,7 @@ import dataclasses
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..grpo_jagg_config import GRPOJaggConfig
+from ..models.wan_experts import EXPERTS
 
 LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
 """LoRA weights in the diffusers format that ``pipe.load_lora_weights`` reads."""
@@ -25,6 +26,7 @@ MODEL_FILES = (
     "config.json",
     SCHEDULER_FOLDER,
     EMA_DIR,
+    *EXPERTS,  # a two-expert backbone's folders (Wan2.2), one per trained expert
     "README.md",
 )
 """What a model folder holds and a checkpoint push carries up to the Hub (the Trainer's own list knows

@@ -16,6 +16,7 @@ from transformers.trainer_utils import HubStrategy, SaveStrategy
 
 from ..grpo_jagg_config import GRPOJaggConfig
 from ..models import FlowMatchingAdapter
+from ..models.wan_experts import WanExperts, trained_parts
 from .files import HUB_IGNORE_PATTERNS, MODEL_FILES, SCHEDULER_FOLDER, without_secrets
 from .model_card import write_model_card
 
@@ -105,7 +106,7 @@ def write_trainer_card(
         output_dir,
         base_model=base_model,
         pipeline_class=adapter.pipeline_class.__name__,
-        transformer_class=type(transformer).__name__,
+        transformer_class=type(next(iter(trained_parts(transformer).values()))).__name__,
         is_lora=is_lora,
         args=args,
         reward_names=list(reward_names),
@@ -117,4 +118,5 @@ def write_trainer_card(
         model_name=model_name,
         dataset_name=dataset_name,
         hub_model_id=hub_model_id,
+        experts=list(trained_parts(transformer)) if isinstance(transformer, WanExperts) else (),
     )

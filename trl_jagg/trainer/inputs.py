@@ -47,9 +47,10 @@ def checked_model_inputs(
     editing model: ``source_image_area`` given to the adapter, then the images each prompt edits (the datasets'
     rows, ``eval_source_images`` for the sample images) checked row by row; returns each training row's bucket, the
     reference grids its images give (:func:`checked_buckets`). A text-to-image model refuses ``eval_source_images``.
-    For a video model: ``num_frames``, set on the adapter (refused by image models). The guidance settings, which the
-    adapter refuses where the pipeline has no such guidance (``true_cfg_scale`` for CFG-scale families and FLUX.2
-    dev)."""
+    For a video model: ``num_frames``, set on the adapter (refused by image models). For a two-expert model (Wan2.2
+    A14B): ``train_experts`` and ``guidance_scale_2``, set on the adapter (refused by one-network models). The
+    guidance settings, which the adapter refuses where the pipeline has no such guidance (``true_cfg_scale`` for
+    CFG-scale families and FLUX.2 dev)."""
     name = type(adapter).__name__
     adapter.needs_negative_prompt(args.guidance_scale, args.true_cfg_scale)  # raises on guidance it cannot apply
     if args.source_image_area is not None:
@@ -71,6 +72,15 @@ def checked_model_inputs(
                 "Leave num_frames unset (None) for image models."
             )
         adapter.num_frames = args.num_frames
+    if getattr(adapter, "experts", None) is not None:
+        adapter.choose_experts(args.train_experts)
+        adapter.guidance_scale_2 = args.guidance_scale_2
+    elif args.train_experts != "both" or args.guidance_scale_2 is not None:
+        raise ValueError(
+            f"GRPOJaggConfig.train_experts={args.train_experts!r} / guidance_scale_2={args.guidance_scale_2!r}, but "
+            f"{type(adapter.pipeline).__name__} has one transformer: they choose between the experts of a two-expert "
+            'pipeline (Wan2.2 A14B). Leave train_experts="both" and guidance_scale_2=None.'
+        )
     if not adapter.edits_images:
         if args.eval_source_images is not None:
             raise ValueError(

@@ -220,15 +220,26 @@ def usage_snippet(
     dtype: str,
     scheduler_class: str | None,
     call_kwargs: dict[str, Any],
+    experts: Sequence[str] = (),
 ) -> str:
-    """Python that loads the trained weights into the base pipeline and samples as in training."""
+    """Python that loads the trained weights into the base pipeline and samples as in training. ``experts``: the
+    component folders of a two-expert backbone's trained experts (Wan2.2: ``transformer``, ``transformer_2``)."""
     imports = (
         [pipeline_class] + ([] if is_lora else [transformer_class]) + ([scheduler_class] if scheduler_class else [])
     )
     lines = ["import torch", f"from diffusers import {', '.join(imports)}", ""]
     if base == LOCAL_BASE:
         lines.append(f"# The base was a local {pipeline_class} (no Hub id): put the directory it was loaded from.")
-    if is_lora:
+    if experts and is_lora:  # diffusers' Wan loader puts a file's `transformer.` keys into transformer_2 on request
+        lines.append(f'pipe = {pipeline_class}.from_pretrained("{base}", dtype=torch.{dtype}).to("cuda")')
+        lines += [f'pipe.load_lora_weights("{repo}", subfolder="{name}"' + (", load_into_transformer_2=True" if name
+                  == "transformer_2" else "") + ")" for name in experts]  # fmt: skip
+    elif experts:
+        lines += [f'{name} = {transformer_class}.from_pretrained("{repo}", subfolder="{name}", dtype=torch.{dtype})'
+                  for name in experts]  # fmt: skip
+        loaded = ", ".join(f"{name}={name}" for name in experts)
+        lines.append(f'pipe = {pipeline_class}.from_pretrained("{base}", {loaded}, dtype=torch.{dtype}).to("cuda")')
+    elif is_lora:
         lines.append(f'pipe = {pipeline_class}.from_pretrained("{base}", dtype=torch.{dtype}).to("cuda")')
         lines.append(f'pipe.load_lora_weights("{repo}")')
     else:
@@ -263,10 +274,12 @@ def write_model_card(
     model_name: str | None = None,
     dataset_name: str | None = None,
     hub_model_id: str | None = None,
+    experts: Sequence[str] = (),
 ) -> str:
     """Write ``README.md`` into ``output_dir`` and return its path.
 
     Args:
+        experts: the trained experts' component folders of a two-expert backbone (see :func:`usage_snippet`).
         base_model: what the pipeline was loaded from; only a Hub id reaches the metadata (see :func:`as_hub_id`).
         scheduler_class: the scheduler's class when the weights come with a ``scheduler/`` folder that differs
             from the base model's (a recipe's override): the snippet loads it.
@@ -319,6 +332,7 @@ def write_model_card(
                 dtype=args.dtype,
                 scheduler_class=scheduler_class,
                 call_kwargs=call_kwargs,
+                experts=experts,
             ),
             sampling_note=sampling_note,
             settings="\n".join(f"| {k} | {v} |" for k, v in settings.items()),

@@ -244,16 +244,27 @@ class UpdateStage:
             stats=stats,
         )
 
+    def steps_to_train(self, batch: dict[str, Any], *, micro_step: int, global_step: int) -> list[int]:
+        """:func:`trained_steps`, less those a frozen expert denoises (Wan2.2 training one of its two experts): no
+        trained weight acts there, so they would add a zero gradient for a backbone call."""
+        steps = trained_steps(self.args, batch, micro_step=micro_step, global_step=global_step)
+        times = batch["timesteps"].tolist()
+        return [k for k in steps if self.adapter.expert_of(times[k]) in self.adapter.trained_experts]
+
     def plan(
         self, batch: dict[str, Any], trained: list[int], *, use_jagg: bool, jagg_frac: float = 1.0
     ) -> list[StepGroup]:
-        """The trained steps grouped and routed (exact or JAGG) from their flow times."""
+        """The trained steps grouped and routed (exact or JAGG) from their flow times. A group never straddles an
+        expert switch (Wan2.2): JAGG interpolates one network's Jacobian, so a group starts at each switch."""
         args = self.args
+        times = batch["timesteps"].tolist()
+        experts = [self.adapter.expert_of(times[k]) for k in trained]
         return plan_groups(
             [batch["sigma_values"][k] for k in trained],
             args.jagg_group_size if use_jagg else 1,
             jagg_frac if use_jagg else 0.0,
             args.jagg_mode if use_jagg else "exact",
+            breaks=[i for i in range(1, len(trained)) if experts[i] != experts[i - 1]],
         )
 
     # ------------------------------------------------------------------ backward
@@ -328,7 +339,7 @@ class UpdateStage:
         per_group: list[list[float]] = []
         norm_ratios: list[list[float]] = []
         for batch in rollouts:
-            trained = trained_steps(self.args, batch, micro_step=micro_step, global_step=global_step)
+            trained = self.steps_to_train(batch, micro_step=micro_step, global_step=global_step)
             fns = self.step_functions(model, batch, trained)
             groups = self.plan(batch, trained, use_jagg=True)
             diagnostics = gradient_diagnostic(
@@ -358,7 +369,9 @@ class UpdateStage:
             if batch["latents"].shape[0] == 0:  # every sample had a zero advantage (single process only)
                 return EngineResult()
         args = self.args
-        trained = trained_steps(args, batch, micro_step=micro_step, global_step=global_step)
+        trained = self.steps_to_train(batch, micro_step=micro_step, global_step=global_step)
+        if not trained:  # every trained step is a frozen expert's (Wan2.2's train_experts): nothing to update
+            return EngineResult()
         fns = self.step_functions(model, batch, trained)
         jagg_frac = args.jagg_frac
         if args.use_jagg and jagg_frac == "auto":
