@@ -217,6 +217,13 @@ def test_expert_settings_are_checked_early(tiny_wan_path, tmp_path):
         make_trainer("wan", tiny_wan_path, tmp_path, {"guidance_scale": 4.5}, train_experts="high_noise")
 
 
+def test_both_experts_on_several_processes_are_refused_at_init(tiny_wan22_path, tmp_path, monkeypatch):
+    # A launch of 2 processes, as TrainingArguments reports it; the check runs before any process group is needed.
+    monkeypatch.setattr(GRPOJaggConfig, "world_size", property(lambda self: 2))
+    with pytest.raises(ValueError, match=r'train_experts="both" trains on one process only.*this launch has 2'):
+        wan22_trainer(tiny_wan22_path, tmp_path)
+
+
 def test_train_experts_values_are_the_config_checks_ones():
     from trl_jagg.config_checks import TRAIN_EXPERTS as CHECKED
     from trl_jagg.models.wan_experts import TRAIN_EXPERTS
