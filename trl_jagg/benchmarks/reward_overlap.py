@@ -4,8 +4,10 @@ starts (``overlap_rewards``).
 A local server on 127.0.0.1 answers the remote-reward protocol after a fixed ``latency`` per request; the remote
 reward sends one request per rollout chunk (``batch_size = sample_batch_size``), so after the rollout it costs
 ``chunks x latency``. Overlapped, each chunk's request runs while the next chunk samples, and the last one while the
-update computes the KL reference (``beta > 0``; Flow-GRPO's GenEval and OCR recipes, whose rewards are servers,
-train with ``beta = 0.04``) and the first step's forward. Trains a tiny Flux pipeline built from config on the CPU,
+update trains the micro-batches whose groups are already scored: the step has one micro-batch per chunk (one group
+of ``num_generations = chunk`` images each, ``gradient_accumulation_steps = chunks``), so the first ``chunks - 1``
+micro-batches' forward and backward (and, with ``beta > 0``, the KL reference of the last; Flow-GRPO's GenEval and
+OCR recipes, whose rewards are servers, train with ``beta = 0.04``) hide the last request. Trains a tiny Flux pipeline built from config on the CPU,
 its steps alternating between the two ways (one trainer, ``overlap_rewards`` set per step, so adjacent steps share
 the machine's load), and prints (and writes with ``--json``) per pair of adjacent steps the step times, the
 reward's share of the sequential step, and the issue's criterion: the step falls by at least that share
@@ -86,8 +88,8 @@ def step_times(url: str, *, chunk: int, chunks: int, pairs: int, num_inference_s
     with tempfile.TemporaryDirectory() as folder:
         path = save_tiny_pipeline("flux", folder + "/flux", seed=0)
         args = GRPOJaggConfig(
-            output_dir=folder + "/out", per_device_train_batch_size=chunk * chunks, num_generations=2,
-            sample_batch_size=chunk, num_inference_steps=num_inference_steps, height=32, width=32,
+            output_dir=folder + "/out", per_device_train_batch_size=chunk, gradient_accumulation_steps=chunks,
+            num_generations=chunk, sample_batch_size=chunk, num_inference_steps=num_inference_steps, height=32, width=32,
             max_steps=2 * pairs + 1, max_sequence_length=16, report_to="none", save_strategy="no",
             disable_tqdm=True, beta=beta, seed=0,
         )  # fmt: skip
