@@ -510,6 +510,7 @@ import json, sys, torch
 torch.set_num_threads(1)
 from datasets import Dataset
 from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
+from trl_jagg.rewards import prompt_color
 
 model_path, out = sys.argv[1], sys.argv[2]
 # 3 images per process, groups of 2: the middle group has one image on each process.
@@ -525,12 +526,35 @@ trainer = DDPOJaggTrainer(
 inputs = next(iter(trainer.get_train_dataloader()))
 rollout = trainer._generate_and_score(inputs)
 rank = trainer.accelerator.process_index
+
+# Rewards overlapping the update with that split group: 3 micro-batches of 1 image per process, one chunk each, so
+# micro-batch 0 of rank 1 (the split group's second image) needs chunk 2 of rank 0. One step each way.
+score = prompt_color()
+per_sample = lambda **kwargs: score(**kwargs)  # scored chunk by chunk
+per_sample.per_sample, per_sample.__name__ = True, "prompt_color"
+def one_step(overlap):
+    args = GRPOJaggConfig(
+        output_dir=f"{out}/overlap{overlap}", per_device_train_batch_size=1, gradient_accumulation_steps=3,
+        sample_batch_size=1, num_generations=2, num_inference_steps=2, height=32, width=32, max_sequence_length=16,
+        max_steps=1, learning_rate=1e-2, overlap_rewards=overlap, report_to="none", save_strategy="no", use_cpu=True,
+        disable_tqdm=True, logging_steps=1,
+    )
+    torch.manual_seed(0)
+    trained = DDPOJaggTrainer(model=model_path, reward_funcs=[per_sample], args=args, train_dataset=trainer.train_dataset)
+    trained.train()
+    logs = [{k: v for k, v in e.items() if k in ("loss", "reward", "advantages/abs_mean")} for e in trained.state.log_history[:1]]
+    return [p.detach().clone() for p in trained.model.parameters()], logs
+(weights, logs), (expected_weights, expected_logs) = one_step(True), one_step(False)
 json.dump({"world": trainer.accelerator.num_processes, "prompts": [x["prompt"] for x in inputs],
-           "noise": rollout["latents"][:, 0].tolist()}, open(f"{out}/noise{rank}.json", "w"))
+           "noise": rollout["latents"][:, 0].tolist(), "overlap_logs": [logs, expected_logs],
+           "overlap_weights_equal": all(torch.equal(a, b) for a, b in zip(weights, expected_weights))},
+          open(f"{out}/noise{rank}.json", "w"))
 """
 
 
-def test_same_group_noise_is_shared_by_a_group_split_across_two_processes(tiny_flux_path, tmp_path):
+def test_a_group_split_across_two_processes_shares_its_noise_and_its_rewards_overlap_the_update(
+    tiny_flux_path, tmp_path
+):
     import json
     import subprocess
     import sys
@@ -549,6 +573,11 @@ def test_same_group_noise_is_shared_by_a_group_split_across_two_processes(tiny_f
         assert prompts[2 * group] == prompts[2 * group + 1]
         assert torch.equal(noise[2 * group], noise[2 * group + 1])
     assert not torch.allclose(noise[0], noise[2]) and not torch.allclose(noise[2], noise[4])
+    # The rewards overlapping the update, resolved chunk by chunk in the same order on both ranks (no collective
+    # left waiting), train the sequential step bit for bit: the same computations in another order.
+    for r in ranks:
+        overlapped, sequential = r["overlap_logs"]
+        assert overlapped == sequential and "reward" in overlapped[0] and r["overlap_weights_equal"]
 
 
 # ---------------------------------------------------------------- several machines

@@ -19,10 +19,13 @@ from transformers import TrainerCallback
 
 import trl_jagg.trainer.generation as generation
 from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
+from trl_jagg.grpo import group_advantages
 from trl_jagg.models import Conditioning, load_adapter
 from trl_jagg.rollout import sample_trajectories
 from trl_jagg.trainer.backbone import compile_blocks
-from trl_jagg.trainer.batch import PendingAdvantages, select_samples
+from trl_jagg.trainer.batch import PendingAdvantages, resolved, select_samples, split_rollout
+from trl_jagg.trainer.generation import advantages_per_group
+from trl_jagg.trainer.reward_overlap import ChunkAdvantages
 from trl_jagg.trainer.update import UpdateStage
 
 
@@ -657,11 +660,14 @@ class PerSampleReward:
     per_sample = True
     __name__ = "remote_like"
 
-    def __init__(self, fail_first_call: bool = False, last_waits_for: threading.Event | None = None):
+    def __init__(
+        self, fail_first_call: bool = False, last_waits_for: threading.Event | None = None, events: list | None = None
+    ):
         self.calls: list[list[str]] = []
         self.called = [threading.Event() for _ in range(OVERLAP_CHUNKS + 1)]
         self.fail_first_call = fail_first_call
         self.last_waits_for, self.last_timed_out = last_waits_for, None
+        self.events = events if events is not None else []
 
     def __call__(self, prompts, images, **kwargs):
         self.calls.append(list(prompts))
@@ -669,7 +675,9 @@ class PerSampleReward:
         if self.fail_first_call and len(self.calls) == 1:
             raise ConnectionError("the server dropped the first chunk")
         if self.last_waits_for is not None and len(self.calls) == OVERLAP_CHUNKS:  # the last chunk's answer
+            self.events.append("last chunk requested")
             self.last_timed_out = not self.last_waits_for.wait(5)
+            self.events.append("last chunk answered")
         return [10 * r for r in redness(prompts, images)]
 
 
@@ -745,6 +753,102 @@ def test_the_last_chunk_is_scored_while_the_update_computes_the_kl_reference(tin
     assert torch.equal(pending.resolve(), advantages)
     assert losses == expected_losses
     assert all(torch.equal(g, e) for g, e in zip(grads, expected_grads))
+
+
+def test_the_first_micro_batches_train_while_the_last_chunk_is_scored(tiny_flux_path, tmp_path, monkeypatch):
+    # beta 0 and group advantages: each of the 4 micro-batches is one group, sampled as one chunk, so micro-batch 0
+    # needs only chunk 0's rewards. The last chunk's answer comes only after micro-batch 0's update (forward and
+    # backward) has returned (synchronised, not timed), which an update that waited for every reward at its first
+    # loss would never see; the 4 updates are the sequential run's, bit for bit.
+    events, first_update_done, real = [], threading.Event(), UpdateStage.run
+
+    def run(self, *args, **kwargs):
+        result = real(self, *args, **kwargs)
+        events.append("micro-batch updated")
+        first_update_done.set()
+        return result
+
+    monkeypatch.setattr(UpdateStage, "run", run)
+    results = {}
+    for overlap in (True, False):
+        events.clear()
+        first_update_done.clear()
+        reward = PerSampleReward(last_waits_for=first_update_done if overlap else None, events=events)
+        trainer = make_trainer(
+            tiny_flux_path, tmp_path / str(overlap), reward=reward, per_device_train_batch_size=2,
+            gradient_accumulation_steps=OVERLAP_CHUNKS, generation_batch_size=8, sample_batch_size=2,
+            overlap_rewards=overlap, beta=0.0,
+        )  # fmt: skip
+        rollout = trainer._generate_and_score(next(iter(trainer.get_train_dataloader())))
+        losses = [run_update(trainer, trainer.model, micro).step_losses for micro in split_rollout(rollout, 4)]
+        if overlap:
+            assert reward.last_timed_out is False
+            assert events.index("last chunk requested") < events.index("micro-batch updated")
+            assert events.index("micro-batch updated") < events.index("last chunk answered")
+        grads = [p.grad.clone() for p in trainer.model.parameters() if p.requires_grad]
+        metrics = {k: trainer._metrics[k] for k in ("reward", "reward_std", "advantages/abs_mean")}
+        results[overlap] = (resolved(rollout["advantages"]), losses, grads, metrics)
+    (advantages, losses, grads, metrics), expected = results[True], results[False]
+    # Bit-equal is the property: the same scores and the same computations, only in another order.
+    assert torch.equal(advantages, expected[0])
+    assert losses == expected[1]
+    assert all(torch.equal(g, e) for g, e in zip(grads, expected[2]))
+    assert metrics == expected[3]
+
+
+def chunks_needed_by_hand(num_processes: int, num_rows: int, chunk: int, group: int) -> list[int]:
+    """For each local row (the same rows on every process), how many chunks (of every process) hold a row of its
+    groups: written out over processes and rows."""
+    needed = []
+    for row in range(num_rows):
+        last = 0
+        for process in range(num_processes):
+            g = (process * num_rows + row) // group
+            for member in range(g * group, (g + 1) * group):
+                last = max(last, (member % num_rows) // chunk)
+        needed.append(last + 1)
+    return needed
+
+
+@pytest.mark.parametrize(("processes", "rows", "chunk", "group"), [(1, 8, 2, 2), (1, 8, 2, 4), (2, 6, 2, 4),
+                                                                   (2, 4, 2, 8), (3, 4, 3, 2)])  # fmt: skip
+def test_chunk_advantages_score_only_the_chunks_a_selection_needs_in_order(processes, rows, chunk, group):
+    # Groups span processes where `group` does not divide `rows`; each process scores chunks in the same order, as
+    # many as the same selection needs, and the values are those of the whole batch's group advantages.
+    torch.manual_seed(0)
+    rewards = torch.randn(processes * rows)
+    per_process = rewards.view(processes, rows)
+    needed = chunks_needed_by_hand(processes, rows, chunk, group)
+    for process in range(processes):
+        scored, finished = [], []
+
+        def score_chunk(c, scored=scored):
+            scored.append(c)
+            values = per_process[:, c * chunk : (c + 1) * chunk].flatten()  # gathered: process-major
+            return values, values[:, None]
+
+        advantages = ChunkAdvantages(
+            num_rows=rows, chunk_size=chunk, num_processes=processes, process_index=process, num_generations=group,
+            score_chunk=score_chunk, advantages=lambda r: group_advantages(r, group),
+            finish=lambda *done, into=finished: into.append(done),
+        )  # fmt: skip
+        pending = PendingAdvantages(advantages, torch.arange(rows))
+        expected = group_advantages(rewards, group)[process * rows : (process + 1) * rows]
+        for begin in range(0, rows, 2):
+            values = resolved(pending[begin : begin + 2])
+            assert scored == list(range(max(needed[begin : begin + 2])))  # not one chunk more, in order
+            assert torch.equal(values, expected[begin : begin + 2])  # bit-equal: the property (see ChunkAdvantages)
+        assert len(finished) == 1 and torch.equal(finished[0][0], rewards)
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [{"scale_rewards": "batch"}, {"per_prompt_stat_tracking": True}, {"drop_zero_advantages": True},
+     {"multi_objective_aggregation": "normalize_then_sum"}, {"steps_per_generation": 2}],
+)  # fmt: skip
+def test_advantages_that_are_not_per_group_wait_for_the_whole_rollout(tmp_path, setting):
+    assert advantages_per_group(make_config(tmp_path, per_device_train_batch_size=2))
+    assert not advantages_per_group(make_config(tmp_path, per_device_train_batch_size=2, **setting))
 
 
 def test_a_failed_chunk_is_scored_again_on_the_whole_batch_under_reward_retries(tiny_flux_path, tmp_path, monkeypatch):

@@ -442,13 +442,22 @@ def test_reward_exception_saves_a_resumable_checkpoint_first(tiny_flux_path, tmp
     assert resumed.state.global_step == 4
 
 
-def test_a_reward_failing_while_the_update_awaits_it_saves_a_checkpoint_first(tiny_flux_path, tmp_path):
+@pytest.mark.parametrize(
+    ("failing_call", "layout"),
+    [(2, {}),  # one chunk and one micro-batch per step: the failure surfaces at the update's first loss
+     # 2 chunks and 2 micro-batches of one group each per step: step 2's last chunk (call 4) fails while its first
+     # micro-batch trains (its group is in the first chunk), and surfaces at the second micro-batch's loss
+     (4, {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "sample_batch_size": 2})],
+)  # fmt: skip
+def test_a_reward_failing_while_the_update_awaits_it_saves_a_checkpoint_first(
+    tiny_flux_path, tmp_path, failing_call, layout
+):
     class PerSample(FailingReward):  # scored chunk by chunk: step 2's failure surfaces in its update
         per_sample = True
 
-    trainer = make_trainer(tiny_flux_path, tmp_path, reward_func=PerSample({2}), max_steps=2, save_steps=100,
-                           save_strategy="steps")  # fmt: skip
-    with pytest.raises(ConnectionError, match=r"went away \(call 2\)") as info:
+    trainer = make_trainer(tiny_flux_path, tmp_path, reward_func=PerSample({failing_call}), max_steps=2,
+                           save_steps=100, save_strategy="steps", **layout)  # fmt: skip
+    with pytest.raises(ConnectionError, match=rf"went away \(call {failing_call}\)") as info:
         trainer.train()
     checkpoint = tmp_path / "checkpoint-1"
     assert any(f"{checkpoint} holds the 1 trained steps" in note for note in getattr(info.value, "__notes__", []))

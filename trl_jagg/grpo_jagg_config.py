@@ -428,9 +428,12 @@ class GRPOJaggConfig(TrainingArguments):
             "help": "Score each rollout chunk (`sample_batch_size` images) with the rewards that score every sample on "
             "its own (a remote server, a pointwise `vlm-judge`, any reward with `per_sample = True`) in background "
             "threads while the next chunk samples, instead of after the whole rollout. When every reward is such a "
-            "reward, the update waits for the last chunk's answers only at its first loss, after the KL reference "
-            "(`beta > 0`) and the first step's forward. The scores, advantages and gradients are the same. Other "
-            "rewards run after the rollout (and then the last chunk is awaited there)."
+            "reward, each micro-batch of the update waits for them only at its first loss: with per-group "
+            "advantages (`scale_rewards` 'group' or 'none', no GDPO, no `per_prompt_stat_tracking` or "
+            "`drop_zero_advantages`) only for the chunks holding its groups, so the first micro-batches train while "
+            "the last chunk is scored; otherwise for all of them, after the KL reference (`beta > 0`) and the first "
+            "step's forward. The scores, advantages and gradients are the same. Other rewards run after the rollout "
+            "(and then the last chunk is awaited there). See docs/rewards.md."
         },
     )
     reward_retries: int = field(

@@ -1,15 +1,17 @@
 """Step time with a slow remote reward, scored after the rollout vs chunk by chunk while it samples and the update
 starts (``overlap_rewards``).
 
-A local server on 127.0.0.1 answers the remote-reward protocol after a fixed ``latency`` per request; the remote
-reward sends one request per rollout chunk (``batch_size = sample_batch_size``), so after the rollout it costs
-``chunks x latency``. Overlapped, each chunk's request runs while the next chunk samples, and the last one while the
-update computes the KL reference (``beta > 0``; Flow-GRPO's GenEval and OCR recipes, whose rewards are servers,
-train with ``beta = 0.04``) and the first step's forward. Trains a tiny Flux pipeline built from config on the CPU,
-its steps alternating between the two ways (one trainer, ``overlap_rewards`` set per step, so adjacent steps share
-the machine's load), and prints (and writes with ``--json``) per pair of adjacent steps the step times, the
-reward's share of the sequential step, and the issue's criterion: the step falls by at least that share
-(``fall / share >= 1``, judged on the median over pairs).
+A local server on 127.0.0.1 (in its own process) answers the remote-reward protocol after a fixed ``latency`` per
+request; the remote reward sends one request per rollout chunk (``batch_size = sample_batch_size``), so after the
+rollout it costs ``chunks x latency``. Overlapped, each chunk's request runs while the next chunk samples, and the
+last one while the update trains the micro-batches whose groups are already scored: the step has one micro-batch
+per chunk (one group of ``num_generations = chunk`` images each, ``gradient_accumulation_steps = chunks``), so the
+first ``chunks - 1`` micro-batches' forward and backward (and, with ``beta > 0``, the KL reference of the last;
+Flow-GRPO's GenEval and OCR recipes, whose rewards are servers, train with ``beta = 0.04``) hide the last request.
+Trains a tiny Flux pipeline built from config on the CPU, its steps alternating between the two ways (one trainer,
+``overlap_rewards`` set per step, so adjacent steps share the machine's load), and prints (and writes with
+``--json``) per pair of adjacent steps the step times, the reward's share of the sequential step, and the issue's
+criterion: the step falls by at least that share (``fall / share >= 1``, judged on the median over pairs).
 
     python -m trl_jagg.benchmarks.reward_overlap [--latency 0.5] [--pairs 6] [--beta 0.04] [--json f]
 """
@@ -18,9 +20,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import statistics
 import tempfile
-import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -29,26 +31,40 @@ from datasets import Dataset
 from transformers import TrainerCallback
 
 
-def slow_reward_server(latency: float) -> ThreadingHTTPServer:
-    """A remote-reward server answering each request after ``latency`` seconds, with scores from the image bytes."""
+class _SlowHandler(BaseHTTPRequestHandler):
+    """Answers each remote-reward request after ``latency`` seconds, with scores from the image bytes."""
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802 (http.server's name)
-            request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            time.sleep(latency)
-            body = json.dumps({"scores": [len(image) % 97 / 97 for image in request["images"]]}).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    latency = 0.5
 
-        def log_message(self, *args: Any) -> None:
-            pass
+    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        time.sleep(self.latency)
+        body = json.dumps({"scores": [len(image) % 97 / 97 for image in request["images"]]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-    return server
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def _serve(latency: float, ports: Any) -> None:
+    _SlowHandler.latency = latency
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _SlowHandler)
+    ports.put(server.server_address[1])
+    server.serve_forever(poll_interval=0.05)
+
+
+def slow_reward_server(latency: float) -> tuple[multiprocessing.Process, str]:
+    """A remote-reward server answering each request after ``latency`` seconds, in its own process as a real server
+    (its request handling does not share the trainer's interpreter); returns the process and the URL."""
+    context = multiprocessing.get_context("spawn")
+    ports = context.Queue()
+    process = context.Process(target=_serve, args=(latency, ports), daemon=True)
+    process.start()
+    return process, f"http://127.0.0.1:{ports.get(timeout=120)}/score"
 
 
 def overlapped_at(step: int) -> bool:
@@ -86,9 +102,9 @@ def step_times(url: str, *, chunk: int, chunks: int, pairs: int, num_inference_s
     with tempfile.TemporaryDirectory() as folder:
         path = save_tiny_pipeline("flux", folder + "/flux", seed=0)
         args = GRPOJaggConfig(
-            output_dir=folder + "/out", per_device_train_batch_size=chunk * chunks, num_generations=2,
-            sample_batch_size=chunk, num_inference_steps=num_inference_steps, height=32, width=32,
-            max_steps=2 * pairs + 1, max_sequence_length=16, report_to="none", save_strategy="no",
+            output_dir=folder + "/out", per_device_train_batch_size=chunk, gradient_accumulation_steps=chunks,
+            num_generations=chunk, sample_batch_size=chunk, num_inference_steps=num_inference_steps, height=32,
+            width=32, max_steps=2 * pairs + 1, max_sequence_length=16, report_to="none", save_strategy="no",
             disable_tqdm=True, beta=beta, seed=0,
         )  # fmt: skip
         prompts = [f"a shape number {i}" for i in range(64)]
@@ -121,8 +137,7 @@ def main() -> None:
     parser.add_argument("--beta", type=float, default=0.04, help="KL coefficient (0: no KL reference to overlap)")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
     options = parser.parse_args()
-    server = slow_reward_server(options.latency)
-    url = f"http://127.0.0.1:{server.server_address[1]}/score"
+    server, url = slow_reward_server(options.latency)
     steps = step_times(url, chunk=options.chunk, chunks=options.chunks, pairs=options.pairs, beta=options.beta,
                        num_inference_steps=options.num_inference_steps)  # fmt: skip
     rounds = []
@@ -139,7 +154,7 @@ def main() -> None:
             "overlapped_over_sequential": round(overlapped / sequential, 3),
         })  # fmt: skip
         print(f"pair {k + 1}: {json.dumps(rounds[-1])}")
-    server.shutdown()
+    server.terminate()
     ratios = spread([x["fall_over_share"] for x in rounds])
     result = {
         "settings": vars(options),

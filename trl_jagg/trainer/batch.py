@@ -36,19 +36,25 @@ def velocity_key(
 
 
 class PendingAdvantages:
-    """A rollout's ``advantages`` while its last rewards are still being scored (``overlap_rewards``): ``compute``
-    (called once: cache it) waits for them and returns the advantages. Indexing selects samples without waiting, so
-    the rollout splits into micro-batches as usual; the update stage calls :func:`resolved` where it first needs the
-    values, after the work that does not depend on them."""
+    """A rollout's ``advantages`` while its last rewards are still being scored (``overlap_rewards``).
 
-    def __init__(self, compute: Callable[[], torch.Tensor]):
-        self._compute = compute
+    ``resolve_rows(rows)`` waits for what this process's rows ``rows`` (a CPU index tensor) need and returns their
+    advantages: all the rewards (whole-batch statistics), or only the rollout chunks that hold the rows' groups
+    (:class:`~trl_jagg.trainer.reward_overlap.ChunkAdvantages`). Indexing selects rows without waiting, so the
+    rollout splits into micro-batches as usual; the update stage calls :func:`resolved` where it first needs the
+    values, after the work that does not depend on them. Every process must resolve the same rows in the same order
+    (the resolution may gather across processes), as the micro-batches of :func:`split_rollout` do."""
+
+    def __init__(self, resolve_rows: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor):
+        self._resolve_rows, self.rows = resolve_rows, rows
 
     def __getitem__(self, index: slice | torch.Tensor) -> PendingAdvantages:
-        return PendingAdvantages(lambda: self.resolve()[index])
+        return PendingAdvantages(
+            self._resolve_rows, self.rows[index.cpu() if isinstance(index, torch.Tensor) else index]
+        )
 
     def resolve(self) -> torch.Tensor:
-        return self._compute()
+        return self._resolve_rows(self.rows)
 
 
 def resolved(advantages: torch.Tensor | PendingAdvantages) -> torch.Tensor:

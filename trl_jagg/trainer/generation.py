@@ -28,7 +28,7 @@ from .batch import PendingAdvantages, rng_seed, velocity_key
 from .conditioning import PromptConditioner
 from .guards import stop_if_non_finite
 from .placement import FrozenModules, eval_mode
-from .reward_overlap import ChunkScorer
+from .reward_overlap import ChunkAdvantages, ChunkScorer
 from .scoring import RewardFailure, scored_rewards
 
 
@@ -46,6 +46,22 @@ def _digest(images: Image.Image | list[Image.Image]) -> str:
     for image in images if isinstance(images, list) else [images]:
         digest.update(image.tobytes())
     return digest.hexdigest()
+
+
+def advantages_per_group(args: GRPOJaggConfig) -> bool:
+    """Whether the update may resolve the advantages chunk by chunk, a micro-batch waiting only for the rollout
+    chunks that hold its groups (when every reward scores chunk by chunk): a group's advantages must depend on its
+    own rewards only (not ``scale_rewards="batch"``'s global std, GDPO's batch normalisation of the weighted sum,
+    nor ``per_prompt_stat_tracking``, which pools a prompt's samples over groups and steps), the update must ask for
+    them one micro-batch at a time (``drop_zero_advantages`` reads them all when the rollout is split), and the
+    rollout must end within one optimizer step, whose logs hold its reward metrics."""
+    return (
+        args.scale_rewards in ("group", "none")
+        and not args.per_prompt_stat_tracking
+        and args.multi_objective_aggregation != "normalize_then_sum"
+        and not args.drop_zero_advantages
+        and args.steps_per_generation == args.gradient_accumulation_steps
+    )
 
 
 def rollout_window(args: GRPOJaggConfig, global_step: int) -> list[int] | None:
@@ -230,13 +246,22 @@ class RolloutGenerator:
 
         # With every reward still scoring the last chunk in the background, the update resolves the advantages
         # where it first needs them: the work before (the KL reference, JAGG's no-grad velocities, the first
-        # step's forward) overlaps the last answers. Anything else is scored here, after the rollout.
+        # step's forward; with per-group advantages, the micro-batches whose groups are scored) overlaps the last
+        # answers. Anything else is scored here, after the rollout.
+        rows = torch.arange(len(prompts))
+        if not scorer.scores_every_reward:
+            pending = advantages()
+        elif advantages_per_group(args):
+            fail = lambda failure: on_reward_failure(failure, f"at step {global_step + 1}")  # noqa: E731
+            by_chunk = self._chunk_advantages(prompts, images, columns, scorer, chunk, trainer_state, fail)
+            pending = PendingAdvantages(by_chunk, rows)
+        else:
+            whole = functools.cache(advantages)
+            pending = PendingAdvantages(lambda rows: whole()[rows.to(device)], rows)
         rollout = {
             "latents": latents,
             "log_probs": torch.cat([t.log_probs for t in trajectories]),
-            "advantages": PendingAdvantages(functools.cache(advantages))
-            if scorer.scores_every_reward
-            else advantages(),
+            "advantages": pending,
             "cond": cond,
             "sigmas": sigmas,
             # The group planner reads the flow times on the host: one transfer per rollout, not one per step.
@@ -311,23 +336,80 @@ class RolloutGenerator:
                 weight = 1.0 if args.reward_weights is None else abs(args.reward_weights[i])
                 self.metrics[f"advantages/{name}/abs_mean"].append(weight * shares[:, i].mean().item())
         else:
-            advantages = group_advantages(
-                all_rewards,
-                args.num_generations,
-                scale_by=args.scale_rewards,
-                clip=args.adv_clip_max,
-                eps=args.advantage_eps,
-                ddof=args.advantage_std_ddof,
-            )
+            advantages = self._group_advantages(all_rewards)
+        self._log_scores(all_rewards, all_per_func, list(per_reward), advantages)
+        return advantages
+
+    def _group_advantages(self, all_rewards: torch.Tensor) -> torch.Tensor:
+        """Per-prompt group advantages of the gathered batch's rewards (``scale_rewards``)."""
+        args = self.args
+        return group_advantages(
+            all_rewards, args.num_generations, scale_by=args.scale_rewards, clip=args.adv_clip_max,
+            eps=args.advantage_eps, ddof=args.advantage_std_ddof,
+        )  # fmt: skip
+
+    def _log_scores(
+        self, all_rewards: torch.Tensor, all_per_func: torch.Tensor, names: list[str], advantages: torch.Tensor
+    ) -> None:
+        """The metrics of the gathered batch's rewards (in all and per reward ``names``) and advantages."""
+        args = self.args
         grouped = all_rewards.view(-1, args.num_generations)
         self.metrics["reward"].append(all_rewards.mean().item())
         self.metrics["reward_std"].append(all_rewards.std().item())
         self.metrics["frac_reward_zero_std"].append((grouped.std(dim=1) < 1e-6).float().mean().item())
-        for i, name in enumerate(per_reward):
+        for i, name in enumerate(names):
             scored = all_per_func[:, i][~all_per_func[:, i].isnan()]  # None (not applicable) is NaN
             self.metrics[f"rewards/{name}/mean"].append(scored.mean().item())
             self.metrics[f"rewards/{name}/std"].append(scored.std().item())
         self.metrics["advantages/mean"].append(advantages.mean().item())
         self.metrics["advantages/abs_mean"].append(advantages.abs().mean().item())
         self.metrics["zero_advantage/frac"].append((advantages == 0).float().mean().item())
-        return advantages
+
+    def _chunk_advantages(
+        self, prompts: list[str], images: list, columns: dict[str, list[Any]], scorer: ChunkScorer, chunk: int,
+        trainer_state: Any, fail: Callable[[RewardFailure], NoReturn],
+    ) -> ChunkAdvantages:  # fmt: skip
+        """The rollout's advantages resolved chunk by chunk (:func:`advantages_per_group`): each chunk's rewards are
+        checked and weighted as :func:`~trl_jagg.rewards.compute_rewards` does for the whole batch, then gathered;
+        the metrics and completions, those of :meth:`_score`, once the last chunk is in."""
+        args, device = self.args, self.accelerator.device
+        reward_metrics: dict[str, list[float]] = defaultdict(list)
+        extra_columns: dict[str, list[Any]] = defaultdict(list)
+        names: list[str] = []
+        waited = [0.0]
+
+        @torch.no_grad()  # a retry runs the reward itself here, maybe inside the update's loss
+        def score_chunk(c: int) -> tuple[torch.Tensor, torch.Tensor]:
+            start, index = time.perf_counter(), slice(c * chunk, (c + 1) * chunk)
+            try:
+                rewards, per_reward = scored_rewards(
+                    scorer.reward_funcs(c), self.accelerator, prompts[index], images[index],
+                    weights=args.reward_weights, retries=args.reward_retries, trainer_state=trainer_state,
+                    log_metric=lambda name, value: reward_metrics[name].append(float(value)),
+                    log_extra=lambda column, values: extra_columns[column].extend(values),
+                    **{key: values[index] for key, values in columns.items()},
+                )  # fmt: skip
+            except RewardFailure as failure:
+                fail(failure)
+            names[:] = per_reward
+            per_func = torch.stack(list(per_reward.values()), dim=1).to(device)
+            gathered = self.accelerator.gather(rewards.to(device)), self.accelerator.gather(per_func)
+            waited[0] += time.perf_counter() - start
+            return gathered
+
+        def finish(all_rewards: torch.Tensor, all_per_func: torch.Tensor, advantages: torch.Tensor) -> None:
+            self._log_reward_metrics(reward_metrics)
+            self._log_scores(all_rewards, all_per_func, names, advantages)
+            self.metrics["time/reward_s"].append(waited[0])
+            if args.log_completions:
+                first = self.accelerator.process_index * len(prompts)
+                mine = slice(first, first + len(prompts))
+                scores = {"reward": all_rewards[mine].tolist()}
+                scores.update({name: all_per_func[mine, i].tolist() for i, name in enumerate(names)})
+                self.completions = (prompts, images, {**scores, **extra_columns})
+
+        return ChunkAdvantages(
+            num_rows=len(prompts), chunk_size=chunk, num_processes=self.accelerator.num_processes,
+            process_index=self.accelerator.process_index, num_generations=args.num_generations,
+            score_chunk=score_chunk, advantages=self._group_advantages, finish=finish,
+        )  # fmt: skip

@@ -3,10 +3,15 @@ VLM judge; see :func:`~trl_jagg.rewards.base.scores_each_sample`) score each rol
 while the next chunk samples. The rollout then scores the whole batch as before, with these rewards replaced by
 stand-ins returning the chunks' scores, so names, weights, checks and errors are those of
 :func:`~trl_jagg.rewards.compute_rewards`, and the scores are those of one call on the whole batch in order.
+
+When the advantages of a group depend only on that group's rewards (:class:`ChunkAdvantages`), they are resolved
+chunk by chunk instead, as the update's micro-batches need them: the first micro-batches train while the last chunk
+is still being scored.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
@@ -81,10 +86,77 @@ class ChunkScorer:
         chunk's answers (and cheap sums), which may wait behind other work."""
         return len(self._early) == len(self._funcs)
 
-    def reward_funcs(self) -> list[Callable[..., Any]]:
-        """The reward functions to score the whole rollout with: the per-sample ones answer from their chunks."""
+    def reward_funcs(self, chunk: int | None = None) -> list[Callable[..., Any]]:
+        """The reward functions to score the whole rollout with (or, with ``chunk``, only that chunk of it): the
+        per-sample ones answer from their chunks."""
         if self._pool is not None:
             self._pool.shutdown(wait=False)  # the submitted chunks still run; nothing new is accepted
+        window = slice(None) if chunk is None else slice(chunk, chunk + 1)
         return [
-            _ChunkScores(func, self._chunks[i]) if i in self._chunks else func for i, func in enumerate(self._funcs)
+            _ChunkScores(func, self._chunks[i][window]) if i in self._chunks else func
+            for i, func in enumerate(self._funcs)
         ]
+
+
+class ChunkAdvantages:
+    """The per-group advantages of a rollout whose rewards are all scored chunk by chunk, resolved one chunk at a
+    time as the rows asked for need them (the ``resolve_rows`` of a
+    :class:`~trl_jagg.trainer.batch.PendingAdvantages`).
+
+    The gathered batch holds process ``p``'s ``num_rows`` rows at ``[p * num_rows, (p + 1) * num_rows)`` and a group
+    is ``num_generations`` consecutive gathered rows, so a group may span processes. Rows ``rows`` of every process
+    need the chunks (of every process: chunk ``c`` is local rows ``[c * chunk_size, (c + 1) * chunk_size)``) holding
+    any row of their groups; every process computes the same count from the same rows and resolves chunks in order,
+    so the collectives of ``score_chunk`` are issued alike everywhere.
+
+    Args:
+        score_chunk: chunk index -> its gathered ``(rewards, per_reward)`` (``(num_processes * size,)`` and
+            ``(num_processes * size, num_rewards)``, process-major), on every process alike.
+        advantages: the advantages of the whole gathered batch from its rewards, each group's from its own rows
+            only. Called on every resolved chunk with the rewards known so far (the others 0): a complete group's
+            rows then see the same rows, in a tensor of the same shape, as the call on the whole batch, so their
+            values are bit-equal to it.
+        finish: called once, after the last chunk, with the gathered rewards, per-reward scores and advantages.
+    """
+
+    def __init__(
+        self, *, num_rows: int, chunk_size: int, num_processes: int, process_index: int, num_generations: int,
+        score_chunk: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+        advantages: Callable[[torch.Tensor], torch.Tensor],
+        finish: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
+    ):  # fmt: skip
+        self.num_rows, self.chunk_size, self.num_processes = num_rows, chunk_size, num_processes
+        self.first = process_index * num_rows
+        self.num_chunks = math.ceil(num_rows / chunk_size)
+        self._score_chunk, self._advantages, self._finish = score_chunk, advantages, finish
+        # The chunks each local row needs: the last chunk, on any process, holding a row of its group on any process.
+        gathered = torch.arange(num_processes)[:, None] * num_rows + torch.arange(num_rows)[None]
+        members = (gathered // num_generations)[..., None] * num_generations + torch.arange(num_generations)
+        self.chunks_needed = ((members % num_rows) // chunk_size).amax(dim=2).amax(dim=0) + 1
+        self.scored = 0
+        self.rewards: torch.Tensor | None = None
+        self.per_reward: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        """The advantages of this process's rows ``rows``, once the chunks they need are scored."""
+        needed = int(self.chunks_needed[rows].max()) if rows.numel() else max(self.scored, 1)
+        while self.scored < needed:
+            self._score_next()
+        return self.values[self.first + rows.to(self.values.device)]
+
+    def _score_next(self) -> None:
+        chunk, size = self.scored, self.chunk_size
+        rewards, per_reward = self._score_chunk(chunk)
+        if self.rewards is None:
+            total = self.num_processes * self.num_rows
+            self.rewards = rewards.new_zeros(total)
+            self.per_reward = per_reward.new_zeros(total, per_reward.shape[1])
+        count = rewards.numel() // self.num_processes  # the last chunk may be shorter
+        rows = torch.arange(self.num_processes)[:, None] * self.num_rows + chunk * size + torch.arange(count)
+        rows = rows.flatten().to(self.rewards.device)
+        self.rewards[rows], self.per_reward[rows] = rewards, per_reward
+        self.values = self._advantages(self.rewards)
+        self.scored += 1
+        if self.scored == self.num_chunks:
+            self._finish(self.rewards, self.per_reward, self.values)
