@@ -520,3 +520,45 @@ def test_flux2_dev_refuses_true_cfg_at_init(tiny_flux2_dev_path, tmp_path):
     """Flux2Pipeline has no negative prompt nor CFG: a true CFG scale is an error naming the field, before training."""
     with pytest.raises(ValueError, match="true_cfg_scale=2.0: Flux2Pipeline has no negative prompt"):
         make_trainer("flux2_dev", tiny_flux2_dev_path, tmp_path, {"guidance_scale": 4.0, "true_cfg_scale": 2.0})
+
+
+@pytest.mark.parametrize("family", ["flux_kontext", "wan"])
+def test_card_snippet_of_an_editing_and_a_video_model_reproduces_the_trained_samples(request, family, tmp_path):
+    """The card's snippet for an editing model passes the image to edit (at the output size, as training encodes
+    it) and tags the card image-to-image; for a video model it reads `.frames[0]` with the training's `num_frames`
+    and writes an MP4."""
+    import re
+
+    import yaml
+
+    path = tiny_path(request, family)
+    if family == "flux_kontext":
+        trainer = kontext_trainer(path, tmp_path, max_steps=1)
+    else:
+        trainer = make_trainer(family, path, tmp_path, FAMILIES[family]["cfg"], max_steps=1)
+    trainer.train()
+    trainer.save_model()
+    out = tmp_path / "out"
+    card = (out / "README.md").read_text()
+    tag = {"flux_kontext": "image-to-image", "wan": "text-to-video"}[family]
+    assert yaml.safe_load(card.split("---")[1])["pipeline_tag"] == tag
+    (snippet,) = re.findall(r"```python\n(.*?)```", card, flags=re.S)
+    source = source_images()[0]
+    source.save(tmp_path / "source.png")
+    code = snippet.replace("path/to/the/local/base/pipeline", path).replace('"out"', f'"{out}"')
+    code = code.replace('.to("cuda")', "").replace("path/to/the/image/to/edit.png", str(tmp_path / "source.png"))
+    code = re.sub(r'prompt="[^"]*",', 'prompt="a red circle", generator=torch.Generator().manual_seed(3),', code)
+    # export_to_video needs imageio or OpenCV, which the test environment does not install: the frames are compared.
+    assert ("export_to_video(video," in code) == (family == "wan")
+    code = "\n".join(line for line in code.splitlines() if not line.startswith("export_to_video("))
+    namespace: dict = {}
+    exec(compile(code, "README.md", "exec"), namespace)
+    if family == "wan":
+        frames = np.round(np.asarray(namespace["video"]) * 255)  # (frames, H, W, 3) in [0, 1]: numpy output
+        expected = trainer.sample_images(["a red circle"], seed=3)[0]
+        assert frames.shape[0] == len(expected) == 5
+        diff = np.abs(frames - np.stack([np.asarray(f, dtype=np.float64) for f in expected]))
+    else:
+        expected = trainer.sample_images(["a red circle"], seed=3, source_images=[source])[0]
+        diff = np.abs(np.asarray(namespace["image"], dtype=np.int16) - np.asarray(expected, dtype=np.int16))
+    assert diff.max() <= 1  # uint8 rounding only

@@ -119,4 +119,9 @@ def write_trainer_card(
         dataset_name=dataset_name,
         hub_model_id=hub_model_id,
         experts=list(trained_parts(transformer)) if isinstance(transformer, WanExperts) else (),
+        task="text-to-video"
+        if adapter.makes_videos
+        else "image-to-image"
+        if adapter.edits_images
+        else "text-to-image",
     )

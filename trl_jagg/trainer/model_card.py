@@ -202,7 +202,18 @@ def sampling_kwargs(args: Any, guidance_is_cfg: bool, embedded_guidance: bool) -
             kwargs["negative_prompt"] = args.negative_prompt
     if args.max_sequence_length:
         kwargs["max_sequence_length"] = args.max_sequence_length
+    if getattr(args, "num_frames", None):  # a video model's clip length
+        kwargs["num_frames"] = args.num_frames
     return kwargs
+
+
+TASK_CALLS: dict[str, tuple[str, str, str]] = {
+    "text-to-image": ("a photo of a red fox in the snow", "image", ".images[0]"),
+    "image-to-image": ("make the fox's fur white", "image", ".images[0]"),
+    "text-to-video": ("a red fox running through the snow", "video", ".frames[0]"),
+}
+"""The card's pipeline task (its ``pipeline_tag``) -> the snippet's prompt, the name of what the call returns and
+how it is read from the pipeline's output (Wan's ``WanPipelineOutput`` holds ``frames``, one video per prompt)."""
 
 
 LOCAL_BASE = "path/to/the/local/base/pipeline"
@@ -221,13 +232,19 @@ def usage_snippet(
     scheduler_class: str | None,
     call_kwargs: dict[str, Any],
     experts: Sequence[str] = (),
+    task: str = "text-to-image",
 ) -> str:
     """Python that loads the trained weights into the base pipeline and samples as in training. ``experts``: the
-    component folders of a two-expert backbone's trained experts (Wan2.2: ``transformer``, ``transformer_2``)."""
+    component folders of a two-expert backbone's trained experts (Wan2.2: ``transformer``, ``transformer_2``).
+    ``task`` (a key of :data:`TASK_CALLS`): an editing model's call takes the image to edit, a video model's
+    result is written as an MP4."""
     imports = (
         [pipeline_class] + ([] if is_lora else [transformer_class]) + ([scheduler_class] if scheduler_class else [])
     )
-    lines = ["import torch", f"from diffusers import {', '.join(imports)}", ""]
+    utils = {"image-to-image": ["load_image"], "text-to-video": ["export_to_video"]}.get(task, [])
+    lines = ["import torch", f"from diffusers import {', '.join(imports)}"]
+    lines += [f"from diffusers.utils import {', '.join(utils)}"] if utils else []
+    lines.append("")
     if base == LOCAL_BASE:
         lines.append(f"# The base was a local {pipeline_class} (no Hub id): put the directory it was loaded from.")
     if experts and is_lora:  # diffusers' Wan loader puts a file's `transformer.` keys into transformer_2 on request
@@ -250,10 +267,17 @@ def usage_snippet(
     if scheduler_class:
         lines.append("# The schedule used in training (it differs from the base model's):")
         lines.append(f'pipe.scheduler = {scheduler_class}.from_pretrained("{repo}", subfolder="scheduler")')
-    lines.append("image = pipe(")
-    lines.append('    "a photo of a red fox in the snow",')
+    prompt, result, read = TASK_CALLS[task]
+    if task == "image-to-image":
+        lines.append('source = load_image("path/to/the/image/to/edit.png")')
+    lines.append(f"{result} = pipe(")
+    lines.append(f'    prompt="{prompt}",')
+    if task == "image-to-image":
+        lines.append("    image=source,")
     lines += [f"    {key}={value!r}," for key, value in call_kwargs.items()]
-    lines.append(").images[0]")
+    lines.append(f"){read}")
+    if task == "text-to-video":
+        lines.append('export_to_video(video, "fox.mp4", fps=16)  # Wan samples 16 frames per second')
     return "\n".join(lines)
 
 
@@ -275,11 +299,14 @@ def write_model_card(
     dataset_name: str | None = None,
     hub_model_id: str | None = None,
     experts: Sequence[str] = (),
+    task: str = "text-to-image",
 ) -> str:
     """Write ``README.md`` into ``output_dir`` and return its path.
 
     Args:
         experts: the trained experts' component folders of a two-expert backbone (see :func:`usage_snippet`).
+        task: the Hub ``pipeline_tag``, a key of :data:`TASK_CALLS` (editing: ``image-to-image``, video:
+            ``text-to-video``).
         base_model: what the pipeline was loaded from; only a Hub id reaches the metadata (see :func:`as_hub_id`).
         scheduler_class: the scheduler's class when the weights come with a ``scheduler/`` folder that differs
             from the base model's (a recipe's override): the snippet loads it.
@@ -293,7 +320,7 @@ def write_model_card(
     data = ModelCardData(
         base_model=base_id,
         base_model_relation=("adapter" if is_lora else "finetune") if base_id else None,
-        pipeline_tag="text-to-image",
+        pipeline_tag=task,
         datasets=[dataset_id] if dataset_id else None,
         widget=[{"text": prompt, "output": {"url": path}} for prompt, path in samples] or None,
         **base_model_license(base_id),
@@ -312,6 +339,8 @@ def write_model_card(
         "KL beta / clip range": f"{args.beta} / {args.clip_range}",
     }
     call_kwargs = sampling_kwargs(args, guidance_is_cfg, embedded_guidance)
+    if pipeline_class == "FluxKontextPipeline":  # training encodes the source at the output size, not a preferred one
+        call_kwargs |= {"max_area": args.height * args.width, "_auto_resize": False}
     sampling_note = (
         "The call repeats the sampling settings of training (steps, resolution, guidance"
         + (" and the negative prompt" if "negative_prompt" in call_kwargs else "")
@@ -333,6 +362,7 @@ def write_model_card(
                 scheduler_class=scheduler_class,
                 call_kwargs=call_kwargs,
                 experts=experts,
+                task=task,
             ),
             sampling_note=sampling_note,
             settings="\n".join(f"| {k} | {v} |" for k, v in settings.items()),
