@@ -125,8 +125,9 @@ _DANCE_WAN = Recipe(
     mixed_precision="bf16",  # WS:32; bf16 autocast (WT:196, 207, 239, 250)
     notes=(
         "DanceGRPO loads the transformer in bfloat16 and steps AdamW on it (train_grpo_wan_2_1.py:614-618, 643-652) "
-        "despite its comment 'keep the master weight to float32' (L612); at lr 1e-5 most bf16 updates round away, so "
-        "the preset keeps float32 master weights under bf16 autocast, as DanceGRPO's Flux and Qwen-Image-Edit runs.",
+        "despite its comment 'keep the master weight to float32' (L612); an AdamW update (about lr = 1e-5 per weight) "
+        "is below half a bf16 ulp (at least |w| / 512) for every weight above about 5e-3 in magnitude and rounds away, "
+        "so the preset keeps float32 master weights under bf16 autocast, as DanceGRPO's Flux and Qwen-Image-Edit runs.",
         "DanceGRPO's Wan script wraps the transformer in neither FSDP nor DDP (train_grpo_wan_2_1.py:614-652; its "
         "only all_reduce averages the logged loss, L528): each of its 8 processes trains its own replica. trl_jagg "
         "averages the gradients over processes (one model).",
@@ -168,6 +169,9 @@ _DANCE_QWENIMAGE_EDIT = Recipe(
         # encode_prompt untruncated (preprocess_qwenimage_edit_embeddings.py:74-78), padded to 5000 tokens and cut
         # back to its length (L167-172, QT:331).
         "max_sequence_length": None,
+        # The float32 Qwen2.5-VL encoder (33 GB) stays on the CPU outside prompt encoding, as flow-grpo-qwenimage;
+        # DanceGRPO encodes every prompt offline (preprocess_qwenimage_edit_embeddings.py), so none is on its GPUs.
+        "offload_frozen_modules": True,
     },
     scheduler={"shift": 3.0, "use_dynamic_shifting": False, "shift_terminal": None},  # --shift 3 (QS:49), QT:300-302
     reward_funcs=(
