@@ -694,11 +694,12 @@ def test_errors_from_outside_trl_jagg_keep_their_traceback(tmp_path, monkeypatch
 @pytest.mark.parametrize(
     ("family", "recipe"),
     [("zimage", "flow-factory-z-image-turbo"), ("flux2_klein", "flow-factory-flux2-klein-base"),
-     ("flux2_dev", "flow-factory-flux2-dev"), ("wan", "flow-grpo-wan2.1"), ("wan22", "flow-factory-wan2.2")],
+     ("flux2_dev", "flow-factory-flux2-dev"), ("wan", "flow-grpo-wan2.1"), ("wan22", "flow-factory-wan2.2"),
+     ("wan", "dancegrpo-wan2.1")],
 )  # fmt: skip
 def test_tiny_train_run_of_a_newer_family_from_its_recipe(request, family, recipe, tmp_path, capsys):
     """`trl-jagg train --recipe` on the tiny pipeline of each newer family: the preset's LoRA targets exist in the
-    backbone and JAGG runs (the tiny sizes override the preset's)."""
+    backbone (or the whole backbone is saved, DanceGRPO) and JAGG runs (the tiny sizes override the preset's)."""
     output_dir = tmp_path / "out"
     tiny = {**TINY, "gradient_accumulation_steps": 1, "steps_per_generation": 1, "max_steps": 1, "lora_r": 4,
             "lora_alpha": 8}  # fmt: skip
@@ -708,6 +709,8 @@ def test_tiny_train_run_of_a_newer_family_from_its_recipe(request, family, recip
         tiny |= {"max_sequence_length": 48, "reward_weights": 1.0, "max_steps": 2}
     if family == "wan22":  # two steps; 4 trained steps, 2 per expert: groups of W = 2
         tiny |= {"max_steps": 2, "jagg_group_size": 2}
+    if recipe.startswith("dancegrpo"):  # two steps; a random 60% of 4 steps is 2: a group of W = 2
+        tiny |= {"max_steps": 2, "jagg_group_size": 2}
     flags = [f"--{key}={value}" for key, value in tiny.items()]
     argv = ["train", "--recipe", recipe, "--model_name_or_path", request.getfixturevalue(f"tiny_{family}_path"),
             "--reward_funcs", "prompt_color", "--prompts", "a red circle", "a green square", "--output_dir",
@@ -716,16 +719,23 @@ def test_tiny_train_run_of_a_newer_family_from_its_recipe(request, family, recip
     assert code == 0, err
     # Wan2.2: each expert's LoRA in its component folder (both trained, the preset's train_experts).
     folders = ["transformer", "transformer_2"] if family == "wan22" else [""]
-    assert all(os.path.isfile(output_dir / folder / "pytorch_lora_weights.safetensors") for folder in folders)
+    weights = (
+        "diffusion_pytorch_model.safetensors" if recipe.startswith("dancegrpo") else "pytorch_lora_weights.safetensors"
+    )
+    assert all(os.path.isfile(output_dir / folder / weights) for folder in folders)
     logged = [ast.literal_eval(line) for line in out.splitlines() if line.startswith("{'loss'")]
     groups = 2 if family == "wan22" else 1  # one JAGG group on each side of Wan2.2's expert switch
     assert len(logged) == tiny["max_steps"] and all(float(e["jagg/groups_jagg"]) == groups for e in logged)
 
 
-@pytest.mark.parametrize("family", ["qwenimage_edit", "qwenimage_edit_plus"])
-def test_tiny_train_run_of_an_editing_model_from_the_recipe(request, family, tmp_path, capsys):
-    """`trl-jagg train --recipe flow-grpo-qwenimage-edit` on a JSON dataset of instructions and source-image paths
-    (two per row for Edit-Plus): two optimizer steps, JAGG in each."""
+@pytest.mark.parametrize(
+    ("family", "recipe"),
+    [("qwenimage_edit", "flow-grpo-qwenimage-edit"), ("qwenimage_edit_plus", "flow-grpo-qwenimage-edit"),
+     ("qwenimage_edit", "dancegrpo-qwenimage-edit")],
+)  # fmt: skip
+def test_tiny_train_run_of_an_editing_model_from_the_recipe(request, family, recipe, tmp_path, capsys):
+    """`trl-jagg train --recipe` (Flow-GRPO's and DanceGRPO's editing presets) on a JSON dataset of instructions and
+    source-image paths (two per row for Edit-Plus): two optimizer steps, JAGG in each."""
     Image.new("RGB", (32, 32), (200, 30, 30)).save(tmp_path / "red.png")
     Image.new("RGB", (32, 32), (30, 30, 200)).save(tmp_path / "blue.png")
     sources = [str(tmp_path / "red.png"), str(tmp_path / "blue.png")]
@@ -736,12 +746,16 @@ def test_tiny_train_run_of_an_editing_model_from_the_recipe(request, family, tmp
     output_dir = tmp_path / "out"
     tiny = {**TINY, "gradient_accumulation_steps": 1, "steps_per_generation": 1, "max_steps": 2, "lora_r": 4,
             "lora_alpha": 8, "source_image_area": 32 * 32}  # fmt: skip
+    full = recipe.startswith("dancegrpo")  # full fine-tuning; a random 60% of 4 steps is 2: a group of W = 2
+    if full:
+        tiny["jagg_group_size"] = 2
     flags = [f"--{key}={value}" for key, value in tiny.items()]
-    argv = ["train", "--recipe", "flow-grpo-qwenimage-edit", "--model_name_or_path",
-            request.getfixturevalue(f"tiny_{family}_path"), "--reward_funcs", "prompt_color", "--dataset_name",
-            str(records), "--output_dir", str(output_dir), *flags]  # fmt: skip
+    argv = ["train", "--recipe", recipe, "--model_name_or_path", request.getfixturevalue(f"tiny_{family}_path"),
+            "--reward_funcs", "prompt_color", "--dataset_name", str(records), "--output_dir", str(output_dir),
+            *flags]  # fmt: skip
     code, out, err = run(argv, capsys)
     assert code == 0, err
-    assert os.path.isfile(output_dir / "pytorch_lora_weights.safetensors")
+    weights = "diffusion_pytorch_model.safetensors" if full else "pytorch_lora_weights.safetensors"
+    assert os.path.isfile(output_dir / weights)
     logged = [ast.literal_eval(line) for line in out.splitlines() if line.startswith("{'loss'")]
     assert len(logged) == 2 and all(float(entry["jagg/groups_jagg"]) == 1 for entry in logged)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from datasets import Dataset
-from diffusers import DiffusionPipeline, FluxPipeline
+from diffusers import DiffusionPipeline, FluxPipeline, UniPCMultistepScheduler
 from testing_utils import FLOW_FACTORY, NAMES, noise_image
 
 from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
@@ -56,6 +56,16 @@ PUBLISHED = {
     ),
     "dancegrpo-flux": _DANCE_PUBLISHED,
     "dancegrpo-flux-8gpu": _DANCE_PUBLISHED,
+    # DG scripts/finetune/finetune_wan_2_1_grpo.sh:37-41, 47, 51, 55: 512 x 512, one frame, 20 steps, eta 0.3, CFG 5.
+    "dancegrpo-wan2.1": dict(
+        height=512, width=512, num_frames=1, num_inference_steps=20, guidance_scale=5.0, sampler="dance",
+        noise_level=0.3, num_generations=12, learning_rate=1e-5, train_timestep_fraction=0.6,
+    ),
+    # DG scripts/finetune/finetune_qwenimage_edit_grpo.sh:38-42, 48, 52: 512 x 512, 20 steps, eta 0.3, no CFG.
+    "dancegrpo-qwenimage-edit": dict(
+        height=512, width=512, num_inference_steps=20, true_cfg_scale=1.0, sampler="dance", noise_level=0.3,
+        num_generations=8, learning_rate=1e-5, train_timestep_fraction=0.6, source_image_area=None,
+    ),
     # MixGRPO-Flash (Tencent-Hunyuan/MixGRPO scripts/finetune/finetune_flux_grpo_MixGRPO_Flash.sh).
     "mixgrpo-flux": dict(
         height=720, width=720, num_inference_steps=25, sampler="sde", noise_level=0.7, num_generations=12,
@@ -140,6 +150,16 @@ PEER_CONVENTIONS = {
     ),
     "dancegrpo-flux": dict(**_DANCE_CONVENTIONS, ema_decay=0.0),
     "dancegrpo-flux-8gpu": dict(**_DANCE_CONVENTIONS, ema_decay=0.995, ema_warmup=False, ema_offload=True),
+    # DG fastvideo/train_grpo_wan_2_1.py:195-205 (CFG on both branches), preprocess_wan_2_1_embeddings.py:104-105
+    # (encode_prompt's defaults: negative "", 226 tokens).
+    "dancegrpo-wan2.1": dict(
+        **{**_DANCE_CONVENTIONS, "max_sequence_length": 226}, ema_decay=0.0, negative_prompt="", cfg_gradient="both",
+        reward_on_predicted_x0=True,
+    ),
+    # DG preprocess_qwenimage_edit_embeddings.py:74-78 (encode_prompt untruncated), no --use_ema.
+    "dancegrpo-qwenimage-edit": dict(
+        **{**_DANCE_CONVENTIONS, "max_sequence_length": None}, ema_decay=0.0, reward_on_predicted_x0=True,
+    ),
     "mixgrpo-flux": dict(
         per_prompt_stat_tracking=False, scale_rewards="group", advantage_std_ddof=1, advantage_eps=1e-8,
         quantize_timesteps=True, same_group_noise=True, beta=0.0, clip_range=1e-4, adv_clip_max=5.0,
@@ -287,6 +307,37 @@ PEER_TRAINING = {
         ("ema_offload", True, "DG train_grpo_flux.py:69-73 (full state dict, cpu_offload=True, on rank 0)"),
         ("max_grad_norm", 0.01, "DG finetune_flux_grpo_8gpus.sh:46"),
     ],
+    "dancegrpo-wan2.1": [
+        ("lr_scheduler_type", "constant_with_warmup", "DG fastvideo/train_grpo_wan_2_1.py:951-959 (the default)"),
+        ("warmup_steps", 0, "DG scripts/finetune/finetune_wan_2_1_grpo.sh:42"),
+        ("per_device_train_batch_size", 1, "DG train_grpo_wan_2_1.py:494-526 (one sample a backward)"),
+        ("steps_per_generation", 24, "DG finetune_wan_2_1_grpo.sh:24, 47 (2 prompts x 12 generations per rank)"),
+        ("gradient_accumulation_steps", 24, "DG finetune_wan_2_1_grpo.sh:29, train_grpo_wan_2_1.py:530"),
+        ("optimizer_steps_per_rollout", 1, "24 samples, a step every 24"),
+        ("max_grad_norm", 1.0, "DG finetune_wan_2_1_grpo.sh:44"),
+        ("weight_decay", 1e-4, "DG finetune_wan_2_1_grpo.sh:45"),
+        ("clip_range", 1e-4, "DG finetune_wan_2_1_grpo.sh:53"),
+        ("adv_clip_max", 5.0, "DG finetune_wan_2_1_grpo.sh:54"),
+        ("activation_checkpointing", True, "DG finetune_wan_2_1_grpo.sh:23, train_grpo_wan_2_1.py:620-623"),
+        ("reward_funcs", ("hpsv2.1",), "DG finetune_wan_2_1_grpo.sh:46, train_grpo_wan_2_1.py:602 (HPS v2.1)"),
+        ("mixed_precision", "bf16", "DG finetune_wan_2_1_grpo.sh:32"),
+    ],
+    "dancegrpo-qwenimage-edit": [
+        ("lr_scheduler_type", "constant_with_warmup", "DG train_grpo_qwenimage_edit.py:1087-1095 (the default)"),
+        ("warmup_steps", 0, "DG scripts/finetune/finetune_qwenimage_edit_grpo.sh:43"),
+        ("per_device_train_batch_size", 1, "DG train_grpo_qwenimage_edit.py:597-635 (one sample a backward)"),
+        ("steps_per_generation", 16, "DG finetune_qwenimage_edit_grpo.sh:25, 48 (2 prompts x 8 generations)"),
+        ("gradient_accumulation_steps", 8, "DG finetune_qwenimage_edit_grpo.sh:30, train_grpo_qwenimage_edit.py:639"),
+        ("optimizer_steps_per_rollout", 2, "16 samples, a step every 8"),
+        ("max_grad_norm", 1.0, "DG finetune_qwenimage_edit_grpo.sh:45"),
+        ("weight_decay", 1e-4, "DG finetune_qwenimage_edit_grpo.sh:46"),
+        ("clip_range", 1e-4, "DG finetune_qwenimage_edit_grpo.sh:54"),
+        ("adv_clip_max", 5.0, "DG finetune_qwenimage_edit_grpo.sh:55"),
+        ("dtype", "float32", "DG train_grpo_qwenimage_edit.py:736-740 (float32 master weights)"),
+        ("activation_checkpointing", True, "DG train_grpo_qwenimage_edit.py:758-760"),
+        ("reward_funcs", ("hpsv2.1",), "DG finetune_qwenimage_edit_grpo.sh:47, train_grpo_qwenimage_edit.py:711"),
+        ("mixed_precision", "bf16", "DG finetune_qwenimage_edit_grpo.sh:33"),
+    ],
     "mixgrpo-flux": [
         ("lr_scheduler_type", "constant_with_warmup", "MG fastvideo/train_grpo_flux.py:1152-1156 (the default)"),
         ("warmup_steps", 0, "MG finetune_flux_grpo_MixGRPO_Flash.sh:146"),
@@ -351,6 +402,8 @@ PUBLISHED_LORA = {
     "dancegrpo-flux": None,  # full fine-tuning
     "mixgrpo-flux": None,
     "dancegrpo-flux-8gpu": None,
+    "dancegrpo-wan2.1": None,  # full fine-tuning
+    "dancegrpo-qwenimage-edit": None,
     "flow-factory-z-image": _ZIMAGE_LORA,
     "flow-factory-z-image-turbo": _ZIMAGE_LORA,
     "flow-factory-flux2-klein-base": _FLUX2_KLEIN_LORA,
@@ -376,6 +429,8 @@ MODELS = {
     "dancegrpo-flux": "black-forest-labs/FLUX.1-dev",
     "mixgrpo-flux": "black-forest-labs/FLUX.1-dev",
     "dancegrpo-flux-8gpu": "black-forest-labs/FLUX.1-dev",
+    "dancegrpo-wan2.1": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers",  # DG finetune_wan_2_1_grpo.sh:19 (Wan2.1-T2V-1.3B)
+    "dancegrpo-qwenimage-edit": "Qwen/Qwen-Image-Edit",  # DG finetune_qwenimage_edit_grpo.sh:20 (qwenimage_edit)
     "flow-factory-z-image": "Tongyi-MAI/Z-Image",
     "flow-factory-z-image-turbo": "Tongyi-MAI/Z-Image-Turbo",
     "flow-factory-flux2-klein-base": "black-forest-labs/FLUX.2-klein-base-9B",
@@ -611,6 +666,33 @@ def test_dance_scheduler_override_is_dancegrpo_shift_3(tiny_flux_path):
     assert not torch.allclose(own, sigmas)  # Flux's own resolution-dependent shift differs
 
 
+def test_dance_qwenimage_edit_scheduler_override_is_dancegrpo_shift_3(tiny_qwenimage_edit_path):
+    # Qwen-Image's own schedule is dynamically shifted and stretched to end at 0.02 (shift_terminal): both go.
+    recipe = get_recipe("dancegrpo-qwenimage-edit")
+    pipeline = DiffusionPipeline.from_pretrained(tiny_qwenimage_edit_path)
+    own, _ = load_adapter(pipeline).schedule(20, 512, 512)
+    sigmas, timesteps = load_adapter(recipe.apply_scheduler(pipeline)).schedule(20, 512, 512)
+    t = torch.linspace(1, 0, 21)
+    # DanceGRPO's sd3_time_shift(3, linspace(1, 0, 21)) (fastvideo/train_grpo_qwenimage_edit.py:300-302)
+    torch.testing.assert_close(sigmas, 3 * t / (1 + 2 * t), atol=1e-6, rtol=0)
+    torch.testing.assert_close(timesteps, sigmas[:-1] * 1000, atol=1e-3, rtol=0)
+    assert not torch.allclose(own, sigmas)
+
+
+def test_dance_wan_steps_on_the_checkpoints_unipc_sigmas_near_dancegrpos(tiny_wan_path):
+    """Wan2.1-T2V ships UniPC flow sigmas with flow_shift 3 (the tiny pipeline an Euler scheduler): the preset's
+    schedule stays within 0.0025 of DanceGRPO's sd3_time_shift(3, linspace(1, 0, 21)), as its notes say."""
+    pipeline = DiffusionPipeline.from_pretrained(tiny_wan_path)
+    pipeline.scheduler = UniPCMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0, num_train_timesteps=1000
+    )
+    recipe = get_recipe("dancegrpo-wan2.1")
+    assert recipe.scheduler is None
+    sigmas, _ = load_adapter(pipeline).schedule(recipe.config["num_inference_steps"], 512, 512)
+    t = torch.linspace(1, 0, 21)
+    torch.testing.assert_close(sigmas, 3 * t / (1 + 2 * t), atol=2.5e-3, rtol=0)
+
+
 def test_recipes_import_nothing_of_trl_jagg():
     # The arrow points one way: the config reads the presets, the presets never import the config.
     import subprocess
@@ -676,7 +758,7 @@ PRESET_SPLIT_TINY = dict(
 )
 def test_preset_schedule_split_and_lora_through_the_trainer(name, request, tmp_path):
     """The logged learning rate stays constant, one rollout feeds the peer's number of optimizer steps (2 for
-    Flow-GRPO and Flow-Factory, 3 for DanceGRPO, 4 for MixGRPO), and the trained parameters are those of the peer's
+    Flow-GRPO and Flow-Factory, 3 for DanceGRPO's Flux, 1 for its Wan, 4 for MixGRPO), and the trained parameters are those of the peer's
     LoRA targets."""
     recipe = get_recipe(name)
     family = {
@@ -715,8 +797,9 @@ def test_preset_schedule_split_and_lora_through_the_trainer(name, request, tmp_p
                 "reward_weights": None,  # one reward here
                 # Kontext's 14 micro-batches a rollout: groups of 2, so that they hold whole groups.
                 **({"num_generations": 2} if family == "flux_kontext" else {}),
-                # 2 latent frames, not the preset's 9; micro-batches of 2 so that its 2 make a group of 4.
-                **({"num_frames": 5, "per_device_train_batch_size": 2} if family == "wan" else {}),
+                # 2 latent frames, not the preset's 9; micro-batches of 2 so that its 2 make a group of 4 (DanceGRPO's
+                # Wan samples its own single frame, 24 micro-batches of one).
+                **({"num_frames": 5, "per_device_train_batch_size": 2} if name == "flow-grpo-wan2.1" else {}),
             },
         ),  # fmt: skip
         train_dataset=Dataset.from_dict(columns),

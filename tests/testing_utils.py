@@ -32,6 +32,8 @@ NAMES = [
     "flow-grpo-wan2.1",
     "dancegrpo-flux",
     "dancegrpo-flux-8gpu",
+    "dancegrpo-wan2.1",
+    "dancegrpo-qwenimage-edit",
     "mixgrpo-flux",
     *FLOW_FACTORY,
 ]

@@ -1,4 +1,5 @@
-"""DanceGRPO's presets and MixGRPO's (built on DanceGRPO's FastVideo trainer): FLUX.1-dev full fine-tuning."""
+"""DanceGRPO's presets (FLUX.1-dev, Wan2.1-T2V-1.3B, Qwen-Image-Edit; full fine-tuning) and MixGRPO's (built on
+DanceGRPO's FastVideo trainer, FLUX.1-dev)."""
 
 from __future__ import annotations
 
@@ -64,6 +65,134 @@ _DANCE = Recipe(
     ),
 )
 
+# DanceGRPO's Wan2.1 and Qwen-Image-Edit runs share dancegrpo-flux's trainer (fastvideo/train_grpo_{wan_2_1,
+# qwenimage_edit}.py are its copies): the same flux_step SDE, advantages, random 60% of the steps but the last, loss
+# and optimizer. Lines: WS = scripts/finetune/finetune_wan_2_1_grpo.sh, WT = fastvideo/train_grpo_wan_2_1.py,
+# QS = scripts/finetune/finetune_qwenimage_edit_grpo.sh, QT = fastvideo/train_grpo_qwenimage_edit.py at 15cc71d.
+_DANCE_SHARED = {
+    "sampler": "dance",  # flux_step(..., sde_solver=True): WT:94-133, 215; QT:132-171, 237
+    "noise_level": 0.3,  # eta: WS:41, QS:42
+    "per_device_train_batch_size": 1,  # one sample a backward: WT:494-526, QT:597-635
+    "train_timesteps": "random_but_last",  # --ignore_last (WS:50, QS:51): WT:437-444, QT:537-547
+    "train_timestep_fraction": 0.6,  # WS:51, QS:52; int(19 * 0.6) = 11 of 20 steps (WT:493, QT:596)
+    "beta": 0.0,  # no KL term in the loss (WT:510-524, QT:619-633)
+    "clip_range": 1e-4,  # WS:53, QS:54
+    "adv_clip_max": 5.0,  # WS:54, QS:55
+    # --use_group (WS:49, QS:50): per-group torch std (unbiased) + 1e-8 (WT:456-468, QT:559-571).
+    "scale_rewards": "group",
+    "advantage_std_ddof": 1,
+    "advantage_eps": 1e-8,
+    "quantize_timesteps": True,  # int(sigma * 1000) as the timestep (WT:192-193, 431-434; QT:220-227, 531-534)
+    "same_group_noise": True,  # --init_same_noise (WS:52, QS:53): WT:300-305, QT:323-328
+    "reward_on_predicted_x0": True,  # the last step's pred_original decoded (WT:219, 338-350; QT:241, 383-397)
+    "learning_rate": 1e-5,  # WS:31, QS:32
+    "lr_scheduler_type": "constant_with_warmup",  # --lr_scheduler's default (WT:951-959, QT:1087-1095)
+    "warmup_steps": 0,  # WS:42, QS:43
+    "weight_decay": 1e-4,  # WS:45, QS:46
+    "max_grad_norm": 1.0,  # WS:44, QS:45
+    **PAPER_JAGG,
+    "dtype": "float32",  # QT:736-740 (float32 master weights); Wan: see its notes
+    "activation_checkpointing": True,  # --gradient_checkpointing (WS:23, QS:24): WT:620-623, QT:758-760
+}
+
+_DANCE_WAN = Recipe(
+    name="dancegrpo-wan2.1",
+    model="Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
+    description="DanceGRPO on Wan2.1-T2V-1.3B: full fine-tuning, single-frame 512 x 512 videos, CFG 5, constant-eta "
+    "SDE (eta 0.3), 20 steps with shift 3, a random 60% of the first 19 steps trained per sample, HPSv2.1.",
+    source="DanceGRPO (Xue et al. 2025, arXiv 2505.07818): fastvideo/train_grpo_wan_2_1.py, "
+    "scripts/finetune/finetune_wan_2_1_grpo.sh and fastvideo/data_preprocess/preprocess_wan_2_1_embeddings.py at "
+    "XueZeyue/DanceGRPO@15cc71d.",
+    config={
+        **_DANCE_SHARED,
+        **{"height": 512, "width": 512, "num_frames": 1},  # --h/--w/--t (WS:37-39): one latent frame (WT:291)
+        "num_inference_steps": 20,  # WS:40
+        # --cfg_infer 5 (WS:55): v_u + 5 (v_c - v_u) on one 2B call, both branches differentiated (WT:195-205,
+        # 238-248); the negative embeddings are encode_prompt's of "" (preprocess_wan_2_1_embeddings.py:104-105).
+        "guidance_scale": 5.0,
+        "negative_prompt": "",
+        "cfg_gradient": "both",
+        "num_generations": 12,  # WS:47
+        # 2 prompts x 12 samples per process (--train_batch_size 2, WS:24), an optimizer step every
+        # --gradient_accumulation_steps 24 (WS:29, WT:530): one per rollout, each sample used once.
+        "steps_per_generation": 24,
+        "gradient_accumulation_steps": 24,
+        # encode_prompt without max_sequence_length (preprocess_wan_2_1_embeddings.py:104-105): WanPipeline's
+        # default 226 tokens (diffusers 0.35, pinned by scripts/preprocess/preprocess_wan_2_1_rl_embeddings.sh:5).
+        "max_sequence_length": 226,
+    },
+    reward_funcs=("hpsv2.1",),  # --use_hpsv2 (WS:46): HPS_v2.1_compressed.pt (WT:602), on the first frame (WT:353-365)
+    mixed_precision="bf16",  # WS:32; bf16 autocast (WT:196, 207, 239, 250)
+    notes=(
+        "DanceGRPO loads the transformer in bfloat16 and steps AdamW on it (train_grpo_wan_2_1.py:614-618, 643-652) "
+        "despite its comment 'keep the master weight to float32' (L612); an AdamW update (about lr = 1e-5 per weight) "
+        "is below half a bf16 ulp (at least |w| / 512) for every weight above about 5e-3 in magnitude and rounds away, "
+        "so the preset keeps float32 master weights under bf16 autocast, as DanceGRPO's Flux and Qwen-Image-Edit runs.",
+        "DanceGRPO's Wan script wraps the transformer in neither FSDP nor DDP (train_grpo_wan_2_1.py:614-652; its "
+        "only all_reduce averages the logged loss, L528): each of its 8 processes trains its own replica. trl_jagg "
+        "averages the gradients over processes (one model).",
+        "The steps run on the checkpoint's UniPC flow sigmas (flow_shift 3, DanceGRPO's --shift 3), which end at "
+        "1/1000 before the final 0: within 0.0024 of DanceGRPO's sd3_time_shift(3, linspace(1, 0, 21)) "
+        "(train_grpo_wan_2_1.py:277-279); no scheduler override.",
+        "DanceGRPO scores the first frame of the video after an mp4 export (export_to_video, then cv2: "
+        "train_grpo_wan_2_1.py:351-356); trl_jagg scores the decoded frame itself (one frame: the mean over frames is "
+        "that frame), without the H.264 round trip.",
+        "--init_same_noise draws one noise per sampling call shared by the process's 24 samples, i.e. by its two "
+        "groups (train_grpo_wan_2_1.py:300-305); same_group_noise gives each group its own.",
+        "Full fine-tuning of the 1.3B backbone: AdamW's float32 state fits one GPU; FSDP or DeepSpeed ZeRO shard it "
+        "over several.",
+    ),
+)
+
+_DANCE_QWENIMAGE_EDIT = Recipe(
+    name="dancegrpo-qwenimage-edit",
+    model="Qwen/Qwen-Image-Edit",
+    description="DanceGRPO on Qwen-Image-Edit: full fine-tuning, 512 x 512 edits of sources at 1024^2, no CFG, "
+    "constant-eta SDE (eta 0.3), 20 steps with shift 3, a random 60% of the first 19 steps trained per sample, "
+    "HPSv2.1.",
+    source="DanceGRPO (Xue et al. 2025, arXiv 2505.07818): fastvideo/train_grpo_qwenimage_edit.py, "
+    "scripts/finetune/finetune_qwenimage_edit_grpo.sh and fastvideo/data_preprocess/"
+    "preprocess_qwenimage_edit_embeddings.py at XueZeyue/DanceGRPO@15cc71d.",
+    config={
+        **_DANCE_SHARED,
+        **{"height": 512, "width": 512},  # --h/--w (QS:38-39)
+        # The source resized to 1024^2 pixels at its aspect ratio, sides multiples of 32
+        # (preprocess_qwenimage_edit_embeddings.py:35-42, 59, 68-70): the pipeline's own area.
+        "source_image_area": None,
+        "num_inference_steps": 20,  # QS:41
+        "true_cfg_scale": 1.0,  # one conditional call a step, guidance=None (QT:223-236, 263-276): no CFG
+        "num_generations": 8,  # QS:48
+        # 2 prompts x 8 samples per process (--train_batch_size 2, QS:25), an optimizer step every
+        # --gradient_accumulation_steps 8 (QS:30, QT:639): two per rollout, each sample used once.
+        "steps_per_generation": 16,
+        "gradient_accumulation_steps": 8,
+        # encode_prompt untruncated (preprocess_qwenimage_edit_embeddings.py:74-78), padded to 5000 tokens and cut
+        # back to its length (L167-172, QT:331).
+        "max_sequence_length": None,
+        # The float32 Qwen2.5-VL encoder (33 GB) stays on the CPU outside prompt encoding, as flow-grpo-qwenimage;
+        # DanceGRPO encodes every prompt offline (preprocess_qwenimage_edit_embeddings.py), so none is on its GPUs.
+        "offload_frozen_modules": True,
+    },
+    scheduler={"shift": 3.0, "use_dynamic_shifting": False, "shift_terminal": None},  # --shift 3 (QS:49), QT:300-302
+    reward_funcs=(
+        "hpsv2.1",
+    ),  # --use_hpsv2 (QS:47): HPS_v2.1_compressed.pt (QT:711), on the edited image (QT:399-411)
+    mixed_precision="bf16",  # QS:33; FSDP with bf16 mixed precision over float32 weights (QT:743-752)
+    notes=(
+        "Shift 3 is a scheduler override: a static sd3_time_shift(3) of linspace(1, 0, 21), as "
+        "train_grpo_qwenimage_edit.py:300-302, instead of Qwen-Image's resolution-dependent shift stretched to end "
+        "at 0.02 (shift_terminal). The CLI applies it for `--recipe dancegrpo-qwenimage-edit`; in Python, pass "
+        "get_recipe('dancegrpo-qwenimage-edit').apply_scheduler(pipeline) to DDPOJaggTrainer.",
+        "Datasets carry a `source_image` column (DanceGRPO's SEED-Data-Edit rows, "
+        "preprocess_qwenimage_edit_embeddings.py:105-118); HPSv2.1 scores the edited image against the instruction, "
+        "its caption (L207).",
+        "--init_same_noise draws one noise per sampling call shared by the process's 16 samples, i.e. by its two "
+        "groups (train_grpo_qwenimage_edit.py:323-328); same_group_noise gives each group its own.",
+        "EMA is off as in finetune_qwenimage_edit_grpo.sh (no --use_ema; train_grpo_qwenimage_edit.py:754-756).",
+        "Full fine-tuning of a 20B backbone needs FSDP (or DeepSpeed ZeRO) and bf16=True on GPUs.",
+    ),
+)
+
 
 DANCEGRPO_RECIPES: tuple[Recipe, ...] = (
     _DANCE,
@@ -93,6 +222,8 @@ DANCEGRPO_RECIPES: tuple[Recipe, ...] = (
             *_DANCE.notes[:-1],
         ),
     ),
+    _DANCE_WAN,
+    _DANCE_QWENIMAGE_EDIT,
     Recipe(
         name="mixgrpo-flux",
         model="black-forest-labs/FLUX.1-dev",
