@@ -218,6 +218,11 @@ class FlowMatchingAdapter:
             "editing model (FluxKontextPipeline, QwenImageEditPipeline) or drop the dataset's source image column."
         )
 
+    def source_call_kwargs(self, height: int, width: int) -> dict[str, Any]:
+        """The pipeline-call arguments under which the pipeline conditions on a source image as this adapter does
+        at ``height`` x ``width`` (the model card's snippet passes them); none where its defaults already do."""
+        return {}
+
     def reference_sizes(self, sample: Any) -> Any:
         """What a sample's source images give that one batch must share (Qwen-Image-Edit: each image's resized
         ``(width, height)``); ``None`` where any images batch together (FLUX.1 Kontext resizes them to the output)."""

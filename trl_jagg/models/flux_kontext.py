@@ -34,6 +34,10 @@ class FluxKontextAdapter(FluxAdapter):
         batch, channels, rows, columns = latents.shape
         return Conditioning({"reference_latents": pipe._pack_latents(latents, batch, channels, rows, columns)})
 
+    def source_call_kwargs(self, height: int, width: int) -> dict[str, Any]:
+        # The pipeline's default resizes the source to one of Kontext's preferred resolutions first.
+        return {"max_area": height * width, "_auto_resize": False}
+
     def shared_inputs(self, per_sample: dict[str, torch.Tensor], height: int, width: int) -> dict[str, Any]:
         inputs = super().shared_inputs(per_sample, height, width)
         if "reference_latents" in per_sample:  # the reference has the output's grid, at frame 1

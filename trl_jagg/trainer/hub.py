@@ -124,4 +124,5 @@ def write_trainer_card(
         else "image-to-image"
         if adapter.edits_images
         else "text-to-image",
+        source_call_kwargs=adapter.source_call_kwargs(args.height, args.width) if adapter.edits_images else None,
     )

@@ -12,7 +12,7 @@ import functools
 import importlib.metadata
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from diffusers.utils.hub_utils import populate_model_card
@@ -300,6 +300,7 @@ def write_model_card(
     hub_model_id: str | None = None,
     experts: Sequence[str] = (),
     task: str = "text-to-image",
+    source_call_kwargs: Mapping[str, Any] | None = None,
 ) -> str:
     """Write ``README.md`` into ``output_dir`` and return its path.
 
@@ -307,6 +308,8 @@ def write_model_card(
         experts: the trained experts' component folders of a two-expert backbone (see :func:`usage_snippet`).
         task: the Hub ``pipeline_tag``, a key of :data:`TASK_CALLS` (editing: ``image-to-image``, video:
             ``text-to-video``).
+        source_call_kwargs: an editing model's call arguments for conditioning on the source as training did
+            (the adapter's ``source_call_kwargs``).
         base_model: what the pipeline was loaded from; only a Hub id reaches the metadata (see :func:`as_hub_id`).
         scheduler_class: the scheduler's class when the weights come with a ``scheduler/`` folder that differs
             from the base model's (a recipe's override): the snippet loads it.
@@ -338,9 +341,7 @@ def write_model_card(
         "learning rate": args.learning_rate,
         "KL beta / clip range": f"{args.beta} / {args.clip_range}",
     }
-    call_kwargs = sampling_kwargs(args, guidance_is_cfg, embedded_guidance)
-    if pipeline_class == "FluxKontextPipeline":  # training encodes the source at the output size, not a preferred one
-        call_kwargs |= {"max_area": args.height * args.width, "_auto_resize": False}
+    call_kwargs = sampling_kwargs(args, guidance_is_cfg, embedded_guidance) | dict(source_call_kwargs or {})
     sampling_note = (
         "The call repeats the sampling settings of training (steps, resolution, guidance"
         + (" and the negative prompt" if "negative_prompt" in call_kwargs else "")
