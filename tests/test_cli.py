@@ -347,8 +347,9 @@ def test_lora_targets_default_to_the_family_attention(tiny_flux_path):
         (bench.TrainerBenchmarkArguments, "trl_jagg.benchmarks.trainer:run_trainer_benchmark"),
         (bench.WholeStepBenchmarkArguments, "trl_jagg.benchmarks.whole_step:run_whole_step_benchmark"),
         (bench.QualityBenchmarkArguments, "trl_jagg.benchmarks.quality:run_quality_benchmark"),
+        (bench.RewardOverlapBenchmarkArguments, "trl_jagg.benchmarks.reward_overlap:run_reward_overlap_benchmark"),
     ],
-    ids=["demo", "bench", "bench-trainer", "bench-whole-step", "bench-quality"],
+    ids=["demo", "bench", "bench-trainer", "bench-whole-step", "bench-quality", "bench-reward-overlap"],
 )
 def test_command_dataclasses_mirror_their_function(arguments, function):
     # Every option is a parameter of the function, with the same default; every parameter a user would set is an
@@ -375,8 +376,14 @@ def test_command_dataclasses_mirror_their_function(arguments, function):
         (["demo"], "trl_jagg.demo.run", "run_demo", "runs/demo"),
         (["bench", "trainer"], "trl_jagg.benchmarks.trainer", "run_trainer_benchmark", "runs/bench"),
         (["bench", "whole-step"], "trl_jagg.benchmarks.whole_step", "run_whole_step_benchmark", "runs/bench"),
+        (
+            ["bench", "reward-overlap"],
+            "trl_jagg.benchmarks.reward_overlap",
+            "run_reward_overlap_benchmark",
+            "runs/bench",
+        ),
     ],
-    ids=["demo", "bench-trainer", "bench-whole-step"],
+    ids=["demo", "bench-trainer", "bench-whole-step", "bench-reward-overlap"],
 )
 def test_demo_and_bench_flags_reach_the_function(monkeypatch, capsys, command, module, function, default_dir):
     calls: list = []

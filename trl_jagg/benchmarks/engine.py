@@ -206,7 +206,8 @@ def build_rollout(
 
 
 @contextlib.contextmanager
-def _num_threads(num_threads: int | None) -> Iterator[None]:
+def torch_threads(num_threads: int | None) -> Iterator[None]:
+    """torch's intra-op threads set to ``num_threads`` inside the block (``None`` or 0: unchanged), restored after."""
     previous = torch.get_num_threads()
     if num_threads:
         torch.set_num_threads(num_threads)
@@ -281,7 +282,7 @@ def run_engine_benchmark(
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
 
-    with _num_threads(num_threads):
+    with torch_threads(num_threads):
         torch.manual_seed(seed)
         cond_dim = 32
         model = TinyDiT(channels, width, depth, heads, tokens, cond_dim)

@@ -6,12 +6,15 @@
     trl-jagg bench trainer [--output_dir runs/bench] [--group_sizes 2 4 8 ...]   # DDPOJaggTrainer on a tiny Flux
     trl-jagg bench whole-step [--output_dir runs/bench] [--repeats 5 ...]       # whole steps at recipe shapes
     trl-jagg bench quality [--output_dir runs/quality] [--seeds 0 1 2 ...]      # the demo's reward per variant
+    trl-jagg bench reward-overlap [--output_dir runs/bench] [--latency 0.5 ...]  # a slow reward, overlapped or not
 
 Each benchmark's options are the fields of a dataclass mirroring its function's parameters
 (:class:`EngineBenchmarkArguments` for :func:`trl_jagg.benchmarks.engine.run_engine_benchmark`,
 :class:`TrainerBenchmarkArguments` for :func:`trl_jagg.benchmarks.trainer.run_trainer_benchmark`,
 :class:`WholeStepBenchmarkArguments` for :func:`trl_jagg.benchmarks.whole_step.run_whole_step_benchmark`,
-:class:`QualityBenchmarkArguments` for :func:`trl_jagg.benchmarks.quality.run_quality_benchmark`): a parameter
+:class:`QualityBenchmarkArguments` for :func:`trl_jagg.benchmarks.quality.run_quality_benchmark`,
+:class:`RewardOverlapBenchmarkArguments` for
+:func:`trl_jagg.benchmarks.reward_overlap.run_reward_overlap_benchmark`): a parameter
 added to the function is exposed by adding the field of the same name.
 """
 
@@ -176,10 +179,43 @@ class QualityBenchmarkArguments:
     num_threads: int = field(default=1, metadata={"help": "torch CPU threads while training (restored afterwards)."})
 
 
+REWARD_OVERLAP_DESCRIPTION = (
+    "Train a tiny Flux pipeline with a remote reward whose server answers each request after --latency seconds, "
+    "steps alternating between scoring after the rollout and scoring each chunk while the rollout samples and the "
+    "update starts (overlap_rewards); write reward_overlap_benchmark.json and .png: per pair of adjacent steps the "
+    "step times and how far the step fell against the reward's share of it."
+)
+
+
+@dataclass
+class RewardOverlapBenchmarkArguments:
+    """The options of ``trl-jagg bench reward-overlap`` (parameters of
+    :func:`~trl_jagg.benchmarks.reward_overlap.run_reward_overlap_benchmark`)."""
+
+    _argument_group_name = "Reward-overlap benchmark"
+
+    output_dir: str = field(default="runs/bench", metadata={"help": "Where the JSON and PNG go."})
+    latency: float = field(default=0.5, metadata={"help": "Seconds the server waits before each answer."})
+    chunk: int = field(default=2, metadata={"help": "Images per rollout chunk: one group, one request."})
+    chunks: int = field(default=4, metadata={"help": "Chunks per rollout, each one micro-batch of the update."})
+    pairs: int = field(default=16, metadata={"help": "Pairs of adjacent steps per beta, one each way."})
+    num_inference_steps: int = field(default=48, metadata={"help": "Sampling steps; all but the last are trained."})
+    resolution: int = field(default=64, metadata={"help": "Image height and width in pixels."})
+    num_layers: int = field(default=2, metadata={"help": "Double-stream blocks of the Flux transformer."})
+    num_single_layers: int = field(default=4, metadata={"help": "Single-stream blocks of the Flux transformer."})
+    betas: list[float] = field(
+        default_factory=lambda: [0.0, 0.04], metadata={"help": "KL coefficients (each gets its own trainer)."}
+    )
+    num_threads: int = field(default=1, metadata={"help": "torch CPU threads (the rest run the server)."})
+    seed: int = field(default=0, metadata={"help": "Seed of the model weights and the rollouts."})
+    plot: bool = field(default=True, metadata={"help": "Write the PNG chart (--no_plot skips it)."})
+
+
 COMMANDS = {
     "trainer": (TrainerBenchmarkArguments, "bench trainer", TRAINER_DESCRIPTION),
     "whole-step": (WholeStepBenchmarkArguments, "bench whole-step", WHOLE_STEP_DESCRIPTION),
     "quality": (QualityBenchmarkArguments, "bench quality", QUALITY_DESCRIPTION),
+    "reward-overlap": (RewardOverlapBenchmarkArguments, "bench reward-overlap", REWARD_OVERLAP_DESCRIPTION),
 }
 """The sub-benchmarks by name; without one, ``trl-jagg bench`` runs the engine benchmark."""
 
@@ -190,7 +226,7 @@ def make_parser(command: str | None = None) -> CommandParser:
 
 
 def main(argv: Sequence[str]) -> int:
-    """``trl-jagg bench [trainer | whole-step | quality] ARGV``: run the benchmark (it prints its table and where its files
+    """``trl-jagg bench [trainer | whole-step | quality | reward-overlap] ARGV``: run the benchmark (it prints its table and where its files
     are)."""
     command = argv[0] if argv and argv[0] in COMMANDS else None
     parsed = make_parser(command).parse_command_line(argv[1:] if command else argv)
@@ -212,6 +248,10 @@ def main(argv: Sequence[str]) -> int:
         from trl_jagg.benchmarks.quality import run_quality_benchmark
 
         run_quality_benchmark(**kwargs)
+    elif command == "reward-overlap":
+        from trl_jagg.benchmarks.reward_overlap import run_reward_overlap_benchmark
+
+        run_reward_overlap_benchmark(**kwargs)
     else:
         from trl_jagg.benchmarks.engine import run_engine_benchmark
 

@@ -47,6 +47,7 @@ class PendingAdvantages:
 
     def __init__(self, resolve_rows: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor):
         self._resolve_rows, self.rows = resolve_rows, rows
+        self._values: torch.Tensor | None = None
 
     def __getitem__(self, index: slice | torch.Tensor) -> PendingAdvantages:
         return PendingAdvantages(
@@ -54,7 +55,11 @@ class PendingAdvantages:
         )
 
     def resolve(self) -> torch.Tensor:
-        return self._resolve_rows(self.rows)
+        """The rows' advantages, waiting for their rewards on the first call; later calls (one per trained step's
+        loss) return the same tensor, since a resolved row's advantage is final."""
+        if self._values is None:
+            self._values = self._resolve_rows(self.rows)
+        return self._values
 
 
 def resolved(advantages: torch.Tensor | PendingAdvantages) -> torch.Tensor:
