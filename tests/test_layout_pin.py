@@ -58,9 +58,12 @@ def train_demo(output_dir: str, resume_from_checkpoint: str | None = None) -> di
 def _assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
     assert sorted(got) == sorted(want)
     for key in want:
-        # Bit-identical on the machine that wrote the fixtures (checked there: max difference 0.0); another CPU's
-        # kernels (AVX-512, another BLAS path) round differently, hence a tolerance far below a step's change.
-        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-7, msg=f"{key} differs")
+        # Bit-identical on the machine that wrote the fixtures (checked there: max difference 0.0). Another CPU's
+        # kernels (AVX-512, another BLAS path) round differently, and Adam's normalised step amplifies that in the
+        # gradient's near-zero components: 2.2e-5 at most on an AVX-512 Xeon. A change of the training's numbers
+        # (loss, gradient, step) moves weights by up to the demo's learning rate (1e-2) per step; 1% of that is the
+        # tolerance.
+        torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-4, msg=f"{key} differs")
 
 
 @pytest.fixture(scope="module")
