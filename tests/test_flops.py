@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from trl_jagg.benchmarks.flops import FLUX_DEV_TRANSFORMER, StepCosts, flux_dev_lora, step_flops, transformer_flops
+from trl_jagg.benchmarks.flops import (
+    FLUX_DEV_TRANSFORMER,
+    StepCosts,
+    backbone_costs,
+    flux_dev_lora,
+    preset_checkpoints,
+    step_flops,
+    transformer_flops,
+)
 
 TINY = FLUX_DEV_TRANSFORMER | {
     "in_channels": 8, "num_layers": 2, "num_single_layers": 2, "attention_head_dim": 16, "num_attention_heads": 2,
@@ -12,21 +20,28 @@ TINY = FLUX_DEV_TRANSFORMER | {
 }  # fmt: skip
 
 
+def flux_outside_blocks_flops(c: dict, image_tokens: int, text_tokens: int) -> int:
+    """The products of Flux's forward outside its transformer blocks, 2 FLOPs per multiply-add (inputs x outputs x
+    rows): the embedders before the blocks, norm_out's modulation and proj_out after them."""
+    i, n, t = c["num_attention_heads"] * c["attention_head_dim"], image_tokens, text_tokens
+    macs = n * c["in_channels"] * i + t * c["joint_attention_dim"] * i  # x_embedder, context_embedder
+    macs += 2 * (256 * i + i * i) + c["pooled_projection_dim"] * i + i * i  # timestep, guidance, pooled text
+    macs += 2 * i * i + n * i * c["in_channels"]  # norm_out's modulation, proj_out
+    return 2 * macs
+
+
 def flux_forward_flops(c: dict, image_tokens: int, text_tokens: int) -> int:
     """Flux's forward written out from its architecture: 2 FLOPs per multiply-add of every linear layer (inputs
     x outputs x rows it runs on) plus attention's two products (4 x tokens^2 x width) per block."""
     i, n, t = c["num_attention_heads"] * c["attention_head_dim"], image_tokens, text_tokens
     s = n + t
-    macs = n * c["in_channels"] * i + t * c["joint_attention_dim"] * i  # x_embedder, context_embedder
-    macs += 2 * (256 * i + i * i) + c["pooled_projection_dim"] * i + i * i  # timestep, guidance, pooled text
     # Joint block: two AdaLN-Zero modulations (6i each, one row); q, k, v, out and the 4x MLP of each stream.
     double = 2 * 6 * i * i + s * 4 * i * i + s * 8 * i * i
     # Single block: AdaLN (3i), q, k, v, the MLP's up-projection (4i) and proj_out from 5i, on all tokens.
     single = 3 * i * i + s * (3 * i * i + 4 * i * i + 5 * i * i)
-    macs += c["num_layers"] * double + c["num_single_layers"] * single
-    macs += 2 * i * i + n * i * c["in_channels"]  # norm_out's modulation, proj_out
+    macs = c["num_layers"] * double + c["num_single_layers"] * single
     attention = (c["num_layers"] + c["num_single_layers"]) * 4 * s * s * i
-    return 2 * macs + attention
+    return flux_outside_blocks_flops(c, n, t) + 2 * macs + attention
 
 
 # Flow-GRPO's FLUX.1 LoRA targets, written out: the attention projections of both streams (the single blocks'
@@ -83,6 +98,27 @@ def test_tiny_flux_forward_flops_match_the_architecture_and_scale_with_rows():
     assert transformer_flops(TINY, image_tokens=16, text_tokens=8, rows=2) == (2 * forward, 2 * backward)
 
 
+def test_checkpointed_backward_recomputes_the_blocks_forward_only():
+    # diffusers checkpoints each joint and single block: the backward runs their forward again (with the adapters'
+    # products under LoRA), never the embedders, norm_out or proj_out outside them. The forward is unchanged.
+    lora = {"r": 4, "lora_alpha": 8, "target_modules": LORA_TARGETS}
+    outside = flux_outside_blocks_flops(TINY, 16, 8)
+    full_forward = flux_forward_flops(TINY, 16, 8)
+    full = (full_forward, flux_full_backward_flops(TINY, 16, 8) + full_forward - outside)
+    assert transformer_flops(TINY, image_tokens=16, text_tokens=8, checkpointing=True) == full
+    lora_forward, lora_backward = flux_lora_flops(TINY, 16, 8, r=4)
+    lora_costs = backbone_costs(TINY, image_tokens=16, text_tokens=8, lora=lora)
+    assert lora_costs == {
+        "forward_row": lora_forward, "backward_row": lora_backward, "recompute_row": lora_forward - outside,
+    }  # fmt: skip
+    # The presets the whole-step predictions stand for: DanceGRPO's and MixGRPO's full fine-tuning checkpoints
+    # (their scripts pass --gradient_checkpointing), Flow-GRPO's FLUX.1 LoRA does not (activation_checkpointing
+    # False in its config/base.py).
+    assert [preset_checkpoints(name) for name in ("dancegrpo-flux", "mixgrpo-flux", "flow-grpo-flux")] == [
+        True, True, False,
+    ]  # fmt: skip
+
+
 def test_tiny_flux_lora_flops_count_only_the_gradients_the_adapters_need():
     # Two joint blocks: the first one's q, k, v adapters are the lowest trained weights, the second has inputs
     # with grad everywhere. Exact integers: FlopCounterMode counts products by shape.
@@ -97,6 +133,9 @@ def test_tiny_flux_lora_flops_count_only_the_gradients_the_adapters_need():
 
 
 def test_step_flops_prices_the_counted_work():
-    costs = StepCosts(forward_row=10.0, backward_row=21.0, vae_decode=3.0, text_encode=0.5)
+    costs = StepCosts(forward_row=10.0, backward_row=21.0, recompute_row=9.0, vae_decode=3.0, text_encode=0.5)
     counts = {"graph_rows": 4, "no_grad_rows": 6, "backward_rows": 4, "decoded_images": 2, "encoded_prompts": 1}
-    assert step_flops(costs, counts) == pytest.approx(10 * 10.0 + 4 * 21.0 + 2 * 3.0 + 0.5)
+    assert step_flops(costs, counts, checkpointing=False) == pytest.approx(10 * 10.0 + 4 * 21.0 + 2 * 3.0 + 0.5)
+    # Checkpointing: each backward row also runs the blocks' forward again.
+    checkpointed = 10 * 10.0 + 4 * (21.0 + 9.0) + 2 * 3.0 + 0.5
+    assert step_flops(costs, counts, checkpointing=True) == pytest.approx(checkpointed)

@@ -10,6 +10,13 @@ A step's cost is then the counted work times these unit costs (:func:`step_flops
 or without a graph: the same products) and backward, one VAE decode per image, one prompt encoding per distinct
 prompt. The reward is left out: the benchmarks score with the weight-free ``prompt_color``.
 
+Activation checkpointing is an explicit option of the pricing (``checkpointing``): with diffusers'
+``enable_gradient_checkpointing()`` (what the trainer calls for ``activation_checkpointing``) every joint and single
+transformer block runs under ``torch.utils.checkpoint`` and its backward first runs its forward again, so a backward
+row costs :attr:`StepCosts.recompute_row` more: the forward less what runs outside the blocks (the latent, text,
+timestep, guidance and pooled-text embedders, ``norm_out`` and ``proj_out``), counted by running the checkpointed
+backward itself.
+
 The backbone is priced for both ways the presets train it (:data:`TRAINING`): full fine-tuning (DanceGRPO's and
 MixGRPO's presets), whose backward computes every weight's gradient besides the activations' (about twice the
 forward), and LoRA (Flow-GRPO's, the README's), whose backward through the frozen base computes activation gradients
@@ -83,6 +90,13 @@ def flux_dev_lora() -> dict[str, Any]:
     return {k: list(v) if isinstance(v, tuple) else v for k, v in get_recipe(LORA_PRESET).lora.items()}
 
 
+def preset_checkpoints(preset: str) -> bool:
+    """Whether the preset named ``preset`` checkpoints its backbone's blocks (``activation_checkpointing`` or
+    ``gradient_checkpointing``: the trainer treats them alike)."""
+    config = get_recipe(preset).config
+    return bool(config.get("activation_checkpointing") or config.get("gradient_checkpointing"))
+
+
 def counted_flops(fn: Callable[[], Any]) -> int:
     """The FLOPs ``FlopCounterMode`` counts while ``fn()`` runs."""
     from torch.utils.flop_counter import FlopCounterMode
@@ -99,6 +113,7 @@ def transformer_flops(
     text_tokens: int,
     rows: int = 1,
     lora: Mapping[str, Any] | None = None,
+    checkpointing: bool = False,
 ) -> tuple[int, int]:
     """Forward and backward FLOPs of a ``FluxTransformer2DModel`` of ``config`` on ``rows`` samples of
     ``image_tokens`` + ``text_tokens`` tokens. Built and run on the meta device.
@@ -106,7 +121,8 @@ def transformer_flops(
     ``lora=None`` trains every parameter (full fine-tuning: the backward computes the weights' and the activations'
     gradients); ``lora`` (``peft.LoraConfig`` keyword arguments) freezes the base and adds that adapter as the
     trainer does (``add_adapter``): the adapters' products join the forward, and the backward computes only what
-    autograd needs for the adapters' gradients."""
+    autograd needs for the adapters' gradients. ``checkpointing`` enables the model's gradient checkpointing as the
+    trainer does (``enable_gradient_checkpointing()``): the backward then also runs each block's forward again."""
     from diffusers import FluxTransformer2DModel
 
     with torch.device("meta"):
@@ -116,6 +132,8 @@ def transformer_flops(
 
             model.requires_grad_(False)
             model.add_adapter(LoraConfig(**lora))
+        if checkpointing:
+            model.enable_gradient_checkpointing()
         inputs = {
             "hidden_states": torch.empty(rows, image_tokens, config["in_channels"]),
             "encoder_hidden_states": torch.empty(rows, text_tokens, config["joint_attention_dim"]),
@@ -163,11 +181,25 @@ class StepCosts:
 
     forward_row: float
     backward_row: float
+    recompute_row: float
+    """What a backward row adds when the backbone's blocks are checkpointed: their forward, run again."""
     vae_decode: float
     text_encode: float
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
+
+
+def backbone_costs(
+    config: Mapping[str, Any], *, image_tokens: int, text_tokens: int, lora: Mapping[str, Any] | None = None
+) -> dict[str, int]:
+    """The backbone's unit costs of :class:`StepCosts` (``forward_row``, ``backward_row``, ``recompute_row``) for
+    :func:`transformer_flops`' arguments: the recomputation is the checkpointed backward's excess over the plain
+    one, both counted."""
+    shape = {"image_tokens": image_tokens, "text_tokens": text_tokens, "lora": lora}
+    forward, backward = transformer_flops(config, **shape)
+    _, checkpointed = transformer_flops(config, **shape, checkpointing=True)
+    return {"forward_row": forward, "backward_row": backward, "recompute_row": checkpointed - backward}
 
 
 @functools.cache
@@ -180,20 +212,22 @@ def flux_dev_costs(resolution: int = 1024, text_tokens: int = 512) -> Mapping[st
     text_encode = text_encoder_flops(FLUX_DEV_T5, FLUX_DEV_CLIP, text_tokens)
     costs = {}
     for training in TRAINING:
-        forward, backward = transformer_flops(
+        backbone = backbone_costs(
             FLUX_DEV_TRANSFORMER, image_tokens=image_tokens, text_tokens=text_tokens,
             lora=flux_dev_lora() if training == "lora" else None,
         )  # fmt: skip
-        costs[training] = StepCosts(forward, backward, vae_decode, text_encode)
+        costs[training] = StepCosts(**backbone, vae_decode=vae_decode, text_encode=text_encode)
     return MappingProxyType(costs)  # read-only: the cache hands the same one to every caller
 
 
-def step_flops(costs: StepCosts, counts: Mapping[str, int]) -> float:
+def step_flops(costs: StepCosts, counts: Mapping[str, int], *, checkpointing: bool) -> float:
     """FLOPs of the work ``counts`` at ``costs``: backbone rows forward (``graph_rows`` + ``no_grad_rows``) and
-    backward (``backward_rows``), ``decoded_images`` VAE decodes and ``encoded_prompts`` prompt encodings."""
+    backward (``backward_rows``; each also recomputes the blocks' forward if ``checkpointing``), ``decoded_images``
+    VAE decodes and ``encoded_prompts`` prompt encodings."""
+    backward_row = costs.backward_row + (costs.recompute_row if checkpointing else 0)
     return (
         (counts["graph_rows"] + counts["no_grad_rows"]) * costs.forward_row
-        + counts["backward_rows"] * costs.backward_row
+        + counts["backward_rows"] * backward_row
         + counts["decoded_images"] * costs.vae_decode
         + counts["encoded_prompts"] * costs.text_encode
     )

@@ -19,8 +19,9 @@ variant definitions, interleaving and hook counts, on the FLUX.1-dev-size transf
 DanceGRPO and MixGRPO train it; every trainer shares the one pipeline, and no optimizer step is taken), G = 12 in
 micro-batches of ``--batch`` that the rollout also samples at. It reports synchronised wall time, the peak CUDA
 memory of each variant's step, and beside each measured ratio the FLOP model's predictions for the counted work
-(:mod:`trl_jagg.benchmarks.flops`: full fine-tuning, as timed here, and Flow-GRPO's LoRA on the frozen base), and
-writes ``gpu_whole_step_benchmark.json``.
+(:mod:`trl_jagg.benchmarks.flops`: full fine-tuning, as timed here, with activation checkpointing if
+``--gradient_checkpointing``, and Flow-GRPO's LoRA on the frozen base, without, as ``flow-grpo-flux``), and writes
+``gpu_whole_step_benchmark.json``.
 
     python -m trl_jagg.benchmarks.gpu --output_dir runs/gpu_bench            # one GPU, about 5 minutes
     python -m trl_jagg.benchmarks.gpu --output_dir runs/gpu_bench --tiny     # the same code on a CPU, seconds
@@ -41,11 +42,12 @@ from typing import Any
 
 import torch
 
-from .flops import FLUX_DEV_TRANSFORMER, TRAINING, StepCosts, flux_dev_costs, flux_dev_lora, transformer_flops
+from .flops import FLUX_DEV_TRANSFORMER, TRAINING, StepCosts, backbone_costs, flux_dev_costs, flux_dev_lora
 from .whole_step import (
     WHOLE_STEP_VARIANTS,
     build_trainers,
     flop_model,
+    predicted_checkpointing,
     print_table,
     summarize,
     time_whole_steps,
@@ -220,8 +222,8 @@ def run_whole_step(
         lora = flux_dev_lora() | {"r": 4, "lora_alpha": 8}  # the preset's targets, at a rank below the tiny width
         costs = {
             training: StepCosts(
-                *transformer_flops(config, image_tokens=(resolution // 16) ** 2, text_tokens=max_sequence_length,
-                                   lora=lora if training == "lora" else None),
+                **backbone_costs(config, image_tokens=(resolution // 16) ** 2, text_tokens=max_sequence_length,
+                                 lora=lora if training == "lora" else None),
                 vae_decode=0.0, text_encode=0.0,
             )
             for training in TRAINING
@@ -231,6 +233,11 @@ def run_whole_step(
     else:
         costs = flux_dev_costs(resolution, max_sequence_length)
         model = flop_model(costs, resolution=resolution, text_tokens=max_sequence_length)
+
+    def priced_checkpointing(variant: str, training: str) -> bool:
+        # Full fine-tuning is priced as timed; the LoRA as its preset trains it.
+        return gradient_checkpointing if training == "full" else predicted_checkpointing(variant, training)
+
     report = {
         "config": {
             "transformer": {k: list(v) if isinstance(v, tuple) else v for k, v in config.items()},
@@ -240,7 +247,7 @@ def run_whole_step(
             "timer": "wall time (perf_counter), synchronised" if cuda else "process CPU time (process_time)",
             "variants": {name: WHOLE_STEP_VARIANTS[name] for name in variants}, "flop_model": model,
         },
-        "results": summarize(measured, costs),
+        "results": summarize(measured, costs, priced_checkpointing),
         "total_s": time.perf_counter() - start,
     }  # fmt: skip
     out = Path(output_dir)

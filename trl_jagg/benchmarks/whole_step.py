@@ -16,9 +16,13 @@ Beside each measured ratio stand the ratios predicted at FLUX.1-dev size (1024 p
 tokens), for full fine-tuning (as the tiny model is trained here, and as DanceGRPO's and MixGRPO's presets train) and
 for a LoRA on the frozen base (Flow-GRPO's presets): the work of the timed steps is counted by hooks (backbone rows
 forward with and without a graph and backward, VAE decodes, prompt encodings) and priced by the FLOP model of the
-real modules on the meta device (:mod:`~trl_jagg.benchmarks.flops`). On the tiny model the VAE decode, rewards and
-Python overhead are a larger share of a step than at real size, so the measured ratios fall short of the predicted
-ones. A LoRA backward costs about one forward instead of two, so the backwards JAGG saves are worth less there.
+real modules on the meta device (:mod:`~trl_jagg.benchmarks.flops`). Each prediction prices activation
+checkpointing as the preset it stands for sets it (:func:`predicted_checkpointing`): full fine-tuning as the variant's
+peer (``dancegrpo-flux``, ``mixgrpo-flux``: both checkpoint, so a backward row also recomputes the blocks' forward),
+LoRA as ``flow-grpo-flux`` (no checkpointing). The tiny model is timed without it. On the tiny model the VAE decode,
+rewards and Python overhead are a larger share of a step than at real size, so the measured ratios fall short of the
+predicted ones. A LoRA backward costs about one forward instead of two, so the backwards JAGG saves are worth less
+there.
 ``reprice`` recomputes a saved report's predictions from its counted work (nothing is timed).
 
 The pieces (:func:`build_trainers`, :func:`time_whole_steps`, :func:`summarize`) also serve
@@ -36,7 +40,7 @@ from typing import Any
 
 import torch
 
-from .flops import LORA_PRESET, StepCosts, flux_dev_costs, flux_dev_lora, step_flops
+from .flops import LORA_PRESET, StepCosts, flux_dev_costs, flux_dev_lora, preset_checkpoints, step_flops
 from .trainer import PROMPTS, _endless, _spread, _sync, benchmark_clock, measure_peak_memory_mb
 
 JSON_NAME = "whole_step_benchmark.json"
@@ -62,6 +66,17 @@ WHOLE_STEP_VARIANTS: dict[str, dict[str, Any]] = {
                                   "ode_step_ratio": 0.4},
 }  # fmt: skip
 """The config fields of each variant (the rest is the benchmark's config)."""
+
+
+PEER_PRESETS = {"dance": "dancegrpo-flux", "mix": "mixgrpo-flux"}
+"""The preset whose full fine-tuning each shape of variants stands for (by the variant name's prefix)."""
+
+
+def predicted_checkpointing(variant: str, training: str) -> bool:
+    """Whether the ``training`` prediction (:data:`~trl_jagg.benchmarks.flops.TRAINING`) for ``variant`` prices
+    activation checkpointing: as the preset it stands for does, the variant's peer (:data:`PEER_PRESETS`) for full
+    fine-tuning, :data:`~trl_jagg.benchmarks.flops.LORA_PRESET` for LoRA."""
+    return preset_checkpoints(LORA_PRESET if training == "lora" else PEER_PRESETS[variant.split("_")[0]])
 
 
 def baselines(variant: str) -> list[str]:
@@ -200,17 +215,28 @@ def time_whole_steps(trainers: dict[str, Any], *, repeats: int) -> dict[str, dic
     return measured
 
 
-def summarize(measured: dict[str, dict[str, Any]], costs: Mapping[str, StepCosts]) -> list[dict[str, Any]]:
+def summarize(
+    measured: dict[str, dict[str, Any]],
+    costs: Mapping[str, StepCosts],
+    checkpointing: Callable[[str, str], bool] = predicted_checkpointing,
+) -> list[dict[str, Any]]:
     """Per variant: the step time, the per-repeat ratios against its baselines (median, min, max), the counted work,
-    and the FLOPs and ratios the FLOP model predicts for that work at each of ``costs`` (by way of training)."""
+    and the FLOPs and ratios the FLOP model predicts for that work at each of ``costs`` (by way of training), with
+    activation checkpointing where ``checkpointing(variant, training)`` says (recorded as
+    ``predicted_checkpointing``)."""
+    checkpointed = {name: {training: checkpointing(name, training) for training in costs} for name in measured}
     flops = {
-        name: {training: step_flops(c, m["work"]) for training, c in costs.items()} for name, m in measured.items()
+        name: {
+            training: step_flops(c, m["work"], checkpointing=checkpointed[name][training])
+            for training, c in costs.items()
+        }
+        for name, m in measured.items()
     }
     results = []
     for name, m in measured.items():
         entry: dict[str, Any] = {
             "variant": name, "step_s": _spread(m["times"]), "counted": m["work"], "predicted_flops": flops[name],
-            "peak_memory_mb": m["peak_memory_mb"],
+            "predicted_checkpointing": checkpointed[name], "peak_memory_mb": m["peak_memory_mb"],
         }  # fmt: skip
         for baseline in baselines(name):
             if baseline in measured and baseline != name:
@@ -238,6 +264,7 @@ def flop_model(
         "model": model, "resolution": resolution, "text_tokens": text_tokens,
         "training": {"full": "every parameter (dancegrpo-flux, mixgrpo-flux)",
                      "lora": dict(lora) if lora is not None else {"preset": LORA_PRESET, **flux_dev_lora()}},
+        "checkpointing": "each backward row adds recompute_row where a result's predicted_checkpointing is true",
         "flops": {training: c.as_dict() for training, c in costs.items()},
     }  # fmt: skip
 
