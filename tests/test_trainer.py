@@ -442,16 +442,18 @@ def test_velocity_cache_gives_the_uncached_gradient_with_two_forwards_and_one_ba
     cached = update_gradient(trainer, rollout)
     assert calls.take() == (2, 0, 1)
     assert trainer._metrics["jagg/cached_velocities"][-1] == 2
-    torch.testing.assert_close(cached, uncached, rtol=0, atol=1e-6 * uncached.abs().max().item())
+    # Within float rounding, not bit-equal: batch shapes differ, and AVX-512 kernels round per shape (see
+    # testing_utils.assert_velocity_cache_equals_recomputation); a wrong velocity moves the gradient by its own order.
+    torch.testing.assert_close(cached, uncached, rtol=0, atol=1e-5 * uncached.abs().max().item())
     # One call per step (no batching) gives the same gradient within float rounding.
     rollout.pop("reference_means", None)
     unbatched = update_gradient(trainer, rollout, jagg_cache_velocities=False, no_grad_batch_steps=1)
     assert calls.take() == (2, 2 + (4 if beta else 0), 1)
-    torch.testing.assert_close(unbatched, uncached, rtol=0, atol=1e-6 * uncached.abs().max().item())
+    torch.testing.assert_close(unbatched, uncached, rtol=0, atol=1e-5 * uncached.abs().max().item())
     # Sequential endpoints: same gradient, two backward calls, still no extra forward with the cache.
     sequential = update_gradient(trainer, rollout, jagg_endpoint_backward="sequential")
     assert calls.take() == (2, 0, 2)
-    torch.testing.assert_close(sequential, cached, rtol=0, atol=1e-6 * cached.abs().max().item())
+    torch.testing.assert_close(sequential, cached, rtol=0, atol=1e-5 * cached.abs().max().item())
     calls.handle.remove()
 
 

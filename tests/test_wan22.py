@@ -128,7 +128,8 @@ def test_velocity_cache_equals_recomputation_in_each_expert(tiny_wan22_path, tmp
     assert [grad for _, grad in calls.take()] == [True] * 4  # the endpoints only
     assert trainer._metrics["jagg/cached_velocities"][-1] == 2
     assert recomputed.abs().max() > 0
-    torch.testing.assert_close(cached, recomputed, rtol=0, atol=1e-6 * recomputed.abs().max().item())
+    # Within float rounding (batch shapes differ: see testing_utils.assert_velocity_cache_equals_recomputation).
+    torch.testing.assert_close(cached, recomputed, rtol=0, atol=1e-5 * recomputed.abs().max().item())
 
 
 def pipeline_sample(pipe) -> tuple[torch.Tensor, list]:

@@ -198,5 +198,8 @@ def assert_velocity_cache_equals_recomputation(trainer, calls_per_velocity: int)
     assert calls.take() == (2 * per, 0, 1)
     assert trainer._metrics["jagg/cached_velocities"][-1] == 2
     assert recomputed.abs().max() > 0
-    torch.testing.assert_close(cached, recomputed, rtol=0, atol=1e-6 * recomputed.abs().max().item())
+    # Not bit-equal: the recomputation runs both intermediates in one batched call, another batch shape than the
+    # rollout's, and AVX-512 kernels round per shape (up to 2.1e-6 of the largest entry seen there). A wrong cached
+    # velocity changes the gradient at the order of the gradient itself.
+    torch.testing.assert_close(cached, recomputed, rtol=0, atol=1e-5 * recomputed.abs().max().item())
     calls.handle.remove()
