@@ -24,10 +24,16 @@ EXAMPLES = {
     "train_sd35_flow_grpo.py": (
         "sd3", "StableDiffusion3Pipeline", "stabilityai/stable-diffusion-3.5-medium", LORA
     ),
+    "train_sd35_geneval.py": (  # the geneval reward on a tiny random OWLv2 + CLIP
+        "sd3", "StableDiffusion3Pipeline", "stabilityai/stable-diffusion-3.5-medium", LORA
+    ),
     "train_qwenimage_hpsv2.py": (
         "qwenimage", "QwenImagePipeline", "Qwen/Qwen-Image", LORA
     ),
     "train_flux_unifiedreward.py": (
+        "flux", "FluxPipeline", "black-forest-labs/FLUX.1-dev", LORA
+    ),
+    "train_flux_hpsv3.py": (  # the hpsv3 reward on a tiny random Qwen2-VL + head
         "flux", "FluxPipeline", "black-forest-labs/FLUX.1-dev", LORA
     ),
     "train_flux_dancegrpo_full.py": (

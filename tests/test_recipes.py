@@ -34,6 +34,7 @@ _DANCE_PUBLISHED = dict(
 PUBLISHED = {
     "flow-grpo-sd35": _SD35_PUBLISHED,
     "flow-grpo-sd35-ocr": _SD35_PUBLISHED,
+    "flow-grpo-sd35-geneval": _SD35_PUBLISHED,
     "flow-grpo-guard-sd35": {**_SD35_PUBLISHED, "learning_rate": 1e-4},
     "flow-grpo-flux": dict(num_inference_steps=6, guidance_scale=3.5, sampler="sde", noise_level=0.9),
     "flow-grpo-qwenimage": dict(true_cfg_scale=4.0, sampler="sde", noise_level=1.2),
@@ -128,6 +129,7 @@ _DANCE_CONVENTIONS = dict(
 PEER_CONVENTIONS = {
     "flow-grpo-sd35": _SD35_CONVENTIONS,
     "flow-grpo-sd35-ocr": _SD35_CONVENTIONS,
+    "flow-grpo-sd35-geneval": _SD35_CONVENTIONS,
     "flow-grpo-guard-sd35": {**_SD35_CONVENTIONS, "scale_rewards": "group"},
     "flow-grpo-flux": dict(
         **_FLOW_GRPO, **_FLOW_GRPO_EMA, scale_rewards="batch", max_sequence_length=128, eval_num_inference_steps=28,
@@ -209,6 +211,14 @@ PEER_TRAINING = {
         ("beta", 0.04, "FG config/grpo.py:106 (general_ocr_sd3)"),
         ("reward_funcs", ("ocr",), "FG config/grpo.py:116-118"),
         ("optimizer_steps_per_rollout", 2, "FG config/grpo.py:102"),
+    ],
+    "flow-grpo-sd35-geneval": [
+        _FG_CONSTANT_LR,
+        ("beta", 0.04, "FG config/grpo.py:147 (geneval_sd3)"),
+        ("reward_funcs", ("geneval",), "FG config/grpo.py:154-156"),
+        ("optimizer_steps_per_rollout", 2, "FG config/grpo.py:144"),
+        ("scale_rewards", "batch", "FG config/grpo.py:148 (global_std = True)"),
+        ("mixed_precision", "fp16", "FG config/base.py:24 (mixed_precision = 'fp16'), not overridden"),
     ],
     "flow-grpo-guard-sd35": [
         _FG_CONSTANT_LR,
@@ -390,6 +400,7 @@ _FLUX2_KLEIN_LORA = (
 PUBLISHED_LORA = {
     "flow-grpo-sd35": _SD35_LORA,
     "flow-grpo-sd35-ocr": _SD35_LORA,
+    "flow-grpo-sd35-geneval": _SD35_LORA,
     "flow-grpo-guard-sd35": _SD35_LORA,  # FG scripts/train_sd3_GRPO_Guard.py:421-436
     "flow-grpo-flux": _FLUX_LORA,  # FG scripts/train_flux.py:411-428
     "flow-grpo-qwenimage": _QWEN_LORA,
@@ -418,6 +429,7 @@ PUBLISHED_LORA = {
 MODELS = {
     "flow-grpo-sd35": "stabilityai/stable-diffusion-3.5-medium",
     "flow-grpo-sd35-ocr": "stabilityai/stable-diffusion-3.5-medium",
+    "flow-grpo-sd35-geneval": "stabilityai/stable-diffusion-3.5-medium",  # FG config/grpo.py:131
     "flow-grpo-guard-sd35": "stabilityai/stable-diffusion-3.5-medium",
     "flow-grpo-flux": "black-forest-labs/FLUX.1-dev",
     "flow-grpo-qwenimage": "Qwen/Qwen-Image",
@@ -741,7 +753,8 @@ PRESET_SPLIT_TINY = dict(
 
 # Every preset with its peer's training rows; of the six Flow-Factory presets (one shared split) the two cheapest
 # (FLUX.2 dev's LoRA targets are klein's, and test_cli trains its preset on the tiny FLUX.2 dev; Wan2.2's targets
-# and both experts train through `trl-jagg train` there too).
+# and both experts train through `trl-jagg train` there too). flow-grpo-sd35-geneval is flow-grpo-sd35-ocr's split
+# and LoRA (both change only beta and the reward of flow-grpo-sd35); examples/train_sd35_geneval.py trains it.
 @pytest.mark.parametrize(
     "name",
     [
@@ -749,6 +762,7 @@ PRESET_SPLIT_TINY = dict(
         for n in PEER_TRAINING
         if n
         not in (
+            "flow-grpo-sd35-geneval",
             "flow-factory-z-image",
             "flow-factory-flux2-klein-base",
             "flow-factory-flux2-dev",

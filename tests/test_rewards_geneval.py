@@ -10,7 +10,7 @@ from PIL import Image
 
 import trl_jagg.rewards as rewards
 from trl_jagg.rewards.geneval import COLORS, geneval_score, greedy_nms, relative_position
-from trl_jagg.testing.tokenizers import build_clip_tokenizer
+from trl_jagg.testing.tiny_rewards import save_tiny_geneval_models
 
 LEFT, RIGHT = (0, 0, 10, 10), (30, 0, 40, 10)
 
@@ -75,33 +75,7 @@ def test_greedy_nms_matches_torchvision():
 
 @pytest.fixture(scope="module")
 def tiny_geneval_dirs(tmp_path_factory):
-    from transformers import (
-        CLIPConfig,
-        CLIPImageProcessor,
-        CLIPModel,
-        CLIPProcessor,
-        Owlv2Config,
-        Owlv2ForObjectDetection,
-        Owlv2ImageProcessor,
-        Owlv2Processor,
-    )  # fmt: skip
-
-    tokenizer = build_clip_tokenizer(model_max_length=16)
-    text = dict(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                num_attention_heads=2, max_position_embeddings=16, bos_token_id=tokenizer.bos_token_id,
-                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
-    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=32,
-                  patch_size=8)  # fmt: skip
-    folder = tmp_path_factory.mktemp("geneval")
-    torch.manual_seed(0)
-    Owlv2ForObjectDetection(Owlv2Config(text_config=text, vision_config=vision, projection_dim=16)).save_pretrained(
-        folder / "owlv2"
-    )
-    Owlv2Processor(Owlv2ImageProcessor(size={"height": 32, "width": 32}), tokenizer).save_pretrained(folder / "owlv2")
-    CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)).save_pretrained(folder / "clip")
-    image_processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
-    CLIPProcessor(image_processor, tokenizer).save_pretrained(folder / "clip")
-    return str(folder / "owlv2"), str(folder / "clip")
+    return save_tiny_geneval_models(tmp_path_factory.mktemp("geneval"))
 
 
 def test_geneval_reward_on_tiny_random_models(tiny_geneval_dirs):

@@ -22,6 +22,7 @@ FLOW_FACTORY = (
 NAMES = [
     "flow-grpo-sd35",
     "flow-grpo-sd35-ocr",
+    "flow-grpo-sd35-geneval",
     "flow-grpo-guard-sd35",
     "flow-grpo-flux",
     "flow-grpo-qwenimage",

@@ -35,7 +35,7 @@ _SD35 = Recipe(
         # Flow-GRPO samples 9 images a batch; here 6, so that a rollout is one whole group of 24 per process.
         **_two_updates_per_rollout(per_device=6, images_per_process=24),
         "train_timesteps": "all_but_last",
-        "beta": 0.01,  # pickscore_sd3; the OCR and GenEval configs use 0.04 (flow-grpo-sd35-ocr)
+        "beta": 0.01,  # pickscore_sd3; the OCR and GenEval configs use 0.04 (flow-grpo-sd35-ocr, -geneval)
         **_FLOW_GRPO_LOSS,
         **_FLOW_GRPO_ADVANTAGES,
         "scale_rewards": "batch",  # config/grpo.py: sample.global_std = True
@@ -257,8 +257,30 @@ FLOW_GRPO_RECIPES: tuple[Recipe, ...] = (
     _SD35.variant(
         "flow-grpo-sd35-ocr",
         "Flow-GRPO on SD3.5-Medium with the OCR reward: flow-grpo-sd35 with beta 0.04.",
-        {"beta": 0.04},  # general_ocr_sd3 (and geneval_sd3)
+        {"beta": 0.04},  # general_ocr_sd3
         reward_funcs=("ocr",),
+    ),
+    _SD35.variant(
+        "flow-grpo-sd35-geneval",
+        "Flow-GRPO on SD3.5-Medium with the GenEval-style reward (OWLv2 + CLIP colours): flow-grpo-sd35 with beta "
+        "0.04, on GenEval's metadata.",
+        {"beta": 0.04},  # geneval_sd3 (config/grpo.py:147), as general_ocr_sd3
+        source="Flow-GRPO (Liu et al. 2025, arXiv 2505.05470): config/grpo.py:125-161 geneval_sd3 and "
+        "scripts/train_sd3.py at zhtmike/flow_grpo@9745241; JAGG spec section 5.",
+        reward_funcs=("geneval",),
+        notes=(
+            "The dataset is GenEval's metadata: Flow-GRPO's dataset/geneval/train_metadata.jsonl (prompt_fn "
+            "'geneval': GenevalPromptDataset, train_sd3.py:60-77, hands each row to the reward as the prompt's "
+            "metadata). Load it with load_dataset('json', data_files=...): its tag, include and exclude columns reach "
+            "the reward beside the prompt (examples/train_sd35_geneval.py).",
+            "geneval is GenEval-style: GenEval's rules and Flow-GRPO's dense score on OWLv2 detections and CLIP "
+            "colours on box crops, in process; Flow-GRPO's reward is GenEval's Mask2Former pipeline (mmdet) behind "
+            "its reward server. For that one, serve it with examples/flow_grpo_sidecar.py and train with "
+            "reward_funcs=['http://127.0.0.1:18085/score/geneval'] (docs/rewards.md).",
+            "Flow-GRPO evaluates on dataset/geneval/test_metadata.jsonl (2212 prompts, test_batch_size 14): pass it "
+            "as eval_dataset, loaded the same way.",
+            *_SD35.notes,
+        ),
     ),
     _SD35.variant(
         "flow-grpo-guard-sd35",
