@@ -9,7 +9,7 @@ from typing import Any
 
 from datasets import Dataset
 
-from .. import distributed
+from ..distributed import train_experts_data_parallel
 from ..grpo_jagg_config import GRPOJaggConfig
 from ..models import FlowMatchingAdapter
 from ..prompts import check_source_images, prompt_dataset, source_image
@@ -49,7 +49,8 @@ def checked_model_inputs(
     rows, ``eval_source_images`` for the sample images) checked row by row; returns each training row's bucket, the
     reference grids its images give (:func:`checked_buckets`). A text-to-image model refuses ``eval_source_images``.
     For a video model: ``num_frames``, set on the adapter (refused by image models). For a two-expert model (Wan2.2
-    A14B): ``train_experts`` and ``guidance_scale_2``, set on the adapter (refused by one-network models). The
+    A14B): ``train_experts`` and ``guidance_scale_2``, set on the adapter (refused by one-network models); both
+    experts on several processes train under DDP only (:func:`~trl_jagg.distributed.train_experts_data_parallel`). The
     guidance settings, which the adapter refuses where the pipeline has no such guidance (``true_cfg_scale`` for
     CFG-scale families and FLUX.2 dev)."""
     name = type(adapter).__name__
@@ -77,7 +78,7 @@ def checked_model_inputs(
         adapter.choose_experts(args.train_experts)
         adapter.guidance_scale_2 = args.guidance_scale_2
         if len(adapter.trained_experts) > 1 and args.world_size > 1:
-            distributed.train_experts_data_parallel(args)
+            train_experts_data_parallel(args)
     elif args.train_experts != "both" or args.guidance_scale_2 is not None:
         raise ValueError(
             f"GRPOJaggConfig.train_experts={args.train_experts!r} / guidance_scale_2={args.guidance_scale_2!r}, but "
