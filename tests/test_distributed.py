@@ -319,13 +319,15 @@ def _torchrun(script: str, *args: str, timeout: int = 300):
     return proc
 
 
-def test_trainer_gradients_on_two_processes(tiny_flux_path, tmp_path):
+def test_trainer_gradients_on_two_processes(tiny_flux_path, tiny_wan22_path, tmp_path):
     """The trainer on 2 gloo processes against one process on the same global batch (1e-5), JAGG and exact:
     - `fully_shard_backbone=True` (blocks then root sharded with FSDP2, KL reference sharded too), LoRA and full
       fine-tuning; after two real training steps the gathered weights load into a fresh single-process pipeline
       that renders the image the sharded model renders, and a sharded run resumed from the checkpoint of step 1
       (gathered weights and optimizer state loaded back into the shards) ends with the same weights;
-    - DDP with `jagg_endpoint_backward="sequential"` (LoRA)."""
+    - DDP with `jagg_endpoint_backward="sequential"` (LoRA);
+    - DDP with Wan2.2 A14B's two experts trained (LoRA): the synced backward reaches the low-noise expert only, the
+      high-noise one's gradient comes from the backward calls under `no_sync` (DDP's `find_unused_parameters`)."""
     import json
 
     import numpy as np
@@ -336,15 +338,17 @@ def test_trainer_gradients_on_two_processes(tiny_flux_path, tmp_path):
     from trl_jagg.rollout import generate_images
 
     worker = _load_script("fsdp_trainer")
+    paths = dict(zip(worker.MODELS, (tiny_flux_path, tiny_wan22_path)))
     reference = {}
     for kind in worker.KINDS:
-        trainer = worker.build_trainer(tiny_flux_path, str(tmp_path / f"ref-{kind}"), kind, world_size=1)
+        path = paths[worker.KINDS[kind].get("model", "flux")]
+        trainer = worker.build_trainer(path, str(tmp_path / f"ref-{kind}"), kind, world_size=1)
         batch = trainer._generate_and_score([{"prompt": p} for p in worker.PROMPTS])
         torch.save(batch, tmp_path / f"{kind}_batch.pt")
         reference[kind] = {m: worker.gradients(trainer, batch, use_jagg=m == "jagg") for m in ("jagg", "exact")}
         del trainer
 
-    _torchrun("fsdp_trainer", tiny_flux_path, str(tmp_path))
+    _torchrun("fsdp_trainer", str(tmp_path), *paths.values())
 
     reports = [json.loads((tmp_path / f"report{r}.json").read_text()) for r in range(2)]
     for kind in worker.KINDS:
@@ -361,6 +365,10 @@ def test_trainer_gradients_on_two_processes(tiny_flux_path, tmp_path):
                 )
         # JAGG differs from exact here (W = 3 interpolates an inner step), so the two checks are distinct.
         assert any(not torch.allclose(reference[kind]["jagg"][n], reference[kind]["exact"][n]) for n in ref)
+    # Both experts were trained, each with a gradient; DDP found the unused ones (set by the trainer, not the kind).
+    for expert in ("transformer.", "transformer_2."):
+        assert sum(g.abs().sum() for n, g in reference["wan22-both"]["exact"].items() if n.startswith(expert)) > 0
+    assert [r["wan22-both"]["find_unused_parameters"] for r in reports] == [True, True]
 
     for kind in ("lora", "full"):
         pipe = FluxPipeline.from_pretrained(tiny_flux_path)

@@ -218,11 +218,33 @@ def test_expert_settings_are_checked_early(tiny_wan_path, tmp_path):
         make_trainer("wan", tiny_wan_path, tmp_path, {"guidance_scale": 4.5}, train_experts="high_noise")
 
 
-def test_both_experts_on_several_processes_are_refused_at_init(tiny_wan22_path, tmp_path, monkeypatch):
-    # A launch of 2 processes, as TrainingArguments reports it; the check runs before any process group is needed.
-    monkeypatch.setattr(GRPOJaggConfig, "world_size", property(lambda self: 2))
-    with pytest.raises(ValueError, match=r'train_experts="both" trains on one process only.*this launch has 2'):
-        wan22_trainer(tiny_wan22_path, tmp_path)
+def test_both_experts_on_several_processes_train_under_ddp_only(tiny_wan22_path, tmp_path, monkeypatch):
+    """On 2 processes (as TrainingArguments reports them; the checks need no process group) both experts train under
+    DDP with `find_unused_parameters` on, whatever the config said; one expert keeps the config's value; a sharding
+    backend is refused before anything is prepared. The gradients themselves are pinned on 2 real processes by
+    `tests/test_distributed.py::test_trainer_gradients_on_two_processes` (kind `wan22-both`)."""
+    from trl_jagg.trainer.inputs import checked_model_inputs
+
+    adapter, dataset = load_adapter(tiny_wan22_path), Dataset.from_dict({"prompt": PROMPTS})
+
+    def checked(launch_env: dict[str, str] | None = None, **settings) -> GRPOJaggConfig:
+        args = GRPOJaggConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, **settings)
+        assert args.ddp_find_unused_parameters is False  # the config's default: one network, every weight used
+        with monkeypatch.context() as patch:
+            for name, value in (launch_env or {}).items():  # as `accelerate launch` with an FSDP / DeepSpeed config
+                patch.setenv(name, value)
+            patch.setattr(GRPOJaggConfig, "world_size", property(lambda self: 2))
+            checked_model_inputs(adapter, args, dataset, None)
+        return args
+
+    assert checked().ddp_find_unused_parameters is True
+    assert checked(train_experts="high_noise").ddp_find_unused_parameters is False
+    refused = r'train_experts="both" on 2 processes trains under DDP only, but this run uses {}.*multi_gpu.yaml'
+    with pytest.raises(ValueError, match=refused.format("fully_shard_backbone=True")):
+        checked(fully_shard_backbone=True)
+    for variable, backend in (("ACCELERATE_USE_FSDP", "FSDP"), ("ACCELERATE_USE_DEEPSPEED", "DeepSpeed")):
+        with pytest.raises(ValueError, match=refused.format(backend)):
+            checked({variable: "true"})
 
 
 def test_train_experts_values_are_the_config_checks_ones():

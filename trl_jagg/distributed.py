@@ -137,6 +137,37 @@ def check_backend(
             )
 
 
+def train_experts_data_parallel(args: Any, env: Mapping[str, str] | None = None) -> None:
+    """Set ``args`` up for Wan2.2 A14B's two experts trained on several processes: DDP with
+    ``ddp_find_unused_parameters=True``; FSDP and DeepSpeed are refused (the error names the fix).
+
+    Each backward call runs through one expert (a JAGG group never straddles the switch), so the one that syncs the
+    gradients (the last unit of an accumulation window; the others run under ``no_sync``) reaches one expert only.
+    DDP's default reducer then waits for the other expert's gradients: nothing of it is reduced and the next
+    forward fails. With ``find_unused_parameters`` the reducer marks the parameters the synced backward missed as
+    ready and all-reduces what they accumulated since the last sync, ``no_sync`` backward calls included (torch
+    counts a parameter as used once any backward since the last sync reached it): the gradient of one process on
+    the global batch (``tests/test_distributed.py::test_trainer_gradients_on_two_processes``), for one graph
+    traversal per synced forward. ``False`` cannot work here, so it is overridden. An expert that the synced
+    backward skips is untested under FSDP's reduce-scatter and DeepSpeed's per-backward reduction: refused."""
+    env = os.environ if env is None else env
+    backend = None
+    if args.fully_shard_backbone:
+        backend = "fully_shard_backbone=True"
+    elif args.fsdp or _true(env, "ACCELERATE_USE_FSDP"):
+        backend = "FSDP (TrainingArguments.fsdp or accelerate's FSDP plugin)"
+    elif args.deepspeed_plugin is not None or _true(env, "ACCELERATE_USE_DEEPSPEED"):
+        backend = "DeepSpeed"
+    if backend is not None:
+        raise ValueError(
+            f'GRPOJaggConfig.train_experts="both" on {args.world_size} processes trains under DDP only, but this run '
+            f"uses {backend}: two trained experts are not supported with FSDP or DeepSpeed yet. Launch plain DDP "
+            "(`accelerate launch --config_file examples/accelerate_configs/multi_gpu.yaml ...` or `torchrun`), or "
+            'train one expert per run (train_experts="high_noise" or "low_noise").'
+        )
+    args.ddp_find_unused_parameters = True
+
+
 @contextlib.contextmanager
 def zero3_init_disabled(args: Any) -> Iterator[None]:
     """The pipeline loads with DeepSpeed's ZeRO-3 ``zero.Init`` off: transformers would partition the frozen text

@@ -110,7 +110,9 @@ class GRPOJaggConfig(TrainingArguments):
     ddp_find_unused_parameters: bool | None = field(
         default=False,
         metadata={
-            "help": "Every trainable backbone parameter takes part in each velocity call, so DDP skips the search."
+            "help": "Every trainable backbone parameter takes part in each velocity call, so DDP skips the search. "
+            "Wan2.2 A14B training both experts on several processes sets it to True: each backward call reaches one "
+            "expert, and DDP's search also reduces the gradient the other accumulated under `no_sync`."
         },
     )
     remove_unused_columns: bool = field(

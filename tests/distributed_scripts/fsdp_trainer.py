@@ -7,7 +7,9 @@ test saved, and gathers the full gradients:
   training steps with a checkpoint after the first (gathered weights and optimizer state), the weights saved and an
   image rendered; a fresh sharded trainer resumes from the checkpoint and saves its weights after the second step;
 - ``ddp-sequential``: LoRA under DDP with ``jagg_endpoint_backward="sequential"`` (the first endpoint's backward
-  inside ``no_sync``).
+  inside ``no_sync``);
+- ``wan22-both``: Wan2.2 A14B's two experts, both trained (LoRA) under DDP: the high-noise expert's backward calls
+  run inside ``no_sync``, the synced last one reaches the low-noise expert only.
 """
 
 from __future__ import annotations
@@ -28,22 +30,30 @@ KINDS = {
     "lora": {"lora": True, "shard": True},
     "full": {"lora": False, "shard": True},
     "ddp-sequential": {"lora": True, "shard": False, "jagg_endpoint_backward": "sequential"},
-}
+    # Flow-Factory's scales (CFG 4, then 3 on the low-noise expert), 5 frames; of 7 steps the first 3 are the
+    # high-noise expert's, so the W = 3 groups are steps 0-2 and 3-5, one expert each.
+    "wan22-both": {"lora": True, "shard": False, "model": "wan22", "num_frames": 5, "guidance_scale": 4.0,
+                   "guidance_scale_2": 3.0, "negative_prompt": "dark", "num_inference_steps": 7},
+}  # fmt: skip
+MODELS = ("flux", "wan22")
+"""The tiny pipelines the kinds train (``"model"``, Flux when unset), in the order the script takes their paths."""
 
 
 def build_trainer(model_path: str, output_dir: str, kind: str, *, world_size: int, **overrides) -> DDPOJaggTrainer:
     """The trainer of ``kind`` both sides use; ``world_size`` processes share the same global batch of 4 images."""
     settings = dict(KINDS[kind])
     lora, shard = settings.pop("lora"), settings.pop("shard")
+    settings.pop("model", None)
     defaults = {
         "max_steps": 1,
         "save_strategy": "no",
         "learning_rate": 1e-2,
         "fully_shard_backbone": shard and world_size > 1,
+        "num_inference_steps": 5,
     }
     settings = defaults | settings | overrides
     args = GRPOJaggConfig(
-        output_dir=output_dir, per_device_train_batch_size=4 // world_size, num_generations=2, num_inference_steps=5,
+        output_dir=output_dir, per_device_train_batch_size=4 // world_size, num_generations=2,
         height=32, width=32, clip_range=0.1, jagg_group_size=3, jagg_frac=1.0, beta=0.05,
         max_sequence_length=16, report_to="none", use_cpu=True, disable_tqdm=True,
         seed=3, **settings,
@@ -74,7 +84,7 @@ def gradients(trainer: DDPOJaggTrainer, batch: dict, *, use_jagg: bool, model=No
     return grads
 
 
-def main(model_path: str, work_dir: str) -> None:
+def main(work_dir: str, *model_paths: str) -> None:
     torch.set_num_threads(1)
     from torch.distributed.tensor import DTensor
 
@@ -83,6 +93,7 @@ def main(model_path: str, work_dir: str) -> None:
     report = {}
     for kind in KINDS:
         steps = {"max_steps": 2, "save_strategy": "steps", "save_steps": 1} if KINDS[kind]["shard"] else {}
+        model_path = dict(zip(MODELS, model_paths))[KINDS[kind].get("model", "flux")]
         trainer = build_trainer(model_path, f"{work_dir}/{kind}", kind, world_size=2, **steps)
         rank, world = trainer.accelerator.process_index, trainer.accelerator.num_processes
         trainable = [p for p in trainer.model.parameters() if p.requires_grad]
@@ -107,6 +118,7 @@ def main(model_path: str, work_dir: str) -> None:
             "world": world,
             "sharded": all(isinstance(p, DTensor) for p in trainable) == KINDS[kind]["shard"],
             "num_trainable": len(trainable),
+            "find_unused_parameters": getattr(model, "find_unused_parameters", None),
             "reference_sharded": trainer.ref_transformer is None
             or all(isinstance(p, DTensor) for p in trainer.ref_transformer.parameters()),
         }
@@ -114,4 +126,4 @@ def main(model_path: str, work_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:])

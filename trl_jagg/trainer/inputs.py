@@ -9,6 +9,7 @@ from typing import Any
 
 from datasets import Dataset
 
+from ..distributed import train_experts_data_parallel
 from ..grpo_jagg_config import GRPOJaggConfig
 from ..models import FlowMatchingAdapter
 from ..prompts import check_source_images, prompt_dataset, source_image
@@ -48,7 +49,8 @@ def checked_model_inputs(
     rows, ``eval_source_images`` for the sample images) checked row by row; returns each training row's bucket, the
     reference grids its images give (:func:`checked_buckets`). A text-to-image model refuses ``eval_source_images``.
     For a video model: ``num_frames``, set on the adapter (refused by image models). For a two-expert model (Wan2.2
-    A14B): ``train_experts`` and ``guidance_scale_2``, set on the adapter (refused by one-network models). The
+    A14B): ``train_experts`` and ``guidance_scale_2``, set on the adapter (refused by one-network models); both
+    experts on several processes train under DDP only (:func:`~trl_jagg.distributed.train_experts_data_parallel`). The
     guidance settings, which the adapter refuses where the pipeline has no such guidance (``true_cfg_scale`` for
     CFG-scale families and FLUX.2 dev)."""
     name = type(adapter).__name__
@@ -75,14 +77,8 @@ def checked_model_inputs(
     if getattr(adapter, "experts", None) is not None:
         adapter.choose_experts(args.train_experts)
         adapter.guidance_scale_2 = args.guidance_scale_2
-        if args.train_experts == "both" and args.world_size > 1:
-            # Each backward call reaches one expert, so the other's weights get no gradient in the call that syncs
-            # them: DDP's static reducer fails there, and FSDP2 / DeepSpeed are untested with two experts.
-            raise ValueError(
-                f'GRPOJaggConfig.train_experts="both" trains on one process only for now (this launch has '
-                f'{args.world_size}). Train one expert per run (train_experts="high_noise" or "low_noise") or launch '
-                "one process."
-            )
+        if len(adapter.trained_experts) > 1 and args.world_size > 1:
+            train_experts_data_parallel(args)
     elif args.train_experts != "both" or args.guidance_scale_2 is not None:
         raise ValueError(
             f"GRPOJaggConfig.train_experts={args.train_experts!r} / guidance_scale_2={args.guidance_scale_2!r}, but "
