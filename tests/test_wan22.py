@@ -174,6 +174,13 @@ def test_one_trained_expert_the_other_gets_no_lora_and_no_gradient(
     # Steps [1000, 900] are the high-noise expert's, [751, 503] the low-noise one's (the last is never trained).
     expected = [0, 1] if trained == "transformer" else [2, 3]
     assert trainer.update_stage.steps_to_train(batch, micro_step=0, global_step=0) == expected
+    # A random draw is made among the trained expert's steps: never empty, so every micro-batch takes a backward
+    # (under DDP the synced one must). One of the 4 candidates drawn over all steps would miss it half the time.
+    trainer.args.train_timesteps, trainer.args.train_timestep_fraction = "random_but_last", 0.25
+    draws = [trainer.update_stage.steps_to_train(batch, micro_step=m, global_step=0) for m in range(16)]
+    assert all(len(steps) == 1 and steps[0] in expected for steps in draws)
+    assert {steps[0] for steps in draws} == set(expected)
+    trainer.args.train_timesteps = "all_but_last"
     trainer.train()
     assert all(p.grad is None for p in frozen_module.parameters())
     assert all(torch.equal(p, before[n]) for n, p in frozen_module.named_parameters())

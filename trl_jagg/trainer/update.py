@@ -31,19 +31,26 @@ from .placement import adapters_disabled, reshard
 STEP_STATS = ("policy_loss", "kl", "ratio_mean", "clip_fraction", "approx_kl")
 
 
-def trained_steps(args: GRPOJaggConfig, batch: dict[str, Any], *, micro_step: int, global_step: int) -> list[int]:
-    """Which denoising steps the update of micro-batch ``micro_step`` trains, identical on every process."""
+def trained_steps(
+    args: GRPOJaggConfig, batch: dict[str, Any], *, micro_step: int, global_step: int,
+    trainable: Callable[[int], bool] = lambda k: True,
+) -> list[int]:  # fmt: skip
+    """Which denoising steps the update of micro-batch ``micro_step`` trains, identical on every process: of the
+    steps ``trainable`` accepts (Wan2.2 training one expert: those it denoises), so that a random draw never comes
+    up empty when some step is trainable (every micro-batch then takes a backward, the synced one included)."""
     num_steps = args.num_inference_steps
     if args.train_timesteps == "all":
-        return list(range(num_steps))
-    if args.train_timesteps == "all_but_last":
-        return list(range(num_steps - 1))
-    if args.train_timesteps == "sde_window":
-        return list(batch["stochastic_steps"])
-    # DanceGRPO never trains the last step (its Gaussian is the narrowest): `random_but_last`.
-    candidates = num_steps - (args.train_timesteps == "random_but_last")
-    count = max(1, round(args.train_timestep_fraction * candidates))
-    return sorted(random.Random(rng_seed(args.seed, global_step, -2, micro_step)).sample(range(candidates), count))
+        steps = range(num_steps)
+    elif args.train_timesteps == "all_but_last":
+        steps = range(num_steps - 1)
+    elif args.train_timesteps == "sde_window":
+        steps = batch["stochastic_steps"]
+    else:
+        # DanceGRPO never trains the last step (its Gaussian is the narrowest): `random_but_last`.
+        candidates = [k for k in range(num_steps - (args.train_timesteps == "random_but_last")) if trainable(k)]
+        count = min(len(candidates), max(1, round(args.train_timestep_fraction * len(candidates))))
+        return sorted(random.Random(rng_seed(args.seed, global_step, -2, micro_step)).sample(candidates, count))
+    return [k for k in steps if trainable(k)]
 
 
 @dataclass
@@ -245,11 +252,13 @@ class UpdateStage:
         )
 
     def steps_to_train(self, batch: dict[str, Any], *, micro_step: int, global_step: int) -> list[int]:
-        """:func:`trained_steps`, less those a frozen expert denoises (Wan2.2 training one of its two experts): no
-        trained weight acts there, so they would add a zero gradient for a backbone call."""
-        steps = trained_steps(self.args, batch, micro_step=micro_step, global_step=global_step)
+        """:func:`trained_steps` of those a trained expert denoises (Wan2.2 training one of its two experts: no
+        trained weight acts on the frozen one's steps, so they would add a zero gradient for a backbone call)."""
         times = batch["timesteps"].tolist()
-        return [k for k in steps if self.adapter.expert_of(times[k]) in self.adapter.trained_experts]
+        return trained_steps(
+            self.args, batch, micro_step=micro_step, global_step=global_step,
+            trainable=lambda k: self.adapter.expert_of(times[k]) in self.adapter.trained_experts,
+        )  # fmt: skip
 
     def plan(
         self, batch: dict[str, Any], trained: list[int], *, use_jagg: bool, jagg_frac: float = 1.0
