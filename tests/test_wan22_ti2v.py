@@ -1,13 +1,16 @@
 """Wan2.2 TI2V-5B text-to-video on its tiny pipeline (`expand_timesteps`: one timestep per latent patch token; the
 48-channel Wan2.2 VAE at 16x): the backbone gets the pipeline's per-token timesteps and the rollout at noise level 0
-is WanPipeline's own loop; W = 2 equals exact; the trained LoRA loads with `load_lora_weights`."""
+is WanPipeline's own loop; W = 2 equals exact; the trained LoRA loads with `load_lora_weights`; source images
+(image-to-video conditioning) are refused."""
 
 from __future__ import annotations
 
+import pytest
 import torch
+from datasets import Dataset
 from diffusers import DiffusionPipeline
 from test_families import assert_same_images, make_trainer, reference_run
-from testing_utils import assert_w2_jagg_equals_exact
+from testing_utils import assert_w2_jagg_equals_exact, noise_image
 
 from trl_jagg.models import load_adapter
 from trl_jagg.rollout import sample_trajectories
@@ -77,3 +80,10 @@ def test_saved_lora_reloads_with_load_lora_weights(tiny_wan22_ti2v_path, tmp_pat
     base = DiffusionPipeline.from_pretrained(tiny_wan22_ti2v_path)
     base_latents, _ = reference_run(base, "wan", ["a red circle"], "dark", CFG)
     assert not torch.allclose(base_latents, lora_latents)  # the LoRA did load and change the samples
+
+
+def test_image_to_video_conditioning_is_refused(tiny_wan22_ti2v_path, tmp_path):
+    """TI2V's first-frame conditioning is not trained: a dataset's source images are refused, not ignored."""
+    dataset = Dataset.from_dict({"prompt": PROMPTS, "source_image": [noise_image(0, size=32)] * 2})
+    with pytest.raises(ValueError, match="'source_image' column, but WanAdapter trains text-to-video only"):
+        ti2v_trainer(tiny_wan22_ti2v_path, tmp_path, dataset=dataset)
