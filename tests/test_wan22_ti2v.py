@@ -60,10 +60,14 @@ def test_rollout_at_noise_level_0_is_the_pipeline_loop_with_per_token_timesteps(
         assert torch.equal(ours, torch.cat([pipeline_step, pipeline_step]))
     torch.testing.assert_close(trajectory.latents[:, -1], expected_latents, atol=1e-5, rtol=0)
     assert_same_images(adapter.decode(trajectory.latents[:, -1], 32, 32), expected_videos)
+    # Rows of different steps in one call (the update batches them): each row's tokens at its own step; 4 x 4
+    # latents, 2 frames: 2 x 2 x 2 tokens.
+    per_token = adapter.backbone_timestep(torch.tensor([1000.0, 500.0]), torch.zeros(2, 48, 2, 4, 4))
+    assert torch.equal(per_token, torch.tensor([[1000.0] * 8, [500.0] * 8]))
 
 
 def test_w2_jagg_gradient_equals_exact(tiny_wan22_ti2v_path, tmp_path):
-    """5 steps, 4 trained: the update's calls batch rows of different steps, each row's tokens at its own step."""
+    """5 steps, 4 trained: for W = 2 the joint backward equals the sum of the per-step gradients."""
     assert_w2_jagg_equals_exact(ti2v_trainer(tiny_wan22_ti2v_path, tmp_path, num_inference_steps=5))
 
 
