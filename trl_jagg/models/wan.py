@@ -186,7 +186,7 @@ class WanAdapter(FlowMatchingAdapter):
         if not self.pipeline.config.expand_timesteps:
             return timestep
         tokens = hidden[0, 0, :, ::2, ::2].numel()
-        return timestep.to(torch.float32)[:, None].expand(-1, tokens)
+        return timestep.to(torch.float32)[:, None].expand(-1, tokens)  # float32: the pipeline's mask times t
 
     def decode_latents(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         # The pipeline's `latents / (1 / std) + mean`, per latent channel.
