@@ -4,9 +4,9 @@ Not a peer's published recipe: no peer ships a FLUX.1-dev run on HPSv3. DanceGRP
 switch (`--use_hpsv3`, fastvideo/train_grpo_flux_lora.py:641-643, 1130-1135 @15cc71d; its script passes
 --use_hpsv2), Pref-GRPO's train_flux.py takes `hpsv3` in --reward_spec (README.md:418,
 fastvideo/rewards/dispatcher.py:44 @3e787f6), and VeRL-Omni's one HPSv3 run is DanceGRPO on Wan2.2-TI2V-5B
-(examples/dancegrpo_trainer/wan22/run_wan22_5b_t2v_hpsv3_auto.sh @a1139ba), whose per-token timesteps trl_jagg
-refuses. The rest is the `flow-grpo-flux` preset: 6 steps at 512 px, embedded guidance 3.5, SDE a = 0.9, G = 24,
-LoRA r 64 / alpha 128 on attention and feed-forward, lr 3e-4, no KL. HPSv3 (Qwen2-VL-7B + an MLP head, ~17 GB in
+(examples/dancegrpo_trainer/wan22/run_wan22_5b_t2v_hpsv3_auto.sh @a1139ba), for which trl_jagg has no preset
+yet. The rest is the `flow-grpo-flux` preset: 6 steps at 512 px, embedded guidance 3.5, SDE a = 0.9, G = 24, LoRA
+r 64 / alpha 128 on attention and feed-forward, lr 3e-4, no KL. HPSv3 (Qwen2-VL-7B + an MLP head, ~17 GB in
 bfloat16) runs in process on every GPU, beside FLUX.1-dev; it reads MizzenAI/HPSv3 and Qwen/Qwen2-VL-7B-Instruct.
 
     accelerate launch --num_processes 8 examples/train_flux_hpsv3.py --output_dir flux-hpsv3

@@ -86,3 +86,9 @@ def tiny_wan_path(tmp_path_factory: pytest.TempPathFactory) -> str:
 def tiny_wan22_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A tiny Wan2.2 A14B-like pipeline (two experts, boundary_ratio 0.8) saved to disk."""
     return _save_tiny("wan22", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def tiny_wan22_ti2v_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny Wan2.2 TI2V-5B-like pipeline (`expand_timesteps`, the 48-channel Wan2.2 VAE) saved to disk."""
+    return _save_tiny("wan22_ti2v", tmp_path_factory)

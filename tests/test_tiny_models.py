@@ -45,6 +45,7 @@ PIPELINE_CLASSES = {
     "qwenimage_edit_plus": QwenImageEditPlusPipeline,
     "wan": WanPipeline,
     "wan22": WanPipeline,  # two experts
+    "wan22_ti2v": WanPipeline,  # per-token timesteps
 }
 # The families whose pipelines also sample from text alone; the Qwen-Image-Edit pipelines need a source image, and
 # tests/test_qwen_edit.py checks their calls.
@@ -67,6 +68,7 @@ def _call_kwargs(family: str) -> dict:
         "flux_kontext": {"guidance_scale": 3.5},  # without a source image: FLUX.1's text-to-image
         "wan": {"guidance_scale": 4.5, "num_frames": 5},  # 5 frames: 2 latent frames
         "wan22": {"guidance_scale": 4.0, "guidance_scale_2": 3.0, "num_frames": 5},  # Flow-Factory's two scales
+        "wan22_ti2v": {"guidance_scale": 5.0, "num_frames": 5},
     }[family]
 
 
@@ -437,18 +439,21 @@ def _flux2_dev_by_hand(pipe: Flux2Pipeline, *, height: int, width: int, steps: i
 
 @torch.no_grad()
 def _wan_by_hand(pipe: WanPipeline, *, height: int, width: int, steps: int, seed: int) -> torch.Tensor:
-    two_experts = pipe.transformer_2 is not None
-    batch, kwargs = len(PROMPTS), _call_kwargs("wan22" if two_experts else "wan")
+    two_experts, ti2v = pipe.transformer_2 is not None, pipe.config.expand_timesteps
+    batch, kwargs = len(PROMPTS), _call_kwargs("wan22" if two_experts else "wan22_ti2v" if ti2v else "wan")
     # The call pads the prompts with zeros to 512 tokens, which cross-attention attends to ("" for the negatives).
     prompt_embeds, negative_embeds = pipe.encode_prompt(
         PROMPTS, do_classifier_free_guidance=True, max_sequence_length=512
     )
-    # Video latents: (batch, channels, (frames - 1) / 4 + 1, height / 8, width / 8).
+    # Video latents: (batch, channels, (frames - 1) / 4 + 1, height / s, width / s); Wan2.2's VAE: 48 channels, 16x.
     latents = pipe.prepare_latents(
         batch, pipe.transformer.config.in_channels, height, width, kwargs["num_frames"], torch.float32,
         torch.device("cpu"), torch.Generator().manual_seed(seed),
     )  # fmt: skip
-    assert latents.shape == (batch, 16, 2, height // 8, width // 8)
+    channels, scale = (48, 16) if ti2v else (16, 8)
+    assert latents.shape == (batch, channels, 2, height // scale, width // scale)
+    # TI2V: the step's timestep on each 1x2x2 patch token, (batch, frames x h / 2 x w / 2).
+    tokens = latents.shape[2] * (latents.shape[3] // 2) * (latents.shape[4] // 2)
     pipe.scheduler.set_timesteps(steps)  # the scheduler's own shifted schedule
     for step, t in enumerate(pipe.scheduler.timesteps):
         # Wan2.2 A14B: the low-noise expert and its own scale below boundary_ratio * 1000 (the tiny one: 800).
@@ -457,7 +462,10 @@ def _wan_by_hand(pipe: WanPipeline, *, height: int, width: int, steps: int, seed
             (pipe.transformer_2, kwargs["guidance_scale_2"]) if low else (pipe.transformer, kwargs["guidance_scale"])
         )
         cond, uncond = (
-            model(hidden_states=latents, timestep=t.expand(batch), encoder_hidden_states=embeds, return_dict=False)[0]
+            model(
+                hidden_states=latents, timestep=t.expand(batch, tokens) if ti2v else t.expand(batch),
+                encoder_hidden_states=embeds, return_dict=False,
+            )[0]
             for embeds in (prompt_embeds, negative_embeds)
         )  # fmt: skip
         latents = _euler(pipe, step, latents, uncond + scale * (cond - uncond))
@@ -474,6 +482,7 @@ MANUAL_SAMPLERS = {
     "flux_kontext": _flux_by_hand,  # no source image: Flux's loop
     "wan": _wan_by_hand,
     "wan22": _wan_by_hand,  # with its expert switch
+    "wan22_ti2v": _wan_by_hand,  # with per-token timesteps
 }
 
 

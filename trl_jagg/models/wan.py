@@ -1,6 +1,7 @@
-"""Wan2.1 and Wan2.2 A14B text-to-video (``WanPipeline``): UMT5 prompts, 5-D video latents ``(batch, 16, frames, h,
-w)`` denoised by a 3-D DiT predicting the flow velocity (Wan2.2 A14B: two experts, switched at ``boundary_ratio``),
-and the causal video VAE with per-channel latent statistics."""
+"""Wan2.1, Wan2.2 A14B and Wan2.2 TI2V-5B text-to-video (``WanPipeline``): UMT5 prompts, 5-D video latents ``(batch,
+channels, frames, h, w)`` denoised by a 3-D DiT predicting the flow velocity (Wan2.2 A14B: two experts, switched at
+``boundary_ratio``; TI2V-5B: one timestep per latent patch token), and the causal video VAE with per-channel latent
+statistics."""
 
 from __future__ import annotations
 
@@ -32,8 +33,12 @@ class WanAdapter(FlowMatchingAdapter):
     Wan2.2 A14B (``transformer_2`` and ``boundary_ratio``): the trained backbone is :class:`WanExperts`, and each
     backbone call goes to the expert ``WanPipeline.__call__`` picks, ``transformer`` for timesteps ``>=
     boundary_ratio * num_train_timesteps`` and ``transformer_2`` below, with :attr:`guidance_scale_2` for the latter.
-    :meth:`choose_experts` says which experts are trained. TI2V's per-token timesteps (``expand_timesteps``) are
-    refused with an error: not supported yet.
+    :meth:`choose_experts` says which experts are trained.
+
+    Wan2.2 TI2V-5B (``expand_timesteps``, one transformer, the 48-channel Wan2.2 VAE): the backbone takes one timestep
+    per latent patch token, ``(batch, tokens)``, as the pipeline builds it (:meth:`backbone_timestep`). Text-to-video
+    only: ``WanPipeline`` takes no image, so its first-frame conditioning (a mask that keeps the image's tokens at
+    timestep 0) never arises here.
     """
 
     pipeline_class = WanPipeline
@@ -57,11 +62,6 @@ class WanAdapter(FlowMatchingAdapter):
             boundary = pipeline.config.boundary_ratio * pipeline.scheduler.config.num_train_timesteps
             self.experts = WanExperts(pipeline.transformer, pipeline.transformer_2, boundary)
         self.guidance_scale_2: float | None = None
-        if pipeline.config.expand_timesteps:
-            raise ValueError(
-                "This WanPipeline samples with per-token timesteps (`expand_timesteps`, Wan2.2 TI2V), which trl_jagg "
-                "does not train yet. Use a Wan2.1 or Wan2.2 A14B checkpoint."
-            )
         self._num_frames = DEFAULT_NUM_FRAMES
 
     @property
@@ -162,7 +162,7 @@ class WanAdapter(FlowMatchingAdapter):
         def branch_inputs(prefix: str) -> dict[str, Any]:
             return {
                 "hidden_states": hidden,
-                "timestep": timestep,
+                "timestep": self.backbone_timestep(timestep, hidden),
                 "encoder_hidden_states": cond[f"{prefix}prompt_embeds"],
             }
 
@@ -173,6 +173,20 @@ class WanAdapter(FlowMatchingAdapter):
             call, branch_inputs, cond, guidance_scale=guidance_scale, true_cfg_scale=true_cfg_scale,
             uncond_grad=uncond_grad,
         )  # fmt: skip
+
+    def backbone_timestep(self, timestep: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """The backbone's ``timestep`` for ``hidden``, one value per row: ``timestep`` itself, or with
+        ``expand_timesteps`` one value per latent patch token, ``(batch, tokens)``.
+
+        The pipeline's text-to-video loop takes ``(mask[0][0][:, ::2, ::2] * t).flatten()`` with an all-ones mask
+        (tokens: latent frames x every other latent row x every other column, the 1x2x2 patch grid), expanded over
+        the batch. The rows here may hold different steps (the update batches several), so each row's own timestep
+        fills its tokens; with one step per call this is the pipeline's tensor.
+        """
+        if not self.pipeline.config.expand_timesteps:
+            return timestep
+        tokens = hidden[0, 0, :, ::2, ::2].numel()
+        return timestep.to(torch.float32)[:, None].expand(-1, tokens)  # float32: the pipeline's mask times t
 
     def decode_latents(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         # The pipeline's `latents / (1 / std) + mean`, per latent channel.

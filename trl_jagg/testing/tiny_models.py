@@ -101,7 +101,7 @@ __all__ = [
 
 FAMILIES: tuple[str, ...] = (
     "flux", "sd3", "qwenimage", "zimage", "flux2_klein", "flux2_dev", "flux_kontext", "qwenimage_edit",
-    "qwenimage_edit_plus", "wan", "wan22",
+    "qwenimage_edit_plus", "wan", "wan22", "wan22_ti2v",
 )  # fmt: skip
 
 # Scheduler configs of the released checkpoints. The pipelines read `use_dynamic_shifting` and the
@@ -485,6 +485,7 @@ _BUILDERS = {
     "wan": build_tiny_wan_pipeline,
     # Wan2.2 A14B ships 0.875; at 0.8 the first 2 steps of 4 or 5 and 3 of 7 (t >= 800) are high-noise ones.
     "wan22": functools.partial(build_tiny_wan_pipeline, boundary_ratio=0.8),
+    "wan22_ti2v": functools.partial(build_tiny_wan_pipeline, ti2v=True),  # TI2V-5B: per-token timesteps
 }
 
 
@@ -556,7 +557,7 @@ def tiny_run(family: str, *, num_inference_steps: int = 5) -> TinyRun:
         columns["source_image"] = [Image.new("RGB", (32, 32), (64 * i,) * 3) for i in range(len(TINY_PROMPTS))]
         if family != "flux_kontext":  # encoded at the output's 32 x 32 px, not the pipeline's 1024 x 1024
             config["source_image_area"] = 32 * 32
-    if family in ("wan", "wan22"):  # 5-frame videos: 2 latent frames
+    if family in ("wan", "wan22", "wan22_ti2v"):  # 5-frame videos: 2 latent frames
         config["num_frames"] = 5
     if family == "flux2_dev":  # its system message takes the first 31 tokens of the prompt encoding
         config["max_sequence_length"] = 48

@@ -12,7 +12,7 @@ from datasets import Dataset
 from ..distributed import train_experts_data_parallel
 from ..grpo_jagg_config import GRPOJaggConfig
 from ..models import FlowMatchingAdapter
-from ..prompts import check_source_images, prompt_dataset, source_image
+from ..prompts import SOURCE_IMAGE_COLUMN, check_source_images, prompt_dataset, source_image
 from ..rewards import load_reward_funcs
 from .checkpoint_checks import check_checkpoint_dir
 
@@ -47,7 +47,8 @@ def checked_model_inputs(
     """What the model takes besides prompts, checked before training (errors name the row or the field). For an
     editing model: ``source_image_area`` given to the adapter, then the images each prompt edits (the datasets'
     rows, ``eval_source_images`` for the sample images) checked row by row; returns each training row's bucket, the
-    reference grids its images give (:func:`checked_buckets`). A text-to-image model refuses ``eval_source_images``.
+    reference grids its images give (:func:`checked_buckets`). A text model refuses ``eval_source_images``, and a
+    video model a ``source_image`` column (no image-to-video conditioning).
     For a video model: ``num_frames``, set on the adapter (refused by image models). For a two-expert model (Wan2.2
     A14B): ``train_experts`` and ``guidance_scale_2``, set on the adapter (refused by one-network models); both
     experts on several processes train under DDP only (:func:`~trl_jagg.distributed.train_experts_data_parallel`). The
@@ -90,6 +91,12 @@ def checked_model_inputs(
             raise ValueError(
                 f"GRPOJaggConfig.eval_source_images is set but {name} generates from text only: drop it, or train an "
                 "editing model (FluxKontextPipeline, QwenImageEditPipeline)."
+            )
+        if adapter.makes_videos and SOURCE_IMAGE_COLUMN in train_dataset.column_names:
+            # Image-to-video (Wan2.2 TI2V's first frame) is not trained: a silently ignored image would mislead.
+            raise ValueError(
+                f"train_dataset has a '{SOURCE_IMAGE_COLUMN}' column, but {name} trains text-to-video only: "
+                "image-to-video conditioning is not supported. Drop the column."
             )
         return None
     buckets = check_source_images(train_dataset, "train_dataset", adapter.max_source_images, adapter.reference_sizes)
