@@ -36,6 +36,7 @@ from transformers import TrainerCallback
 
 from ..demo.run import DEMO_ASSET_DIR, DEMO_NUM_INFERENCE_STEPS, demo_prompts, demo_trainer
 from ..sde_window import default_max_start
+from .engine import torch_threads
 
 JSON_NAME = "quality.json"
 PNG_NAME = "quality.png"
@@ -270,9 +271,7 @@ def run_quality_benchmark(
         },
         "runs": [],
     }  # fmt: skip
-    previous_threads = torch.get_num_threads()
-    torch.set_num_threads(num_threads)
-    try:
+    with torch_threads(num_threads):
         for seed, variant in report["config"]["order"]:
             print(f"[quality] {variant} seed {seed}: {steps} steps", flush=True)
             trainer = demo_trainer(
@@ -290,8 +289,6 @@ def run_quality_benchmark(
             report["summary"] = summarize(report["runs"], at_steps)
             (out / JSON_NAME).write_text(json.dumps(report, indent=2))
             plot_quality(report["runs"], str(out / PNG_NAME))
-    finally:
-        torch.set_num_threads(previous_threads)
     print(markdown_table(report["summary"]))
     print(f"wrote {out / JSON_NAME} and {out / PNG_NAME}")
     return report

@@ -42,6 +42,8 @@ from typing import Any
 import torch
 from datasets import Dataset
 
+from .engine import torch_threads
+
 PROMPTS = ["a red circle", "a green square", "a blue triangle", "a red square"]
 FAMILIES = ("flux", "flux_kontext", "wan")
 """The tiny pipelines the benchmark runs on: text-to-image Flux, FLUX.1 Kontext (editing) and Wan2.1 (video)."""
@@ -257,11 +259,9 @@ def run_trainer_benchmark(
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     num_trained = num_inference_steps - 1
-    previous_threads = torch.get_num_threads()
-    torch.set_num_threads(num_threads)
     results: list[dict[str, Any]] = []
     rollouts: dict[str, list[float]] = {}
-    try:
+    with torch_threads(num_threads):
         with tempfile.TemporaryDirectory() as tmp:
             blocks = {"num_layers": num_layers}
             blocks |= {"num_single_layers": num_single_layers} if family != "wan" else {}
@@ -301,8 +301,6 @@ def run_trainer_benchmark(
                 results.extend(beta_results)
                 del trainer
                 gc.collect()
-    finally:
-        torch.set_num_threads(previous_threads)
     report = {
         "config": {
             "family": family,
