@@ -332,6 +332,8 @@ def check_fields(config: GRPOJaggConfig) -> None:
         )
     if config.reward_retries < 0:
         fail("reward_retries", f"is {config.reward_retries}", "Use 0 (no retry) or more.")
+    if config.reward_timeout is not None and not config.reward_timeout > 0:
+        fail("reward_timeout", f"is {config.reward_timeout}", "Use a number of seconds > 0, or None (see its help).")
     trained = config.num_trained_steps
     routed = config.jagg_frac == "auto" or config.jagg_frac > 0
     if config.use_jagg and config.jagg_mode != "exact" and routed and config.jagg_group_size > trained:

@@ -60,7 +60,7 @@ class GRPOJaggConfig(TrainingArguments):
         quantize_timesteps, same_group_noise, num_iterations,
         scale_rewards, advantage_std_ddof, advantage_eps, per_prompt_stat_tracking, stat_tracking_buffer_size,
         drop_zero_advantages, reward_weights, reward_kwargs, multi_objective_aggregation, overlap_rewards,
-        reward_retries.
+        reward_retries, reward_timeout.
 
         > EMA of the trained weights
 
@@ -444,6 +444,17 @@ class GRPOJaggConfig(TrainingArguments):
             "help": "Extra attempts for a reward function that raises (a flaky remote server, a transient CUDA "
             "error); each retry is logged. When the last attempt fails too, a checkpoint is saved before the error "
             "stops the run. Output checks (a NaN, a wrong count) are not retried."
+        },
+    )
+    reward_timeout: float | None = field(
+        default=None,
+        metadata={
+            "help": "Seconds each reward function may take to score one batch (a rollout, a rollout chunk scored "
+            "during the rollout, an evaluation), retries included. When it expires, the call is abandoned (an "
+            "`async def` reward is cancelled; a synchronous one is left running in a daemon thread, its result "
+            "dropped), every process saves a checkpoint of the steps trained so far, and the run stops with an "
+            "error naming the reward and the step. None (default): 600 s for the remote reward and the VLM judges, "
+            "no deadline for local rewards (a number sets it for every reward). See docs/rewards.md."
         },
     )
 

@@ -10,15 +10,12 @@ name, so a config can say ``reward_funcs=["pickscore", "hpsv2.1"]``.
 
 from __future__ import annotations
 
-import asyncio
 import difflib
-import functools
 import importlib
 import inspect
 import logging
 import os
 import sys
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -26,6 +23,7 @@ from typing import Any, TypeVar
 import torch
 from PIL import Image
 
+from .calling import call_with_retries, is_async_reward, reward_deadline
 from .video import frame_kwargs, is_video_batch, takes_videos, video_means
 
 RewardFunc = Callable[..., Sequence[float | None]]
@@ -292,6 +290,7 @@ def compute_rewards(
     reward_weights: Sequence[float] | None = None,
     trainer_state: Any = None,
     retries: int = 0,
+    timeout: float | None = None,
     **columns: Any,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Run every reward, check its output, and return the weighted sum and the per-reward scores.
@@ -310,6 +309,9 @@ def compute_rewards(
         reward_weights: One weight per reward; ``None`` means all 1.0.
         trainer_state: The ``transformers.TrainerState`` of the run (``None`` outside training).
         retries: Extra calls of a reward that raises (each logged); its output checks are not retried.
+        timeout: Seconds each reward may take to score the batch, retries included (``reward_timeout``); ``None``
+            bounds only the rewards that declare ``default_reward_timeout`` (remote ones,
+            :data:`~trl_jagg.rewards.calling.REMOTE_REWARD_TIMEOUT`). See :mod:`~trl_jagg.rewards.calling`.
         **columns: Extra dataset columns passed to every reward.
 
     Returns:
@@ -320,6 +322,7 @@ def compute_rewards(
     Raises:
         ValueError: for a reward's bad output (named), mismatched weights, or a sample that no reward applies to
             (every reward returned ``None`` for it).
+        RewardTimeout: for a reward still running at its deadline (named; not retried).
     """
     weights = [1.0] * len(reward_funcs) if reward_weights is None else [float(w) for w in reward_weights]
     if len(weights) != len(reward_funcs):
@@ -339,6 +342,7 @@ def compute_rewards(
         while unique in names:
             unique, suffix = f"{name}_{suffix}", suffix + 1
         names.append(unique)
+    deadlines = [reward_deadline(func, timeout) for func in reward_funcs]
     if is_video_batch(images):  # image rewards score every frame; a sample gets its frames' mean
         reward_funcs = [
             func if takes_videos(func) else _per_frame(func, name) for func, name in zip(reward_funcs, names)
@@ -352,13 +356,13 @@ def compute_rewards(
     if asynchronous:  # a thread per async reward waits on its coroutine, so that its retries stay sequential
         pool = ThreadPoolExecutor(max_workers=len(asynchronous), thread_name_prefix="async-reward")
         for i in asynchronous:
-            pending[i] = pool.submit(_call_with_retries, synchronous(reward_funcs[i]), names[i], retries, **kwargs)
+            pending[i] = pool.submit(call_with_retries, reward_funcs[i], names[i], retries, deadlines[i], **kwargs)
         pool.shutdown(wait=False)
     outputs = {}
     try:
         for i, func in enumerate(reward_funcs):
             if i not in pending:
-                outputs[i] = _call_with_retries(func, names[i], retries, **kwargs)
+                outputs[i] = call_with_retries(func, names[i], retries, deadlines[i], **kwargs)
         for i, future in pending.items():
             outputs[i] = future.result()
     finally:
@@ -397,57 +401,6 @@ def _per_frame(func: RewardFunc, name: str) -> RewardFunc:
     def call(**kwargs: Any) -> list[float | None]:
         expanded, counts = frame_kwargs(kwargs)
         return video_means(check_rewards(name, func(**expanded), sum(counts)), counts)
-
-    return call
-
-
-def _call_with_retries(func: RewardFunc, name: str, retries: int, /, **kwargs: Any) -> Any:
-    attempt = 0
-    while True:
-        try:
-            return func(**kwargs)
-        except Exception as error:
-            if attempt == retries:
-                raise
-            attempt += 1
-            logger.warning("Reward %r raised %s: %s. Retry %d of %d.", name, type(error).__name__, error, attempt,
-                           retries)  # fmt: skip
-
-
-def is_async_reward(func: RewardFunc) -> bool:
-    """Whether calling ``func`` returns a coroutine: an ``async def`` function, a ``functools.partial`` of one, or an
-    object with an ``async def __call__`` (the forms ``trl.trainer.utils.is_async_callable`` accepts; importing trl
-    here would cost every reward user its import time)."""
-    while isinstance(func, functools.partial):
-        func = func.func
-    return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(type(func).__call__)
-
-
-_loop: asyncio.AbstractEventLoop | None = None
-_loop_lock = threading.Lock()
-
-
-def _event_loop() -> asyncio.AbstractEventLoop:
-    """One event loop for every async reward of the process, running in a daemon thread (as TRL's GRPOTrainer
-    does): clients that bind to a loop (an ``AsyncOpenAI`` connection pool) keep working across steps, and a caller
-    inside its own running loop (a notebook) is not blocked by ``asyncio.run``."""
-    global _loop
-    with _loop_lock:
-        if _loop is None:
-            loop = asyncio.new_event_loop()
-            threading.Thread(target=loop.run_forever, name="trl-jagg-async-rewards", daemon=True).start()
-            _loop = loop
-        return _loop
-
-
-def synchronous(func: RewardFunc) -> RewardFunc:
-    """``func`` itself when it is synchronous; for an async reward, a function that runs its coroutine on the shared
-    event loop (:func:`_event_loop`) and blocks until it returns."""
-    if not is_async_reward(func):
-        return func
-
-    def call(**kwargs: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(func(**kwargs), _event_loop()).result()
 
     return call
 

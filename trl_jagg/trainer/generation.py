@@ -189,7 +189,9 @@ class RolloutGenerator:
             chunk = args.sample_batch_size or args.per_device_train_batch_size
             # Videos are scored whole, after the rollout (an image reward's per-frame mean is taken there).
             overlap = args.overlap_rewards and not adapter.makes_videos
-            scorer = ChunkScorer(self.reward_funcs, enabled=overlap, trainer_state=trainer_state)
+            scorer = ChunkScorer(
+                self.reward_funcs, enabled=overlap, trainer_state=trainer_state, timeout=args.reward_timeout
+            )
             trajectories: list[Trajectory] = []
             images, pixel_peaks = [], []
             # Rollouts of a large model take minutes: a transient bar under the Trainer's own, on a terminal only
@@ -292,7 +294,7 @@ class RolloutGenerator:
         extra_columns: dict[str, list[Any]] = defaultdict(list)
         rewards, per_reward = scored_rewards(
             scorer.reward_funcs(), self.accelerator, prompts, images, weights=args.reward_weights,
-            retries=args.reward_retries, trainer_state=trainer_state,
+            retries=args.reward_retries, timeout=args.reward_timeout, trainer_state=trainer_state,
             # TRL's reward keywords: a scalar for the logs, a column (one value per image) for the completions table.
             log_metric=lambda name, value: reward_metrics[name].append(float(value)),
             log_extra=lambda column, values: extra_columns[column].extend(values),
@@ -384,7 +386,8 @@ class RolloutGenerator:
             try:
                 rewards, per_reward = scored_rewards(
                     scorer.reward_funcs(c), self.accelerator, prompts[index], images[index],
-                    weights=args.reward_weights, retries=args.reward_retries, trainer_state=trainer_state,
+                    weights=args.reward_weights, retries=args.reward_retries, timeout=args.reward_timeout,
+                    trainer_state=trainer_state,
                     log_metric=lambda name, value: reward_metrics[name].append(float(value)),
                     log_extra=lambda column, values: extra_columns[column].extend(values),
                     **{key: values[index] for key, values in columns.items()},
