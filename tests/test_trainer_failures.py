@@ -3,6 +3,7 @@ non-finite values, 0-step saves, broken checkpoints, secrets, failing rewards (t
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import math
@@ -11,6 +12,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -21,6 +23,7 @@ from transformers import TrainerCallback
 
 from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
 from trl_jagg.errors import CheckpointError, NonFiniteError, TrainingError
+from trl_jagg.rewards.calling import RewardTimeout
 
 PROMPTS = ["a red circle", "a green square", "a blue circle", "a red square"]
 LORA_FILE = "pytorch_lora_weights.safetensors"
@@ -477,58 +480,147 @@ def test_reward_retries(tiny_flux_path, tmp_path, caplog):
         exhausted.train()
 
 
+class HangingReward:
+    """Blocks on the calls listed in ``hang_on`` (1-based; chunks of a rollout may run at once) until ``release`` is
+    set, at most ``HANG_S`` s (so that a missing deadline fails a test, never hangs it), and scores otherwise."""
+
+    __name__ = "hanging"
+
+    def __init__(self, hang_on, release):
+        self.hang_on, self.release, self.calls = set(hang_on), release, 0
+        self._lock = threading.Lock()
+
+    def __call__(self, prompts, images, **kwargs):
+        with self._lock:
+            self.calls += 1
+            call = self.calls
+        if call in self.hang_on:
+            self.release.wait(HANG_S)
+        return reward(prompts, images)
+
+
+class AsyncHangingReward(HangingReward):
+    async def __call__(self, prompts, images, **kwargs):  # cancelled at the deadline
+        with self._lock:
+            self.calls += 1
+            call = self.calls
+        if call in self.hang_on:
+            await asyncio.sleep(HANG_S)
+        return reward(prompts, images)
+
+
+HANG_S = 60.0
+
+
+@pytest.fixture
+def release():
+    """Set when the test ends: an abandoned synchronous call returns then, instead of outliving the test."""
+    event = threading.Event()
+    yield event
+    event.set()
+
+
+@pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize(
+    ("per_sample", "hang_on", "layout"),
+    [(False, {2}, {}),  # scored after step 2's rollout
+     # scored during the rollout, 2 chunks a step: step 2's second chunk (call 4) hangs while the update awaits it
+     (True, {4}, {"sample_batch_size": 2})],
+    ids=["whole-batch", "per-sample-chunk"],
+)  # fmt: skip
+def test_a_hung_reward_saves_the_trained_steps_and_stops_naming_reward_step_and_setting(
+    tiny_flux_path, tmp_path, release, is_async, per_sample, hang_on, layout
+):
+    func = (AsyncHangingReward if is_async else HangingReward)(hang_on, release)
+    func.per_sample = per_sample
+    trainer = make_trainer(tiny_flux_path, tmp_path, reward_func=func, max_steps=3, save_steps=100,
+                           save_strategy="steps", reward_timeout=2, **layout)  # fmt: skip
+    with pytest.raises(RewardTimeout, match=r"Reward 'hanging' did not return within reward_timeout=2 s") as info:
+        trainer.train()
+    checkpoint = tmp_path / "checkpoint-1"
+    notes = " ".join(getattr(info.value, "__notes__", []))
+    assert f"The run stopped at step 2. {checkpoint} holds the 1 trained steps" in notes
+    assert {LORA_FILE, "optimizer.pt", "trainer_state.json"} <= set(os.listdir(checkpoint))
+    assert trainer.state.global_step == 1
+
+
 REWARD_FAILS_ON_RANK_1 = """
-import json, os, sys, torch
+import json, os, sys, threading, torch
 torch.set_num_threads(1)
 from datasets import Dataset
 from peft import LoraConfig
 from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
 
-calls = []
+calls, never = [], threading.Event()
 
 def reward(prompts, images, **kwargs):
     calls.append(1)
     if os.environ["RANK"] == "1" and len(calls) == 2:
-        raise ConnectionError("rank 1 lost its reward server")
+        if mode == "raises":
+            raise ConnectionError("rank 1 lost its reward server")
+        never.wait(120)  # hangs (bounded, so that a missing deadline fails the test)
     return [float(i % 3) for i in range(len(images))]
 
-model_path, out = sys.argv[1], sys.argv[2]
-args = GRPOJaggConfig(
-    output_dir=out, per_device_train_batch_size=2, num_generations=2, num_inference_steps=3, height=32, width=32,
-    max_steps=3, learning_rate=1e-2, clip_range=0.1, jagg_group_size=2, max_sequence_length=16, report_to="none",
-    save_strategy="no", use_cpu=True, disable_tqdm=True,
-)
-trainer = DDPOJaggTrainer(
-    model=model_path, reward_funcs=reward, args=args,
-    train_dataset=Dataset.from_dict({"prompt": ["a red circle", "a green square", "a blue circle", "a red square"]}),
-    peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_k"], init_lora_weights="gaussian"),
-)
-try:
-    trainer.train()
-except Exception as error:
-    with open(f"{out}/rank{os.environ['RANK']}.json", "w") as f:
-        json.dump({"type": type(error).__name__, "message": str(error)}, f)
-    raise
+model_path, root = sys.argv[1], sys.argv[2]
+for mode in ("raises", "hangs"):  # one launch, two runs: torch's start-up is the expensive part
+    calls.clear()
+    out = f"{root}/{mode}"
+    args = GRPOJaggConfig(
+        output_dir=out, per_device_train_batch_size=2, num_generations=2, num_inference_steps=3, height=32, width=32,
+        max_steps=3, learning_rate=1e-2, clip_range=0.1, jagg_group_size=2, max_sequence_length=16,
+        report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True,
+        reward_timeout=3 if mode == "hangs" else None,
+    )
+    trainer = DDPOJaggTrainer(
+        model=model_path, reward_funcs=reward, args=args,
+        train_dataset=Dataset.from_dict({"prompt": ["a red circle", "a green square", "a blue circle", "a red square"]}),
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_k"], init_lora_weights="gaussian"),
+    )
+    try:
+        trainer.train()
+    except Exception as error:
+        with open(f"{out}/rank{os.environ['RANK']}.json", "w") as f:
+            json.dump({"type": type(error).__name__, "message": str(error)}, f)
+    else:
+        sys.exit(f"the {mode} run did not stop")
 """
 
 
-def test_reward_failure_on_one_rank_saves_on_every_rank_and_stops_all(tiny_flux_path, tmp_path):
-    """torchrun, 2 CPU processes: the reward raises on rank 1 only. Both ranks reach the checkpoint save (no rank
-    is left waiting in a collective), then both stop; the checkpoint holds the step trained before."""
+@pytest.fixture(scope="module")
+def rank_1_failures(tiny_flux_path, tmp_path_factory):
+    """The output folder of one torchrun launch of REWARD_FAILS_ON_RANK_1 (2 CPU processes, gloo, 127.0.0.1)."""
+    root = tmp_path_factory.mktemp("rank_1_reward")
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    script = tmp_path / "train.py"
+    script = root / "train.py"
     script.write_text(REWARD_FAILS_ON_RANK_1)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
-           str(script), tiny_flux_path, str(tmp_path)]  # fmt: skip
+           str(script), tiny_flux_path, str(root)]  # fmt: skip
+    # Bounded: without a deadline, the hang would last until its 120 s wait ends (or the process group's 30 min).
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert proc.returncode != 0
-    errors = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    assert errors[1]["type"] == "ConnectionError"
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return root
+
+
+@pytest.mark.parametrize("mode", ["raises", "hangs"])
+def test_reward_failure_on_one_rank_saves_on_every_rank_and_stops_all(rank_1_failures, mode):
+    """The reward raises, or hangs past reward_timeout, on rank 1 only. Both ranks reach the checkpoint save (no rank
+    is left waiting in a collective until the process group's timeout), then both stop; the checkpoint, written once,
+    holds the step trained before."""
+    out = rank_1_failures / mode
+    errors = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    if mode == "raises":
+        assert errors[1]["type"] == "ConnectionError"
+    else:
+        assert errors[1]["type"] == "RewardTimeout"
+        assert "Reward 'reward' did not return within reward_timeout=3 s" in errors[1]["message"]
     assert errors[0]["type"] == "TrainingError" and "failed on another process at step 2" in errors[0]["message"]
-    checkpoint = tmp_path / "checkpoint-1"
+    assert f"process 1: {errors[1]['type']}: " in errors[0]["message"]  # what failed there, named here
+    assert sorted(name for name in os.listdir(out) if "checkpoint" in name) == ["checkpoint-1"]
+    checkpoint = out / "checkpoint-1"
     assert {LORA_FILE, "optimizer.pt", "trainer_state.json"} <= set(os.listdir(checkpoint))
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["global_step"] == 1
 
 
 # ---------------------------------------------------------------- evaluation
@@ -542,17 +634,23 @@ def nan_on(call: int):
     return nan_reward
 
 
-@pytest.mark.parametrize("failure", ["raises", "nan"])
-def test_a_failing_evaluation_reward_saves_the_trained_steps_first(tiny_flux_path, tmp_path, failure):
+@pytest.mark.parametrize("failure", ["raises", "nan", "hangs"])
+def test_a_failing_evaluation_reward_saves_the_trained_steps_first(tiny_flux_path, tmp_path, release, failure):
     # Rewards are called once per step (one rollout a step); call 3 is the evaluation at step 2.
-    func = FailingReward({3}) if failure == "raises" else nan_on(3)
-    trainer = make_trainer(tiny_flux_path, tmp_path, reward_func=func, max_steps=3, save_strategy="steps",
-                           save_steps=100, eval_strategy="steps", eval_steps=2, eval_dataset=PROMPTS[:2])  # fmt: skip
-    error = ConnectionError if failure == "raises" else ValueError
+    func = {
+        "raises": lambda: FailingReward({3}),
+        "nan": lambda: nan_on(3),
+        "hangs": lambda: HangingReward({3}, release),
+    }
+    trainer = make_trainer(tiny_flux_path, tmp_path, reward_func=func[failure](), max_steps=3, save_strategy="steps",
+                           save_steps=100, eval_strategy="steps", eval_steps=2, eval_dataset=PROMPTS[:2],
+                           reward_timeout=2 if failure == "hangs" else None)  # fmt: skip
+    error = {"raises": ConnectionError, "nan": ValueError, "hangs": RewardTimeout}[failure]
     with pytest.raises(error) as info:
         trainer.train()
     checkpoint = tmp_path / "checkpoint-2"
-    assert any(f"{checkpoint} holds the 2 trained steps" in note for note in getattr(info.value, "__notes__", []))
+    notes = " ".join(getattr(info.value, "__notes__", []))
+    assert f"The run stopped in the evaluation at step 2. {checkpoint} holds the 2 trained steps" in notes
     assert {LORA_FILE, "optimizer.pt", "trainer_state.json"} <= set(os.listdir(checkpoint))
 
 

@@ -34,14 +34,13 @@ class RewardFailure(Exception):
         """Raise the reward's own error (or, on the processes where it did not fail, a :class:`TrainingError`) with
         a note naming ``saved``, the checkpoint of the ``trained_steps`` so far; ``during`` says when it failed."""
         note = f"{saved} holds the {trained_steps} trained steps: resume from it." if saved else ""
-        note = f"The run stopped {during}. " + (note or "No trained step was lost (none to save).")
+        note = note or "No trained step was lost (none to save)."
         if self.error is None:
-            raise TrainingError(
-                f"A reward function failed on another process {during} ({self.elsewhere}). {note}"
-            ) from None
+            elsewhere = f" ({self.elsewhere})" if self.elsewhere else ""
+            raise TrainingError(f"A reward function failed on another process {during}{elsewhere}. {note}") from None
         logger.warning("A reward function failed %s. %s", during, note)
         if hasattr(self.error, "add_note"):  # Python >= 3.11: shown with the error
-            self.error.add_note(note)
+            self.error.add_note(f"The run stopped {during}. {note}")
         raise self.error from None
 
 
