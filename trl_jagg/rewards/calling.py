@@ -95,7 +95,8 @@ def _in_daemon_thread(func: Callable[..., Any], name: str, kwargs: dict[str, Any
     grad_enabled = torch.is_grad_enabled()
 
     def run() -> None:
-        outcome.set_running_or_notify_cancel()
+        if not outcome.set_running_or_notify_cancel():  # abandoned before it started
+            return
         try:
             with torch.set_grad_enabled(grad_enabled):
                 outcome.set_result(func(**kwargs))
