@@ -13,7 +13,6 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
-import logging
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -52,8 +51,6 @@ _ALIASES = {
 
 _URL_PREFIXES = ("http://", "https://")
 _KWARGS_EXAMPLE = '{"vlm-judge": {"url": "http://localhost:8080/v1", "model": "UnifiedReward"}}'
-
-logger = logging.getLogger(__name__)
 
 
 def register_reward(name: str) -> Callable[[_Factory], _Factory]:
