@@ -207,7 +207,8 @@ def check_fields(config: GRPOJaggConfig) -> None:
         fail("ode_step_ratio", f"is {config.ode_step_ratio}", "Use a fraction in (0, 1] (1 keeps every step).")
     if config.sde_window_size == 0:
         for name, off in (("sde_window_schedule", "random"), ("ode_solver_order", 1), ("ode_step_ratio", 1.0)):
-            if getattr(config, name) != off:
+            # NFT's rollout is all ODE: its solver order acts on every step.
+            if getattr(config, name) != off and not (name == "ode_solver_order" and config.objective == "nft"):
                 fail(
                     name,
                     f"is {getattr(config, name)!r} without an SDE window (sde_window_size=0)",
@@ -373,11 +374,12 @@ def _check_nft(config: GRPOJaggConfig, fail: Any) -> None:
 def _warn_clip_range_scale(config: GRPOJaggConfig) -> None:
     """Warn when the clip range is far from the flow-model recipes' (TRL's token default 0.2 is 2000x Flow-GRPO's
     1e-4): it then clips nearly nothing or nearly everything."""
-    used = sorted({recipe.config["clip_range"] for recipe in RECIPES.values()})
+    clipped = [recipe for recipe in RECIPES.values() if "clip_range" in recipe.config]  # GRPO's, not NFT's
+    used = sorted({recipe.config["clip_range"] for recipe in clipped})
     if used[0] / CLIP_RANGE_SLACK <= config.clip_range <= used[-1] * CLIP_RANGE_SLACK:
         return
     name = "epsilon" if config.epsilon is not None else "clip_range"
-    recipes = ", ".join(f"{recipe.name} {recipe.config['clip_range']:g}" for recipe in RECIPES.values())
+    recipes = ", ".join(f"{recipe.name} {recipe.config['clip_range']:g}" for recipe in clipped)
     warnings.warn(
         f"GRPOJaggConfig.{name} is {config.clip_range:g}, more than {CLIP_RANGE_SLACK:g}x outside the clip ranges of "
         f"the flow-model recipes ({recipes}): a step's log-prob is a mean over latent dimensions, so its ratio "
