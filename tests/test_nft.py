@@ -222,6 +222,9 @@ def test_nft_resume_samples_with_the_saved_old_policy(tiny_flux_path, tmp_path):
     common = {"lr_scheduler_type": "constant", "nft_decay_type": 1}  # decay 0.001 per step: old != current
     whole = nft_trainer(tiny_flux_path, tmp_path / "whole", max_steps=3, **common)
     whole.train()
+    whole.save_model()
+    card = open(os.path.join(whole.args.output_dir, "README.md")).read()
+    assert "aligned with DiffusionNFT" in card and "- diffusion-nft" in card and "arXiv:2509.16117" in card
     interrupted = nft_trainer(
         tiny_flux_path, tmp_path / "cut", max_steps=2, save_strategy="steps", save_steps=2, **common
     )
