@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from .field_types import type_problem
 from .grpo import MULTI_OBJECTIVE_AGGREGATIONS
 from .jagg import ENDPOINT_BACKWARDS, JAGG_MODES
+from .nft import OLD_POLICY_DECAY_TYPES
 from .recipes import RECIPES
 from .sampling import SAMPLERS
 from .sde_window import WINDOW_SCHEDULES
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
 
 TRAIN_SAMPLERS = tuple(s for s in SAMPLERS if s != "ode")
 GAUSSIAN_SAMPLERS = ("sde", "dance")  # log-probs are true Gaussian log-densities (CPS drops the constants)
+OBJECTIVES = ("grpo", "nft")
 TRAIN_TIMESTEPS = ("all_but_last", "all", "random", "random_but_last", "sde_window")
 SCALE_REWARDS = ("group", "batch", "none")
 KL_STDS = ("step", "flow_grpo")
@@ -176,6 +178,7 @@ def check_fields(config: GRPOJaggConfig) -> None:
         fail("train_timesteps", f"is {config.train_timesteps!r}", f"Use one of {TRAIN_TIMESTEPS}.")
     if not 0 < config.train_timestep_fraction <= 1:
         fail("train_timestep_fraction", f"is {config.train_timestep_fraction}", "Use a value in (0, 1].")
+    _check_nft(config, fail)
     if (config.train_timesteps == "sde_window") != (config.sde_window_size > 0):
         fail(
             "train_timesteps",
@@ -204,7 +207,8 @@ def check_fields(config: GRPOJaggConfig) -> None:
         fail("ode_step_ratio", f"is {config.ode_step_ratio}", "Use a fraction in (0, 1] (1 keeps every step).")
     if config.sde_window_size == 0:
         for name, off in (("sde_window_schedule", "random"), ("ode_solver_order", 1), ("ode_step_ratio", 1.0)):
-            if getattr(config, name) != off:
+            # NFT's rollout is all ODE: its solver order acts on every step.
+            if getattr(config, name) != off and not (name == "ode_solver_order" and config.objective == "nft"):
                 fail(
                     name,
                     f"is {getattr(config, name)!r} without an SDE window (sde_window_size=0)",
@@ -346,14 +350,38 @@ def check_fields(config: GRPOJaggConfig) -> None:
     _warn_clip_range_scale(config)
 
 
+def _check_nft(config: GRPOJaggConfig, fail: Any) -> None:
+    """The objective and DiffusionNFT's own fields; GRPO-only settings that NFT cannot honour are refused."""
+    if config.objective not in OBJECTIVES:
+        fail("objective", f"is {config.objective!r}", f"Use one of {OBJECTIVES}.")
+    if config.objective != "nft":
+        return
+    if not config.nft_beta > 0:
+        fail("nft_beta", f"is {config.nft_beta}", "Use a positive guidance strength (DiffusionNFT: 1, or 0.1).")
+    if config.nft_decay_type not in OLD_POLICY_DECAY_TYPES:
+        fail("nft_decay_type", f"is {config.nft_decay_type!r}", f"Use one of {sorted(OLD_POLICY_DECAY_TYPES)}.")
+    grpo_only = {
+        "sde_window_size": (config.sde_window_size != 0, "NFT rollouts are deterministic ODE: set it to 0."),
+        "drop_zero_advantages": (
+            config.drop_zero_advantages,
+            "NFT trains a zero-advantage sample too (optimality 1/2): set it to False.",
+        ),
+        "ratio_normalization": (config.ratio_normalization, "NFT has no PPO ratio: set it to False."),
+    }
+    for name, (is_set, fix) in grpo_only.items():
+        if is_set:
+            fail(name, f"is {getattr(config, name)!r} with objective='nft'", fix)
+
+
 def _warn_clip_range_scale(config: GRPOJaggConfig) -> None:
     """Warn when the clip range is far from the flow-model recipes' (TRL's token default 0.2 is 2000x Flow-GRPO's
     1e-4): it then clips nearly nothing or nearly everything."""
-    used = sorted({recipe.config["clip_range"] for recipe in RECIPES.values()})
+    clipped = [recipe for recipe in RECIPES.values() if "clip_range" in recipe.config]  # GRPO's, not NFT's
+    used = sorted({recipe.config["clip_range"] for recipe in clipped})
     if used[0] / CLIP_RANGE_SLACK <= config.clip_range <= used[-1] * CLIP_RANGE_SLACK:
         return
     name = "epsilon" if config.epsilon is not None else "clip_range"
-    recipes = ", ".join(f"{recipe.name} {recipe.config['clip_range']:g}" for recipe in RECIPES.values())
+    recipes = ", ".join(f"{recipe.name} {recipe.config['clip_range']:g}" for recipe in clipped)
     warnings.warn(
         f"GRPOJaggConfig.{name} is {config.clip_range:g}, more than {CLIP_RANGE_SLACK:g}x outside the clip ranges of "
         f"the flow-model recipes ({recipes}): a step's log-prob is a mean over latent dimensions, so its ratio "

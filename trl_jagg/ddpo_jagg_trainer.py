@@ -44,6 +44,8 @@ from .trainer.guards import stop_if_non_finite
 from .trainer.image_logging import eval_images_key, log_completions, log_image_grid, save_images
 from .trainer.inputs import checked_inputs, checked_model_inputs
 from .trainer.metrics import first_completions, logged_means
+from .trainer.nft_update import NFTUpdateStage
+from .trainer.old_policy import OldPolicy
 from .trainer.placement import FrozenModules
 from .trainer.scoring import RewardFailure
 from .trainer.update import UpdateStage
@@ -151,10 +153,18 @@ class DDPOJaggTrainer(_BaseTrainer):
         self.generation = RolloutGenerator(
             self.adapter, args, self.accelerator, self.reward_funcs, self.conditioner, self.frozen, self._metrics
         )
-        self.update_stage = UpdateStage(
-            self.adapter, args, self.accelerator, self._metrics,
-            ref_transformer=self.ref_transformer, has_dropout=has_active_dropout(transformer),
-        )  # fmt: skip
+        # DiffusionNFT samples with an old policy that follows the trained weights after each rollout's updates.
+        self.old_policy = OldPolicy(self._trainable_parameters, args.nft_decay_type) if args.objective == "nft" else None
+        if self.old_policy is not None:
+            self.update_stage = NFTUpdateStage(
+                self.adapter, args, self.accelerator, self._metrics,
+                old_policy=self.old_policy, ref_transformer=self.ref_transformer,
+            )  # fmt: skip
+        else:
+            self.update_stage = UpdateStage(
+                self.adapter, args, self.accelerator, self._metrics,
+                ref_transformer=self.ref_transformer, has_dropout=has_active_dropout(transformer),
+            )  # fmt: skip
         self.evaluator = Evaluator(self.adapter, args, self.accelerator, self.frozen, self.reward_funcs, eval_dataset)
         self.ema: EMAWeights | None = None
         if args.ema_decay > 0:
@@ -231,10 +241,13 @@ class DDPOJaggTrainer(_BaseTrainer):
     def _generate_and_score(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         """One scored rollout of a dataloader batch; when a reward fails on any process (in the rollout, or in the
         update that awaits the last rewards), every process saves a checkpoint before the error stops the run."""
-        return self.generation.generate(
-            inputs, self.accelerator.unwrap_model(self.model), global_step=self.state.global_step,
-            trainer_state=self.state, on_reward_failure=self._stop_after_reward_failure,
-        )  # fmt: skip
+        if self.old_policy is not None:
+            self.old_policy.follow(self.state.global_step)
+        with self.old_policy.swapped_in() if self.old_policy is not None else contextlib.nullcontext():
+            return self.generation.generate(
+                inputs, self.accelerator.unwrap_model(self.model), global_step=self.state.global_step,
+                trainer_state=self.state, on_reward_failure=self._stop_after_reward_failure,
+            )  # fmt: skip
 
     def _stop_after_reward_failure(self, failure: RewardFailure, during: str) -> NoReturn:
         """Save ``checkpoint-N`` of the steps trained so far (every process), then raise the error naming it."""
@@ -371,6 +384,8 @@ class DDPOJaggTrainer(_BaseTrainer):
         self._buffered_inputs = None
         transformer = self.accelerator.unwrap_model(model if model is not None else self.model)
         self.weights.load_resumed(transformer, resume_from_checkpoint, self.ema, trained=not self.is_deepspeed_enabled)
+        if self.old_policy is not None:
+            self.old_policy.load(resume_from_checkpoint)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if not distributed.is_fully_sharded(self.model):  # FSDP2 writes the full state, not the plugin's files
@@ -406,6 +421,8 @@ class DDPOJaggTrainer(_BaseTrainer):
                 self._save_optimizer_and_scheduler(staging_dir)
                 self._save_scaler(staging_dir)
                 self._save_rng_state(staging_dir)
+            if args.should_save and self.old_policy is not None:
+                self.old_policy.save(staging_dir)
             if args.should_save:
                 stateful = [*self.callback_handler.callbacks, self.control]
                 checkpointing.save_run_state(

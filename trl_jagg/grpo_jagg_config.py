@@ -14,6 +14,7 @@ from .config_checks import (
     DTYPES,
     EMA_SCHEDULES,
     KL_STDS,
+    OBJECTIVES,
     SCALE_REWARDS,
     TRAIN_SAMPLERS,
     TRAIN_TIMESTEPS,
@@ -54,7 +55,7 @@ class GRPOJaggConfig(TrainingArguments):
 
         > Training (which steps, which loss)
 
-        train_timesteps, train_timestep_fraction, sde_window_size, sde_window_max_start, sde_window_schedule,
+        objective, nft_beta, nft_decay_type, train_timesteps, train_timestep_fraction, sde_window_size, sde_window_max_start, sde_window_schedule,
         sde_window_stride, sde_window_shift_interval, ode_solver_order, ode_step_ratio, clip_range (TRL: epsilon),
         epsilon_high, adv_clip_max, beta, kl_std, ratio_normalization, step_gradient_reweighting, cfg_gradient,
         quantize_timesteps, same_group_noise, num_iterations,
@@ -216,6 +217,32 @@ class GRPOJaggConfig(TrainingArguments):
     )
 
     # ---- Training ----
+    objective: str = field(
+        default="grpo",
+        metadata={
+            "help": f"Training objective, one of {OBJECTIVES}: `grpo` (PPO-clipped policy gradient through the reverse "
+            "SDE, Flow-GRPO / DanceGRPO) or `nft` (DiffusionNFT: deterministic ODE rollouts by a slowly following "
+            "old policy, the negative-aware flow-matching loss on forward-noised clean samples, no log-probabilities; "
+            "trains a random `train_timestep_fraction` of the rollout's timesteps, `beta` is its KL coefficient, "
+            "`use_jagg` groups a sample's timesteps). See docs/models.md for how it follows NVlabs/DiffusionNFT."
+        },
+    )
+    nft_beta: float = field(
+        default=1.0,
+        metadata={
+            "help": "`objective='nft'`: the guidance strength beta of the implicit positive / negative policies "
+            "(`beta v + (1 - beta) v_old` and `(1 + beta) v_old - beta v`); DiffusionNFT uses 1 (0.1 for OCR and "
+            "multi-reward runs)."
+        },
+    )
+    nft_decay_type: int = field(
+        default=1,
+        metadata={
+            "help": "`objective='nft'`: how the sampling (old) policy follows the trained one after each rollout, "
+            "`old = decay * old + (1 - decay) * current`, DiffusionNFT's `decay_type`: 0 (decay 0: on-policy), 1 "
+            "(0.001 per optimizer step up to 0.5), 2 (0 for 75 steps, then 0.0075 per step up to 0.999)."
+        },
+    )
     train_timesteps: str = field(
         default="all_but_last",
         metadata={

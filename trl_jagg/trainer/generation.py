@@ -66,7 +66,10 @@ def advantages_per_group(args: GRPOJaggConfig) -> bool:
 
 def rollout_window(args: GRPOJaggConfig, global_step: int) -> list[int] | None:
     """The SDE window of the rollout at ``global_step`` in the schedule's steps (``None``: every step stochastic):
-    Flow-GRPO-Fast's random start or MixGRPO's sliding one (:func:`trl_jagg.sde_window.sde_window`)."""
+    Flow-GRPO-Fast's random start or MixGRPO's sliding one (:func:`trl_jagg.sde_window.sde_window`). DiffusionNFT
+    (``objective="nft"``) samples every step with the deterministic ODE: an empty window."""
+    if args.objective == "nft":
+        return []
     if args.sde_window_size == 0:
         return None
     return sde_window(
@@ -171,7 +174,7 @@ class RolloutGenerator:
                 # DanceGRPO feeds the backbone int(sigma * 1000) / 1000; the sampler keeps the exact sigmas.
                 timesteps = timesteps.floor()
             stochastic_steps = rollout_window(args, global_step)
-            if stochastic_steps is not None:
+            if stochastic_steps:
                 # The ODE outside the window on fewer steps (ode_step_ratio); the rollout's own schedule from here.
                 path = compressed_path(args.num_inference_steps, stochastic_steps, args.ode_step_ratio)
                 sigmas, timesteps, stochastic_steps = path_schedule(sigmas, timesteps, path, stochastic_steps)

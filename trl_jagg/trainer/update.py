@@ -9,21 +9,22 @@ deferred step) all live here.
 from __future__ import annotations
 
 import contextlib
+import functools
 import random
 import warnings
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from accelerate.utils import DistributedType
 
 from ..grpo import guard_log_ratio, kl_to_reference, ppo_step_loss
 from ..grpo_jagg_config import GRPOJaggConfig
 from ..jagg import EngineResult, JaggEngine, StepGroup, gradient_diagnostic, leading_jagg_fraction, plan_groups
 from ..models import FlowMatchingAdapter
 from ..sampling import sampler_step
+from .backward import backward, backward_unit
 from .batch import resolved, rng_seed, velocity_key
 from .guards import any_process
 from .placement import adapters_disabled, reshard
@@ -63,18 +64,6 @@ class StepFunctions:
     loss_fn: Callable[[int, torch.Tensor], torch.Tensor]
     no_grad_velocities_fn: Callable[[Sequence[int]], list[torch.Tensor]]
     stats: dict[str, list[torch.Tensor]]
-
-
-@contextlib.contextmanager
-def deepspeed_step_deferred(accelerator: Any) -> Iterator[None]:
-    """Backward calls inside are not a gradient-accumulation boundary for DeepSpeed: no engine step after them."""
-    state = accelerator.gradient_state
-    sync = state.sync_gradients
-    state._set_sync_gradients(False)
-    try:
-        yield
-    finally:
-        state._set_sync_gradients(sync)
 
 
 class UpdateStage:
@@ -276,26 +265,6 @@ class UpdateStage:
             breaks=[i for i in range(1, len(trained)) if experts[i] != experts[i - 1]],
         )
 
-    # ------------------------------------------------------------------ backward
-    def backward(self, loss: torch.Tensor) -> None:
-        """``accelerator.backward``; under DeepSpeed without its own division by the accumulation steps: the engine's
-        loss weight already has it (the Trainer passes ``scale_wrt_gas=False`` for the same reason)."""
-        if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
-            self.accelerator.backward(loss, scale_wrt_gas=False)
-        else:
-            self.accelerator.backward(loss)
-
-    def backward_unit(self, model: torch.nn.Module, is_last: bool) -> contextlib.AbstractContextManager:
-        """The context of one backward unit of a micro-batch: all but the last defer the gradient reduction (DDP's
-        ``no_sync``) or, under DeepSpeed, the optimizer step: accelerate's DeepSpeed backward steps the engine after
-        every backward call of a boundary micro-batch, which would step once per unit. ZeRO-2 reduces at every
-        backward call anyway; the engine accumulates them until the single step."""
-        if is_last:
-            return contextlib.nullcontext()
-        if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
-            return deepspeed_step_deferred(self.accelerator)
-        return self.accelerator.no_sync(model)
-
     # ------------------------------------------------------------------ routing
     def auto_jagg_frac(
         self, model: torch.nn.Module, batch: dict[str, Any], fns: StepFunctions, global_step: int
@@ -388,8 +357,8 @@ class UpdateStage:
         engine = JaggEngine(
             fns.velocity_fn,
             fns.loss_fn,
-            self.backward,
-            sync_context=lambda is_last: self.backward_unit(model, is_last),
+            functools.partial(backward, self.accelerator),
+            sync_context=lambda is_last: backward_unit(self.accelerator, model, is_last),
             loss_weight=1.0 / (len(trained) * accumulation_steps),
             cached_velocities=self.cached_velocities(model, batch, trained, global_step) if args.use_jagg else None,
             no_grad_velocities_fn=fns.no_grad_velocities_fn,
