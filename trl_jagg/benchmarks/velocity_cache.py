@@ -99,15 +99,18 @@ def cache_gradient_errors(
     return rows
 
 
-def cadence_hits(model: str, run_dir: str, *, steps_per_rollout: int, seed: int, mode: str) -> list[dict[str, int]]:
-    """The cache's counts per micro-batch when the demo trains one rollout in ``steps_per_rollout`` optimizer steps
-    (``steps_per_generation``, one micro-batch each, the rollout sampled at the micro-batch size)."""
+def cadence_hits(
+    model: str, run_dir: str, *, steps_per_rollout: int, seed: int, **overrides: Any
+) -> list[dict[str, int]]:
+    """The cache's counts per micro-batch when the demo (with config ``overrides``) trains one rollout in
+    ``steps_per_rollout`` optimizer steps (``steps_per_generation``, one micro-batch each, the rollout sampled at the
+    micro-batch size)."""
     images = len(demo_prompts()) * NUM_GENERATIONS
     if images % steps_per_rollout or (images // steps_per_rollout) % NUM_GENERATIONS:
         raise ValueError(f"`optimizer_steps` ({steps_per_rollout}) must split {images} images into whole groups.")
     trainer = demo_trainer(
-        model, run_dir, steps=steps_per_rollout, seed=seed, jagg_cache_mode=mode,
-        per_device_train_batch_size=images // steps_per_rollout, steps_per_generation=steps_per_rollout,
+        model, run_dir, steps=steps_per_rollout, seed=seed, per_device_train_batch_size=images // steps_per_rollout,
+        steps_per_generation=steps_per_rollout, **overrides,
     )  # fmt: skip
     trainer.train()
     keys = ("jagg/cached_velocities", "jagg/corrected_velocities", "jagg/no_grad_forwards")
@@ -123,7 +126,7 @@ def gate_passed(rows: list[dict[str, Any]], mode: str = "corrected") -> bool:
     )
 
 
-def plot(rows: list[dict[str, Any]], path: Path) -> None:
+def plot_report(rows: list[dict[str, Any]], path: Path) -> None:
     """Cosine gap ``1 - cos`` and relative error per optimizer step, per mode, with the gate."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -153,8 +156,9 @@ def run_velocity_cache_benchmark(
     optimizer_steps: int = 3,
     seed: int = 0,
     learning_rate: float | None = None,
+    clip_range: float | None = None,
     num_threads: int = 1,
-    plot_figure: bool = True,
+    plot: bool = True,
 ) -> dict[str, Any]:
     """Measure every cache mode's gradient error and hits (see the module docstring); returns and writes the report.
 
@@ -164,28 +168,36 @@ def run_velocity_cache_benchmark(
         optimizer_steps: optimizer steps since the rollout to measure after, and per rollout for the hit counts.
         seed: the LoRA initialisation and the rollout's seed.
         learning_rate: overrides the demo's (``None``: the demo's 1e-2).
+        clip_range: overrides the demo's PPO clip range (``None``: the default 1e-4); a large one (1.0) never clips,
+            which shows how much of the error comes from ratios crossing the clip edge.
         num_threads: torch CPU threads; restored afterwards.
-        plot_figure: write the PNG.
+        plot: write the PNG.
     """
     if optimizer_steps < 1:
         raise ValueError(f"`optimizer_steps` must be >= 1, got {optimizer_steps}.")
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    overrides = {} if learning_rate is None else {"learning_rate": learning_rate}
+    overrides = {k: v for k, v in {"learning_rate": learning_rate, "clip_range": clip_range}.items() if v is not None}
     with torch_threads(num_threads):
         trainer = demo_trainer(model, str(out / "velocity_cache_runs" / "gradients"), steps=1, seed=seed, **overrides)
         rollout = trainer._generate_and_score(next(iter(trainer.get_train_dataloader())))
         rows = cache_gradient_errors(trainer, rollout, optimizer_steps)
         hits = {
             mode: cadence_hits(
-                model, str(out / "velocity_cache_runs" / mode), steps_per_rollout=optimizer_steps, seed=seed, mode=mode
-            )
+                model,
+                str(out / "velocity_cache_runs" / mode),
+                steps_per_rollout=optimizer_steps,
+                seed=seed,
+                jagg_cache_mode=mode,
+                **overrides,
+            )  # fmt: skip
             for mode in VELOCITY_CACHE_MODES
         }
     report = {
         "config": {
-            "model": model, "seed": seed, "optimizer_steps": optimizer_steps,
-            "learning_rate": trainer.args.learning_rate, "max_grad_norm": trainer.args.max_grad_norm,
+            "model": "trl_jagg/demo/assets/demo_flux" if model == DEMO_ASSET_DIR else model, "seed": seed, "optimizer_steps": optimizer_steps,
+            "learning_rate": trainer.args.learning_rate, "clip_range": trainer.args.clip_range,
+            "max_grad_norm": trainer.args.max_grad_norm,
             "jagg_group_size": trainer.args.jagg_group_size, "images": len(demo_prompts()) * NUM_GENERATIONS,
             "torch_threads": num_threads, "torch": torch.__version__, "gate": GATE, "reference": REFERENCE_MODE,
         },
@@ -194,8 +206,8 @@ def run_velocity_cache_benchmark(
         "hits_per_micro_batch": hits,
     }  # fmt: skip
     (out / JSON_NAME).write_text(json.dumps(report, indent=2))
-    if plot_figure:
-        plot(rows, out / PNG_NAME)
+    if plot:
+        plot_report(rows, out / PNG_NAME)
     print(format_report(report), flush=True)
     print(f"[velocity-cache] wrote {out / JSON_NAME}", flush=True)
     return report
