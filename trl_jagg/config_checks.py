@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from .field_types import type_problem
 from .grpo import MULTI_OBJECTIVE_AGGREGATIONS
-from .jagg import ENDPOINT_BACKWARDS, JAGG_MODES
+from .jagg import ENDPOINT_BACKWARDS, JAGG_MODES, VELOCITY_CACHE_MODES
 from .nft import OLD_POLICY_DECAY_TYPES
 from .recipes import RECIPES
 from .sampling import SAMPLERS
@@ -309,6 +309,8 @@ def check_fields(config: GRPOJaggConfig) -> None:
         fail("jagg_cos_threshold", f"is {config.jagg_cos_threshold}", "Use a cosine in [-1, 1] (0.7 is typical).")
     if config.jagg_endpoint_backward not in ENDPOINT_BACKWARDS:
         fail("jagg_endpoint_backward", f"is {config.jagg_endpoint_backward!r}", f"Use one of {ENDPOINT_BACKWARDS}.")
+    if config.jagg_cache_mode not in VELOCITY_CACHE_MODES:
+        fail("jagg_cache_mode", f"is {config.jagg_cache_mode!r}", f"Use one of {VELOCITY_CACHE_MODES}.")
     if config.no_grad_batch_steps is not None and (
         not isinstance(config.no_grad_batch_steps, int) or config.no_grad_batch_steps < 1
     ):

@@ -24,7 +24,7 @@ from .config_checks import (
     reward_kwargs_mapping,
 )
 from .grpo import MULTI_OBJECTIVE_AGGREGATIONS
-from .jagg import ENDPOINT_BACKWARDS, JAGG_MODES
+from .jagg import ENDPOINT_BACKWARDS, JAGG_MODES, VELOCITY_CACHE_MODES
 from .prompts import check_prompts
 from .recipes import get_recipe
 from .sde_window import WINDOW_SCHEDULES
@@ -70,7 +70,7 @@ class GRPOJaggConfig(TrainingArguments):
         > JAGG
 
         use_jagg, jagg_group_size, jagg_frac, jagg_probe_steps, jagg_cos_threshold, jagg_mode,
-        jagg_cache_velocities, jagg_endpoint_backward, no_grad_batch_steps.
+        jagg_cache_velocities, jagg_cache_mode, jagg_endpoint_backward, no_grad_batch_steps.
 
         > Distributed and memory
 
@@ -519,8 +519,21 @@ class GRPOJaggConfig(TrainingArguments):
         default=True,
         metadata={
             "help": "Record every step's guided velocity during the rollout and use them for the intermediate steps "
-            "of JAGG groups while they are exact (no optimizer step since the rollout, no active dropout, same "
-            "dtype/autocast): a group then costs 2 endpoint forwards + 1 backward. Logged as `jagg/cached_velocities`."
+            "of JAGG groups (no active dropout, same dtype/autocast and batch shape; after an optimizer step since "
+            "the rollout as `jagg_cache_mode` says): a group then costs 2 endpoint forwards + 1 backward. Logged as "
+            "`jagg/cached_velocities`."
+        },
+    )
+    jagg_cache_mode: str = field(
+        default="recompute",
+        metadata={
+            "help": f"One of {VELOCITY_CACHE_MODES}: what the velocity cache does after an optimizer step since the "
+            "rollout (`steps_per_generation > gradient_accumulation_steps`, `num_iterations > 1`). `recompute`: the "
+            "intermediates run again without a graph (exact). `corrected`: each cached intermediate is moved by the "
+            "change of its group's two endpoints since the rollout, interpolated with JAGG's weights (no forward; "
+            "exact when that change is linear in time across the group). `stale`: the rollout's velocities as they "
+            "are. Before the first optimizer step every mode uses the cache as is (exact). Logged as "
+            "`jagg/corrected_velocities`."
         },
     )
     jagg_endpoint_backward: str = field(

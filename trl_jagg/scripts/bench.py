@@ -7,6 +7,7 @@
     trl-jagg bench whole-step [--output_dir runs/bench] [--repeats 5 ...]       # whole steps at recipe shapes
     trl-jagg bench quality [--output_dir runs/quality] [--seeds 0 1 2 ...]      # the demo's reward per variant
     trl-jagg bench reward-overlap [--output_dir runs/bench] [--latency 0.5 ...]  # a slow reward, overlapped or not
+    trl-jagg bench velocity-cache [--output_dir runs/bench] [--optimizer_steps 3]  # the cache after optimizer steps
 
 Each benchmark's options are the fields of a dataclass mirroring its function's parameters
 (:class:`EngineBenchmarkArguments` for :func:`trl_jagg.benchmarks.engine.run_engine_benchmark`,
@@ -14,7 +15,8 @@ Each benchmark's options are the fields of a dataclass mirroring its function's 
 :class:`WholeStepBenchmarkArguments` for :func:`trl_jagg.benchmarks.whole_step.run_whole_step_benchmark`,
 :class:`QualityBenchmarkArguments` for :func:`trl_jagg.benchmarks.quality.run_quality_benchmark`,
 :class:`RewardOverlapBenchmarkArguments` for
-:func:`trl_jagg.benchmarks.reward_overlap.run_reward_overlap_benchmark`): a parameter
+:func:`trl_jagg.benchmarks.reward_overlap.run_reward_overlap_benchmark`, :class:`VelocityCacheBenchmarkArguments` for
+:func:`trl_jagg.benchmarks.velocity_cache.run_velocity_cache_benchmark`): a parameter
 added to the function is exposed by adding the field of the same name.
 """
 
@@ -211,11 +213,45 @@ class RewardOverlapBenchmarkArguments:
     plot: bool = field(default=True, metadata={"help": "Write the PNG chart (--no_plot skips it)."})
 
 
+VELOCITY_CACHE_DESCRIPTION = (
+    "On the CPU demo, the JAGG gradient with the rollout's cached velocities corrected by the endpoints' change "
+    "(jagg_cache_mode=corrected) and as they are (stale) against recomputed intermediates (recompute), after 1 .. "
+    "--optimizer_steps optimizer steps since the rollout (cosine, relative error, the default's gate), and the "
+    "cache's hits per micro-batch at that many optimizer steps per rollout; write velocity_cache_benchmark.json "
+    "and .png."
+)
+
+
+@dataclass
+class VelocityCacheBenchmarkArguments:
+    """The options of ``trl-jagg bench velocity-cache`` (parameters of
+    :func:`~trl_jagg.benchmarks.velocity_cache.run_velocity_cache_benchmark`)."""
+
+    _argument_group_name = "Velocity-cache benchmark"
+
+    output_dir: str = field(default="runs/bench", metadata={"help": "Where the JSON, PNG and run folders go."})
+    model: str = field(
+        default=DEMO_ASSET_DIR,
+        metadata={"help": "The pipeline to fine-tune, a local directory or a Hub id (default: the demo's model)."},
+    )
+    optimizer_steps: int = field(
+        default=3, metadata={"help": "Optimizer steps since the rollout to measure after (and per rollout for hits)."}
+    )
+    seed: int = field(default=0, metadata={"help": "Seed of the LoRA initialisation and the rollout."})
+    learning_rate: float | None = field(default=None, metadata={"help": "Overrides the demo's 1e-2."})
+    clip_range: float | None = field(
+        default=None, metadata={"help": "Overrides the demo's PPO clip range 1e-4 (1.0: never clips)."}
+    )
+    num_threads: int = field(default=1, metadata={"help": "torch CPU threads (restored afterwards)."})
+    plot: bool = field(default=True, metadata={"help": "Write the PNG chart (--no_plot skips it)."})
+
+
 COMMANDS = {
     "trainer": (TrainerBenchmarkArguments, "bench trainer", TRAINER_DESCRIPTION),
     "whole-step": (WholeStepBenchmarkArguments, "bench whole-step", WHOLE_STEP_DESCRIPTION),
     "quality": (QualityBenchmarkArguments, "bench quality", QUALITY_DESCRIPTION),
     "reward-overlap": (RewardOverlapBenchmarkArguments, "bench reward-overlap", REWARD_OVERLAP_DESCRIPTION),
+    "velocity-cache": (VelocityCacheBenchmarkArguments, "bench velocity-cache", VELOCITY_CACHE_DESCRIPTION),
 }
 """The sub-benchmarks by name; without one, ``trl-jagg bench`` runs the engine benchmark."""
 
@@ -226,7 +262,7 @@ def make_parser(command: str | None = None) -> CommandParser:
 
 
 def main(argv: Sequence[str]) -> int:
-    """``trl-jagg bench [trainer | whole-step | quality | reward-overlap] ARGV``: run the benchmark (it prints its table and where its files
+    """``trl-jagg bench [trainer | whole-step | quality | reward-overlap | velocity-cache] ARGV``: run the benchmark (it prints its table and where its files
     are)."""
     command = argv[0] if argv and argv[0] in COMMANDS else None
     parsed = make_parser(command).parse_command_line(argv[1:] if command else argv)
@@ -252,6 +288,10 @@ def main(argv: Sequence[str]) -> int:
         from trl_jagg.benchmarks.reward_overlap import run_reward_overlap_benchmark
 
         run_reward_overlap_benchmark(**kwargs)
+    elif command == "velocity-cache":
+        from trl_jagg.benchmarks.velocity_cache import run_velocity_cache_benchmark
+
+        run_velocity_cache_benchmark(**kwargs)
     else:
         from trl_jagg.benchmarks.engine import run_engine_benchmark
 

@@ -276,13 +276,14 @@ class RolloutGenerator:
         }
         if record_velocities:
             rollout["velocities"] = torch.cat([t.velocities for t in trajectories])
-            # What each step's cached velocities are exact for: these parameters, this forward path and the batch
-            # shape its backbone call ran on, if every chunk ran that step on one shape (else never reused).
+            # What each step's cached velocities are exact for: these parameters (`velocity_step`), this forward
+            # path and the batch shape its backbone call ran on, if every chunk ran that step on one shape (else
+            # never reused).
             shapes = [set(step) for step in zip(*(t.call_shapes for t in trajectories))]
             rollout["velocity_keys"] = [
-                velocity_key(global_step, adapter.dtype, device.type, *shape) if len(shape) == 1 else None
-                for shape in shapes
+                velocity_key(adapter.dtype, device.type, *shape) if len(shape) == 1 else None for shape in shapes
             ]
+            rollout["velocity_step"] = global_step
         return rollout
 
     def _score(

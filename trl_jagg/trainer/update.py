@@ -182,17 +182,22 @@ class UpdateStage:
 
     def cached_velocities(
         self, model: torch.nn.Module, batch: dict[str, Any], trained: list[int], global_step: int
-    ) -> dict[int, torch.Tensor]:
-        """The rollout's velocities of the trained steps (keyed by trained index) that are exactly what the backbone
-        would return now, at this micro-batch's shape; the others are left out (the engine recomputes them)."""
-        if not self.args.jagg_cache_velocities or "velocities" not in batch or (model.training and self.has_dropout):
-            return {}
+    ) -> tuple[dict[int, torch.Tensor], bool]:
+        """The rollout's velocities of the trained steps (keyed by trained index) that the backbone computed on this
+        update's forward path (dtype, autocast, this micro-batch's shape), the others left out (the engine
+        recomputes them), and whether the engine must correct them (``jagg_cache_mode="corrected"`` after an
+        optimizer step since the rollout). ``"recompute"`` uses none after that step, ``"stale"`` all as they are."""
+        args = self.args
+        if not args.jagg_cache_velocities or "velocities" not in batch or (model.training and self.has_dropout):
+            return {}, False
+        off_policy = global_step != batch["velocity_step"]
+        if off_policy and args.jagg_cache_mode == "recompute":
+            return {}, False
         # The engine's velocity of one step runs the backbone on the micro-batch's latents of that step.
-        key = velocity_key(
-            global_step, self.adapter.dtype, self.accelerator.device.type, tuple(batch["latents"][:, 0].shape)
-        )
+        key = velocity_key(self.adapter.dtype, self.accelerator.device.type, tuple(batch["latents"][:, 0].shape))
         keys = batch["velocity_keys"]
-        return {i: batch["velocities"][:, k] for i, k in enumerate(trained) if keys[k] == key}
+        cache = {i: batch["velocities"][:, k] for i, k in enumerate(trained) if keys[k] == key}
+        return cache, off_policy and args.jagg_cache_mode == "corrected"
 
     # ------------------------------------------------------------------ the engine's inputs
     def step_functions(self, model: torch.nn.Module, batch: dict[str, Any], trained: list[int]) -> StepFunctions:
@@ -354,15 +359,17 @@ class UpdateStage:
         jagg_frac = args.jagg_frac
         if args.use_jagg and jagg_frac == "auto":
             jagg_frac = self.auto_jagg_frac(model, batch, fns, global_step)
+        cache, correct = self.cached_velocities(model, batch, trained, global_step) if args.use_jagg else ({}, False)
         engine = JaggEngine(
             fns.velocity_fn,
             fns.loss_fn,
             functools.partial(backward, self.accelerator),
             sync_context=lambda is_last: backward_unit(self.accelerator, model, is_last),
             loss_weight=1.0 / (len(trained) * accumulation_steps),
-            cached_velocities=self.cached_velocities(model, batch, trained, global_step) if args.use_jagg else None,
+            cached_velocities=cache,
             no_grad_velocities_fn=fns.no_grad_velocities_fn,
             endpoint_backward=args.jagg_endpoint_backward,
+            correct_cached=correct,
         )
         result = engine.run(self.plan(batch, trained, use_jagg=args.use_jagg, jagg_frac=jagg_frac))
 
@@ -378,5 +385,6 @@ class UpdateStage:
         self.metrics["jagg/groups_exact"].append(result.num_exact_groups)
         self.metrics["jagg/backward_calls"].append(result.num_backward)
         self.metrics["jagg/cached_velocities"].append(result.num_cached)
+        self.metrics["jagg/corrected_velocities"].append(result.num_corrected)
         self.metrics["jagg/no_grad_forwards"].append(result.num_no_grad_forwards)
         return result
