@@ -349,6 +349,7 @@ def test_lora_targets_default_to_the_family_attention(tiny_flux_path):
         (bench.QualityBenchmarkArguments, "trl_jagg.benchmarks.quality:run_quality_benchmark"),
         (bench.RewardOverlapBenchmarkArguments, "trl_jagg.benchmarks.reward_overlap:run_reward_overlap_benchmark"),
         (bench.VelocityCacheBenchmarkArguments, "trl_jagg.benchmarks.velocity_cache:run_velocity_cache_benchmark"),
+        (bench.NFTJaggBenchmarkArguments, "trl_jagg.benchmarks.nft:run_nft_jagg_benchmark"),
     ],
     ids=[
         "demo",
@@ -358,6 +359,7 @@ def test_lora_targets_default_to_the_family_attention(tiny_flux_path):
         "bench-quality",
         "bench-reward-overlap",
         "bench-velocity-cache",
+        "bench-nft-jagg",
     ],  # fmt: skip
 )
 def test_command_dataclasses_mirror_their_function(arguments, function):

@@ -257,3 +257,19 @@ def test_nft_trains_the_demo_to_a_rising_held_out_reward(tmp_path):
     in_colour = [round(m["eval_rewards/color_accuracy/mean"] * 18) for m in (before, after)]
     assert in_colour[1] >= in_colour[0] + 4, in_colour
     assert after["eval_rewards/prompt_color/mean"] >= before["eval_rewards/prompt_color/mean"] + 0.1
+
+
+def test_nft_jagg_benchmark_writes_its_report(tmp_path):
+    """`trl-jagg bench nft-jagg` on a tiny setting: one seed, a measurement before and after one step."""
+    import json
+
+    from trl_jagg.benchmarks.nft import JSON_NAME, PNG_NAME, run_nft_jagg_benchmark
+
+    report = run_nft_jagg_benchmark(str(tmp_path), seeds=[0], checkpoints=[0, 1], repeats=1)
+    assert [(r["seed"], r["step"]) for r in report["rows"]] == [(0, 0), (0, 1)]
+    for row in report["rows"]:
+        assert -1 <= row["cosine"] <= 1 and row["relative_error"] >= 0
+        speedup = row["update_speedup"]
+        assert speedup["min"] <= speedup["median"] <= speedup["max"]
+    assert json.loads((tmp_path / JSON_NAME).read_text()) == json.loads(json.dumps(report))
+    assert (tmp_path / PNG_NAME).stat().st_size > 0

@@ -154,7 +154,9 @@ class DDPOJaggTrainer(_BaseTrainer):
             self.adapter, args, self.accelerator, self.reward_funcs, self.conditioner, self.frozen, self._metrics
         )
         # DiffusionNFT samples with an old policy that follows the trained weights after each rollout's updates.
-        self.old_policy = OldPolicy(self._trainable_parameters, args.nft_decay_type) if args.objective == "nft" else None
+        self.old_policy = (
+            OldPolicy(self._trainable_parameters, args.nft_decay_type) if args.objective == "nft" else None
+        )
         if self.old_policy is not None:
             self.update_stage = NFTUpdateStage(
                 self.adapter, args, self.accelerator, self._metrics,

@@ -49,7 +49,10 @@ __all__ = [
 ]  # fmt: skip
 
 RECIPES: Mapping[str, Recipe] = MappingProxyType(
-    {recipe.name: recipe for recipe in (*FLOW_GRPO_RECIPES, *DANCEGRPO_RECIPES, *FLOW_FACTORY_RECIPES, *DIFFUSION_NFT_RECIPES)}
+    {
+        recipe.name: recipe
+        for recipe in (*FLOW_GRPO_RECIPES, *DANCEGRPO_RECIPES, *FLOW_FACTORY_RECIPES, *DIFFUSION_NFT_RECIPES)
+    }
 )
 """Every preset by name, in the order of ``docs/models.md``."""
 

@@ -7,6 +7,7 @@
     trl-jagg bench whole-step [--output_dir runs/bench] [--repeats 5 ...]       # whole steps at recipe shapes
     trl-jagg bench quality [--output_dir runs/quality] [--seeds 0 1 2 ...]      # the demo's reward per variant
     trl-jagg bench reward-overlap [--output_dir runs/bench] [--latency 0.5 ...]  # a slow reward, overlapped or not
+    trl-jagg bench nft-jagg [--output_dir runs/bench] [--seeds 0 1 2 ...]       # JAGG across DiffusionNFT's timesteps
     trl-jagg bench velocity-cache [--output_dir runs/bench] [--optimizer_steps 3]  # the cache after optimizer steps
 
 Each benchmark's options are the fields of a dataclass mirroring its function's parameters
@@ -246,12 +247,38 @@ class VelocityCacheBenchmarkArguments:
     plot: bool = field(default=True, metadata={"help": "Write the PNG chart (--no_plot skips it)."})
 
 
+NFT_JAGG_DESCRIPTION = (
+    "On the CPU demo trained with DiffusionNFT (objective=nft), one rollout's update with JAGG across 4 timesteps "
+    "against the same update exact, at several optimizer steps of an exact-NFT run: gradient cosine, relative error "
+    "and the update's CPU-time ratio; write nft_jagg_benchmark.json and .png."
+)
+
+
+@dataclass
+class NFTJaggBenchmarkArguments:
+    """The options of ``trl-jagg bench nft-jagg`` (parameters of
+    :func:`~trl_jagg.benchmarks.nft.run_nft_jagg_benchmark`)."""
+
+    _argument_group_name = "JAGG-NFT benchmark"
+
+    output_dir: str = field(default="runs/bench", metadata={"help": "Where the JSON and PNG go."})
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2], metadata={"help": "Seeds (LoRA init and rollouts)."})
+    checkpoints: list[int] = field(
+        default_factory=lambda: [0, 20, 40], metadata={"help": "Optimizer steps of the exact-NFT run to measure at."}
+    )
+    repeats: int = field(default=5, metadata={"help": "Timed exact/JAGG pairs per measurement (after a warm-up)."})
+    num_threads: int | None = field(default=1, metadata={"help": "torch intra-op threads (0: torch's default)."})
+    model: str | None = field(default=None, metadata={"help": "The pipeline (default: the demo's model)."})
+    plot: bool = field(default=True, metadata={"help": "Write the PNG chart (--no_plot skips it)."})
+
+
 COMMANDS = {
     "trainer": (TrainerBenchmarkArguments, "bench trainer", TRAINER_DESCRIPTION),
     "whole-step": (WholeStepBenchmarkArguments, "bench whole-step", WHOLE_STEP_DESCRIPTION),
     "quality": (QualityBenchmarkArguments, "bench quality", QUALITY_DESCRIPTION),
     "reward-overlap": (RewardOverlapBenchmarkArguments, "bench reward-overlap", REWARD_OVERLAP_DESCRIPTION),
     "velocity-cache": (VelocityCacheBenchmarkArguments, "bench velocity-cache", VELOCITY_CACHE_DESCRIPTION),
+    "nft-jagg": (NFTJaggBenchmarkArguments, "bench nft-jagg", NFT_JAGG_DESCRIPTION),
 }
 """The sub-benchmarks by name; without one, ``trl-jagg bench`` runs the engine benchmark."""
 
@@ -262,14 +289,14 @@ def make_parser(command: str | None = None) -> CommandParser:
 
 
 def main(argv: Sequence[str]) -> int:
-    """``trl-jagg bench [trainer | whole-step | quality | reward-overlap | velocity-cache] ARGV``: run the benchmark (it prints its table and where its files
+    """``trl-jagg bench [trainer | whole-step | quality | reward-overlap | velocity-cache | nft-jagg] ARGV``: run the benchmark (it prints its table and where its files
     are)."""
     command = argv[0] if argv and argv[0] in COMMANDS else None
     parsed = make_parser(command).parse_command_line(argv[1:] if command else argv)
     if parsed is None:
         return 0
     kwargs = asdict(parsed[0])
-    for key in ("group_sizes", "jagg_fracs", "betas", "variants", "seeds"):
+    for key in ("group_sizes", "jagg_fracs", "betas", "variants", "seeds", "checkpoints"):
         if key in kwargs:
             kwargs[key] = tuple(kwargs[key])
     if command == "trainer":
@@ -292,6 +319,10 @@ def main(argv: Sequence[str]) -> int:
         from trl_jagg.benchmarks.velocity_cache import run_velocity_cache_benchmark
 
         run_velocity_cache_benchmark(**kwargs)
+    elif command == "nft-jagg":
+        from trl_jagg.benchmarks.nft import run_nft_jagg_benchmark
+
+        run_nft_jagg_benchmark(**kwargs)
     else:
         from trl_jagg.benchmarks.engine import run_engine_benchmark
 
