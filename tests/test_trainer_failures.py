@@ -559,6 +559,20 @@ def test_a_reward_failing_while_the_update_awaits_it_saves_a_checkpoint_first(
     assert {LORA_FILE, "optimizer.pt", "trainer_state.json"} <= set(os.listdir(checkpoint))
 
 
+def test_a_nan_in_a_later_rollout_chunk_is_named_by_its_rollout_position(tiny_flux_path, tmp_path):
+    class NanInSecondChunk:  # scored chunk by chunk (2 chunks of 2): its second chunk's second image is NaN
+        __name__, per_sample, calls = "nan_later", True, 0
+
+        def __call__(self, prompts, images, **kwargs):
+            self.calls += 1
+            return [1.0, math.nan if self.calls == 2 else 0.0]
+
+    trainer = make_trainer(tiny_flux_path, tmp_path, reward_func=NanInSecondChunk(), max_steps=1,
+                           per_device_train_batch_size=2, gradient_accumulation_steps=2, sample_batch_size=2)  # fmt: skip
+    with pytest.raises(ValueError, match=r"'nan_later' returned non-finite values at positions \[3\]"):
+        trainer.train()
+
+
 def test_reward_retries(tiny_flux_path, tmp_path, caplog):
     flaky = FailingReward({1, 2})
     trainer = make_trainer(tiny_flux_path, tmp_path, reward_func=flaky, max_steps=1, reward_retries=2)

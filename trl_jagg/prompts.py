@@ -123,7 +123,7 @@ def check_prompts(prompts: Sequence[Any], where: str) -> list[str]:
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
         raise TypeError(
             f"{where} is {type(prompts).__name__} {prompts!r}, not a list of prompts. Give a list, e.g. "
-            f"{where.rsplit('.', 1)[-1]}: [\"a red circle\", \"a blue square\"] in YAML."
+            f'{where.rsplit(".", 1)[-1]}: ["a red circle", "a blue square"] in YAML.'
         )
     return [prompt_text(value, f"{where}[{i}]") for i, value in enumerate(prompts)]
 

@@ -65,7 +65,7 @@ class QwenImageEditAdapter(QwenImageAdapter):
         """
         sources = self.sources_of(sample)
         for image in sources:
-            for area in {self.source_image_area, self.vision_area}:
+            for area in sorted({self.source_image_area, self.vision_area}):  # the smaller fails first
                 size = resized_size(area, image)
                 if min(size) == 0:
                     raise ValueError(

@@ -251,9 +251,10 @@ def _check_signature(func: RewardFunc) -> None:
         )
 
 
-def check_rewards(name: str, values: Any, expected: int) -> torch.Tensor:
+def check_rewards(name: str, values: Any, expected: int, first_sample: int = 0) -> torch.Tensor:
     """Validate one reward function's output and return it as a float32 tensor of shape ``(expected,)``, with NaN
-    where the reward returned ``None`` (not applicable to that sample).
+    where the reward returned ``None`` (not applicable to that sample). ``first_sample``: the position of the first
+    value in the rollout (a chunk's values are named by their rollout positions).
 
     A wrong count or a NaN/inf score stops training with an error that names the reward: a silently
     replaced value would bias the group advantages without anyone noticing.
@@ -278,7 +279,7 @@ def check_rewards(name: str, values: Any, expected: int) -> torch.Tensor:
         )
     bad = ~torch.isfinite(scores)
     if bad.any():
-        positions = bad.nonzero().flatten().tolist()
+        positions = [first_sample + position for position in bad.nonzero().flatten().tolist()]
         raise ValueError(
             f"Reward {name!r} returned non-finite values at positions {positions[:10]}: {scores[bad][:10].tolist()}."
         )
@@ -292,6 +293,7 @@ def compute_rewards(
     reward_weights: Sequence[float] | None = None,
     trainer_state: Any = None,
     retries: int = 0,
+    first_sample: int = 0,
     **columns: Any,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Run every reward, check its output, and return the weighted sum and the per-reward scores.
@@ -310,6 +312,7 @@ def compute_rewards(
         reward_weights: One weight per reward; ``None`` means all 1.0.
         trainer_state: The ``transformers.TrainerState`` of the run (``None`` outside training).
         retries: Extra calls of a reward that raises (each logged); its output checks are not retried.
+        first_sample: The rollout position of the first sample (a rollout chunk's), which errors count from.
         **columns: Extra dataset columns passed to every reward.
 
     Returns:
@@ -367,7 +370,7 @@ def compute_rewards(
     total = torch.zeros(len(images), dtype=torch.float32)
     per_reward: dict[str, torch.Tensor] = {}
     for i, (name, weight) in enumerate(zip(names, weights)):
-        scores = check_rewards(name, outputs[i], len(images)).cpu()
+        scores = check_rewards(name, outputs[i], len(images), first_sample).cpu()
         per_reward[name] = scores
         total += weight * scores.nan_to_num(0.0)
     if per_reward:
@@ -375,7 +378,7 @@ def compute_rewards(
         if unscored:
             first = unscored[0]
             raise ValueError(
-                f"No reward applies to sample {first} (prompt {prompts[first]!r}"
+                f"No reward applies to sample {first_sample + first} (prompt {prompts[first]!r}"
                 f"{f' and {len(unscored) - 1} more' if len(unscored) > 1 else ''}): every reward function "
                 f"({', '.join(per_reward)}) returned None for it. A reward returns None only for samples that another "
                 "reward scores."

@@ -157,13 +157,13 @@ def check_trained_expert_steps(adapter: FlowMatchingAdapter, args: GRPOJaggConfi
     times = [float(timesteps[k]) for k in steps]
     if any(adapter.expert_of(t) in adapter.trained_experts for t in times):
         return
-    shown = ", ".join(f"{k} (t={t:g})" for k, t in zip(steps, times))
+    shown = ", ".join(f"{k} (t={t:.0f})" for k, t in zip(steps, times))
     raise ValueError(
-        f"GRPOJaggConfig.train_experts={args.train_experts!r} trains {list(adapter.trained_experts)}, but none of the "
-        f"steps train_timesteps={args.train_timesteps!r} trains is that expert's: steps {shown} of "
-        f"num_inference_steps={num_steps} are all denoised by the other expert, so every update would have a zero "
-        "gradient and the saved LoRA would be untrained. Train the other expert (train_experts), or more steps "
-        "(num_inference_steps, train_timesteps)."
+        f"GRPOJaggConfig.train_experts={args.train_experts!r} trains {list(adapter.trained_experts)}, but the steps "
+        f"train_timesteps={args.train_timesteps!r} can train, {shown} of num_inference_steps={num_steps}, are all "
+        "denoised by the other expert: every update would have a zero gradient and the saved LoRA would be "
+        "untrained. Train the other expert (train_experts), or steps this one denoises (num_inference_steps, "
+        "train_timesteps, sde_window_max_start)."
     )
 
 
