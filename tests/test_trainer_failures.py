@@ -477,19 +477,40 @@ def test_write_failure_during_a_save_names_the_path(tiny_flux_path, tmp_path, mo
 
 
 def test_a_failed_optimizer_write_names_the_file(tiny_flux_path, tmp_path, monkeypatch):
-    real_save = torch.save
+    import torch.serialization
 
-    def full_at_optimizer(obj, path, *args, **kwargs):  # what torch raises when the disk fills mid-archive
-        if str(path).endswith("optimizer.pt"):
-            open(path, "wb").close()
+    real_save = torch.serialization._save
+
+    def full_at_optimizer(obj, zip_file, *args, **kwargs):  # inside torch.save, its archive opened: a full disk
+        if isinstance(obj, dict) and "param_groups" in obj:
             raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 4160 vs 4054")
-        return real_save(obj, path, *args, **kwargs)
+        return real_save(obj, zip_file, *args, **kwargs)
 
     trainer = make_trainer(tiny_flux_path, tmp_path, max_steps=1, save_strategy="steps", save_steps=1)
-    monkeypatch.setattr(torch, "save", full_at_optimizer)
+    monkeypatch.setattr(torch.serialization, "_save", full_at_optimizer)
     with pytest.raises(CheckpointError, match=rf"Writing {tmp_path}/tmp-checkpoint-1/optimizer.pt failed") as info:
         trainer.train()
     assert "unexpected pos" in str(info.value.__cause__)  # the original error is chained
+    assert not os.path.exists(tmp_path / "checkpoint-1")
+
+
+def test_a_torch_save_failure_in_a_checkpoint_names_the_folder_and_a_bug_passes_unchanged(tmp_path, monkeypatch):
+    import torch.serialization
+
+    from trl_jagg.trainer.checkpointing import atomic_checkpoint
+
+    def full_disk(*args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0")
+
+    monkeypatch.setattr(torch.serialization, "_save", full_disk)  # fails inside torch.save, as a full disk does
+    with pytest.raises(CheckpointError, match=rf"Writing {tmp_path}/tmp-checkpoint-1 failed .*unexpected pos"):
+        with atomic_checkpoint(str(tmp_path), "checkpoint-1", should_save=True, wait_for_everyone=lambda: None) as d:
+            os.makedirs(d)
+            torch.save({"rng": 1}, os.path.join(d, "rng_state.pth"))
+    with pytest.raises(RuntimeError, match="a bug") as info:  # not a write: no file to blame
+        with atomic_checkpoint(str(tmp_path), "checkpoint-1", should_save=True, wait_for_everyone=lambda: None):
+            raise RuntimeError("a bug")
+    assert not isinstance(info.value, CheckpointError)
     assert not os.path.exists(tmp_path / "checkpoint-1")
 
 

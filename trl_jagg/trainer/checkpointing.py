@@ -9,6 +9,7 @@ import glob
 import json
 import os
 import shutil
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -304,8 +305,8 @@ def failed_write_named(path: str, *, torch_save: bool = False) -> Iterator[None]
 
 @contextlib.contextmanager
 def optimizer_write_named(output_dir: str) -> Iterator[None]:
-    """:func:`failed_write_named` for the block writing ``optimizer.pt`` then ``scheduler.pt`` into ``output_dir``:
-    the error names the one being written (``torch.save`` creates its file before it fails)."""
+    """:func:`failed_write_named` for the block writing ``optimizer.pt`` then ``scheduler.pt`` into ``output_dir``
+    with ``torch.save``: the error names the one being written (``torch.save`` creates its file first)."""
     try:
         yield
     except (OSError, SafetensorError, RuntimeError) as error:
@@ -451,14 +452,15 @@ def atomic_checkpoint(
     try:
         yield staging_dir
     except (OSError, RuntimeError, SafetensorError) as error:
-        # torch ("PytorchStreamWriter failed writing file") and safetensors report a full disk or a too-large file
-        # without the path; other errors (this trainer's own, a bug) pass unchanged.
-        written = isinstance(error, (OSError, SafetensorError)) or "writ" in str(error).lower()
-        if isinstance(error, TrainingError) or not written:
+        # torch ("unexpected pos", "PytorchStreamWriter failed writing file") and safetensors report a full disk or
+        # a too-large file without the path (the writes of this trainer's files name theirs: CheckpointError); other
+        # errors (a bug) pass unchanged.
+        if isinstance(error, TrainingError) or not _is_write_failure(error):
             raise
         raise CheckpointError(
-            f"Writing {staging_dir} failed ({type(error).__name__}: {error}). Free disk space (or raise the file "
-            f"size limit) and resume; the checkpoints already in {run_dir} are untouched."
+            f"Writing {staging_dir} failed ({type(error).__name__}: {error}). The disk is likely full (or the file "
+            f"too large, the folder not writable): free disk space and resume; the checkpoints already in {run_dir} "
+            "are untouched."
         ) from error
     wait_for_everyone()
     if should_save:
@@ -466,6 +468,15 @@ def atomic_checkpoint(
             delete_whole(final_dir)
         os.replace(staging_dir, final_dir)
     wait_for_everyone()
+
+
+def _is_write_failure(error: BaseException) -> bool:
+    """Whether ``error`` is a failed write: an I/O error, or a ``RuntimeError`` of ``torch.save`` (raised from
+    ``torch/serialization.py``, whatever its text)."""
+    if isinstance(error, (OSError, SafetensorError)):
+        return True
+    files = [frame.f_code.co_filename for frame, _ in traceback.walk_tb(error.__traceback__)]
+    return any(file.replace(os.sep, "/").endswith("torch/serialization.py") for file in files)
 
 
 DELETING_SUFFIX = ".deleting"
