@@ -306,13 +306,15 @@ def failed_write_named(path: str, *, torch_save: bool = False) -> Iterator[None]
 @contextlib.contextmanager
 def optimizer_write_named(output_dir: str) -> Iterator[None]:
     """:func:`failed_write_named` for the block writing ``optimizer.pt`` then ``scheduler.pt`` into ``output_dir``
-    with ``torch.save``: the error names the one being written (``torch.save`` creates its file first)."""
+    with ``torch.save``: the error names the one being written (``torch.save`` creates its file first), or the folder
+    (DeepSpeed's files)."""
     try:
         yield
     except (OSError, SafetensorError, RuntimeError) as error:
-        scheduler = os.path.join(output_dir, SCHEDULER_NAME)
-        failed = scheduler if os.path.exists(scheduler) else os.path.join(output_dir, OPTIMIZER_NAME)
-        with failed_write_named(failed, torch_save=True):
+        if isinstance(error, TrainingError) or not _is_write_failure(error):
+            raise
+        written = [os.path.join(output_dir, name) for name in (SCHEDULER_NAME, OPTIMIZER_NAME)]
+        with failed_write_named(next((f for f in written if os.path.exists(f)), output_dir), torch_save=True):
             raise error
 
 
