@@ -76,3 +76,20 @@ def test_a_scalar_eval_prompts_names_the_field(tmp_path):
     with pytest.raises(TypeError, match="GRPOJaggConfig.eval_prompts is int 5, not a list of prompts"):
         GRPOJaggConfig(output_dir=str(tmp_path), eval_prompts=5)
     assert GRPOJaggConfig(output_dir=str(tmp_path), eval_prompts="a cat").eval_prompts == ["a cat"]  # one prompt
+
+
+def test_the_cli_names_a_scalar_eval_prompts_and_an_empty_eval_file(tmp_path):
+    from trl_jagg.scripts import train
+
+    config = tmp_path / "recipe.yaml"
+    config.write_text("model_name_or_path: x\nreward_funcs: prompt_color\nprompts: [a cat]\neval_prompts: 5\n")
+    base = ["--output_dir", str(tmp_path / "out")]
+    with pytest.raises(train.UsageError, match="GRPOJaggConfig.eval_prompts is int 5, not a list of prompts"):
+        train.parse_train_args(["--config", str(config), *base])
+    (tmp_path / "held_out.json").write_text("[]")
+    script_args, args = train.parse_train_args(
+        ["--model_name_or_path", "x", "--reward_funcs", "prompt_color", "--prompts", "a", "--eval_strategy", "steps",
+         "--eval_dataset_name", str(tmp_path / "held_out.json"), *base]
+    )  # fmt: skip
+    with pytest.raises(train.UsageError, match=r"eval_dataset_name .*held_out.json holds no prompts"):
+        train.load_eval_dataset(script_args, args)
