@@ -102,7 +102,7 @@ class DDPOJaggTrainer(_BaseTrainer):
         # The frozen encoders stay whole: they run outside the DeepSpeed engine.
         with distributed.zero3_init_disabled(args):
             self.adapter = load_adapter(model, dtype=getattr(torch, args.dtype), revision=args.model_revision)
-        self.train_buckets = checked_model_inputs(self.adapter, args, train_dataset, eval_dataset)  # source grids
+        self.train_buckets = checked_model_inputs(self.adapter, args, train_dataset, eval_dataset, self.reward_funcs)
         self.scheduler_overridden = hub.scheduler_differs_from_base(
             self.adapter.pipeline.scheduler, self.base_model_id, args.model_revision
         )
@@ -359,8 +359,8 @@ class DDPOJaggTrainer(_BaseTrainer):
         return super().train(resume_from_checkpoint=resume_from_checkpoint or None, **kwargs)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """:meth:`transformers.Trainer.save_model`, refusing non-finite weights and refusing to replace existing
-        weights with a model that has trained 0 steps."""
+        """:meth:`transformers.Trainer.save_model`, refusing non-finite weights, and a model that has trained 0 steps
+        over existing weights or beside a run's checkpoints."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         params = [p for p in self.model.parameters() if p.requires_grad]
         checkpointing.check_saveable(
@@ -375,10 +375,10 @@ class DDPOJaggTrainer(_BaseTrainer):
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         transformer = self.accelerator.unwrap_model(self.model)
         # `state_dict` is the gathered full state dict under FSDP / DeepSpeed (Trainer.save_model passes it).
-        state_dict, ema_state_dict = self.weights.gathered_state_dicts(transformer, state_dict, self.ema)
+        states = self.weights.gathered_state_dicts(transformer, state_dict, self.ema)  # weights, EMA weights
         if not self.args.should_save:
             return
-        self.weights.save_model_folder(output_dir, transformer, (state_dict, ema_state_dict), self.ema, self.args)
+        self.weights.save_model_folder(output_dir, transformer, states, self.ema, self.args, self.state.global_step)
         self._write_model_card(output_dir, **self._model_card_kwargs)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
@@ -391,7 +391,8 @@ class DDPOJaggTrainer(_BaseTrainer):
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if not distributed.is_fully_sharded(self.model):  # FSDP2 writes the full state, not the plugin's files
-            return super()._save_optimizer_and_scheduler(output_dir)
+            with checkpointing.optimizer_write_named(output_dir):  # torch's error names no file
+                return super()._save_optimizer_and_scheduler(output_dir)
         checkpointing.save_full_optimizer_state(
             self.model, self.optimizer, self.lr_scheduler, output_dir, self.args.should_save
         )
@@ -428,7 +429,7 @@ class DDPOJaggTrainer(_BaseTrainer):
             if args.should_save:
                 stateful = [*self.callback_handler.callbacks, self.control]
                 checkpointing.save_run_state(
-                    staging_dir, self.state, stateful, self._step, self.generation.stat_tracker
+                    staging_dir, self.state, stateful, self._step, self.generation.stat_tracker, args
                 )
         final_dir = os.path.join(run_dir, name)
         if args.push_to_hub:

@@ -246,9 +246,10 @@ def _check_signature(func: RewardFunc) -> None:
         )
 
 
-def check_rewards(name: str, values: Any, expected: int) -> torch.Tensor:
+def check_rewards(name: str, values: Any, expected: int, first_sample: int = 0) -> torch.Tensor:
     """Validate one reward function's output and return it as a float32 tensor of shape ``(expected,)``, with NaN
-    where the reward returned ``None`` (not applicable to that sample).
+    where the reward returned ``None`` (not applicable to that sample). ``first_sample``: the position of the first
+    value in the rollout (a chunk's values are named by their rollout positions).
 
     A wrong count or a NaN/inf score stops training with an error that names the reward: a silently
     replaced value would bias the group advantages without anyone noticing.
@@ -273,7 +274,7 @@ def check_rewards(name: str, values: Any, expected: int) -> torch.Tensor:
         )
     bad = ~torch.isfinite(scores)
     if bad.any():
-        positions = bad.nonzero().flatten().tolist()
+        positions = [first_sample + position for position in bad.nonzero().flatten().tolist()]
         raise ValueError(
             f"Reward {name!r} returned non-finite values at positions {positions[:10]}: {scores[bad][:10].tolist()}."
         )
@@ -288,6 +289,7 @@ def compute_rewards(
     trainer_state: Any = None,
     retries: int = 0,
     timeout: float | None = None,
+    first_sample: int = 0,
     **columns: Any,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Run every reward, check its output, and return the weighted sum and the per-reward scores.
@@ -309,6 +311,7 @@ def compute_rewards(
         timeout: Seconds each reward may take to score the batch, retries included (``reward_timeout``); ``None``
             bounds only the rewards that declare ``default_reward_timeout`` (remote ones,
             :data:`~trl_jagg.rewards.calling.REMOTE_REWARD_TIMEOUT`). See :mod:`~trl_jagg.rewards.calling`.
+        first_sample: The rollout position of the first sample (a rollout chunk's), which errors count from.
         **columns: Extra dataset columns passed to every reward.
 
     Returns:
@@ -368,7 +371,7 @@ def compute_rewards(
     total = torch.zeros(len(images), dtype=torch.float32)
     per_reward: dict[str, torch.Tensor] = {}
     for i, (name, weight) in enumerate(zip(names, weights)):
-        scores = check_rewards(name, outputs[i], len(images)).cpu()
+        scores = check_rewards(name, outputs[i], len(images), first_sample).cpu()
         per_reward[name] = scores
         total += weight * scores.nan_to_num(0.0)
     if per_reward:
@@ -376,7 +379,7 @@ def compute_rewards(
         if unscored:
             first = unscored[0]
             raise ValueError(
-                f"No reward applies to sample {first} (prompt {prompts[first]!r}"
+                f"No reward applies to sample {first_sample + first} (prompt {prompts[first]!r}"
                 f"{f' and {len(unscored) - 1} more' if len(unscored) > 1 else ''}): every reward function "
                 f"({', '.join(per_reward)}) returned None for it. A reward returns None only for samples that another "
                 "reward scores."

@@ -295,6 +295,8 @@ def read_prompts(script_args: ScriptArguments, name: str, split: str, field_name
             dataset = load_dataset(builder, data_files=name, split="train")
     else:
         dataset = load_dataset(name, script_args.dataset_config, split=split)
+    if len(dataset) == 0:  # an empty file has no columns either: say what is wrong, not which column is missing
+        raise UsageError(f"{field_name} {name} holds no prompts. Give a dataset with at least one row.")
     if column not in dataset.column_names:
         raise UsageError(
             f"dataset_prompt_column: the dataset has no column {column!r} (columns: {dataset.column_names})."

@@ -17,6 +17,8 @@ FULL_WEIGHTS_PATTERN = "diffusion_pytorch_model*.safetensors"
 SCHEDULER_FOLDER = "scheduler"
 EMA_DIR = "ema"
 """Subfolder of every saved model and checkpoint holding the EMA weights, in the format of the trained ones."""
+EMA_STATE_NAME = "ema_state.json"
+"""In ``ema/``: the optimizer step the average was saved at, which a resume compares with the checkpoint's."""
 GRPO_STATE_NAME = "grpo_state.json"
 """The trainer's own run state in a checkpoint (the Trainer saves weights, optimizer, scheduler and RNG itself)."""
 MODEL_FILES = (

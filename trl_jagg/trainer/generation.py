@@ -392,6 +392,7 @@ class RolloutGenerator:
                     scorer.reward_funcs(c), self.accelerator, prompts[index], images[index],
                     weights=args.reward_weights, retries=args.reward_retries, timeout=args.reward_timeout,
                     trainer_state=trainer_state,
+                    first_sample=c * chunk,  # errors name the rollout's positions, not the chunk's
                     log_metric=lambda name, value: reward_metrics[name].append(float(value)),
                     log_extra=lambda column, values: extra_columns[column].extend(values),
                     **{key: values[index] for key, values in columns.items()},
