@@ -7,6 +7,7 @@ checked against the dependency tree the installed metadata gives. Counts and fil
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from trl_jagg import GRPOJaggConfig
 from trl_jagg.benchmarks import gpu_check, gpu_wheels
 
 REPO = Path(__file__).resolve().parents[1]
@@ -92,6 +94,7 @@ def test_tiny_cadence_and_update_stage_count_the_presets_work(tiny_report):
     for entry in variants.values():
         assert entry["optimizer_steps"] == micro_batches // accumulation  # 2: the cache's key changes mid-rollout
         assert entry["work_per_rollout_equal"] and entry["counted"]["decoded_images"] == g
+    assert all(entry["checkpointed"] for entry in variants.values())  # both presets checkpoint: priced with recompute
     exact = variants["dancegrpo-exact"]["counted"]
     # DanceGRPO: every image denoised over 16 steps without a graph, a random 60% of the first 15 trained (9).
     assert exact["no_grad_rows"] == g * 16
@@ -108,6 +111,21 @@ def _recipes():
     from trl_jagg.recipes import RECIPES
 
     return RECIPES
+
+
+def test_preset_values_pass_activation_checkpointing_as_gradient_checkpointing_where_transformers_is_older(tmp_path):
+    """The GPU machine's transformers (5.17) has no ``activation_checkpointing`` field: the trainer's other switch."""
+    from trl_jagg.benchmarks.gpu_measure import preset_config, preset_values
+
+    known = {f.name for f in dataclasses.fields(GRPOJaggConfig)}
+    values = preset_values("dancegrpo-flux", known, use_jagg=False)
+    assert values["activation_checkpointing"] is True and not values.get("gradient_checkpointing")
+    older = preset_values("dancegrpo-flux", known - {"activation_checkpointing"}, use_jagg=False)
+    assert older == {k: v for k, v in values.items() if k != "activation_checkpointing"} | {
+        "gradient_checkpointing": True
+    }
+    args = preset_config("dancegrpo-flux", output_dir=str(tmp_path), use_jagg=False)
+    assert args.activation_checkpointing and not args.use_jagg and args.gradient_accumulation_steps == 4
 
 
 def test_time_guard_skips_parts_and_a_failing_part_does_not_stop_the_run(tmp_path, monkeypatch):
@@ -181,7 +199,7 @@ def test_the_wheel_list_is_what_the_gpu_machine_lacks_of_the_dependency_tree():
 
 def test_wheel_commands_pin_the_lock_and_install_offline(tmp_path):
     versions = gpu_wheels.locked_versions(REPO / "requirements.lock")
-    assert list(versions) == list(gpu_wheels.GPU_MACHINE_LACKS)
+    assert list(versions) == list(gpu_wheels.CARRIED)
     for name, version in versions.items():  # what the suite runs is what travels
         assert metadata.version(name) == version
     command = gpu_wheels.download_command("python", tmp_path, versions)

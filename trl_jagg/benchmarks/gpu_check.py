@@ -137,7 +137,8 @@ class Session:
         return self._lora_trainer
 
     def cadence_trainers(self, names: Sequence[str]) -> dict[str, Any]:
-        """A trainer per variant of ``names`` on the shared cadence transformer (built once, priced once)."""
+        """A :class:`~.gpu_measure.CadenceRun` per variant of ``names`` on the shared cadence transformer (built
+        once, priced once)."""
         from .gpu import build_pipeline
         from .gpu_measure import backbone_step_costs, build_cadence_trainer
 

@@ -16,7 +16,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -191,29 +192,61 @@ class RolloutTimer(TrainerCallback):
             self.elapsed = self.clock() - self.start
 
 
-def build_cadence_trainer(pipe: Any, preset: str, fields: Mapping[str, Any], workdir: str, **overrides: Any) -> Any:
-    """A ``DDPOJaggTrainer`` of preset ``preset`` with ``fields`` (the variant's) and ``overrides`` (the run's: image
-    size, text tokens, device, precision) on ``pipe``, the preset's scheduler override applied, the weight-free
+@dataclass(frozen=True)
+class CadenceRun:
+    """A whole-step variant's trainer and whether its preset checkpoints the backbone's blocks (read before the
+    trainer is built: the trainer switches the config's flags off once it has enabled diffusers' own)."""
+
+    trainer: Any
+    checkpointed: bool
+
+
+def preset_values(preset: str, known: Collection[str], **values: Any) -> dict[str, Any]:
+    """The ``GRPOJaggConfig`` keyword arguments of preset ``preset`` with ``values`` on top, for a config whose
+    fields are ``known``: where the installed transformers predates ``TrainingArguments.activation_checkpointing``
+    (the GPU machine's 5.17), the preset's switch is passed as ``gradient_checkpointing``, which the trainer treats
+    alike (``trl_jagg/trainer/backbone.py``)."""
+    from ..recipes import get_recipe
+
+    config = {**get_recipe(preset).config, **values}
+    if "activation_checkpointing" not in known and "activation_checkpointing" in config:
+        config["gradient_checkpointing"] = bool(
+            config.pop("activation_checkpointing") or config.get("gradient_checkpointing")
+        )
+    return config
+
+
+def preset_config(preset: str, **values: Any) -> Any:
+    """The ``GRPOJaggConfig`` of :func:`preset_values` for the installed transformers."""
+    from ..grpo_jagg_config import GRPOJaggConfig
+
+    return GRPOJaggConfig(**preset_values(preset, {f.name for f in fields(GRPOJaggConfig) if f.init}, **values))
+
+
+def build_cadence_trainer(
+    pipe: Any, preset: str, variant_fields: Mapping[str, Any], workdir: str, **overrides: Any
+) -> CadenceRun:
+    """A ``DDPOJaggTrainer`` of preset ``preset`` with ``variant_fields`` and ``overrides`` (the run's: image size,
+    text tokens, device, precision) on ``pipe``, the preset's scheduler override applied, the weight-free
     ``prompt_color`` reward, plain SGD (no optimizer state: the trainers share one pipeline), one rollout per
     ``train()`` call."""
     from datasets import Dataset
 
     from ..ddpo_jagg_trainer import DDPOJaggTrainer
-    from ..grpo_jagg_config import GRPOJaggConfig
     from ..recipes import get_recipe
 
-    recipe = get_recipe(preset)
     run = {"output_dir": str(Path(workdir) / preset), "report_to": "none", "disable_tqdm": True,
            "save_strategy": "no", "logging_steps": 10**6, "optim": "sgd"}  # fmt: skip
-    args = GRPOJaggConfig.from_recipe(preset, **{**fields, **overrides, **run})
+    args = preset_config(preset, **{**variant_fields, **overrides, **run})
     args.max_steps = rollout_optimizer_steps(args)
+    checkpointed = bool(args.gradient_checkpointing or getattr(args, "activation_checkpointing", False))
     torch.manual_seed(args.seed)
     trainer = DDPOJaggTrainer(
-        model=recipe.apply_scheduler(pipe), reward_funcs="prompt_color", args=args,
+        model=get_recipe(preset).apply_scheduler(pipe), reward_funcs="prompt_color", args=args,
         train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
     )  # fmt: skip
     trainer.remove_callback(PrinterCallback)  # each train() call would print its logs: the report has them
-    return trainer
+    return CadenceRun(trainer, checkpointed)
 
 
 def _timed_rollout(trainer: Any) -> dict[str, Any]:
@@ -234,31 +267,28 @@ def _timed_rollout(trainer: Any) -> dict[str, Any]:
 
 
 def cadence_steps(
-    trainers: Mapping[str, Any], costs: StepCosts, *, repeats: int, peak_tflops: float = H200_BF16_TFLOPS
+    variants: Mapping[str, CadenceRun], costs: StepCosts, *, repeats: int, peak_tflops: float = H200_BF16_TFLOPS
 ) -> dict[str, dict[str, Any]]:
     """Whole steps of every trainer at its preset's cadence (see the module docstring): a warm-up rollout each,
     then ``repeats`` repeats in alternating order. Per variant: the step time (median, min, max), the optimizer
     steps per rollout, the counted work per rollout, the backbone's FLOPs per rollout (``costs``, blocks
     checkpointed as the config says), the achieved TFLOP/s and MFU against ``peak_tflops``, the peak memory."""
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in trainers}
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
     for repeat in range(repeats + 1):
-        order = list(trainers) if repeat % 2 == 0 else list(trainers)[::-1]
+        order = list(variants) if repeat % 2 == 0 else list(variants)[::-1]
         for name in order:
-            result = _timed_rollout(trainers[name])
+            result = _timed_rollout(variants[name].trainer)
             if repeat > 0:  # repeat 0 is the warm-up
                 runs[name].append(result)
     report = {}
     for name, timed in runs.items():
-        args = trainers[name].args
-        work = timed[0]["work"]
-        flops = step_flops(
-            costs, work, checkpointing=bool(args.activation_checkpointing or args.gradient_checkpointing)
-        )
+        work, checkpointed = timed[0]["work"], variants[name].checkpointed
+        flops = step_flops(costs, work, checkpointing=checkpointed)
         step = _spread([r["time_s"] for r in timed])
         achieved = flops / step["median"] / 1e12
         peaks = [r["peak_gib"] for r in timed if r["peak_gib"] is not None]
         report[name] = {
-            "step_s": step, "optimizer_steps": timed[0]["optimizer_steps"], "counted": work,
+            "step_s": step, "checkpointed": checkpointed, "optimizer_steps": timed[0]["optimizer_steps"], "counted": work,
             "work_per_rollout_equal": all(r["work"] == work for r in timed), "backbone_tflop": flops / 1e12,
             "achieved_tflops": achieved, "mfu": achieved / peak_tflops, "peak_gib": max(peaks) if peaks else None,
         }  # fmt: skip

@@ -31,6 +31,12 @@ GPU_MACHINE_LACKS = ("diffusers", "trl", "datasets", "dill", "multiprocess", "im
 """What ``trl_jagg`` needs at run time that the GPU machine does not have: the project's own dependencies
 diffusers, trl and datasets, and theirs (datasets: dill, multiprocess; diffusers: importlib-metadata, which needs
 lazy-importer on Python < 3.15). ``tests/test_gpu_check.py`` recomputes this from the installed metadata."""
+GPU_MACHINE_REPLACES = ("peft",)
+"""Packages the GPU machine has at a version nobody recorded, carried at the lock's so that the LoRA code that runs
+there is the tested one (pure Python, small). torch, transformers and accelerate stay the machine's (their wheels,
+or the huggingface-hub that the lock's transformers needs, would pass the size limit)."""
+CARRIED = GPU_MACHINE_LACKS + GPU_MACHINE_REPLACES
+"""Every wheel ``make gpu-wheels`` downloads (the project's own is built besides)."""
 GPU_MACHINE_HAS = frozenset(
     # The nvidia-h200 image's Python packages as the device notes list them (2026-11-17), those trl_jagg's
     # dependency tree reaches; the rest of that list is left out.
@@ -54,7 +60,7 @@ def normalize(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def locked_versions(lock: str | Path, names: Sequence[str] = GPU_MACHINE_LACKS) -> dict[str, str]:
+def locked_versions(lock: str | Path, names: Sequence[str] = CARRIED) -> dict[str, str]:
     """The pinned version of each of ``names`` in the lock file ``lock`` (``name==version`` lines); a name the lock
     does not pin raises a ``ValueError`` naming it."""
     pins = {}
@@ -64,7 +70,7 @@ def locked_versions(lock: str | Path, names: Sequence[str] = GPU_MACHINE_LACKS) 
             pins[normalize(match[1])] = match[2]
     missing = [name for name in names if normalize(name) not in pins]
     if missing:
-        raise ValueError(f"{lock} pins no version of {missing}: run `make lock`, or drop them from GPU_MACHINE_LACKS.")
+        raise ValueError(f"{lock} pins no version of {missing}: run `make lock`, or drop them from CARRIED.")
     return {name: pins[normalize(name)] for name in names}
 
 
@@ -90,7 +96,7 @@ def install_command(python: str, wheels: str | Path, target: str | Path) -> list
 
 
 def download(dest: str | Path, lock: str | Path = "requirements.lock", project: str | Path = ".") -> list[Path]:
-    """Download the wheels of :data:`GPU_MACHINE_LACKS` and build the project's into ``dest`` (emptied of wheels
+    """Download the wheels of :data:`CARRIED` and build the project's into ``dest`` (emptied of wheels
     first); returns them. Raises if they pass :data:`MAX_BYTES`."""
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
