@@ -36,6 +36,8 @@ def test_tiny_dry_run_attempts_every_part_and_writes_its_files(tiny_report):
     assert (out / gpu_check.PNG_NAME).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     section = (out / gpu_check.MD_NAME).read_text()
     assert "python -m trl_jagg.benchmarks.gpu_check --tiny" in section and "| part | measurement | value |" in section
+    table = [line for line in section.splitlines() if line.startswith("|")]
+    assert len(table) > 10 and all(line.count("|") == 4 for line in table)  # three cells: no stray pipe
     statuses = {name: part["status"] for name, part in report["parts"].items()}
     assert statuses == dict.fromkeys([p.name for p in gpu_check.PARTS], "done")
     assert set(report["config"]["versions"]) >= {"torch", "transformers", "diffusers", "trl", "datasets", "peft"}

@@ -19,9 +19,9 @@ part                  budget  what
 ``cadence_dancegrpo`` 80 s    whole steps at ``dancegrpo-flux``'s cadence (``train()``: 12 micro-batches of one,
                               3 optimizer steps per rollout, a random 60% of 15 steps trained, checkpointing):
                               exact DanceGRPO and the preset's JAGG + cache, interleaved, a warm-up and 2 repeats,
-                              on a 5 + 10-block transformer of FLUX.1-dev's widths (the full 57 blocks take about
-                              40 s a rollout); synchronised wall time, peak CUDA memory, the backbone's achieved
-                              TFLOP/s from the FLOP model and MFU against 790 TFLOP/s
+                              on a 5 + 10-block transformer of FLUX.1-dev's widths (all 57 blocks: about 40 s a
+                              rollout by the FLOP model); synchronised wall time, peak CUDA memory, the backbone's
+                              achieved TFLOP/s from the FLOP model and MFU against 790 TFLOP/s
 ``cadence_fast_mix``  60 s    the same for MixGRPO-Flash (``mixgrpo-flux`` with an exact update) and the fast
                               preset (:data:`FAST_PRESETS`, where registered), against ``cadence_dancegrpo``'s
                               exact step (not interleaved with it: the GPU is not shared)
@@ -30,7 +30,9 @@ part                  budget  what
                               and 2 repeats, each on a fresh rollout, peak memory)
 ====================  ======  ==================================================================================
 
-Start-up (installing the wheels, importing torch and diffusers) takes about 30 s more. It writes
+The budgets are estimates (FLOP counts at about 45% of the bf16 peak, no GPU run yet); the first run's
+``elapsed_s`` per part replaces them. Start-up (installing the wheels, importing torch and diffusers) takes about 30 s
+more. It writes
 ``gpu_check.json`` (everything, rewritten after every part), ``gpu_check.png`` (the timing bars and the numerics
 table) and ``gpu_check.md`` (the section of ``docs/benchmarks.md``) to ``--output_dir`` and prints the summary table.
 ``--tiny`` runs every part with a tiny transformer on the CPU in seconds (the suite's dry run). ``--render_docs``
@@ -78,7 +80,7 @@ EXACT = "dancegrpo-exact"
 CADENCE_BLOCKS = (5, 10)
 """Double- and single-stream blocks of the cadence parts' transformer (FLUX.1-dev's widths)."""
 TINY_CADENCE = {"num_generations": 4, "steps_per_generation": 4, "gradient_accumulation_steps": 2}
-"""``--tiny`` only: fewer images per rollout, still two optimizer steps per rollout (the dry run checks the code path)."""
+"""``--tiny`` only: fewer images per rollout, still two optimizer steps per rollout (the dry run checks the path)."""
 DOCS_BEGIN, DOCS_END = "<!-- gpu-check:begin -->", "<!-- gpu-check:end -->"
 
 
@@ -146,7 +148,8 @@ class Session:
             self._cadence_pipe = build_pipeline(self.cadence_config, self.device, self.dtype)
             self.cadence_costs = backbone_step_costs(self.cadence_config, self.resolution, self.text_tokens)
         run = {"height": self.resolution, "width": self.resolution, "max_sequence_length": self.text_tokens,
-               "use_cpu": not self.cuda, "bf16": self.cuda, "seed": 0, **(TINY_CADENCE if self.tiny else {})}  # fmt: skip
+               "use_cpu": not self.cuda, "bf16": self.cuda, "seed": 0,
+               **(TINY_CADENCE if self.tiny else {})}  # fmt: skip
         return {
             name: build_cadence_trainer(self._cadence_pipe, *CADENCE_VARIANTS[name], self.workdir, **run)
             for name in names
@@ -243,7 +246,7 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str, str]]:
                 rows.append((name, f"cached velocity vs {how}: max abs / bitwise",
                              f"{v['max_abs']:.2e} / {'yes' if v['bitwise_equal'] else 'no'}"))  # fmt: skip
             for how, gap in result["log_prob_gap"].items():
-                rows.append((name, f"log-prob gap ({how}): mean / max |d|, first ratio max |r-1|",
+                rows.append((name, f"log-prob gap ({how}): mean / max abs, first ratio max abs(r - 1)",
                              f"{gap['mean_abs']:.2e} / {gap['max_abs']:.2e}, {gap['ratio_max_dev']:.2e}"))  # fmt: skip
             rows.append(
                 (name, "first PPO ratio logged (exact)", f"{result['exact_logged'].get('ratio', float('nan')):.6f}")
@@ -262,7 +265,8 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str, str]]:
             for r in result["results"]:
                 u = r["update_speedup"]
                 rows.append((name, f"{r['variant']} W={r['group_size'] or '-'}: update speedup [min, max], model",
-                             f"{u['median']:.2f}x [{u['min']:.2f}, {u['max']:.2f}], {r['theory_update_speedup']:.2f}x"))  # fmt: skip
+                             f"{u['median']:.2f}x [{u['min']:.2f}, {u['max']:.2f}], "
+                             f"{r['theory_update_speedup']:.2f}x"))  # fmt: skip
     return rows
 
 

@@ -288,7 +288,8 @@ def cadence_steps(
         achieved = flops / step["median"] / 1e12
         peaks = [r["peak_gib"] for r in timed if r["peak_gib"] is not None]
         report[name] = {
-            "step_s": step, "checkpointed": checkpointed, "optimizer_steps": timed[0]["optimizer_steps"], "counted": work,
+            "step_s": step, "checkpointed": checkpointed, "optimizer_steps": timed[0]["optimizer_steps"],
+            "counted": work,
             "work_per_rollout_equal": all(r["work"] == work for r in timed), "backbone_tflop": flops / 1e12,
             "achieved_tflops": achieved, "mfu": achieved / peak_tflops, "peak_gib": max(peaks) if peaks else None,
         }  # fmt: skip

@@ -40,14 +40,16 @@ CARRIED = GPU_MACHINE_LACKS + GPU_MACHINE_REPLACES
 GPU_MACHINE_HAS = frozenset(
     # The nvidia-h200 image's Python packages as the device notes list them (2026-11-17), those trl_jagg's
     # dependency tree reaches; the rest of that list is left out.
-    "accelerate aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs certifi charset-normalizer click contourpy "
-    "cycler filelock fonttools frozenlist fsspec h11 hf-xet httpcore httpx huggingface-hub idna jinja2 kiwisolver "
+    "accelerate aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs certifi charset-normalizer click "
+    "contourpy cycler filelock fonttools frozenlist fsspec h11 hf-xet httpcore httpx huggingface-hub idna jinja2 "
+    "kiwisolver "
     "markdown-it-py markupsafe matplotlib mdurl mpmath multidict networkx numpy packaging pandas peft pillow propcache "
     "psutil pyarrow pygments pyparsing python-dateutil pyyaml regex requests rich safetensors setuptools shellingham "
     "six sympy tokenizers torch tqdm transformers triton typer typing-extensions urllib3 xxhash yarl zipp".split()
 )
-"""Packages already on the GPU machine (its torch, transformers and accelerate are older than the lock's: the
-suite's ``--tiny`` dry run cannot catch an incompatibility there, the GPU run records it per part)."""
+"""Packages already on the GPU machine. Its torch (2.11), transformers (5.17) and accelerate (1.15) are older than
+the lock's; the ``--tiny`` dry run passed by hand with that transformers, accelerate and huggingface-hub (1.33) over
+the lock's other packages (docs/benchmarks.md, "GPU"), not with that torch."""
 PLATFORM_FLAGS = (
     "--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp", "--abi", "cp312",
     "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_17_x86_64", "--platform", "manylinux2014_x86_64",
