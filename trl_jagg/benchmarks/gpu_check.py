@@ -24,7 +24,8 @@ part                  budget  what
                               achieved TFLOP/s from the FLOP model and MFU against 790 TFLOP/s
 ``cadence_fast_mix``  60 s    the same for MixGRPO-Flash (``mixgrpo-flux`` with an exact update) and the fast
                               preset (:data:`FAST_PRESETS`, where registered), against ``cadence_dancegrpo``'s
-                              exact step (not interleaved with it: the GPU is not shared)
+                              exact step (not interleaved with it: the GPU is not shared); each ``train()``
+                              call starts at optimizer step 0: a sliding window is timed at its first position
 ``update_stage``      120 s   the update stage exact / JAGG / JAGG + cache at W = 4 and W = 8 on the numerics'
                               trainer (:func:`~trl_jagg.benchmarks.trainer.time_variants`: interleaved, a warm-up
                               and 2 repeats, each on a fresh rollout, peak memory)
