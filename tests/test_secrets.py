@@ -22,7 +22,7 @@ from peft import LoraConfig
 from testing_utils import PROMPTS
 
 from trl_jagg import GRPOJaggConfig, GRPOJaggTrainer
-from trl_jagg.redaction import REDACTED, names_secret, redacted, redacted_fields
+from trl_jagg.redaction import REDACTED, names_secret, redacted, redacted_argv, redacted_fields
 from trl_jagg.rewards import register_reward
 
 SECRETS = {
@@ -184,3 +184,14 @@ def test_no_secret_reaches_a_file_a_tracker_or_a_log(tiny_flux_path, tmp_path, m
         leaks = [p for p in [*files, *tracker_files] if raw in open(p, "rb").read()]
         assert not leaks, (secret, leaks)
         assert secret not in logs and not any(secret in text for text in shown), secret
+
+
+def test_command_line_secrets_are_redacted_once_parsed():
+    """W&B records ``sys.argv``: ``trl-jagg train`` replaces it with this once its arguments are parsed."""
+    argv = ["train", "--hub_token", "hf_x", "--api_key=k", "--reward_kwargs", '{"http://h/s": {"token": "t"}}',
+            "--reward_funcs", "http://u:p@h/s", "--learning_rate", "1e-4", "--config", "{not json"]  # fmt: skip
+    assert redacted_argv(argv) == [
+        "train", "--hub_token", REDACTED, f"--api_key={REDACTED}", "--reward_kwargs",
+        json.dumps({"http://h/s": {"token": REDACTED}}), "--reward_funcs", f"http://{REDACTED}@h/s",
+        "--learning_rate", "1e-4", "--config", REDACTED,
+    ]  # fmt: skip

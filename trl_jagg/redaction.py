@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -66,6 +67,28 @@ def redacted_fields(config: Any) -> Any:
     for item in dataclasses.fields(config):
         value = getattr(config, item.name)
         setattr(clean, item.name, None if names_secret(item.name) else redacted(value))
+    return clean
+
+
+def redacted_argv(argv: list[str]) -> list[str]:
+    """Command-line arguments without secrets, for whoever records them after parsing (W&B saves ``sys.argv``): the
+    value of a flag naming a secret (``--hub_token X``, ``--hub_token=X``), secrets in JSON values
+    (``--reward_kwargs '{...}'``) and URL userinfo are :data:`REDACTED`."""
+    clean: list[str] = []
+    for i, item in enumerate(argv):
+        flag, equals, value = item.partition("=")
+        if i and argv[i - 1].startswith("-") and names_secret(argv[i - 1].lstrip("-")) and not item.startswith("-"):
+            clean.append(REDACTED)
+        elif item.startswith("-") and equals and names_secret(flag.lstrip("-")):
+            clean.append(f"{flag}={REDACTED}")
+        elif item.lstrip().startswith(("{", "[")):
+            try:
+                parsed = json.loads(item)
+                clean.append(item if redacted(parsed) == parsed else json.dumps(redacted(parsed)))
+            except ValueError:  # not JSON after all: it may still hold a key that cannot be found, so drop it
+                clean.append(REDACTED)
+        else:
+            clean.append(redact_url(item))
     return clean
 
 
