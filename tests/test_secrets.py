@@ -23,7 +23,7 @@ from testing_utils import PROMPTS
 
 from trl_jagg import GRPOJaggConfig, GRPOJaggTrainer
 from trl_jagg.redaction import REDACTED, names_secret, redacted, redacted_argv, redacted_fields
-from trl_jagg.rewards import register_reward
+from trl_jagg.rewards import REWARD_REGISTRY
 
 SECRETS = {
     "token": "tok-REWARD-7f3a9c",  # reward_kwargs={url: {"token": ...}}, the documented way
@@ -73,7 +73,6 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
 
-@register_reward("test-options")
 def options_reward(**options: object):
     """A reward taking any keyword (as a user's own factory may): the nested secrets ride in ``reward_kwargs``."""
 
@@ -121,6 +120,7 @@ def test_no_secret_reaches_a_file_a_tracker_or_a_log(tiny_flux_path, tmp_path, m
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("TRL_JAGG_REWARD_TOKEN", SECRETS["env_token"])
     monkeypatch.setenv("TEST_JUDGE_KEY", SECRETS["judge"])
+    monkeypatch.setitem(REWARD_REGISTRY, "test-options", options_reward)  # registered for this test only
     server = Stubs()
     threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
     with_token, from_env = f"{server.url}/score/a", f"{server.url}/score/b"
@@ -135,7 +135,7 @@ def test_no_secret_reaches_a_file_a_tracker_or_a_log(tiny_flux_path, tmp_path, m
     }
     out = tmp_path / "out"
     args = GRPOJaggConfig(
-        output_dir=str(out), per_device_train_batch_size=4, num_generations=2, num_inference_steps=2, height=32,
+        output_dir=str(out), per_device_train_batch_size=4, num_generations=2, num_inference_steps=3, height=32,
         width=32, max_steps=2, jagg_group_size=2, max_sequence_length=16, seed=0, save_strategy="steps", save_steps=1,
         disable_tqdm=True, logging_steps=1, report_to=["tensorboard", "wandb"], project="trl-jagg-secrets",
         run_name="secrets", hub_token=SECRETS["hub"], reward_kwargs=reward_kwargs,
