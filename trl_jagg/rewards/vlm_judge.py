@@ -13,8 +13,9 @@ kept as its authors wrote it; sources below):
 - ``"unifiedreward-think-pairwise"``: Pref-GRPO's pairwise preference: every two images of the same prompt are
   compared by UnifiedReward-Think, and each image's reward is its win rate against the others.
 
-A reply without a score is an error naming the judge and quoting the reply, never a 0: a silent default would bias
-the group advantages. The HTTP side (one deadline per attempt, retries with backoff for connection errors,
+A reply without a score, or with one the judge cannot mean (outside the template's range, a dimension scored twice,
+a pairwise verdict for both images, unreadable log-probabilities), is a :class:`JudgeReplyError` naming the judge,
+the model and quoting the reply, never a 0 or a guess: a silent default would bias the group advantages. The HTTP side (one deadline per attempt, retries with backoff for connection errors,
 timeouts, HTTP 429 and 5xx, honouring ``Retry-After``, a bounded answer) is :class:`~trl_jagg.rewards.remote.RemoteReward`'s; requests run in a
 thread pool of ``max_concurrency``. The API key comes from an environment variable, never from a config file.
 """
