@@ -17,6 +17,7 @@ from .grpo import MULTI_OBJECTIVE_AGGREGATIONS
 from .jagg import ENDPOINT_BACKWARDS, JAGG_MODES, VELOCITY_CACHE_MODES
 from .nft import OLD_POLICY_DECAY_TYPES
 from .recipes import RECIPES
+from .redaction import redacted
 from .sampling import SAMPLERS
 from .sde_window import WINDOW_SCHEDULES
 
@@ -83,13 +84,14 @@ def reward_kwargs_mapping(value: Any) -> dict | None:
             value = json.loads(value)
         except ValueError as error:
             raise ValueError(
-                f"GRPOJaggConfig.reward_kwargs is not JSON ({error}): {value[:200]!r}. Give a JSON object, e.g. "
+                # The text is not shown: it may hold a key, and cannot be parsed to redact it.
+                f"GRPOJaggConfig.reward_kwargs is not JSON ({error}). Give a JSON object, e.g. "
                 """--reward_kwargs '{"vlm-judge": {"url": "http://localhost:8080/v1"}}'."""
             ) from None
     if value is not None and not isinstance(value, dict):
         raise TypeError(
-            f"GRPOJaggConfig.reward_kwargs is {value!r} ({type(value).__name__}); expected a mapping from reward names "
-            "to their keyword arguments, or None."
+            f"GRPOJaggConfig.reward_kwargs is {redacted(value)!r} ({type(value).__name__}); expected a mapping from "
+            "reward names to their keyword arguments, or None."
         )
     return value
 

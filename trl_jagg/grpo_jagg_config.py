@@ -27,6 +27,7 @@ from .grpo import MULTI_OBJECTIVE_AGGREGATIONS
 from .jagg import ENDPOINT_BACKWARDS, JAGG_MODES, VELOCITY_CACHE_MODES
 from .prompts import check_prompts
 from .recipes import get_recipe
+from .redaction import redacted
 from .sde_window import WINDOW_SCHEDULES
 
 
@@ -730,6 +731,19 @@ class GRPOJaggConfig(TrainingArguments):
         check_fields(self)
         super().__post_init__()
         resolve_generation_batch(self)  # needs the number of processes
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as ``TrainingArguments.to_dict`` gives them (what trackers record, through ``to_json_string``
+        and ``to_sanitized_dict`` too), with every secret redacted (:mod:`trl_jagg.redaction`): a key inside
+        ``reward_kwargs`` or a URL would otherwise reach TensorBoard, W&B and the Hub."""
+        return redacted(super().to_dict())
+
+    def __repr__(self) -> str:
+        # The dataclass repr would show every field in clear (hub_token and reward_kwargs included).
+        shown = "".join(f"{key}={value!r},\n" for key, value in sorted(self.to_dict().items()))
+        return f"{type(self).__name__}(\n{shown})"
+
+    __str__ = __repr__
 
     @property
     def num_trained_steps(self) -> int:

@@ -23,6 +23,7 @@ import torch
 from PIL import Image
 
 from .calling import call_with_retries, is_async_reward, reward_deadline
+from ..redaction import redacted
 from .video import frame_kwargs, is_video_batch, takes_videos, video_means
 
 RewardFunc = Callable[..., Sequence[float | None]]
@@ -195,7 +196,7 @@ def _keyed_reward_kwargs(reward_kwargs: Any, items: Sequence[Any]) -> dict[str, 
     of ``items`` (a key naming nothing would be dropped silently)."""
     if not isinstance(reward_kwargs, Mapping) or not all(isinstance(v, Mapping) for v in reward_kwargs.values()):
         raise ValueError(
-            f"reward_kwargs is {reward_kwargs!r}: give a mapping from reward names to their keyword arguments, e.g. "
+            f"reward_kwargs is {redacted(reward_kwargs)!r}: give a mapping from reward names to their keyword arguments, e.g. "
             f"{_KWARGS_EXAMPLE}."
         )
     names = {_spec_key(item) for item in items if isinstance(item, str)}
@@ -203,7 +204,7 @@ def _keyed_reward_kwargs(reward_kwargs: Any, items: Sequence[Any]) -> dict[str, 
         if _spec_key(str(key)) not in names:
             given = [item if isinstance(item, str) else reward_name(item) for item in items]
             raise ValueError(
-                f"reward_kwargs has the key {key!r}, which is not one of reward_funcs {given}. Key each entry by a "
+                f"reward_kwargs has the key {redacted(key)!r}, which is not one of reward_funcs {given}. Key each entry by a "
                 f"registered name or URL of reward_funcs, e.g. {_KWARGS_EXAMPLE}; configure a callable yourself."
             )
     return {_spec_key(str(key)): dict(kwargs) for key, kwargs in reward_kwargs.items()}

@@ -33,6 +33,7 @@ from PIL import Image, UnidentifiedImageError
 
 from trl_jagg.field_types import has_kind
 from trl_jagg.rewards.calling import REMOTE_REWARD_TIMEOUT
+from trl_jagg.redaction import check_url_without_credentials
 from trl_jagg.rewards.lazy import check_pairs, to_rgb
 
 SERVER_HINT = "Start one with: python examples/reward_server.py --rewards pickscore --port 8000"
@@ -195,6 +196,9 @@ class RemoteReward:
         token: str | None = None,
         max_response_bytes: int = MAX_RESPONSE_BYTES,
     ) -> None:
+        check_url_without_credentials(
+            url, "remote reward", f"pass the shared token with token=... or, better, the {TOKEN_ENV} variable."
+        )
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"The reward server URL must start with http:// or https://, got {url!r}.")
         # Checked here, not at the first request: each would fail only after a whole rollout.

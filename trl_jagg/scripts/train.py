@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..redaction import redacted_argv
 from .utils import CommandParser, UsageError, flag_value, one_line
 
 if TYPE_CHECKING:
@@ -509,6 +511,7 @@ def main(argv: Sequence[str]) -> int:
     parsed = parser.parse_command_line(argv, recipe_defaults)
     if parsed is None:
         return 0
+    sys.argv[1:] = redacted_argv(sys.argv[1:])  # parsed: W&B records sys.argv, which may hold a key
     check_script_args(parsed[0])
     run_train(*parsed)
     return 0
