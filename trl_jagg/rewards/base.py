@@ -22,8 +22,8 @@ from typing import Any, TypeVar
 import torch
 from PIL import Image
 
-from .calling import call_with_retries, is_async_reward, reward_deadline
 from ..redaction import redacted
+from .calling import call_with_retries, is_async_reward, reward_deadline
 from .video import frame_kwargs, is_video_batch, takes_videos, video_means
 
 RewardFunc = Callable[..., Sequence[float | None]]

@@ -32,8 +32,8 @@ from typing import Any
 from PIL import Image, UnidentifiedImageError
 
 from trl_jagg.field_types import has_kind
-from trl_jagg.rewards.calling import REMOTE_REWARD_TIMEOUT
 from trl_jagg.redaction import check_url_without_credentials
+from trl_jagg.rewards.calling import REMOTE_REWARD_TIMEOUT
 from trl_jagg.rewards.lazy import check_pairs, to_rgb
 
 SERVER_HINT = "Start one with: python examples/reward_server.py --rewards pickscore --port 8000"
