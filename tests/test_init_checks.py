@@ -93,3 +93,16 @@ def test_the_cli_names_a_scalar_eval_prompts_and_an_empty_eval_file(tmp_path):
     )  # fmt: skip
     with pytest.raises(train.UsageError, match=r"eval_dataset_name .*held_out.json holds no prompts"):
         train.load_eval_dataset(script_args, args)
+
+
+def test_geneval_metadata_is_checked_at_init(tiny_flux_path, tmp_path):
+    """GenEval's `check_dataset` runs when the trainer is built: missing columns and bad rows are named."""
+    geneval = load_reward_funcs("geneval", detector_id="not-loaded", clip_id="not-loaded")
+    with pytest.raises(ValueError, match="train_dataset has no 'tag' or 'include' column"):
+        build(tiny_flux_path, tmp_path, reward_funcs=geneval)
+    include = [[{"class": "cat", "count": 1}], [{"class": "cat", "count": 1, "color": "mauve"}]]
+    rows = Dataset.from_dict({"prompt": PROMPTS, "tag": ["colors"] * 2, "include": include})
+    with pytest.raises(
+        ValueError, match=re.escape("train_dataset row 1: GenEval metadata 'include[0].color' is 'mauve'")
+    ):
+        build(tiny_flux_path, tmp_path, train=rows, reward_funcs=geneval)
