@@ -17,6 +17,7 @@ from .config_checks import (
     SCALE_REWARDS,
     TRAIN_SAMPLERS,
     TRAIN_TIMESTEPS,
+    check_activation_checkpointing,
     check_fields,
     check_types_and_finiteness,
     resolve_generation_batch,
@@ -45,6 +46,7 @@ class GRPOJaggConfig(TrainingArguments):
         dtype (`str`, defaults to `"float32"`): dtype the pipeline is loaded in when `model` is a Hub id or a path.
         model_revision (`str`, *optional*): revision of the model to load.
         gradient_checkpointing (inherited): uses diffusers' `enable_gradient_checkpointing()` on the backbone.
+        activation_checkpointing_kwargs (inherited): `{"every_n_layers": k}` checkpoints every k-th block only.
 
         > Sampling (rollouts)
 
@@ -126,6 +128,17 @@ class GRPOJaggConfig(TrainingArguments):
         metadata={"help": f"dtype of the pipeline when `model` is a Hub id or a path, one of {DTYPES}."},
     )
     model_revision: str | None = field(default=None, metadata={"help": "Revision (branch, tag or commit) to load."})
+    activation_checkpointing_kwargs: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={
+            "help": "With `activation_checkpointing` (or `gradient_checkpointing`): `{\"every_n_layers\": k}` "
+            "checkpoints only every k-th transformer block (blocks 0, k, 2k, ... in module order, as transformers "
+            "counts layers); the others keep their activations. A backward row then recomputes about 1/k of the "
+            "forward instead of all of it (full checkpointing: about 3 forwards per backward row, not 2), for the "
+            "memory of the other blocks' activations. Other keys are refused (diffusers backbones run "
+            "`use_reentrant=False`). Inherited from `TrainingArguments` (alias `gradient_checkpointing_kwargs`)."
+        },
+    )
 
     # ---- Sampling ----
     num_generations: int = field(default=8, metadata={"help": "Images sampled per prompt: the GRPO group size G."})
@@ -678,6 +691,7 @@ class GRPOJaggConfig(TrainingArguments):
         # checks of the machine (bf16 on a CPU, ...) can stop on something else.
         check_fields(self)
         super().__post_init__()
+        check_activation_checkpointing(self)  # transformers' field, parsed and its alias resolved just above
         resolve_generation_batch(self)  # needs the number of processes
 
     @property
