@@ -45,8 +45,7 @@ class GRPOJaggConfig(TrainingArguments):
 
         dtype (`str`, defaults to `"float32"`): dtype the pipeline is loaded in when `model` is a Hub id or a path.
         model_revision (`str`, *optional*): revision of the model to load.
-        gradient_checkpointing (inherited): uses diffusers' `enable_gradient_checkpointing()` on the backbone.
-        activation_checkpointing_kwargs (inherited): `{"every_n_layers": k}` checkpoints every k-th block only.
+        gradient_checkpointing (inherited): diffusers' `enable_gradient_checkpointing()` (`every_n_layers`: docs/config.md).
 
         > Sampling (rollouts)
 
@@ -128,17 +127,6 @@ class GRPOJaggConfig(TrainingArguments):
         metadata={"help": f"dtype of the pipeline when `model` is a Hub id or a path, one of {DTYPES}."},
     )
     model_revision: str | None = field(default=None, metadata={"help": "Revision (branch, tag or commit) to load."})
-    activation_checkpointing_kwargs: dict[str, Any] | str | None = field(
-        default=None,
-        metadata={
-            "help": "With `activation_checkpointing` (or `gradient_checkpointing`): `{\"every_n_layers\": k}` "
-            "checkpoints only every k-th transformer block (blocks 0, k, 2k, ... in module order, as transformers "
-            "counts layers); the others keep their activations. A backward row then recomputes about 1/k of the "
-            "forward instead of all of it (full checkpointing: about 3 forwards per backward row, not 2), for the "
-            "memory of the other blocks' activations. Other keys are refused (diffusers backbones run "
-            "`use_reentrant=False`). Inherited from `TrainingArguments` (alias `gradient_checkpointing_kwargs`)."
-        },
-    )
 
     # ---- Sampling ----
     num_generations: int = field(default=8, metadata={"help": "Images sampled per prompt: the GRPO group size G."})
