@@ -27,8 +27,9 @@ tokens, 512 text tokens) for the work counted by hooks over the timed rollouts (
 without a graph and backward, VAE decodes, prompt encodings; :mod:`~trl_jagg.benchmarks.flops`), with activation
 checkpointing as the variant's preset sets it; the rows a rollout counts do not depend on the image size, so the
 cadence priced is the one timed. The optimizer step (elementwise) is timed but not priced. On the tiny model the VAE
-decode, rewards and Python overhead are a larger share of a step than at real size, so the measured ratios fall
-short of the predicted ones. ``reprice`` recomputes a saved report's predictions from its counted work.
+decode, rewards and each backbone call's fixed overhead are a larger share of a step than at real size, so measured
+and predicted ratios differ (at micro-batches of one sample the measured ones run above: JAGG saves calls as well as
+rows). ``reprice`` recomputes a saved report's predictions from its counted work.
 
 Adding a preset is one line in :data:`WHOLE_STEP_VARIANTS`.
 """
