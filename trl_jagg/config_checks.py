@@ -377,6 +377,34 @@ def _check_nft(config: GRPOJaggConfig, fail: Any) -> None:
             fail(name, f"is {getattr(config, name)!r} with objective='nft'", fix)
 
 
+def check_activation_checkpointing(config: GRPOJaggConfig) -> None:
+    """``activation_checkpointing_kwargs`` (transformers' field; ``gradient_checkpointing_kwargs`` is its alias) as
+    diffusers backbones take it: ``every_n_layers``, a positive integer, checkpoints every n-th transformer block
+    (``use_reentrant=False`` is accepted: it is what diffusers runs). Checked once transformers has parsed the field
+    and resolved the alias."""
+    kwargs = config.activation_checkpointing_kwargs or {}
+    name = "activation_checkpointing_kwargs"
+    if not isinstance(kwargs, dict):
+        raise ValueError(f'GRPOJaggConfig.{name} is {kwargs!r}. Use a dict such as {{"every_n_layers": 2}}.')
+    unknown = sorted(set(kwargs) - {"every_n_layers", "use_reentrant"})
+    if unknown or kwargs.get("use_reentrant", False):
+        raise ValueError(
+            f"GRPOJaggConfig.{name} is {kwargs!r}: diffusers backbones take only `every_n_layers` (and "
+            "`use_reentrant=False`, which they always run). Remove the other keys."
+        )
+    every = kwargs.get("every_n_layers", 1)
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(
+            f"GRPOJaggConfig.{name}['every_n_layers'] is {every!r}. Use a positive integer: 1 checkpoints every "
+            "transformer block, k every k-th."
+        )
+    if every > 1 and not config.activation_checkpointing:
+        raise ValueError(
+            f"GRPOJaggConfig.{name}['every_n_layers'] is {every} without activation checkpointing. Set "
+            "activation_checkpointing=True (or gradient_checkpointing=True), or remove it."
+        )
+
+
 def _warn_clip_range_scale(config: GRPOJaggConfig) -> None:
     """Warn when the clip range is far from the flow-model recipes' (TRL's token default 0.2 is 2000x Flow-GRPO's
     1e-4): it then clips nearly nothing or nearly everything."""

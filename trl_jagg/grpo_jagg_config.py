@@ -18,6 +18,7 @@ from .config_checks import (
     SCALE_REWARDS,
     TRAIN_SAMPLERS,
     TRAIN_TIMESTEPS,
+    check_activation_checkpointing,
     check_fields,
     check_types_and_finiteness,
     resolve_generation_batch,
@@ -46,7 +47,7 @@ class GRPOJaggConfig(TrainingArguments):
 
         dtype (`str`, defaults to `"float32"`): dtype the pipeline is loaded in when `model` is a Hub id or a path.
         model_revision (`str`, *optional*): revision of the model to load.
-        gradient_checkpointing (inherited): uses diffusers' `enable_gradient_checkpointing()` on the backbone.
+        gradient_checkpointing (inherited): diffusers' `enable_gradient_checkpointing()` (`every_n_layers`: docs/config.md).
 
         > Sampling (rollouts)
 
@@ -730,6 +731,7 @@ class GRPOJaggConfig(TrainingArguments):
         # checks of the machine (bf16 on a CPU, ...) can stop on something else.
         check_fields(self)
         super().__post_init__()
+        check_activation_checkpointing(self)  # transformers' field, parsed and its alias resolved just above
         resolve_generation_batch(self)  # needs the number of processes
 
     def to_dict(self) -> dict[str, Any]:

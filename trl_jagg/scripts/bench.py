@@ -4,7 +4,7 @@
 
     trl-jagg bench [--output_dir runs/bench] [--group_sizes 2 4 8 ...]           # the engine on a small DiT
     trl-jagg bench trainer [--output_dir runs/bench] [--group_sizes 2 4 8 ...]   # DDPOJaggTrainer on a tiny Flux
-    trl-jagg bench whole-step [--output_dir runs/bench] [--repeats 5 ...]       # whole steps at recipe shapes
+    trl-jagg bench whole-step [--output_dir runs/bench] [--repeats 5 ...]       # presets at their own cadence
     trl-jagg bench quality [--output_dir runs/quality] [--seeds 0 1 2 ...]      # the demo's reward per variant
     trl-jagg bench reward-overlap [--output_dir runs/bench] [--latency 0.5 ...]  # a slow reward, overlapped or not
     trl-jagg bench nft-jagg [--output_dir runs/bench] [--seeds 0 1 2 ...]       # JAGG across DiffusionNFT's timesteps
@@ -42,10 +42,11 @@ TRAINER_DESCRIPTION = (
 )
 
 WHOLE_STEP_DESCRIPTION = (
-    "Time whole steps of DDPOJaggTrainer (rollout, decode, rewards, update) at the DanceGRPO shape (exact, JAGG, "
-    "JAGG + cache) and the mixed ODE-SDE shape (exact update, JAGG + cache, + shared prefix, + DPM-Solver++ on 40% "
-    "of the ODE steps), interleaved per repeat, with the work counted by hooks and each ratio predicted at "
-    "FLUX.1-dev size by a FLOP model of the real modules (full fine-tuning and LoRA); write whole_step_benchmark.json."
+    "Train each preset (dancegrpo-flux exact and as shipped, mixgrpo-flux as MixGRPO-Flash with an exact update and "
+    "as shipped) through DDPOJaggTrainer.train() at its own cadence (optimizer steps per rollout, window, trained-step "
+    "draw, checkpointing) on a tiny Flux pipeline, one rollout at a time, interleaved; time each rollout with all its "
+    "optimizer steps, count the work by hooks and predict each ratio at FLUX.1-dev size with a FLOP model of the real "
+    "modules; measure memory in an untimed rollout; write whole_step_benchmark.json and .png."
 )
 
 
@@ -127,17 +128,21 @@ class WholeStepBenchmarkArguments:
 
     _argument_group_name = "Whole-step benchmark"
 
-    output_dir: str = field(default="runs/bench", metadata={"help": "Where the JSON goes."})
+    output_dir: str = field(default="runs/bench", metadata={"help": "Where the JSON and PNG go."})
     variants: list[str] = field(
-        default_factory=lambda: list(_whole_step_variants()), metadata={"help": "The variants to time (all)."}
+        default_factory=lambda: list(_whole_step_variants()),
+        metadata={"help": "The variants to time (all; the baselines a variant names are added)."},
     )
     resolution: int = field(default=128, metadata={"help": "Image height and width in pixels (a multiple of 16)."})
     max_sequence_length: int = field(default=64, metadata={"help": "Text tokens."})
     num_layers: int = field(default=2, metadata={"help": "Double-stream blocks of the Flux transformer."})
     num_single_layers: int = field(default=4, metadata={"help": "Single-stream blocks of the Flux transformer."})
-    repeats: int = field(default=5, metadata={"help": "Timed repeats after a warm-up, each a step of every variant."})
+    repeats: int = field(
+        default=5, metadata={"help": "Timed repeats after a warm-up, each one rollout of every variant."}
+    )
     seed: int = field(default=0, metadata={"help": "Seed of the model weights and the rollouts."})
     num_threads: int = field(default=1, metadata={"help": "torch CPU threads while timing (restored afterwards)."})
+    plot: bool = field(default=True, metadata={"help": "Write the PNG chart (--no_plot skips it)."})
     reprice_report: str | None = field(
         default=None,
         metadata={
