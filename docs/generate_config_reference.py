@@ -103,10 +103,9 @@ def render() -> str:
 
     from trl_jagg.grpo_jagg_config import GRPOJaggConfig
     from trl_jagg.scripts.train import ScriptArguments
+    from trl_jagg.scripts.utils import own_fields
 
-    own = [
-        f for f in dataclasses.fields(GRPOJaggConfig) if f.name in GRPOJaggConfig.__dict__.get("__annotations__", {})
-    ]
+    own = [f for f in dataclasses.fields(GRPOJaggConfig) if f.name in own_fields(GRPOJaggConfig)]
     by_name = {f.name: f for f in own}
     groups = _docstring_groups(GRPOJaggConfig, list(by_name))
     grouped = {name for _, fields in groups for name in fields}

@@ -47,10 +47,11 @@ def test_config_reference_is_up_to_date():
 def test_every_own_config_field_is_in_the_reference():
     from trl_jagg import GRPOJaggConfig
     from trl_jagg.scripts.train import ScriptArguments
+    from trl_jagg.scripts.utils import own_fields
 
     text = (DOCS / "config.md").read_text()
     for cls in (GRPOJaggConfig, ScriptArguments):
-        for name in cls.__dict__.get("__annotations__", {}):
+        for name in own_fields(cls):
             if not name.startswith("_"):
                 assert f"| `{name}` |" in text, name
 

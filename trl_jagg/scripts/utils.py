@@ -84,8 +84,12 @@ def suggest(name: str, valid: Iterable[str]) -> str:
 
 
 def own_fields(cls: type) -> set[str]:
-    """Fields a dataclass declares itself (not inherited): GRPOJaggConfig's own fields vs TrainingArguments'."""
-    return set(cls.__dict__.get("__annotations__", {}))
+    """Fields a dataclass declares itself or through its field-group mixins, not those it inherits from
+    ``TrainingArguments``: GRPOJaggConfig's own fields (``config_groups`` included) vs the Trainer's."""
+    from transformers import TrainingArguments
+
+    own = [klass for klass in cls.__mro__ if not issubclass(TrainingArguments, klass)]
+    return {name for klass in own for name in klass.__dict__.get("__annotations__", {})}
 
 
 def flag_value(argv: Sequence[str], flag: str) -> str | None:
@@ -144,7 +148,12 @@ class CommandParser(TrlParser):
     def _add_dataclass_arguments(self, dtype: type) -> None:
         group = self.add_argument_group(getattr(dtype, "_argument_group_name", dtype.__name__))
         inherited = None
-        parent = next((base for base in dtype.__mro__[1:] if dataclasses.is_dataclass(base)), None)
+        # The first dataclass base from another library (TrainingArguments); trl_jagg's field-group mixins are own.
+        library = dtype.__module__.split(".")[0]
+        parent = next(
+            (b for b in dtype.__mro__[1:] if dataclasses.is_dataclass(b) and b.__module__.split(".")[0] != library),
+            None,
+        )
         if parent is not None:
             library = parent.__module__.split(".")[0]
             inherited = self.add_argument_group(f"{parent.__name__} ({library}, inherited)")
