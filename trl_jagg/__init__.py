@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _LAZY = {
-    # One class, two names: GRPOJaggTrainer pairs with GRPOJaggConfig as TRL's GRPOTrainer with GRPOConfig (the
-    # documented name); DDPOJaggTrainer is its first name, kept for existing code.
+    # One class: DDPOJaggTrainer is its name; GRPOJaggTrainer is its documented alias, pairing with GRPOJaggConfig as
+    # TRL's GRPOTrainer with GRPOConfig.
     "GRPOJaggTrainer": ("trl_jagg.ddpo_jagg_trainer", "DDPOJaggTrainer"),
     "DDPOJaggTrainer": ("trl_jagg.ddpo_jagg_trainer", "DDPOJaggTrainer"),
     "GRPOJaggConfig": ("trl_jagg.grpo_jagg_config", "GRPOJaggConfig"),

@@ -425,7 +425,7 @@ class DDPOJaggTrainer(_BaseTrainer):
     def predict(self, *args: Any, **kwargs: Any) -> Any:
         """Refused: a text-to-image policy has no predictions to gather against labels."""
         raise NotImplementedError(
-            "GRPOJaggTrainer.predict() is not supported: there are no labels to predict for prompts. Use "
+            "DDPOJaggTrainer.predict() is not supported: there are no labels to predict for prompts. Use "
             "evaluate(eval_dataset) for reward scores of held-out prompts, or sample_images(prompts) for the images."
         )
 
