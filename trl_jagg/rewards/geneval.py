@@ -155,6 +155,9 @@ class GenEvalReward(LazyModelReward):
         self.threshold, self.counting_threshold, self.nms_threshold = threshold, counting_threshold, nms_threshold
         self.max_objects, self.position_threshold, self.strict = max_objects, position_threshold, strict
 
+    def hub_files(self) -> list[tuple[str, str]]:
+        return [(self.detector_id, "config.json"), (self.clip_id, "config.json")]
+
     def _load(self) -> None:
         from transformers import AutoProcessor, CLIPModel, Owlv2ForObjectDetection
 

@@ -13,7 +13,7 @@ from ..distributed import train_experts_data_parallel
 from ..grpo_jagg_config import GRPOJaggConfig
 from ..models import FlowMatchingAdapter
 from ..prompts import SOURCE_IMAGE_COLUMN, check_source_images, prompt_dataset, source_image
-from ..rewards import load_reward_funcs
+from ..rewards import LazyModelReward, load_reward_funcs
 from .checkpoint_checks import check_checkpoint_dir
 
 
@@ -23,7 +23,8 @@ def checked_inputs(
     eval_dataset: Dataset | None,
     reward_funcs: str | Callable[..., Any] | Sequence[str | Callable[..., Any]],
 ) -> tuple[Dataset, Dataset | None, list[Callable[..., Any]]]:
-    """The validated train and eval datasets and the loaded reward functions; errors name the input and the fix."""
+    """The validated train and eval datasets and the built reward functions, whose Hub weights are checked reachable
+    (:meth:`~trl_jagg.rewards.LazyModelReward.check_weights`); errors name the input and the fix."""
     if train_dataset is None:
         raise ValueError("`train_dataset` is required: a datasets.Dataset with a 'prompt' column.")
     train_dataset = prompt_dataset(train_dataset, args.prompts_per_rollout)
@@ -38,6 +39,9 @@ def checked_inputs(
             f"GRPOJaggConfig.reward_weights has {len(args.reward_weights)} values for {len(funcs)} reward functions. "
             "Give one weight per reward function."
         )
+    for func in funcs:  # gated, unknown or offline-uncached reward weights fail now, not after the first rollout
+        if isinstance(func, LazyModelReward):
+            func.check_weights()
     return train_dataset, eval_dataset, funcs
 
 
