@@ -133,4 +133,3 @@ def test_unreachable_hub_is_named(hub_answers):
     hub_answers(ConnectionResetError("no route"))
     with pytest.raises(OSError, match=r"could not be reached \(ConnectionResetError\).*HF_HUB_OFFLINE=1"):
         hpsv2(device="cpu").check_weights()
-

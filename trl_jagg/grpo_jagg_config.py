@@ -18,6 +18,7 @@ from .config_checks import (
     TRAIN_SAMPLERS,
     TRAIN_TIMESTEPS,
     check_fields,
+    check_trackers_installed,
     check_types_and_finiteness,
     resolve_generation_batch,
     reward_kwargs_mapping,
@@ -677,6 +678,7 @@ class GRPOJaggConfig(TrainingArguments):
         # This config's own fields first: a bad value is named the same way on any machine, before the Trainer's
         # checks of the machine (bf16 on a CPU, ...) can stop on something else.
         check_fields(self)
+        check_trackers_installed(self)
         super().__post_init__()
         resolve_generation_batch(self)  # needs the number of processes
 
