@@ -150,6 +150,15 @@ def test_missing_resume_directory_is_refused_before_loading(tmp_path, no_model_l
         DDPOJaggTrainer("unused", reward, args=args, train_dataset=["a", "b"])
 
 
+@pytest.mark.parametrize("word", ["latest", "LAST", "true"])
+def test_resume_from_the_latest_checkpoint_by_word_passes_the_input_checks(tmp_path, no_model_load, word):
+    # The word is not a folder: the input checks let it through, and the model loading comes next.
+    with pytest.raises(AssertionError, match="the model was loaded"):
+        DDPOJaggTrainer(
+            "unused", reward, args=make_args(tmp_path, resume_from_checkpoint=word), train_dataset=["a", "b"]
+        )
+
+
 def test_conversational_dataset_trains_on_the_user_text(tiny_flux_path, tmp_path):
     seen = []
 

@@ -14,7 +14,7 @@ from ..grpo_jagg_config import GRPOJaggConfig
 from ..models import FlowMatchingAdapter
 from ..prompts import SOURCE_IMAGE_COLUMN, check_source_images, prompt_dataset, source_image
 from ..rewards import LazyModelReward, load_reward_funcs
-from .checkpoint_checks import check_checkpoint_dir
+from .checkpoint_checks import RESUME_LATEST, check_checkpoint_dir
 
 
 def checked_inputs(
@@ -31,7 +31,7 @@ def checked_inputs(
     if eval_dataset is not None:
         eval_dataset = prompt_dataset(eval_dataset, 1, name="eval_dataset")
     resume = args.resume_from_checkpoint
-    if isinstance(resume, str) and resume.lower() not in ("true", "last"):
+    if isinstance(resume, str) and resume.lower() not in RESUME_LATEST:
         check_checkpoint_dir(resume, args.output_dir)
     funcs = load_reward_funcs(reward_funcs, args.reward_kwargs, device=args.device)
     if args.reward_weights is not None and len(args.reward_weights) != len(funcs):
