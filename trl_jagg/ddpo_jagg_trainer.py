@@ -72,7 +72,7 @@ class DDPOJaggTrainer(_BaseTrainer):
         callbacks, optimizers: as in :class:`~transformers.Trainer`.
     """
 
-    _tag_names = ["trl", "trl-jagg", "grpo", "diffusers", "text-to-image"]
+    _tag_names = ["trl", "trl-jagg", "grpo", "diffusers"]  # the card adds the task's (text-to-image, ...)
     _name = "GRPO-JAGG"
 
     def __init__(
