@@ -91,6 +91,27 @@ def test_module_entry_point_for_accelerate_launch():
     assert "commands:" in result.stdout
 
 
+FAMILY_NAMES = {
+    "FluxPipeline": "Flux", "FluxKontextPipeline": "FLUX.1 Kontext", "Flux2Pipeline": "FLUX.2",
+    "Flux2KleinPipeline": "klein", "StableDiffusion3Pipeline": "SD3", "QwenImagePipeline": "Qwen-Image",
+    "QwenImageEditPipeline": "Qwen-Image-Edit", "QwenImageEditPlusPipeline": "Edit-Plus", "ZImagePipeline": "Z-Image",
+    "WanPipeline": "Wan2.1",
+}  # fmt: skip
+"""How the help and the docs name each supported pipeline class."""
+
+
+def test_help_and_docs_index_name_every_supported_family(capsys):
+    from pathlib import Path
+
+    from trl_jagg.models import MODEL_ADAPTERS
+
+    assert set(FAMILY_NAMES) == set(MODEL_ADAPTERS)  # a new family: name it here, in the help and in the docs
+    _, out, _ = run(["--help"], capsys)
+    index = " ".join((Path(__file__).resolve().parents[1] / "docs" / "index.md").read_text().split())
+    for name in FAMILY_NAMES.values():
+        assert name in out and name in index, name
+
+
 # ---------------------------------------------------------------- errors name the field
 def test_misspelt_flag_suggests_the_nearest_field(capsys):
     code, _, err = run(["train", "--model_name_or_path", "x", "--jagg_grop_size", "4"], capsys)

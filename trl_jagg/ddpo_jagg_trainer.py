@@ -53,7 +53,8 @@ RewardFunc = Callable[..., list[float]]
 
 
 class DDPOJaggTrainer(_BaseTrainer):
-    """GRPO trainer for flow-matching text-to-image pipelines (Flux, SD3/SD3.5, Qwen-Image), with JAGG.
+    """GRPO trainer for flow-matching pipelines (text-to-image, image editing, text-to-video; see
+    ``trl_jagg.MODEL_FAMILIES``), with JAGG.
 
     Args:
         model: a Hub id, a local directory, or a loaded :class:`~diffusers.DiffusionPipeline`. Its transformer
