@@ -30,6 +30,7 @@ from . import distributed
 from .grpo_jagg_config import GRPOJaggConfig
 from .models import load_adapter
 from .prompts import prompt_text
+from .quiet import quiet_deepspeed_cpu_notice
 from .rewards import reward_name
 from .trainer import checkpointing, hub
 from .trainer.backbone import has_active_dropout, prepare_backbone
@@ -87,6 +88,7 @@ class DDPOJaggTrainer(_BaseTrainer):
         callbacks: list[TrainerCallback] | None = None,
         optimizers: tuple = (None, None),
     ):
+        quiet_deepspeed_cpu_notice()  # accelerate imports DeepSpeed (when installed) to unwrap the model
         args = args if args is not None else GRPOJaggConfig("grpo-jagg")
         if not isinstance(args, GRPOJaggConfig):
             raise TypeError(f"`args` must be a GRPOJaggConfig, got {type(args).__name__}.")

@@ -120,6 +120,13 @@ class GRPOJaggConfig(TrainingArguments):
         default=False,
         metadata={"help": "Keep every dataset column: extra columns are passed to the reward functions as kwargs."},
     )
+    dataloader_pin_memory: bool = field(
+        default=False,
+        metadata={
+            "help": "Pin the dataloader's batches in page-locked memory. A batch is prompts (strings) and source "
+            "images (PIL), which pinning does not touch, so it is off (transformers' default, on, only warns on a CPU)."
+        },
+    )
 
     # ---- Model loading ----
     dtype: str = field(
