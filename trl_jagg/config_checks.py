@@ -95,6 +95,8 @@ def reward_kwargs_mapping(value: Any) -> dict | None:
 
 
 def check_fields(config: GRPOJaggConfig) -> None:
+    check_trackers_installed(config)
+
     def fail(name: str, problem: str, fix: str) -> None:
         raise ValueError(f"GRPOJaggConfig.{name} {problem}. {fix}")
 

@@ -35,7 +35,6 @@ from .rewards import reward_name
 from .trainer import checkpointing, hub
 from .trainer.backbone import has_active_dropout, prepare_backbone
 from .trainer.batch import split_rollout, without_zero_advantages
-from .trainer.checkpoint_checks import RESUME_LATEST
 from .trainer.conditioning import PromptConditioner
 from .trainer.data import EpochSeededRepeatSampler, identity_collator
 from .trainer.ema import EMACallback, EMAWeights, ema_swapped_in
@@ -54,8 +53,7 @@ RewardFunc = Callable[..., list[float]]
 
 
 class DDPOJaggTrainer(_BaseTrainer):
-    """GRPO trainer for flow-matching pipelines (text-to-image, image editing, text-to-video; see
-    ``trl_jagg.MODEL_FAMILIES``), with JAGG.
+    """GRPO trainer for flow-matching pipelines (``trl_jagg.MODEL_FAMILIES``), with JAGG.
 
     Args:
         model: a Hub id, a local directory, or a loaded :class:`~diffusers.DiffusionPipeline`. Its transformer
@@ -338,13 +336,8 @@ class DDPOJaggTrainer(_BaseTrainer):
 
     # ------------------------------------------------------------------ saving and resuming
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> Any:
-        """:meth:`transformers.Trainer.train`, after checking the resumed checkpoint's files (present, readable, match).
-        ``resume_from_checkpoint``: a ``checkpoint-N`` folder, or ``True`` / ``"latest"`` for the latest in
-        ``output_dir``."""
-        if isinstance(resume_from_checkpoint, str) and resume_from_checkpoint.lower() in RESUME_LATEST:
-            resume_from_checkpoint = True
-        if resume_from_checkpoint is True:
-            resume_from_checkpoint = checkpointing.last_checkpoint(self.args.output_dir)
+        """:meth:`transformers.Trainer.train` (``True`` / ``"latest"``: the last checkpoint), checking its files first."""
+        resume_from_checkpoint = checkpointing.resume_path(resume_from_checkpoint, self.args.output_dir)
         if resume_from_checkpoint:
             transformer = self.accelerator.unwrap_model(self.model)
             plain = not (self.is_deepspeed_enabled or self.is_fsdp_enabled)  # resumes from optimizer.pt

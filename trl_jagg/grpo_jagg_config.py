@@ -18,7 +18,6 @@ from .config_checks import (
     TRAIN_SAMPLERS,
     TRAIN_TIMESTEPS,
     check_fields,
-    check_trackers_installed,
     check_types_and_finiteness,
     resolve_generation_batch,
     reward_kwargs_mapping,
@@ -120,13 +119,7 @@ class GRPOJaggConfig(TrainingArguments):
         default=False,
         metadata={"help": "Keep every dataset column: extra columns are passed to the reward functions as kwargs."},
     )
-    dataloader_pin_memory: bool = field(
-        default=False,
-        metadata={
-            "help": "Pin the dataloader's batches in page-locked memory. A batch is prompts (strings) and source "
-            "images (PIL), which pinning does not touch, so it is off (transformers' default, on, only warns on a CPU)."
-        },
-    )
+    dataloader_pin_memory: bool = field(default=False, metadata={"help": "Off: prompts have nothing to pin."})
 
     # ---- Model loading ----
     dtype: str = field(
@@ -685,7 +678,6 @@ class GRPOJaggConfig(TrainingArguments):
         # This config's own fields first: a bad value is named the same way on any machine, before the Trainer's
         # checks of the machine (bf16 on a CPU, ...) can stop on something else.
         check_fields(self)
-        check_trackers_installed(self)
         super().__post_init__()
         resolve_generation_batch(self)  # needs the number of processes
 

@@ -36,6 +36,7 @@ from ..grpo_jagg_config import GRPOJaggConfig
 from ..models import FlowMatchingAdapter
 from ..models.wan_experts import WanExperts, trained_parts
 from .checkpoint_checks import (
+    RESUME_LATEST,
     check_checkpoint_dir,
     check_finite_weights,
     check_optimizer_shapes,
@@ -234,6 +235,14 @@ def check_optimizer_state(checkpoint: str, optimizer: torch.optim.Optimizer) -> 
     shapes of the parameters (the state of another LoRA rank would load without a complaint)."""
     params = [p for group in _torch_optimizer(optimizer).param_groups for p in group["params"]]
     check_optimizer_shapes(checkpoint, [tuple(p.shape) for p in params])
+
+
+def resume_path(value: str | bool | None, output_dir: str) -> str | bool | None:
+    """``resume_from_checkpoint`` as the Trainer takes it: ``True`` and the words of :data:`RESUME_LATEST` (``"latest"``,
+    as diffusers' scripts take it) become the latest ``checkpoint-N`` of ``output_dir``; anything else is kept."""
+    if value is True or (isinstance(value, str) and value.lower() in RESUME_LATEST):
+        return last_checkpoint(output_dir)
+    return value
 
 
 def last_checkpoint(output_dir: str) -> str:
