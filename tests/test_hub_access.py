@@ -12,7 +12,7 @@ import pytest
 from huggingface_hub import errors
 
 import trl_jagg.ddpo_jagg_trainer as trainer_module
-from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
+from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig, cli
 from trl_jagg.models import load_adapter
 from trl_jagg.rewards import hpsv2, load_reward_funcs, pickscore
 
@@ -85,6 +85,16 @@ def test_unknown_model_id_says_so(hub_answers):
 def test_missing_local_path_or_malformed_id(offline, model, match):
     with pytest.raises(OSError, match=match):
         load_adapter(model)
+
+
+@pytest.mark.parametrize("peft", [[], ["--use_peft", "true"]], ids=["full", "lora-default-targets"])
+def test_the_cli_prints_the_message_on_one_line(offline, tmp_path, capsys, peft):
+    # `--use_peft` without targets reads the pipeline class for the family's default targets: checked there too.
+    argv = ["train", "--model_name_or_path", "someone/uncached-pipeline", "--reward_funcs", "prompt_color",
+            "--prompts", "a red circle", "--output_dir", str(tmp_path / "out"), "--report_to", "none", *peft]  # fmt: skip
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert "'someone/uncached-pipeline' is not in the local Hugging Face cache" in err and "Traceback" not in err
 
 
 def test_a_cached_or_local_model_passes_the_check(tiny_flux_path):

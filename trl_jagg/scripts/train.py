@@ -317,8 +317,10 @@ def build_lora_config(script_args: ScriptArguments, revision: str | None = None)
     if not targets:
         from diffusers import DiffusionPipeline
 
+        from trl_jagg.hub_access import check_hub_file
         from trl_jagg.models import adapter_class
 
+        check_hub_file(script_args.model_name_or_path, "model_index.json", what="model", revision=revision)
         class_name = DiffusionPipeline.load_config(script_args.model_name_or_path, revision=revision)["_class_name"]
         targets = list(adapter_class(class_name).lora_target_modules)
     return LoraConfig(
