@@ -16,13 +16,12 @@ bfloat16) runs in process on every GPU, beside FLUX.1-dev; it reads MizzenAI/HPS
 from __future__ import annotations
 
 import argparse
-import tempfile
 
 from datasets import load_dataset
 
 from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
 from trl_jagg.recipes import get_recipe
-from trl_jagg.testing.tiny_models import tiny_run
+from trl_jagg.testing.tiny_models import temporary_folder, tiny_run
 from trl_jagg.testing.tiny_rewards import save_tiny_hpsv3
 
 
@@ -42,7 +41,7 @@ def main() -> None:
     if args.tiny:  # the same architectures built small from config: the reward's real code on random weights
         tiny = tiny_run("flux")
         model, dataset = tiny.model, tiny.dataset
-        hpsv3 = save_tiny_hpsv3(tempfile.mkdtemp(prefix="tiny-hpsv3-"))
+        hpsv3 = save_tiny_hpsv3(temporary_folder("tiny-hpsv3-"))  # removed at exit
         config.update(tiny.config, reward_kwargs={"hpsv3": {"base_model": hpsv3.base_model,
                                                             "checkpoint": hpsv3.checkpoint}})  # fmt: skip
     else:

@@ -18,13 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import tempfile
 
 from datasets import load_dataset
 
 from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
 from trl_jagg.recipes import get_recipe
-from trl_jagg.testing.tiny_models import tiny_run
+from trl_jagg.testing.tiny_models import temporary_folder, tiny_run
 from trl_jagg.testing.tiny_rewards import TINY_GENEVAL_METADATA, save_tiny_geneval_models
 
 
@@ -45,7 +44,7 @@ def main() -> None:
     model = "stabilityai/stable-diffusion-3.5-medium"
     if args.tiny:  # the same architectures built small from config: the reward's real code on random weights
         tiny = tiny_run("sd3")
-        model, folder = tiny.model, tempfile.mkdtemp(prefix="tiny-geneval-")
+        model, folder = tiny.model, temporary_folder("tiny-geneval-")  # removed at exit
         detector_dir, clip_dir = save_tiny_geneval_models(folder)
         # Random logits put most boxes near 0.5: a higher threshold keeps the counts small and varied.
         tiny_geneval = {"detector_id": detector_dir, "clip_id": clip_dir, "threshold": 0.6, "counting_threshold": 0.6}

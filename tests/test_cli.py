@@ -91,6 +91,27 @@ def test_module_entry_point_for_accelerate_launch():
     assert "commands:" in result.stdout
 
 
+FAMILY_NAMES = {
+    "FluxPipeline": "Flux", "FluxKontextPipeline": "FLUX.1 Kontext", "Flux2Pipeline": "FLUX.2",
+    "Flux2KleinPipeline": "klein", "StableDiffusion3Pipeline": "SD3", "QwenImagePipeline": "Qwen-Image",
+    "QwenImageEditPipeline": "Qwen-Image-Edit", "QwenImageEditPlusPipeline": "Edit-Plus", "ZImagePipeline": "Z-Image",
+    "WanPipeline": "Wan2.1",
+}  # fmt: skip
+"""How the help and the docs name each supported pipeline class."""
+
+
+def test_help_and_docs_index_name_every_supported_family(capsys):
+    from pathlib import Path
+
+    from trl_jagg.models import MODEL_ADAPTERS
+
+    assert set(FAMILY_NAMES) == set(MODEL_ADAPTERS)  # a new family: name it here, in the help and in the docs
+    _, out, _ = run(["--help"], capsys)
+    index = " ".join((Path(__file__).resolve().parents[1] / "docs" / "index.md").read_text().split())
+    for name in FAMILY_NAMES.values():
+        assert name in out and name in index, name
+
+
 # ---------------------------------------------------------------- errors name the field
 def test_misspelt_flag_suggests_the_nearest_field(capsys):
     code, _, err = run(["train", "--model_name_or_path", "x", "--jagg_grop_size", "4"], capsys)
@@ -512,6 +533,28 @@ def test_accelerate_config_names_resolve_to_the_example_configs(name):
     )
 
 
+def test_trl_accelerate_config_names_are_taken():
+    # Each launch config TRL ships (read from the installed trl) resolves to the same kind of config here, or is
+    # refused with the name to use instead.
+    from importlib.resources import files
+
+    trl_names = sorted(
+        path.name.removesuffix(".yaml") for path in files("trl").joinpath("accelerate_configs").iterdir()
+    )
+    assert {"zero2", "zero3", "multi_gpu"} <= set(trl_names)
+    for name in trl_names:
+        try:
+            path = train.resolve_accelerate_config(name)
+        except UsageError as error:
+            assert f"accelerate_config {name!r} (TRL's name)" in str(error) and "use " in str(error)
+            continue
+        trl_config = yaml.safe_load(files("trl").joinpath("accelerate_configs", f"{name}.yaml").read_text())
+        ours = yaml.safe_load(open(path).read())
+        assert ours["distributed_type"] == trl_config["distributed_type"], name
+        stage = (trl_config.get("deepspeed_config") or {}).get("zero_stage")
+        assert (ours.get("deepspeed_config") or {}).get("zero_stage") == stage, name
+
+
 def test_accelerate_config_errors(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv(train.LAUNCHED_ENV, raising=False)
     code, _, err = run(["train", "--accelerate_config", "multi_gpus", "--prompts", "p"], capsys)
@@ -541,6 +584,24 @@ def test_trl_config_names_on_the_command_line(capsys):
     assert code == 2 and "Did you mean 'epsilon'?" in err
     code, _, err = run(["train", *base, "--max_prompt_length", "64"], capsys)
     assert code == 2 and "max_sequence_length" in err
+
+
+@pytest.mark.parametrize(
+    ("flag", "hint"),
+    [
+        ("--mixed_precision", "use --bf16 true or --fp16 true"),
+        ("--checkpointing_steps", "use save_steps"),
+        ("--rank", "use lora_r"),
+        ("--resolution", "use height and width"),
+        ("--use_dora", "DoRA is not supported"),
+        ("--train_batch_size", "use per_device_train_batch_size"),
+        ("--max_train_steps", "use max_steps"),
+    ],
+)
+def test_diffusers_script_flags_point_to_the_field_to_use(capsys, flag, hint):
+    code, _, err = run(["train", "--model_name_or_path", "x", flag, "1"], capsys)
+    assert code == 2 and f"unknown field '{flag[2:]}'" in err and hint in err
+    assert "Did you mean" not in err  # difflib's nearest names are the wrong fields for these
 
 
 def test_a_trl_grpo_yaml_runs_with_only_the_method_keys_changed(tmp_path, capsys):

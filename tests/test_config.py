@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 import warnings
 
 import pytest
@@ -185,3 +186,21 @@ def test_bounds_themselves_are_accepted():
         warnings.simplefilter("error")
         config(noise_level=2.0, seed=2**32 - 1, data_seed=0, adam_epsilon=1e-12, jagg_frac=1)
         config(ema_decay=0.9, ema_update_interval=5, max_steps=5, ema_offload=True, save_steps=1)
+
+
+@pytest.mark.parametrize("report_to", ["tensorboard", ["none", "tensorboard"]], ids=["str", "list"])
+def test_report_to_a_tracker_that_is_not_installed_names_the_package(monkeypatch, report_to):
+    # `pip install trl-jagg` installs no tracker: TensorBoard (either of the two packages transformers takes) is made
+    # unimportable.
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    monkeypatch.setitem(sys.modules, "tensorboardX", None)
+    with pytest.raises(
+        ValueError, match=r"report_to names 'tensorboard', which is not installed.*`pip install tensorboard`"
+    ):
+        config(report_to=report_to)
+
+
+def test_report_to_an_installed_tracker_is_accepted(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    monkeypatch.setitem(sys.modules, "tensorboardX", sys)  # any importable module stands for the package
+    assert config(report_to="tensorboard").report_to == ["tensorboard"]

@@ -167,6 +167,26 @@ def test_quickstart_lists_every_example():
         assert f"(../examples/{example.name})" in text, example.name
 
 
+def test_one_trainer_name_in_the_docs_examples_and_messages():
+    """The trainer is DDPOJaggTrainer everywhere a user reads it; GRPOJaggTrainer is its alias, named only where the
+    API reference says so (and where trl_jagg defines it)."""
+    from trl_jagg import DDPOJaggTrainer, GRPOJaggTrainer
+
+    assert GRPOJaggTrainer is DDPOJaggTrainer
+    files = [
+        ROOT / "README.md",
+        *DOCS.glob("*.md"),
+        *(ROOT / "examples").glob("*.py"),
+        *(ROOT / "trl_jagg").rglob("*.py"),
+    ]
+    allowed = {DOCS / "api.md", ROOT / "trl_jagg" / "__init__.py"}
+    assert (
+        sorted(str(p.relative_to(ROOT)) for p in files if "GRPOJaggTrainer" in p.read_text() and p not in allowed)
+        == []
+    )
+    assert "GRPOJaggTrainer is DDPOJaggTrainer" in (DOCS / "api.md").read_text()
+
+
 def test_benchmarks_page_has_the_results_section():
     assert "\n## Measured results\n" in (DOCS / "benchmarks.md").read_text()
 

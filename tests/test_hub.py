@@ -188,6 +188,77 @@ def test_usage_snippet_runs_and_reproduces_the_trained_model(tiny_flux_path, tmp
     assert diff.max() <= 1  # uint8 rounding only
 
 
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_with_ema_the_snippet_loads_the_weights_that_rendered_the_widget(tiny_flux_path, tmp_path, monkeypatch, lora):
+    """The widget's image (rendered with the EMA weights at the last logging step) against the image of the card's
+    snippet, run on the pushed folder served from a Hugging Face cache (the Hub's own `subfolder` path); and the
+    weights the card points to at the repository root against the trained model's."""
+    import shutil
+
+    import huggingface_hub.constants
+    from PIL import Image
+
+    trainer = make_trainer(
+        tiny_flux_path, tmp_path, lora=lora, max_steps=2, learning_rate=0.1 if lora else 1e-2, ema_decay=0.9,
+        ema_warmup=False, eval_prompts=["a red circle"], image_log_steps=1, eval_seed=5,
+    )  # fmt: skip
+    trainer.train()
+    trainer.save_model()
+    out = tmp_path / "out"
+    card = (out / "README.md").read_text()
+    [widget] = card_metadata(card)["widget"]
+    shown = np.asarray(Image.open(out / widget["output"]["url"]).convert("RGB"), dtype=np.int16)
+    assert "drop `ema` from `subfolder`" in card  # the card says where the other weights are
+    repo = tmp_path / "hub" / "models--you--ema-run"
+    shutil.copytree(out, repo / "snapshots" / ("0" * 40))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    (snippet,) = re.findall(r"```python\n(.*?)```", card, flags=re.S)
+    code = snippet.replace("path/to/the/local/base/pipeline", tiny_flux_path).replace('.to("cuda")', "")
+    code = code.replace('"out"', '"you/ema-run"')  # the repository the folder was pushed to
+    code = code.replace('"a photo of a red fox in the snow",', f"{widget['text']!r}, generator=g,")
+
+    def render(code: str) -> np.ndarray:
+        namespace = {"g": torch.Generator().manual_seed(5)}
+        exec(compile(code, "README.md", "exec"), namespace)
+        return np.asarray(namespace["image"], dtype=np.int16)
+
+    assert np.abs(render(code) - shown).max() <= 1  # uint8 rounding only
+    # The root holds the last step's weights: what the trainer renders without its EMA; they differ from the widget.
+    raw = render(code.replace(', subfolder="ema"', ""))
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    expected = np.asarray(trainer.evaluator.sample_images(model, None, ["a red circle"], 5)[0], dtype=np.int16)
+    assert np.abs(raw - expected).max() <= 1
+    assert np.abs(raw - shown).max() > 8  # the test tells the two sets of weights apart
+
+
+@pytest.mark.parametrize(
+    ("pipeline_class", "task", "family"),
+    [
+        ("FluxPipeline", "text-to-image", "flux"),
+        ("WanPipeline", "text-to-video", "wan"),
+        ("FluxKontextPipeline", "image-to-image", "flux-kontext"),
+        ("QwenImageEditPlusPipeline", "image-to-image", "qwen-image-edit"),
+    ],
+)
+def test_card_tags_follow_the_task_and_the_family(tmp_path, pipeline_class, task, family):
+    from trl_jagg.trainer.model_card import write_model_card
+
+    args = GRPOJaggConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, report_to="none")
+    write_model_card(
+        str(tmp_path), base_model=None, pipeline_class=pipeline_class, transformer_class="Transformer", is_lora=True,
+        args=args, reward_names=["redness"], tags=DDPOJaggTrainer._tag_names, guidance_is_cfg=False,
+        embedded_guidance=False, task=task,
+    )  # fmt: skip
+    data = card_metadata((tmp_path / "README.md").read_text())
+    tags = set(data["tags"])
+    assert data["pipeline_tag"] == task and {task, family, "lora"} <= tags
+    assert not tags & ({"text-to-image", "image-to-image", "text-to-video"} - {task})
+    # The Hub's LoRA page template shows text-to-image widgets: only those cards take it.
+    assert ("template:sd-lora" in tags) == (task == "text-to-image")
+
+
 def test_qwenimage_card_keeps_true_cfg_and_the_negative_prompt(tiny_qwenimage_path, tmp_path):
     trainer = make_trainer(tiny_qwenimage_path, tmp_path, true_cfg_scale=4.0, negative_prompt=" ", guidance_scale=1.0)
     trainer.create_model_card()

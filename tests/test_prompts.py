@@ -6,6 +6,7 @@ import io
 
 import numpy as np
 import pytest
+import torch
 from datasets import Dataset, DatasetDict, Features, IterableDataset, Value
 from datasets import Image as HFImage
 from peft import LoraConfig
@@ -13,7 +14,9 @@ from testing_utils import noise_image
 
 import trl_jagg.ddpo_jagg_trainer as trainer_module
 from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
+from trl_jagg.models import load_adapter
 from trl_jagg.prompts import check_source_images, prompt_dataset, prompt_text, source_image
+from trl_jagg.trainer.backbone import prepare_backbone
 
 
 def test_strings_pass_unchanged():
@@ -147,6 +150,15 @@ def test_missing_resume_directory_is_refused_before_loading(tmp_path, no_model_l
         DDPOJaggTrainer("unused", reward, args=args, train_dataset=["a", "b"])
 
 
+@pytest.mark.parametrize("word", ["latest", "LAST", "true"])
+def test_resume_from_the_latest_checkpoint_by_word_passes_the_input_checks(tmp_path, no_model_load, word):
+    # The word is not a folder: the input checks let it through, and the model loading comes next.
+    with pytest.raises(AssertionError, match="the model was loaded"):
+        DDPOJaggTrainer(
+            "unused", reward, args=make_args(tmp_path, resume_from_checkpoint=word), train_dataset=["a", "b"]
+        )
+
+
 def test_conversational_dataset_trains_on_the_user_text(tiny_flux_path, tmp_path):
     seen = []
 
@@ -168,6 +180,17 @@ def test_lora_targets_that_match_nothing_are_named(tiny_flux_path, tmp_path):
     lora = LoraConfig(r=2, lora_alpha=2, target_modules=["to_q", "to_kk", "to_vv"])
     with pytest.raises(ValueError, match=r"target_modules \['to_kk', 'to_vv'\] match no module.*did you mean 'to_k'"):
         DDPOJaggTrainer(tiny_flux_path, reward, args=make_args(tmp_path), train_dataset=["a", "b"], peft_config=lora)
+
+
+@pytest.mark.parametrize("targets", [["all-linear"], "all-linear", ("ALL-LINEAR",)], ids=["list", "str", "tuple"])
+def test_all_linear_lora_targets_every_linear_layer_of_the_backbone(tiny_flux_path, tmp_path, targets):
+    # `--lora_target_modules all-linear` arrives as a list of one; peft's shorthand is the string.
+    linear = {name for name, module in load_adapter(tiny_flux_path).transformer.named_modules()
+              if type(module) is torch.nn.Linear}  # fmt: skip
+    adapter = load_adapter(tiny_flux_path)
+    prepare_backbone(adapter, make_args(tmp_path), LoraConfig(r=2, lora_alpha=2, target_modules=targets))
+    adapted = {name for name, module in adapter.transformer.named_modules() if hasattr(module, "lora_A")}
+    assert adapted == linear and len(linear) > 10
 
 
 # ---------------------------------------------------------------- source images of editing datasets

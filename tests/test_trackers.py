@@ -14,7 +14,7 @@ from datasets import Dataset
 from peft import LoraConfig
 from testing_utils import PROMPTS, redness
 
-from trl_jagg import GRPOJaggConfig, GRPOJaggTrainer
+from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
 
 pytest.importorskip("wandb")
 pytest.importorskip("trackio")
@@ -60,7 +60,7 @@ def test_every_image_reaches_tensorboard_wandb_and_trackio(tiny_flux_path, tmp_p
         project=project, run_name="images", eval_prompts=["a red circle"], image_log_steps=1, log_completions=True,
         eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=2,
     )  # fmt: skip
-    trainer = GRPOJaggTrainer(
+    trainer = DDPOJaggTrainer(
         model=tiny_flux_path, reward_funcs=redness, args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
         eval_dataset=Dataset.from_dict({"prompt": ["a blue square", "a green circle"]}),
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_k", "to_v"]),

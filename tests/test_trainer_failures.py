@@ -275,10 +275,11 @@ def test_checkpoint_of_another_lora_rank_is_refused(tiny_flux_path, tmp_path, ch
         trainer.train(resume_from_checkpoint=checkpoints["lora"])
 
 
-def test_resume_true_without_checkpoints_says_so(tiny_flux_path, tmp_path):
+@pytest.mark.parametrize("latest", [True, "latest"])  # "latest": diffusers' training scripts' word
+def test_resume_true_without_checkpoints_says_so(tiny_flux_path, tmp_path, latest):
     trainer = make_trainer(tiny_flux_path, tmp_path)
     with pytest.raises(CheckpointError, match=f"resume_from_checkpoint=True, but {tmp_path} holds no checkpoint-N"):
-        trainer.train(resume_from_checkpoint=True)
+        trainer.train(resume_from_checkpoint=latest)
 
 
 def test_missing_resume_directory(tiny_flux_path, tmp_path):

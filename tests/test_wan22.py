@@ -310,8 +310,13 @@ def test_model_card_snippet_loads_each_expert():
                     transformer_class="WanTransformer3DModel", dtype="bfloat16", scheduler_class=None,
                     call_kwargs={}, experts=["transformer", "transformer_2"])  # fmt: skip
     lora = usage_snippet(is_lora=True, **settings)
-    assert 'pipe.load_lora_weights("me/run", subfolder="transformer")' in lora
-    assert 'pipe.load_lora_weights("me/run", subfolder="transformer_2", load_into_transformer_2=True)' in lora
+    weight = 'weight_name="pytorch_lora_weights.safetensors"'
+    assert f'pipe.load_lora_weights("me/run", subfolder="transformer", {weight})' in lora
+    assert (
+        f'pipe.load_lora_weights("me/run", subfolder="transformer_2", {weight}, load_into_transformer_2=True)' in lora
+    )
+    ema = usage_snippet(is_lora=True, ema=True, **settings)  # each expert's EMA weights: ema/<expert>/
+    assert f'pipe.load_lora_weights("me/run", subfolder="ema/transformer_2", {weight}, load_into_transformer_2' in ema
     full = usage_snippet(is_lora=False, **settings)
     assert 'transformer_2 = WanTransformer3DModel.from_pretrained("me/run", subfolder="transformer_2"' in full
     assert "transformer=transformer, transformer_2=transformer_2" in full

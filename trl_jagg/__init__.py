@@ -11,9 +11,16 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
+MODEL_FAMILIES = (
+    "text-to-image (Flux, SD3 / SD3.5, Qwen-Image, Z-Image, FLUX.2 klein and dev), image editing (FLUX.1 Kontext, "
+    "Qwen-Image-Edit and Edit-Plus) and text-to-video (Wan2.1, Wan2.2 A14B and TI2V-5B)"
+)
+"""The supported model families in words, for ``trl-jagg --help`` (one list, kept equal to ``MODEL_ADAPTERS`` by
+``tests/test_cli.py``)."""
+
 _LAZY = {
-    # One class, two names: GRPOJaggTrainer pairs with GRPOJaggConfig as TRL's GRPOTrainer with GRPOConfig (the
-    # documented name); DDPOJaggTrainer is its first name, kept for existing code.
+    # One class: DDPOJaggTrainer is its name; GRPOJaggTrainer is its documented alias, pairing with GRPOJaggConfig as
+    # TRL's GRPOTrainer with GRPOConfig.
     "GRPOJaggTrainer": ("trl_jagg.ddpo_jagg_trainer", "DDPOJaggTrainer"),
     "DDPOJaggTrainer": ("trl_jagg.ddpo_jagg_trainer", "DDPOJaggTrainer"),
     "GRPOJaggConfig": ("trl_jagg.grpo_jagg_config", "GRPOJaggConfig"),
@@ -32,4 +39,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'trl_jagg' has no attribute {name!r}")
 
 
-__all__ = ["DDPOJaggTrainer", "GRPOJaggConfig", "GRPOJaggTrainer", "__version__"]
+__all__ = ["MODEL_FAMILIES", "DDPOJaggTrainer", "GRPOJaggConfig", "GRPOJaggTrainer", "__version__"]

@@ -26,6 +26,7 @@ import sys
 import traceback
 from collections.abc import Sequence
 
+from trl_jagg import MODEL_FAMILIES
 from trl_jagg.scripts import PROG
 
 COMMANDS: dict[str, str] = {
@@ -46,7 +47,7 @@ def _top_help() -> str:
         [
             f"usage: {PROG} <command> [options]",
             "",
-            "GRPO fine-tuning of text-to-image flow models (Flux, SD3/SD3.5, Qwen-Image) with JAGG group gradients.",
+            f"GRPO fine-tuning of flow-matching models with JAGG group gradients: {MODEL_FAMILIES}.",
             "",
             "commands:",
             *(f"  {name:<10} {text}" for name, text in COMMANDS.items()),

@@ -5,9 +5,11 @@ others (run by ``GRPOJaggConfig.__post_init__``)."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
 import os
+import sys
 import typing
 import warnings
 from typing import TYPE_CHECKING, Any
@@ -97,6 +99,8 @@ def reward_kwargs_mapping(value: Any) -> dict | None:
 
 
 def check_fields(config: GRPOJaggConfig) -> None:
+    check_trackers_installed(config)
+
     def fail(name: str, problem: str, fix: str) -> None:
         raise ValueError(f"GRPOJaggConfig.{name} {problem}. {fix}")
 
@@ -403,6 +407,42 @@ def check_activation_checkpointing(config: GRPOJaggConfig) -> None:
             f"GRPOJaggConfig.{name}['every_n_layers'] is {every} without activation checkpointing. Set "
             "activation_checkpointing=True (or gradient_checkpointing=True), or remove it."
         )
+
+
+TRACKER_MODULES: dict[str, tuple[tuple[str, ...], str]] = {
+    "tensorboard": (("tensorboard", "tensorboardX"), "tensorboard"),
+    "wandb": (("wandb",), "wandb"),
+    "trackio": (("trackio",), "trackio"),
+    "mlflow": (("mlflow",), "mlflow"),
+    "comet_ml": (("comet_ml",), "comet-ml"),
+    "clearml": (("clearml",), "clearml"),
+    "neptune": (("neptune",), "neptune"),
+    "dvclive": (("dvclive",), "dvclive"),
+    "swanlab": (("swanlab",), "swanlab"),
+    "codecarbon": (("codecarbon",), "codecarbon"),
+}
+"""``report_to`` name -> (the modules transformers' callback imports, any one will do; the package to install). The
+trackers are optional dependencies: ``pip install trl-jagg`` installs none of them."""
+
+
+def module_installed(name: str) -> bool:
+    """``name`` can be imported (a module set to ``None`` in ``sys.modules`` is one whose import fails)."""
+    if name in sys.modules:
+        return sys.modules[name] is not None
+    return importlib.util.find_spec(name) is not None
+
+
+def check_trackers_installed(config: GRPOJaggConfig) -> None:
+    """Every tracker named in ``report_to`` is installed; otherwise the error names the package to install (the
+    Trainer would stop later, with a message about the PyTorch version for TensorBoard)."""
+    names = [config.report_to] if isinstance(config.report_to, str) else list(config.report_to or [])
+    for name in names:
+        modules, package = TRACKER_MODULES.get(name, ((), ""))
+        if modules and not any(module_installed(module) for module in modules):
+            raise ValueError(
+                f"GRPOJaggConfig.report_to names {name!r}, which is not installed. Install it (`pip install "
+                f"{package}`), or leave it out of report_to (report_to='none' logs to the console only)."
+            )
 
 
 def _warn_clip_range_scale(config: GRPOJaggConfig) -> None:

@@ -30,6 +30,7 @@ from . import distributed
 from .grpo_jagg_config import GRPOJaggConfig
 from .models import load_adapter
 from .prompts import prompt_text
+from .quiet import quiet_deepspeed_cpu_notice
 from .rewards import reward_name
 from .trainer import checkpointing, hub
 from .trainer.backbone import has_active_dropout, prepare_backbone
@@ -54,7 +55,7 @@ RewardFunc = Callable[..., list[float]]
 
 
 class DDPOJaggTrainer(_BaseTrainer):
-    """GRPO trainer for flow-matching text-to-image pipelines (Flux, SD3/SD3.5, Qwen-Image), with JAGG.
+    """GRPO trainer for flow-matching pipelines (``trl_jagg.MODEL_FAMILIES``), with JAGG.
 
     Args:
         model: a Hub id, a local directory, or a loaded :class:`~diffusers.DiffusionPipeline`. Its transformer
@@ -73,7 +74,7 @@ class DDPOJaggTrainer(_BaseTrainer):
         callbacks, optimizers: as in :class:`~transformers.Trainer`.
     """
 
-    _tag_names = ["trl", "trl-jagg", "grpo", "diffusers", "text-to-image"]
+    _tag_names = ["trl", "trl-jagg", "grpo", "diffusers"]  # the card adds the task's (text-to-image, ...)
     _name = "GRPO-JAGG"
 
     def __init__(
@@ -87,6 +88,7 @@ class DDPOJaggTrainer(_BaseTrainer):
         callbacks: list[TrainerCallback] | None = None,
         optimizers: tuple = (None, None),
     ):
+        quiet_deepspeed_cpu_notice()  # accelerate imports DeepSpeed (when installed) to unwrap the model
         args = args if args is not None else GRPOJaggConfig("grpo-jagg")
         if not isinstance(args, GRPOJaggConfig):
             raise TypeError(f"`args` must be a GRPOJaggConfig, got {type(args).__name__}.")
@@ -349,9 +351,8 @@ class DDPOJaggTrainer(_BaseTrainer):
 
     # ------------------------------------------------------------------ saving and resuming
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> Any:
-        """:meth:`transformers.Trainer.train`, after checking the resumed checkpoint's files (present, readable, match)."""
-        if resume_from_checkpoint is True:
-            resume_from_checkpoint = checkpointing.last_checkpoint(self.args.output_dir)
+        """:meth:`transformers.Trainer.train` (``True`` / ``"latest"``: the last checkpoint), checking its files first."""
+        resume_from_checkpoint = checkpointing.resume_path(resume_from_checkpoint, self.args.output_dir)
         if resume_from_checkpoint:
             transformer = self.accelerator.unwrap_model(self.model)
             plain = not (self.is_deepspeed_enabled or self.is_fsdp_enabled)  # resumes from optimizer.pt
@@ -445,7 +446,7 @@ class DDPOJaggTrainer(_BaseTrainer):
     def predict(self, *args: Any, **kwargs: Any) -> Any:
         """Refused: a text-to-image policy has no predictions to gather against labels."""
         raise NotImplementedError(
-            "GRPOJaggTrainer.predict() is not supported: there are no labels to predict for prompts. Use "
+            "DDPOJaggTrainer.predict() is not supported: there are no labels to predict for prompts. Use "
             "evaluate(eval_dataset) for reward scores of held-out prompts, or sample_images(prompts) for the images."
         )
 

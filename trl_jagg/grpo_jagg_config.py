@@ -121,6 +121,7 @@ class GRPOJaggConfig(JaggArguments, ScalingArguments, EMAArguments, EvaluationAr
         default=False,
         metadata={"help": "Keep every dataset column: extra columns are passed to the reward functions as kwargs."},
     )
+    dataloader_pin_memory: bool = field(default=False, metadata={"help": "Off: prompts have nothing to pin."})
 
     # ---- Model loading ----
     dtype: str = field(

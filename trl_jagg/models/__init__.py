@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from diffusers import DiffusionPipeline
 
+from ..hub_access import check_hub_file
 from .base import Conditioning, FlowMatchingAdapter, classifier_free_guidance
 from .flux import FluxAdapter
 from .flux2 import Flux2Adapter, Flux2KleinAdapter
@@ -49,10 +50,12 @@ def load_adapter(
     """Wrap a pipeline, or load one from a Hub id / local directory, in its adapter.
 
     The pipeline class is read from ``model_index.json`` first, so an unsupported model fails before any
-    weights are downloaded or loaded.
+    weights are downloaded or loaded; before that, a gated, unknown or (offline) uncached id raises a
+    :class:`~trl_jagg.hub_access.HubAccessError` that says what to do.
     """
     if isinstance(model, DiffusionPipeline):
         return adapter_class(type(model).__name__)(model)
+    check_hub_file(model, "model_index.json", what="model", revision=revision)
     class_name = DiffusionPipeline.load_config(model, revision=revision)["_class_name"]
     adapter_cls = adapter_class(class_name)
     pipeline = adapter_cls.pipeline_class.from_pretrained(model, dtype=dtype, revision=revision)

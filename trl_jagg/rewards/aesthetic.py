@@ -40,6 +40,9 @@ class AestheticReward(LazyModelReward):
         self.head_id = head_id
         self.head_filename = head_filename
 
+    def hub_files(self) -> list[tuple[str, str]]:
+        return [(self.clip_id, "config.json")] + ([] if self.head_path else [(self.head_id, self.head_filename)])
+
     def _load(self) -> None:
         from transformers import CLIPImageProcessor, CLIPModel
 

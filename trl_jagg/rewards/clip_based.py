@@ -42,6 +42,9 @@ class ClipSimilarityReward(LazyModelReward):
         self.model_id = model_id
         self.processor_id = processor_id or model_id
 
+    def hub_files(self) -> list[tuple[str, str]]:
+        return [(self.model_id, "config.json"), (self.processor_id, "config.json")]
+
     def _load(self) -> None:
         from transformers import AutoProcessor, CLIPModel
 
@@ -128,6 +131,9 @@ class HPSv2Reward(LazyModelReward):
         self.model_name = model_name
         self.hub_id = hub_id
         self.filename = filename
+
+    def hub_files(self) -> list[tuple[str, str]]:
+        return [] if self.checkpoint else [(self.hub_id, self.filename)]
 
     def _load(self) -> None:
         import open_clip

@@ -237,6 +237,9 @@ class GenEvalReward(LazyModelReward):
         (:func:`check_dataset_metadata`), so that a bad row stops the run at init rather than after a rollout."""
         check_dataset_metadata(dataset, name)
 
+    def hub_files(self) -> list[tuple[str, str]]:
+        return [(self.detector_id, "config.json"), (self.clip_id, "config.json")]
+
     def _load(self) -> None:
         from transformers import AutoProcessor, CLIPModel, Owlv2ForObjectDetection
 

@@ -86,6 +86,9 @@ class HPSv3Reward(LazyModelReward):
         super().__init__("hpsv3", batch_size, device, dtype)
         self.base_model, self.checkpoint, self.pixels = base_model, checkpoint, pixels
 
+    def hub_files(self) -> list[tuple[str, str]]:
+        return [(self.base_model, "config.json")] + ([] if self.checkpoint else [(HPSV3_REPO, HPSV3_FILE)])
+
     def _load(self) -> None:
         from safetensors.torch import load_file
         from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor

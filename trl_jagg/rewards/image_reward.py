@@ -144,6 +144,11 @@ class ImageRewardReward(LazyModelReward):
         self.vision_num_heads = vision_num_heads
         self.hub_id = hub_id
 
+    def hub_files(self) -> list[tuple[str, str]]:
+        files = [(self.tokenizer_id, "config.json")]
+        files += [] if self.med_config is not None else [(self.hub_id, IMAGE_REWARD_MED_CONFIG)]
+        return files + ([] if self.checkpoint else [(self.hub_id, IMAGE_REWARD_FILENAME)])
+
     def _load(self) -> None:
         from torchvision import transforms
         from transformers import AutoTokenizer, BlipTextConfig, BlipTextModel, BlipVisionConfig, BlipVisionModel

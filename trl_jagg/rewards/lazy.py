@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from PIL import Image
 
+from ..hub_access import check_hub_file
+
 # The image statistics of OpenAI's CLIP, which CLIP-derived reward models (HPSv2, ImageReward) normalise with.
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -90,6 +92,20 @@ class LazyModelReward:
             if not self._loaded:
                 self._load()
                 self._loaded = True
+
+    def hub_files(self) -> list[tuple[str, str]]:
+        """``(repo id or local directory, a file it must hold)`` for each Hub repository :meth:`_load` reads; a
+        ``from_pretrained`` source is named by its ``config.json``. Subclasses loading from the Hub override it."""
+        return []
+
+    def check_weights(self) -> None:
+        """Raise :class:`~trl_jagg.hub_access.HubAccessError`, naming this reward and the repo, unless every file of
+        :meth:`hub_files` is cached, local or downloadable (gated, unknown and offline-uncached repos fail).
+        Cheap: nothing is downloaded; the trainer calls it before loading the pipeline."""
+        if self._loaded:
+            return
+        for repo_id, filename in self.hub_files():
+            check_hub_file(repo_id, filename, what=f"reward {self.__name__!r}: model")
 
     def _load(self) -> None:
         raise NotImplementedError

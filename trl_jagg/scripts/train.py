@@ -117,7 +117,7 @@ class ScriptArguments:
         metadata={
             "help": "Relaunch this command through `accelerate launch --config_file <file>`, as `trl` does: a path, "
             "or the name of a config shipped in the package, trl_jagg/configs/accelerate/ (single_gpu, multi_gpu, "
-            "fsdp2, deepspeed_zero2, deepspeed_zero3)."
+            "fsdp2, deepspeed_zero2, deepspeed_zero3; TRL's names zero2 and zero3 too)."
         },
     )
 
@@ -321,8 +321,10 @@ def build_lora_config(script_args: ScriptArguments, revision: str | None = None)
     if not targets:
         from diffusers import DiffusionPipeline
 
+        from trl_jagg.hub_access import check_hub_file
         from trl_jagg.models import adapter_class
 
+        check_hub_file(script_args.model_name_or_path, "model_index.json", what="model", revision=revision)
         class_name = DiffusionPipeline.load_config(script_args.model_name_or_path, revision=revision)["_class_name"]
         targets = list(adapter_class(class_name).lora_target_modules)
     return LoraConfig(
@@ -389,10 +391,8 @@ def run_train(script_args: ScriptArguments, training_args: GRPOJaggConfig) -> DD
     """Build the trainer, train (resuming when asked), save to ``output_dir``, push when ``push_to_hub`` and end
     (the trackers finish: nothing that talks to the other processes may follow)."""
     trainer = build_trainer(script_args, training_args)
-    resume: str | bool | None = training_args.resume_from_checkpoint
-    if isinstance(resume, str) and resume.lower() in ("true", "last"):
-        resume = True  # the latest checkpoint-N in output_dir
-    trainer.train(resume_from_checkpoint=resume)
+    # "true" / "last" / "latest" (a flag's text) mean the latest checkpoint-N: the trainer reads them.
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)
     if trainer.is_world_process_zero():
         print(f"Saved the trained weights to {training_args.output_dir}")
@@ -408,6 +408,18 @@ LAUNCHED_ENV = "TRL_JAGG_ACCELERATE_LAUNCHED"
 """Set in the processes ``--accelerate_config`` starts, so that they train instead of relaunching."""
 
 
+TRL_ACCELERATE_NAMES = {"zero2": "deepspeed_zero2", "zero3": "deepspeed_zero3"}
+"""TRL's names of its shipped launch configs (``trl/accelerate_configs``) -> the shipped config here that does the
+same; ``single_gpu``, ``multi_gpu`` and ``fsdp2`` are spelt alike."""
+
+TRL_ACCELERATE_UNSHIPPED = {
+    "zero1": "no ZeRO-1 config is shipped (the tested DeepSpeed stages are 2 and 3): use zero2, or pass the path of "
+    "your own accelerate config file.",
+    "fsdp1": "FSDP here is FSDP2: use fsdp2, or pass the path of your own accelerate config file.",
+}
+"""TRL's launch configs without a counterpart here, with what to use."""
+
+
 def resolve_accelerate_config(name: str) -> str:
     """The file ``--accelerate_config name`` names: a path, else a launch configuration shipped in the package
     (``trl_jagg/configs/accelerate/<name>.yaml``, also ``examples/accelerate_configs/`` in a checkout)."""
@@ -415,6 +427,9 @@ def resolve_accelerate_config(name: str) -> str:
         return _checked_accelerate_config(name)
     from trl_jagg.configs import config_dir, config_names
 
+    if name in TRL_ACCELERATE_UNSHIPPED:
+        raise UsageError(f"accelerate_config {name!r} (TRL's name): {TRL_ACCELERATE_UNSHIPPED[name]}")
+    name = TRL_ACCELERATE_NAMES.get(name, name)
     path = config_dir("accelerate") / f"{name}.yaml"
     if path.is_file():
         return _checked_accelerate_config(str(path))

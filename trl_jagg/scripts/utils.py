@@ -27,6 +27,39 @@ The names TRL and trl_jagg share (``epsilon``, ``epsilon_high``, ``beta``, ``num
 ``generation_batch_size``, ``steps_per_generation``, ``log_completions``, ``reward_weights``, ...) are fields."""
 
 
+OTHER_NAMES: Mapping[str, str] = {
+    # diffusers' training scripts (train_dreambooth_lora_flux.py and its siblings)
+    "mixed_precision": "use --bf16 true or --fp16 true (autocast over float32 trained weights); `dtype` sets the "
+    "frozen modules' dtype",
+    "checkpointing_steps": "use save_steps",
+    "checkpoints_total_limit": "use save_total_limit",
+    "rank": "use lora_r (with use_peft true)",
+    "lora_rank": "use lora_r (with use_peft true)",
+    "lora_layers": "use lora_target_modules",
+    "resolution": "use height and width",
+    "use_dora": "DoRA is not supported: trl-jagg train trains plain LoRA (lora_r, lora_alpha, lora_target_modules)",
+    "train_batch_size": "use per_device_train_batch_size (images per process per micro-batch; with "
+    "num_generations images per prompt)",
+    "max_train_steps": "use max_steps",
+    "pretrained_model_name_or_path": "use model_name_or_path",
+    "revision": "use model_revision",
+    "lr_scheduler": "use lr_scheduler_type",
+    "lr_warmup_steps": "use warmup_steps",
+    "adam_weight_decay": "use weight_decay",
+    "use_8bit_adam": "use --optim adamw_bnb_8bit",
+    "allow_tf32": "use tf32",
+    "use_ema": "use ema_decay (a decay > 0 keeps an EMA of the trained weights)",
+    "validation_prompt": "use eval_prompts (rendered every image_log_steps)",
+    "instance_prompt": "use prompts (a list of training prompts) or dataset_name",
+    # TRL's and peft's
+    "peft_config": "use use_peft true with lora_r, lora_alpha, lora_target_modules",
+    "lora_rank_pattern": "not supported on the command line: build a peft LoraConfig in Python",
+}
+"""Names of diffusers' training-script flags and other TRL / peft spellings that are no field here, with what to use;
+the "did you mean" hint of an unknown name (difflib's nearest name is often wrong for them: ``mixed_precision`` is
+not ``model_revision``)."""
+
+
 TRL_ALIASES: Mapping[str, str] = {"torch_dtype": "dtype", "dataset_split": "dataset_train_split"}
 """Other names of a field: transformers' former ``torch_dtype`` (in ``trl grpo`` configs) and trl_jagg's former
 ``dataset_split``; renamed to the field before parsing, in the YAML and on the command line."""
@@ -75,10 +108,13 @@ class UsageError(ValueError):
 
 
 def suggest(name: str, valid: Iterable[str]) -> str:
-    """`` Did you mean 'x'?`` for the closest valid name (difflib), TRL's equivalent, or an empty string."""
+    """`` Did you mean 'x'?`` for the closest valid name (difflib), TRL's or a diffusers script's equivalent, or an
+    empty string."""
     name = name.replace("-", "_")
     if name in TRL_NAMES:
         return f" TRL's GRPOConfig calls it '{name}'; here use {TRL_NAMES[name]}."
+    if name in OTHER_NAMES:
+        return f" '{name}' is a diffusers-script / TRL name: {OTHER_NAMES[name]}."
     close = difflib.get_close_matches(name, sorted(set(valid)), n=1, cutoff=0.6)
     return f" Did you mean '{close[0]}'?" if close else ""
 

@@ -21,8 +21,10 @@ downsampling, then 2x2 patches); 32 and 64 are the sizes used by tests and the d
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
+import shutil
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -45,6 +47,7 @@ from diffusers import (
 from PIL import Image
 from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
 
+from ..quiet import quiet_deepspeed_cpu_notice
 from .components import (
     ConfigOverrides,
     _autoencoder_kl,
@@ -73,6 +76,7 @@ from .tokenizers import (
 __all__ = [
     "TINY_PROMPTS",
     "TinyRun",
+    "temporary_folder",
     "tiny_run",
     "DEFAULT_VOCAB_WORDS",
     "FAMILIES",
@@ -520,12 +524,20 @@ def save_tiny_pipeline(family: str, path: str | os.PathLike[str], **kwargs: Any)
         ``path`` as a string.
     """
     pipe = build_tiny_pipeline(family, **kwargs)
+    quiet_deepspeed_cpu_notice()  # transformers' save_pretrained imports DeepSpeed (when installed) through accelerate
     pipe.save_pretrained(os.fspath(path))
     return os.fspath(path)
 
 
 TINY_PROMPTS: tuple[str, ...] = ("a red circle", "a green square", "a blue circle", "a red square")
 """Colour-naming prompts for the weight-free ``prompt_color`` reward."""
+
+
+def temporary_folder(prefix: str) -> str:
+    """A new temporary folder, removed when the Python process exits: a ``--tiny`` run leaves nothing in ``/tmp``."""
+    folder = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
 
 
 @dataclass
@@ -551,6 +563,7 @@ def tiny_run(family: str, *, num_inference_steps: int = 5) -> TinyRun:
         per_device_train_batch_size=4, gradient_accumulation_steps=1, steps_per_generation=None, max_steps=2,
         max_sequence_length=16, dtype="float32", bf16=False, fp16=False, offload_frozen_modules=False,
         report_to="none", save_strategy="no", reward_weights=None,  # one reward, whatever the preset's weights
+        ema_update_interval=1,  # a preset's EMA (every 8 steps) would never update in 2 steps
     )  # fmt: skip
     columns: dict[str, list[Any]] = {"prompt": list(TINY_PROMPTS)}
     if family in ("flux_kontext", "qwenimage_edit", "qwenimage_edit_plus"):  # editing: a grey image to edit
@@ -563,5 +576,5 @@ def tiny_run(family: str, *, num_inference_steps: int = 5) -> TinyRun:
         config["max_sequence_length"] = 48
     if family == "wan22":  # the 4 trained steps are 2 per expert: groups of W = 2, one on each side of the switch
         config["jagg_group_size"] = 2
-    model = save_tiny_pipeline(family, tempfile.mkdtemp(prefix=f"tiny-{family}-"))
+    model = save_tiny_pipeline(family, temporary_folder(f"tiny-{family}-"))
     return TinyRun(model, "prompt_color", Dataset.from_dict(columns), config)

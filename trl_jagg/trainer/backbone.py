@@ -14,6 +14,7 @@ import torch.utils.checkpoint
 from diffusers.configuration_utils import FrozenDict
 from diffusers.training_utils import cast_training_params
 from peft import LoraConfig
+from peft.utils.constants import INCLUDE_LINEAR_LAYERS_SHORTHAND
 
 from ..grpo_jagg_config import GRPOJaggConfig
 from ..models import FlowMatchingAdapter
@@ -29,6 +30,17 @@ class TrackableConfig(FrozenDict):
 
     def to_json_string(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True, default=str)
+
+
+def use_peft_shorthand(peft_config: LoraConfig) -> None:
+    """A list holding only ``"all-linear"`` (a YAML or ``--lora_target_modules all-linear`` value, TRL's idiom) becomes
+    peft's own string form, in place: peft then targets every linear layer of the backbone (on a diffusers model, not
+    a transformers one, it keeps them all, output projection included), instead of a module named 'all-linear'."""
+    targets = peft_config.target_modules
+    if isinstance(targets, (list, set, tuple)) and len(targets) == 1:
+        (only,) = targets
+        if str(only).lower() == INCLUDE_LINEAR_LAYERS_SHORTHAND:
+            peft_config.target_modules = INCLUDE_LINEAR_LAYERS_SHORTHAND
 
 
 def check_lora_targets(transformer: torch.nn.Module, peft_config: LoraConfig) -> None:
@@ -64,6 +76,8 @@ def prepare_backbone(
     parts = trained_parts(transformer)
     config_owner = transformer.transformer if isinstance(transformer, WanExperts) else transformer  # whose config
     config_owner._internal_dict = TrackableConfig(config_owner._internal_dict)
+    if peft_config is not None:
+        use_peft_shorthand(peft_config)
     for part in parts.values():
         if peft_config is not None:
             check_lora_targets(part, peft_config)

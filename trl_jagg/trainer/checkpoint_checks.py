@@ -21,6 +21,10 @@ from ..errors import CheckpointError
 from .files import EMA_DIR, EMA_STATE_NAME, GRPO_STATE_NAME
 
 # Files `torch.save` writes (zip archives) that Trainer reads back when resuming.
+RESUME_LATEST = ("true", "last", "latest")
+"""``resume_from_checkpoint`` values that mean the latest ``checkpoint-N`` of ``output_dir`` (``latest`` as diffusers'
+training scripts take it); ``True`` means the same."""
+
 TORCH_STATE_FILES = ("optimizer.pt", "scheduler.pt", "scaler.pt", "rng_state.pth", "rng_state_*.pth")
 TRAINER_STATE_FILE = "trainer_state.json"
 

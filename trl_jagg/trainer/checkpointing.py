@@ -37,6 +37,7 @@ from ..grpo_jagg_config import GRPOJaggConfig
 from ..models import FlowMatchingAdapter
 from ..models.wan_experts import EXPERTS, TRAIN_EXPERTS, WanExperts, trained_parts
 from .checkpoint_checks import (
+    RESUME_LATEST,
     RESUMED_AS_SAVED,
     check_checkpoint_dir,
     check_ema_step,
@@ -316,6 +317,14 @@ def optimizer_write_named(output_dir: str) -> Iterator[None]:
         written = [os.path.join(output_dir, name) for name in (SCHEDULER_NAME, OPTIMIZER_NAME)]
         with failed_write_named(next((f for f in written if os.path.exists(f)), output_dir), torch_save=True):
             raise error
+
+
+def resume_path(value: str | bool | None, output_dir: str) -> str | bool | None:
+    """``resume_from_checkpoint`` as the Trainer takes it: ``True`` and the words of :data:`RESUME_LATEST` (``"latest"``,
+    as diffusers' scripts take it) become the latest ``checkpoint-N`` of ``output_dir``; anything else is kept."""
+    if value is True or (isinstance(value, str) and value.lower() in RESUME_LATEST):
+        return last_checkpoint(output_dir)
+    return value
 
 
 def last_checkpoint(output_dir: str) -> str:

@@ -13,9 +13,9 @@ from ..distributed import train_experts_data_parallel
 from ..grpo_jagg_config import GRPOJaggConfig
 from ..models import FlowMatchingAdapter
 from ..prompts import SOURCE_IMAGE_COLUMN, check_source_images, prompt_dataset, source_image
-from ..rewards import load_reward_funcs
+from ..rewards import LazyModelReward, load_reward_funcs
 from ..sde_window import default_max_start
-from .checkpoint_checks import check_checkpoint_dir
+from .checkpoint_checks import RESUME_LATEST, check_checkpoint_dir
 
 
 def checked_inputs(
@@ -24,7 +24,8 @@ def checked_inputs(
     eval_dataset: Dataset | None,
     reward_funcs: str | Callable[..., Any] | Sequence[str | Callable[..., Any]],
 ) -> tuple[Dataset, Dataset | None, list[Callable[..., Any]]]:
-    """The validated train and eval datasets and the loaded reward functions; errors name the input and the fix."""
+    """The validated train and eval datasets and the built reward functions, whose Hub weights are checked reachable
+    (:meth:`~trl_jagg.rewards.LazyModelReward.check_weights`); errors name the input and the fix."""
     if train_dataset is None:
         raise ValueError("`train_dataset` is required: a datasets.Dataset with a 'prompt' column.")
     if reward_funcs is None or (isinstance(reward_funcs, (list, tuple)) and not reward_funcs):
@@ -36,7 +37,7 @@ def checked_inputs(
     if eval_dataset is not None:
         eval_dataset = prompt_dataset(eval_dataset, 1, name="eval_dataset")
     resume = args.resume_from_checkpoint
-    if isinstance(resume, str) and resume.lower() not in ("true", "last"):
+    if isinstance(resume, str) and resume.lower() not in RESUME_LATEST:
         check_checkpoint_dir(resume, args.output_dir)
     funcs = load_reward_funcs(reward_funcs, args.reward_kwargs, device=args.device)
     if args.reward_weights is not None and len(args.reward_weights) != len(funcs):
@@ -44,6 +45,9 @@ def checked_inputs(
             f"GRPOJaggConfig.reward_weights has {len(args.reward_weights)} values for {len(funcs)} reward functions. "
             "Give one weight per reward function."
         )
+    for func in funcs:  # gated, unknown or offline-uncached reward weights fail now, not after the first rollout
+        if isinstance(func, LazyModelReward):
+            func.check_weights()
     return train_dataset, eval_dataset, funcs
 
 

@@ -18,6 +18,8 @@ from typing import Any
 from diffusers.utils.hub_utils import populate_model_card
 from huggingface_hub import ModelCard, ModelCardData
 
+from .files import EMA_DIR, LORA_WEIGHTS_NAME
+
 JAGG_CITATION = """@article{jagg2026,
   title   = {JAGG: Jacobian-Aggregated Group Gradient for Efficient GRPO Training of Diffusion Models},
   journal = {arXiv preprint arXiv:2607.17572},
@@ -70,8 +72,15 @@ TRAINING_TAGS = ("diffusers-training",)
 
 FAMILY_TAGS: dict[str, tuple[str, ...]] = {
     "FluxPipeline": ("flux", "flux-diffusers"),
+    "FluxKontextPipeline": ("flux", "flux-kontext", "flux-diffusers"),
+    "Flux2Pipeline": ("flux2", "flux2-diffusers"),
+    "Flux2KleinPipeline": ("flux2", "flux2-klein", "flux2-diffusers"),
     "StableDiffusion3Pipeline": ("sd3", "sd3-diffusers"),
     "QwenImagePipeline": ("qwen-image",),
+    "QwenImageEditPipeline": ("qwen-image", "qwen-image-edit"),
+    "QwenImageEditPlusPipeline": ("qwen-image", "qwen-image-edit"),
+    "ZImagePipeline": ("z-image",),
+    "WanPipeline": ("wan", "wan-diffusers"),
 }
 """Hub tags of each pipeline family (as diffusers' training scripts tag them)."""
 
@@ -107,7 +116,7 @@ _TEMPLATE = """
 {usage}
 ```
 
-{sampling_note}
+{sampling_note}{ema_note}
 
 ## Training
 
@@ -240,11 +249,17 @@ def usage_snippet(
     call_kwargs: dict[str, Any],
     experts: Sequence[str] = (),
     task: str = "text-to-image",
+    ema: bool = False,
 ) -> str:
     """Python that loads the trained weights into the base pipeline and samples as in training. ``experts``: the
     component folders of a two-expert backbone's trained experts (Wan2.2: ``transformer``, ``transformer_2``).
     ``task`` (a key of :data:`TASK_CALLS`): an editing model's call takes the image to edit, a video model's
-    result is written as an MP4."""
+    result is written as an MP4. ``ema``: load the EMA weights (the ``ema/`` folder), which render the samples."""
+
+    def folder(name: str | None) -> str:  # the `subfolder=` argument of the weights in `name` (None: the root)
+        path = "/".join(part for part in (EMA_DIR if ema else None, name) if part)
+        return f', subfolder="{path}"' if path else ""
+
     imports = (
         [pipeline_class] + ([] if is_lora else [transformer_class]) + ([scheduler_class] if scheduler_class else [])
     )
@@ -254,20 +269,26 @@ def usage_snippet(
     lines.append("")
     if base == LOCAL_BASE:
         lines.append(f"# The base was a local {pipeline_class} (no Hub id): put the directory it was loaded from.")
+    if ema:
+        lines += [
+            f"# The EMA weights ({EMA_DIR}/), which rendered the samples; the raw trained weights are at the repository",
+            f'# root (drop "{EMA_DIR}" from `subfolder`). From a local copy, diffusers reads a folder\'s root weights before',
+            f"# its subfolder's: give the path of the copy's {EMA_DIR} folder and the rest of `subfolder`.",
+        ]
     if experts and is_lora:  # diffusers' Wan loader puts a file's `transformer.` keys into transformer_2 on request
         lines.append(f'pipe = {pipeline_class}.from_pretrained("{base}", dtype=torch.{dtype}).to("cuda")')
-        lines += [f'pipe.load_lora_weights("{repo}", subfolder="{name}"' + (", load_into_transformer_2=True" if name
+        lines += [f'pipe.load_lora_weights("{repo}"{folder(name)}, weight_name="{LORA_WEIGHTS_NAME}"' + (", load_into_transformer_2=True" if name
                   == "transformer_2" else "") + ")" for name in experts]  # fmt: skip
     elif experts:
-        lines += [f'{name} = {transformer_class}.from_pretrained("{repo}", subfolder="{name}", dtype=torch.{dtype})'
+        lines += [f'{name} = {transformer_class}.from_pretrained("{repo}"{folder(name)}, dtype=torch.{dtype})'
                   for name in experts]  # fmt: skip
         loaded = ", ".join(f"{name}={name}" for name in experts)
         lines.append(f'pipe = {pipeline_class}.from_pretrained("{base}", {loaded}, dtype=torch.{dtype}).to("cuda")')
     elif is_lora:
         lines.append(f'pipe = {pipeline_class}.from_pretrained("{base}", dtype=torch.{dtype}).to("cuda")')
-        lines.append(f'pipe.load_lora_weights("{repo}")')
+        lines.append(f'pipe.load_lora_weights("{repo}"{folder(None)}, weight_name="{LORA_WEIGHTS_NAME}")')
     else:
-        lines.append(f'transformer = {transformer_class}.from_pretrained("{repo}", dtype=torch.{dtype})')
+        lines.append(f'transformer = {transformer_class}.from_pretrained("{repo}"{folder(None)}, dtype=torch.{dtype})')
         lines.append(
             f'pipe = {pipeline_class}.from_pretrained("{base}", transformer=transformer, dtype=torch.{dtype}).to("cuda")'
         )
@@ -372,6 +393,14 @@ def write_model_card(
             else f"); training sampled them with the `{args.sampler}` SDE sampler, the pipeline samples the ODE."
         )
     )
+    ema = args.ema_decay > 0
+    ema_note = (
+        f"\n\nThe snippet loads the EMA weights (decay {args.ema_decay}) from `{EMA_DIR}/`: they rendered the "
+        "card's sample images (its widget) and the evaluations. The weights of the last optimizer step, without "
+        f"averaging, are at the repository root, in the same format: drop `{EMA_DIR}` from `subfolder` to load them."
+        if ema
+        else ""
+    )
     card = ModelCard(
         f"---\n{data.to_yaml()}\n---\n"
         + _TEMPLATE.format(
@@ -388,8 +417,10 @@ def write_model_card(
                 call_kwargs=call_kwargs,
                 experts=experts,
                 task=task,
+                ema=ema,
             ),
             sampling_note=sampling_note,
+            ema_note=ema_note,
             settings="\n".join(f"| {k} | {v} |" for k, v in settings.items()),
             rewards=", ".join(reward_names) or "custom",
             repository=REPOSITORY_URL,
@@ -401,9 +432,11 @@ def write_model_card(
             trl_citation=TRL_CITATION,
         )
     )
-    lora_tags = ["lora", "template:sd-lora"] if is_lora else []
+    # The Hub's LoRA page template (its widget) is for text-to-image adapters, as diffusers' scripts use it.
+    lora_tags = (["lora", "template:sd-lora"] if task == "text-to-image" else ["lora"]) if is_lora else []
     objective_tags = ["diffusion-nft"] if nft else []
-    populate_model_card(card, tags=list(dict.fromkeys([*TRAINING_TAGS, *tags, *objective_tags, *family, *lora_tags])))
+    tags = list(dict.fromkeys([*TRAINING_TAGS, *tags, task, *objective_tags, *family, *lora_tags]))
+    populate_model_card(card, tags=tags)
     path = os.path.join(output_dir, "README.md")
     os.makedirs(output_dir, exist_ok=True)
     card.save(path)
