@@ -66,6 +66,9 @@ def test_every_image_reaches_tensorboard_wandb_and_trackio(tiny_flux_path, tmp_p
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_k", "to_v"]),
     )  # fmt: skip
     trainer.train()
+    import wandb
+
+    wandb.finish()  # flush the offline run's last records before reading its file
     steps = [1, 2]
 
     # TensorBoard: every image tag at both steps, the eval grid in the eval section.
