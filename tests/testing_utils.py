@@ -36,6 +36,7 @@ NAMES = [
     "dancegrpo-wan2.1",
     "dancegrpo-qwenimage-edit",
     "mixgrpo-flux",
+    "jagg-fast-flux",
     *FLOW_FACTORY,
 ]
 
