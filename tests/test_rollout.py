@@ -118,7 +118,9 @@ def test_progressive_window_follows_mixgrpo_training_states(stride, shift_interv
 )
 def test_window_positions_over_optimizer_steps(schedule, max_start, start_at):
     for step in range(60):
-        window = sde_window(schedule, num_steps=10, size=4, max_start=max_start, step=step, shift_interval=5, seed=step)
+        window = sde_window(
+            schedule, num_steps=10, size=4, max_start=max_start, step=step, shift_interval=5, seed=step
+        )
         assert window == list(range(start_at(step), start_at(step) + 4)), step
     with pytest.raises(ValueError, match="max_start"):
         sde_window("fixed", num_steps=10, size=4, max_start=7)
