@@ -16,6 +16,7 @@ from trl_jagg.benchmarks.quality import (
     QUALITY_VARIANTS,
     EvaluateAt,
     TrainingCPUClock,
+    TrainingWork,
     evaluation_steps,
     markdown_table,
     milestones,
@@ -177,6 +178,40 @@ def test_time_to_reward_equals_a_hand_computation():
     assert "| fast_jagg_cache | **2** [4, 1, 2] | 3, 1, 2 | 3.75x |" in text  # 3.5 s prints as 4
     assert "| mix_jagg_cache | **not reached** [-] | - | - |" in text
     assert time_to_reward([runs[2]]) == {} and time_to_reward_table({}) == ""  # no exact run
+    # Priced: the FLOPs of the work done up to the step reached (here 10 a backbone row, 1 a decoded image).
+    for run in runs:
+        run["work"] = [{"rows": 3 * step, "decoded_images": step} for step in run["step"]]
+    priced = time_to_reward(runs, flops=lambda work: 10 * work["rows"] + work["decoded_images"])
+    assert priced["reference_flops"] == 4 * 31  # both exact runs did the same work to step 4
+    fast = priced["variants"]["fast_jagg_cache"]
+    assert fast["flops"] == [3 * 31, 1 * 31, 2 * 31] and fast["median_flops"] == 2 * 31
+    assert fast["flop_speedup"] == pytest.approx(2.0) and fast["speedup"] == pytest.approx(7.5 / 2.0)
+    assert "| 3.75x | 2.00x |" in time_to_reward_table(priced)
+
+
+def test_training_work_leaves_evaluation_out():
+    class Counter:
+        counts = {"rows": 0}
+        closed = False
+
+        def close(self):
+            self.closed = True
+
+    class State:
+        global_step = 0
+
+    counter, state = Counter(), State()
+    work = TrainingWork(counter)
+    work.on_train_begin(None, state, None)
+    for step, rows in ((1, 5), (2, 10)):
+        counter.counts["rows"], state.global_step = rows, step
+        work.on_step_end(None, state, None)
+    counter.counts["rows"] = 13  # an evaluation: 3 rows
+    work.on_evaluate(None, state, None)
+    counter.counts["rows"], state.global_step = 18, 3
+    work.on_step_end(None, state, None)
+    work.on_train_end(None, state, None)
+    assert work.work == {1: {"rows": 5}, 2: {"rows": 10}, 3: {"rows": 15}} and counter.closed
 
 
 def test_plot_draws_every_variant(tmp_path):
@@ -219,12 +254,18 @@ def test_bench_quality_detail_task_reports_the_time_to_exacts_reward(tmp_path):
     from trl_jagg.scripts.bench import main
 
     out = tmp_path / "quality"
-    argv = ["quality", "--output_dir", str(out), "--steps", "2", "--seeds", "0", "--eval_repeats", "1", "--task"]
+    argv = ["quality", "--output_dir", str(out), "--steps", "2", "--seeds", "0", "--eval_repeats", "1",
+            "--price_flux", "false", "--task"]  # fmt: skip
     assert main([*argv, "detail", "--eval_every", "1", "--variants", "exact", "fast_jagg_cache"]) == 0
     report = json.loads((out / "quality.json").read_text())
     assert report["config"]["reward"] == "high_frequency" and report["config"]["evaluated_steps"] == [1, 2]
     exact = next(r for r in report["runs"] if r["variant"] == "exact")
     assert set(exact["eval"]) == {"1", "2"}
+    # The training work: 9 prompts x 8 images decoded a step (the evaluations' 9 each left out); each step runs the
+    # rollout's backbone rows without a graph and the update's with one, backwards through them.
+    for run in report["runs"]:
+        assert [w["decoded_images"] for w in run["work"]] == [72, 144]
+        assert run["work"][1]["backward_rows"] == 2 * run["work"][0]["backward_rows"] > 0
     table = report["time_to_reward"]
     assert table["target_eval_reward"] == exact["eval"]["2"]["reward"]  # one seed: its own last evaluation
     for run in report["runs"]:

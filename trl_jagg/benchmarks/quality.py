@@ -149,11 +149,43 @@ class TrainingCPUClock(TrainerCallback):
         self._last_step_end = now
 
 
-def run_record(variant: str, seed: int, log_history: Sequence[dict[str, Any]], cpu_seconds: dict[int, float]) -> dict:
-    """One run's curves and evaluations from the trainer's ``log_history`` and :class:`TrainingCPUClock`'s times."""
+class TrainingWork(TrainerCallback):
+    """The work of training so far at the end of each optimizer step, evaluation left out, as :class:`TrainingCPUClock`
+    leaves out its time: ``counter`` is a :class:`~trl_jagg.benchmarks.whole_step.WorkCounter` (its ``counts``
+    grow with every backbone row, backward row, decoded image and encoded prompt; ``close()`` removes its hooks)."""
+
+    def __init__(self, counter: Any) -> None:
+        self.counter = counter
+        self.work: dict[int, dict[str, int]] = {}
+        self._last_step_end: dict[str, int] = {}
+        self._excluded: dict[str, int] = {}
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._last_step_end = dict(self.counter.counts)
+        self._excluded = dict(self.counter.counts)  # anything counted before training (none in the benchmark)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._last_step_end = dict(self.counter.counts)
+        self.work[state.global_step] = {k: v - self._excluded[k] for k, v in self._last_step_end.items()}
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        now = dict(self.counter.counts)
+        self._excluded = {k: self._excluded[k] + now[k] - self._last_step_end[k] for k in now}
+        self._last_step_end = now
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.counter.close()
+
+
+def run_record(
+    variant: str, seed: int, log_history: Sequence[dict[str, Any]], cpu_seconds: dict[int, float],
+    work: dict[int, dict[str, int]] | None = None,
+) -> dict:  # fmt: skip
+    """One run's curves and evaluations from the trainer's ``log_history``, :class:`TrainingCPUClock`'s times and
+    :class:`TrainingWork`'s counts (``work``: one dict per logged step, if given)."""
     logs = sorted((e for e in log_history if "reward" in e), key=lambda e: e["step"])
     evals = {e["step"]: e for e in log_history if "eval_reward" in e}
-    return {
+    record = {
         "variant": variant,
         "seed": seed,
         "step": [e["step"] for e in logs],
@@ -165,6 +197,9 @@ def run_record(variant: str, seed: int, log_history: Sequence[dict[str, Any]], c
             for step, e in sorted(evals.items())
         },
     }
+    if work is not None:
+        record["work"] = [work[e["step"]] for e in logs]
+    return record
 
 
 def summarize(runs: Sequence[dict[str, Any]], at_steps: Sequence[int]) -> dict[str, Any]:
@@ -193,14 +228,18 @@ def summarize(runs: Sequence[dict[str, Any]], at_steps: Sequence[int]) -> dict[s
     return table
 
 
-def time_to_reward(runs: Sequence[dict[str, Any]], reference: str = "exact") -> dict[str, Any]:
+def time_to_reward(
+    runs: Sequence[dict[str, Any]], reference: str = "exact", flops: Callable[[dict[str, int]], float] | None = None
+) -> dict[str, Any]:
     """Per variant, the training CPU seconds to reach ``reference``'s held-out reward at its last step.
 
     The target is the mean over ``reference``'s seeds of its last evaluation's reward. Per run: the CPU seconds up to
     the first evaluated step whose held-out reward is at or above it (``None`` if none is); per variant their median
     over seeds (a run that never reaches it counts as slower than any that does; ``None`` when half or more never
-    do) and ``reference``'s median CPU seconds to its last step over that median (``speedup``). Empty without a
-    ``reference`` run."""
+    do) and ``reference``'s median CPU seconds to its last step over that median (``speedup``). With ``flops`` (the
+    FLOPs of a step's counted work, e.g. :func:`flux_dev_pricing`) and runs that carry their ``work``, the same for
+    the FLOPs of the work done up to that step (``flops``, ``median_flops``, ``flop_speedup``): the time predicted at
+    that size. Empty without a ``reference`` run."""
     own = [r for r in runs if r["variant"] == reference]
     if not own:
         return {}
@@ -209,21 +248,40 @@ def time_to_reward(runs: Sequence[dict[str, Any]], reference: str = "exact") -> 
     if not targets:
         return {}
     target = statistics.fmean(targets)
-    reference_cpu = statistics.median(r["cpu_s"][-1] for r in own)
+    priced = flops is not None and all("work" in r for r in runs)
     table: dict[str, Any] = {"target_eval_reward": target, "at_step": int(last), "reference": reference,
-                             "reference_cpu_s": reference_cpu, "variants": {}}  # fmt: skip
+                             "reference_cpu_s": statistics.median(r["cpu_s"][-1] for r in own), "variants": {}}  # fmt: skip
+    if priced:
+        table["reference_flops"] = statistics.median(flops(r["work"][-1]) for r in own)
     for run in runs:
         reached = [int(s) for s in sorted(run["eval"], key=int) if run["eval"][s]["reward"] >= target]
-        step = reached[0] if reached else None
+        i = run["step"].index(reached[0]) if reached else None
         entry = table["variants"].setdefault(run["variant"], {"seeds": [], "step": [], "cpu_s": []})
         entry["seeds"].append(run["seed"])
-        entry["step"].append(step)
-        entry["cpu_s"].append(None if step is None else run["cpu_s"][run["step"].index(step)])
+        entry["step"].append(reached[0] if reached else None)
+        entry["cpu_s"].append(None if i is None else run["cpu_s"][i])
+        if priced:
+            entry.setdefault("flops", []).append(None if i is None else flops(run["work"][i]))
     for entry in table["variants"].values():
-        median = statistics.median(math.inf if c is None else c for c in entry["cpu_s"])
-        entry["median_cpu_s"] = None if math.isinf(median) else median
-        entry["speedup"] = None if entry["median_cpu_s"] is None else reference_cpu / entry["median_cpu_s"]
+        for key, median_key, speedup_key, total in (
+            ("cpu_s", "median_cpu_s", "speedup", table["reference_cpu_s"]),
+            ("flops", "median_flops", "flop_speedup", table.get("reference_flops")),
+        ):
+            if key not in entry:
+                continue
+            median = statistics.median(math.inf if c is None else c for c in entry[key])
+            entry[median_key] = None if math.isinf(median) else median
+            entry[speedup_key] = None if entry[median_key] is None else total / entry[median_key]
     return table
+
+
+def flux_dev_pricing(work: dict[str, int]) -> float:
+    """FLOPs of ``work`` (counts of :class:`TrainingWork`) at FLUX.1-dev's size, 1024 px with LoRA
+    (:func:`~trl_jagg.benchmarks.flops.flux_dev_costs`, no checkpointing, as the demo trains): the compute the same
+    schedule of rows, backwards, decodes and prompt encodings would take there."""
+    from .flops import flux_dev_costs, step_flops
+
+    return step_flops(flux_dev_costs()["lora"], work, checkpointing=False)
 
 
 def time_to_reward_table(table: dict[str, Any]) -> str:
@@ -236,15 +294,16 @@ def time_to_reward_table(table: dict[str, Any]) -> str:
         f"({table['target_eval_reward']:+.3f}; {table['reference']} takes {table['reference_cpu_s']:.0f} CPU s to "
         f"step {table['at_step']}):",
         "",
-        "| variant | CPU s to target | step reached | speed-up vs exact's time |",
-        "|---|---|---|---|",
+        "| variant | CPU s to target | step reached | speed-up vs exact's time | FLUX.1-dev speed-up (FLOPs) |",
+        "|---|---|---|---|---|",
     ]
     for variant, entry in table["variants"].items():
         seconds = ", ".join("-" if c is None else f"{c:.0f}" for c in entry["cpu_s"])
         steps = ", ".join("-" if s is None else str(s) for s in entry["step"])
         median = "not reached" if entry["median_cpu_s"] is None else f"{entry['median_cpu_s']:.0f}"
         speedup = "-" if entry["speedup"] is None else f"{entry['speedup']:.2f}x"
-        lines.append(f"| {variant} | **{median}** [{seconds}] | {steps} | {speedup} |")
+        flop_speedup = "-" if entry.get("flop_speedup") is None else f"{entry['flop_speedup']:.2f}x"
+        lines.append(f"| {variant} | **{median}** [{seconds}] | {steps} | {speedup} | {flop_speedup} |")
     return "\n".join(lines)
 
 
@@ -332,6 +391,7 @@ def run_quality_benchmark(
     eval_every: int | None = None,
     model: str = DEMO_ASSET_DIR,
     num_threads: int = 1,
+    price_flux: bool = True,
 ) -> dict[str, Any]:
     """Train the demo with every variant and seed (see the module docstring); returns and writes the report.
 
@@ -346,9 +406,12 @@ def run_quality_benchmark(
             the time to reward is read at these steps.
         model: the pipeline (the shipped demo model by default).
         num_threads: torch CPU threads while training; restored afterwards.
+        price_flux: also price the time to reward in FLOPs at FLUX.1-dev's size (:func:`flux_dev_pricing`).
     """
     import torch
     from datasets import Dataset
+
+    from .whole_step import WorkCounter
 
     unknown = sorted(set(variants) - set(QUALITY_VARIANTS))
     if unknown:
@@ -384,16 +447,19 @@ def run_quality_benchmark(
                 eval_strategy="steps", eval_steps=every, per_device_eval_batch_size=len(prompts),
                 reward=QUALITY_TASKS[task], **variant_overrides(variant, steps),
             )  # fmt: skip
-            clock = TrainingCPUClock()
-            trainer.add_callback(EvaluateAt(report["config"]["evaluated_steps"]))
-            trainer.add_callback(clock)
+            clock, work = TrainingCPUClock(), TrainingWork(WorkCounter(trainer.adapter.pipeline))
+            for callback in (EvaluateAt(report["config"]["evaluated_steps"]), clock, work):
+                trainer.add_callback(callback)
             trainer.train()
-            report["runs"].append(run_record(variant, seed, trainer.state.log_history, clock.seconds))
+            report["runs"].append(run_record(variant, seed, trainer.state.log_history, clock.seconds, work.work))
             del trainer
             report["summary"] = summarize(report["runs"], at_steps)
             report["time_to_reward"] = time_to_reward(report["runs"])
             (out / JSON_NAME).write_text(json.dumps(report, indent=2))
             plot_quality(report["runs"], str(out / PNG_NAME), QUALITY_TASKS[task])
+    if price_flux:  # counting FLUX.1-dev's modules takes a minute or two, once
+        report["time_to_reward"] = time_to_reward(report["runs"], flops=flux_dev_pricing)
+        (out / JSON_NAME).write_text(json.dumps(report, indent=2))
     print(markdown_table(report["summary"]))
     print(time_to_reward_table(report["time_to_reward"]))
     print(f"wrote {out / JSON_NAME} and {out / PNG_NAME}")

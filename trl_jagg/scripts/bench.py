@@ -189,6 +189,13 @@ class QualityBenchmarkArguments:
         metadata={"help": "The pipeline to fine-tune, a local directory or a Hub id (default: the demo's model)."},
     )
     num_threads: int = field(default=1, metadata={"help": "torch CPU threads while training (restored afterwards)."})
+    price_flux: bool = field(
+        default=True,
+        metadata={
+            "help": "Also price the time to reward in FLOPs at FLUX.1-dev's size (1024 px, LoRA): the counted work "
+            "of the runs at that size (counting FLUX.1-dev's modules takes a minute or two, once)."
+        },
+    )
 
 
 REWARD_OVERLAP_DESCRIPTION = (
