@@ -15,7 +15,8 @@ format (``lora/``; ``lora_exact/`` with ``--compare``) and ``summary.json``, who
 update stage of JAGG (with the on-policy velocity cache) against exact backward, timed in interleaved pairs on one
 rollout after training. Everything runs offline; the default run takes about 1 minute on a 2-core CPU, ``--compare``
 about 2. ``trl-jagg bench quality`` (:mod:`trl_jagg.benchmarks.quality`) trains it with exact updates, JAGG + cache and
-the mixed ODE-SDE rollout for several seeds and compares their rewards.
+the mixed ODE-SDE rollouts (MixGRPO's sliding window, ``jagg-fast-flux``'s held one) for several seeds and compares
+their rewards, on the colour task or a fine-detail one.
 """
 
 from __future__ import annotations
