@@ -173,9 +173,11 @@ def test_time_to_reward_equals_a_hand_computation():
     assert exact["median_cpu_s"] is None and exact["speedup"] is None  # half the seeds never reach it
     assert fast["step"] == [3, 1, 2] and fast["cpu_s"] == [3.5, 1.0, 2.0]
     assert fast["median_cpu_s"] == 2.0 and fast["speedup"] == pytest.approx(7.5 / 2.0)
+    assert fast["speedup_per_seed"] == pytest.approx([7.5 / 3.5, 7.5 / 1.0, 7.5 / 2.0])
+    assert exact["speedup_per_seed"] == [None, pytest.approx(7.5 / 4.0)]
     assert mix["step"] == [None] and mix["median_cpu_s"] is None
     text = time_to_reward_table(table)
-    assert "| fast_jagg_cache | **2** [4, 1, 2] | 3, 1, 2 | 3.75x |" in text  # 3.5 s prints as 4
+    assert "| fast_jagg_cache | **2** [4, 1, 2] | 3, 1, 2 | 3.75x [2.14, 7.50] |" in text  # 3.5 s prints as 4
     assert "| mix_jagg_cache | **not reached** [-] | - | - |" in text
     assert time_to_reward([runs[2]]) == {} and time_to_reward_table({}) == ""  # no exact run
     # Priced: the FLOPs of the work done up to the step reached (here 10 a backbone row, 1 a decoded image).
@@ -186,7 +188,7 @@ def test_time_to_reward_equals_a_hand_computation():
     fast = priced["variants"]["fast_jagg_cache"]
     assert fast["flops"] == [3 * 31, 1 * 31, 2 * 31] and fast["median_flops"] == 2 * 31
     assert fast["flop_speedup"] == pytest.approx(2.0) and fast["speedup"] == pytest.approx(7.5 / 2.0)
-    assert "| 3.75x | 2.00x |" in time_to_reward_table(priced)
+    assert "| 3.75x [2.14, 7.50] | 2.00x [1.33, 4.00] |" in time_to_reward_table(priced)
 
 
 def test_training_work_leaves_evaluation_out():

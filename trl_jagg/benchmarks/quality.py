@@ -236,7 +236,8 @@ def time_to_reward(
     The target is the mean over ``reference``'s seeds of its last evaluation's reward. Per run: the CPU seconds up to
     the first evaluated step whose held-out reward is at or above it (``None`` if none is); per variant their median
     over seeds (a run that never reaches it counts as slower than any that does; ``None`` when half or more never
-    do) and ``reference``'s median CPU seconds to its last step over that median (``speedup``). With ``flops`` (the
+    do) and ``reference``'s median CPU seconds to its last step over that median (``speedup``; over each seed's time:
+    ``speedup_per_seed``, ``None`` where never reached). With ``flops`` (the
     FLOPs of a step's counted work, e.g. :func:`flux_dev_pricing`) and runs that carry their ``work``, the same for
     the FLOPs of the work done up to that step (``flops``, ``median_flops``, ``flop_speedup``): the time predicted at
     that size. Empty without a ``reference`` run."""
@@ -272,6 +273,7 @@ def time_to_reward(
             median = statistics.median(math.inf if c is None else c for c in entry[key])
             entry[median_key] = None if math.isinf(median) else median
             entry[speedup_key] = None if entry[median_key] is None else total / entry[median_key]
+            entry[f"{speedup_key}_per_seed"] = [None if c is None else total / c for c in entry[key]]
     return table
 
 
@@ -284,9 +286,19 @@ def flux_dev_pricing(work: dict[str, int]) -> float:
     return step_flops(flux_dev_costs()["lora"], work, checkpointing=False)
 
 
+def _speedup_cell(entry: dict[str, Any], key: str) -> str:
+    """``median [min, max]`` of a :func:`time_to_reward` speed-up over the seeds that reached the target ("-": none
+    measured or the median not reached)."""
+    reached = [x for x in entry.get(f"{key}_per_seed", []) if x is not None]
+    if entry.get(key) is None:
+        return "-"
+    return f"{entry[key]:.2f}x [{min(reached):.2f}, {max(reached):.2f}]"
+
+
 def time_to_reward_table(table: dict[str, Any]) -> str:
     """:func:`time_to_reward` as a Markdown table: per variant the median CPU seconds (the seeds' in brackets, "-"
-    for a seed that never reached the target), the evaluated steps it took, and the speed-up."""
+    for a seed that never reached the target), the evaluated steps it took, and the speed-ups (median [min, max]
+    over the seeds that reached it)."""
     if not table:
         return ""
     lines = [
@@ -301,8 +313,7 @@ def time_to_reward_table(table: dict[str, Any]) -> str:
         seconds = ", ".join("-" if c is None else f"{c:.0f}" for c in entry["cpu_s"])
         steps = ", ".join("-" if s is None else str(s) for s in entry["step"])
         median = "not reached" if entry["median_cpu_s"] is None else f"{entry['median_cpu_s']:.0f}"
-        speedup = "-" if entry["speedup"] is None else f"{entry['speedup']:.2f}x"
-        flop_speedup = "-" if entry.get("flop_speedup") is None else f"{entry['flop_speedup']:.2f}x"
+        speedup, flop_speedup = (_speedup_cell(entry, key) for key in ("speedup", "flop_speedup"))
         lines.append(f"| {variant} | **{median}** [{seconds}] | {steps} | {speedup} | {flop_speedup} |")
     return "\n".join(lines)
 
