@@ -8,7 +8,7 @@ TORCH_PIN ?= torch==2.14.1 torchvision==0.29.1
 # Refreshed on purpose with `make lock`; `make test-latest` tries the newest versions without touching it.
 LOCK := requirements.lock
 
-.PHONY: demo test test-latest lock lint docs bench bench-quality clean
+.PHONY: demo test test-latest lock lint docs bench bench-quality gpu-wheels gpu-check clean
 
 $(VENV)/.installed: pyproject.toml $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -58,5 +58,19 @@ bench: $(VENV)/.installed
 bench-quality: $(VENV)/.installed
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(VENV)/bin/trl-jagg bench quality --output_dir runs/quality
 
+# The wheels the GPU machine lacks (diffusers, trl, datasets and theirs) and the project's, from the lock, into
+# gpu-wheels/ (ignored, under 20 MB): run where the package index is, before a session with a GPU.
+gpu-wheels: $(VENV)/.installed
+	$(PY) -m trl_jagg.benchmarks.gpu_wheels download --dest gpu-wheels --lock $(LOCK)
+
+# On the GPU machine (no network): install gpu-wheels/ offline into .gpu-site/ and run the GPU check (under 8
+# minutes on one H200) into $(OUT). GPU_CHECK_ARGS adds flags (`--tiny` runs it on a CPU in seconds).
+GPU_PYTHON ?= python3
+OUT ?= runs/gpu_check
+GPU_CHECK_ARGS ?=
+gpu-check:
+	$(GPU_PYTHON) -m trl_jagg.benchmarks.gpu_wheels install --wheels gpu-wheels --target .gpu-site
+	PYTHONPATH=.gpu-site HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 $(GPU_PYTHON) -m trl_jagg.benchmarks.gpu_check --output_dir $(OUT) $(GPU_CHECK_ARGS)
+
 clean:
-	rm -rf runs .pytest_cache .venv-latest .venv-lock
+	rm -rf runs .pytest_cache .venv-latest .venv-lock .gpu-site

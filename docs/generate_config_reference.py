@@ -135,7 +135,11 @@ def render() -> str:
         "#transformers.TrainingArguments) fields work as in `transformers.Trainer`. The ones most recipes set: "
         "`output_dir`, `max_steps`, `gradient_accumulation_steps`, `bf16`, `gradient_checkpointing`, `save_steps`, "
         "`save_total_limit`, `report_to`, `push_to_hub`, `hub_model_id`, `seed`, `resume_from_checkpoint`, `fsdp`, "
-        "`fsdp_config` (see [distributed training](distributed.md)).",
+        "`fsdp_config` (see [distributed training](distributed.md)). `activation_checkpointing_kwargs` (alias "
+        "`gradient_checkpointing_kwargs`) takes only `every_n_layers` on diffusers backbones: with "
+        '`activation_checkpointing=True`, `{"every_n_layers": k}` checkpoints transformer blocks 0, k, 2k, ... (in '
+        "module order) and keeps the others' activations, so a backward row recomputes about 1/k of the forward "
+        "instead of all of it (see [benchmarks](benchmarks.md)).",
         "",
         "## `trl-jagg train` script arguments",
         "",

@@ -12,9 +12,11 @@ from safetensors.torch import save_file
 
 from trl_jagg.errors import CheckpointError
 from trl_jagg.trainer.checkpoint_checks import (
+    check_ema_step,
     check_finite_weights,
-    check_optimizer_shapes,
+    check_optimizer_file,
     check_resume_files,
+    check_run_settings,
     check_step_agreement,
     check_weights,
     read_grpo_state,
@@ -86,12 +88,12 @@ def save_optimizer(path, shapes) -> None:
 
 def test_optimizer_state_of_another_lora_rank_is_refused(tmp_path):
     save_optimizer(tmp_path, [(8, 32), (16, 8)])  # rank 8
-    check_optimizer_shapes(str(tmp_path), [(8, 32), (16, 8)])
+    check_optimizer_file(str(tmp_path), [(8, 32), (16, 8)])
     with pytest.raises(CheckpointError, match=r"optimizer.pt: the exp_avg of parameter 0 is \[8, 32\], the parameter "
                        r"is \[4, 32\] \(another LoRA rank\?\)"):  # fmt: skip
-        check_optimizer_shapes(str(tmp_path), [(4, 32), (16, 4)])
+        check_optimizer_file(str(tmp_path), [(4, 32), (16, 4)])
     with pytest.raises(CheckpointError, match="holds the state of 2 parameters, the model trains 3"):
-        check_optimizer_shapes(str(tmp_path), [(8, 32), (16, 8), (3,)])
+        check_optimizer_file(str(tmp_path), [(8, 32), (16, 8), (3,)])
 
 
 def test_weights_holding_nan_are_refused_naming_file_and_tensor(tmp_path):
@@ -120,3 +122,66 @@ def test_ema_folder_of_another_rank_is_named(tmp_path):
         CheckpointError, match=re.escape(f"{ema}: 1 tensors have other shapes") + r".*\[8, 32\].*\[4, 32\]"
     ):
         check_weights([ema], {"a.lora_A.weight": (4, 32)}, prefix="transformer.")
+
+
+def test_optimizer_state_holding_nan_is_refused(tmp_path):
+    save_optimizer(tmp_path, [(8, 32), (16, 8)])
+    state = torch.load(tmp_path / "optimizer.pt", weights_only=True)
+    state["state"][1]["exp_avg_sq"][3, 2] = float("nan")
+    torch.save(state, tmp_path / "optimizer.pt")
+    with pytest.raises(CheckpointError, match=r"optimizer.pt: the exp_avg_sq of parameter 1 holds NaN or infinite"):
+        check_optimizer_file(str(tmp_path), [(8, 32), (16, 8)])
+
+
+@pytest.mark.parametrize(("ema_step", "ok"), [(3, True), (2, False), ("3", False)])
+def test_ema_stamped_at_another_step_is_refused(tmp_path, ema_step, ok):
+    write_json(tmp_path, "trainer_state.json", {"global_step": 3})
+    (tmp_path / "ema").mkdir()
+    write_json(tmp_path / "ema", "ema_state.json", {"step": ema_step})
+    if ok:
+        check_ema_step(str(tmp_path))
+    else:
+        with pytest.raises(CheckpointError, match=re.escape(f"{tmp_path}/ema/ema_state.json")):
+            check_ema_step(str(tmp_path))
+
+
+def test_unstamped_ema_is_accepted_with_a_warning(tmp_path):
+    write_json(tmp_path, "trainer_state.json", {"global_step": 3})
+    (tmp_path / "ema").mkdir()
+    with pytest.warns(UserWarning, match="has no ema_state.json"):
+        check_ema_step(str(tmp_path))
+
+
+SAVED_RUN = {"learning_rate": 1e-4, "lr_scheduler_type": "linear", "warmup_steps": 0, "train_experts": "both"}
+
+
+@pytest.mark.parametrize(
+    ("current", "scheduler_saved", "named"),
+    [
+        (SAVED_RUN, True, None),
+        ({**SAVED_RUN, "learning_rate": 5e-5}, True, "learning_rate=0.0001; this run has learning_rate=5e-05"),
+        ({**SAVED_RUN, "learning_rate": 5e-5}, False, None),  # no scheduler.pt: the new rate applies
+        ({**SAVED_RUN, "train_experts": "low_noise"}, False, "train_experts='both'; this run has train_experts="),
+        ({**SAVED_RUN, "warmup_steps": 5, "lr_scheduler_type": "cosine"}, True, "lr_scheduler_type='linear', "
+         "warmup_steps=0; this run has lr_scheduler_type='cosine', warmup_steps=5"),
+    ],
+    ids=["same", "learning-rate", "learning-rate-without-scheduler", "train-experts", "schedule"],
+)  # fmt: skip
+def test_resume_refuses_changed_run_settings(tmp_path, current, scheduler_saved, named):
+    write_json(tmp_path, "grpo_state.json", {"step": 1, "stat_tracker": None, "run": SAVED_RUN})
+    if scheduler_saved:
+        (tmp_path / "scheduler.pt").write_bytes(b"")
+    if named is None:
+        check_run_settings(str(tmp_path), current)
+    else:
+        with pytest.raises(CheckpointError, match=re.escape(named)):
+            check_run_settings(str(tmp_path), current)
+
+
+def test_checkpoint_without_a_run_record_is_not_compared(tmp_path):
+    write_json(tmp_path, "grpo_state.json", {"step": 1, "stat_tracker": None})
+    (tmp_path / "scheduler.pt").write_bytes(b"")
+    check_run_settings(str(tmp_path), {**SAVED_RUN, "learning_rate": 1.0})
+    write_json(tmp_path, "grpo_state.json", {"step": 1, "stat_tracker": None, "run": [1]})
+    with pytest.raises(CheckpointError, match="has a run record that is not an object"):
+        check_run_settings(str(tmp_path), SAVED_RUN)

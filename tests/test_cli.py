@@ -348,8 +348,19 @@ def test_lora_targets_default_to_the_family_attention(tiny_flux_path):
         (bench.WholeStepBenchmarkArguments, "trl_jagg.benchmarks.whole_step:run_whole_step_benchmark"),
         (bench.QualityBenchmarkArguments, "trl_jagg.benchmarks.quality:run_quality_benchmark"),
         (bench.RewardOverlapBenchmarkArguments, "trl_jagg.benchmarks.reward_overlap:run_reward_overlap_benchmark"),
+        (bench.VelocityCacheBenchmarkArguments, "trl_jagg.benchmarks.velocity_cache:run_velocity_cache_benchmark"),
+        (bench.NFTJaggBenchmarkArguments, "trl_jagg.benchmarks.nft:run_nft_jagg_benchmark"),
     ],
-    ids=["demo", "bench", "bench-trainer", "bench-whole-step", "bench-quality", "bench-reward-overlap"],
+    ids=[
+        "demo",
+        "bench",
+        "bench-trainer",
+        "bench-whole-step",
+        "bench-quality",
+        "bench-reward-overlap",
+        "bench-velocity-cache",
+        "bench-nft-jagg",
+    ],  # fmt: skip
 )
 def test_command_dataclasses_mirror_their_function(arguments, function):
     # Every option is a parameter of the function, with the same default; every parameter a user would set is an
@@ -382,8 +393,14 @@ def test_command_dataclasses_mirror_their_function(arguments, function):
             "run_reward_overlap_benchmark",
             "runs/bench",
         ),
+        (
+            ["bench", "velocity-cache"],
+            "trl_jagg.benchmarks.velocity_cache",
+            "run_velocity_cache_benchmark",
+            "runs/bench",
+        ),
     ],
-    ids=["demo", "bench-trainer", "bench-whole-step", "bench-reward-overlap"],
+    ids=["demo", "bench-trainer", "bench-whole-step", "bench-reward-overlap", "bench-velocity-cache"],
 )
 def test_demo_and_bench_flags_reach_the_function(monkeypatch, capsys, command, module, function, default_dir):
     calls: list = []

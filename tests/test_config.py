@@ -58,6 +58,7 @@ def test_non_finite_reward_weight():
         (dict(eval_num_inference_steps=0), "eval_num_inference_steps", "positive"),
         (dict(stat_tracking_buffer_size=0), "stat_tracking_buffer_size", "positive"),
         (dict(reward_retries=-1), "reward_retries", "0"),
+        (dict(reward_timeout=0.0), "reward_timeout", "> 0"),
         (dict(sde_window_schedule="sliding"), "sde_window_schedule", "random"),
         (dict(sde_window_schedule="progressive"), "sde_window_schedule", "sde_window_size >= 1"),
         (dict(sde_window_schedule="fixed"), "sde_window_schedule", "sde_window_size >= 1"),

@@ -119,9 +119,10 @@ def test_presets_table_matches_the_recipes():
     rows = [
         [cell.strip().strip("`") for cell in line.strip().strip("|").split("|")]
         for line in (DOCS / "models.md").read_text().splitlines()
-        if re.match(r"\| `[a-z0-9.-]+` \| `", line)
+        if re.match(r"\| `[a-z0-9.-]+` \| `", line) and not line.startswith("| `nft-")
     ]
-    assert sorted(row[0] for row in rows) == sorted(RECIPES)
+    grpo = [name for name, recipe in RECIPES.items() if recipe.config.get("objective", "grpo") == "grpo"]
+    assert sorted(row[0] for row in rows) == sorted(grpo)
     for name, model, reward, sampler, noise, steps, _, size, g, _, lora, lr, beta, w, frac in rows:
         recipe, config = RECIPES[name], RECIPES[name].config
         assert model == recipe.model and [r.strip("` ") for r in reward.split(",")] == list(recipe.reward_funcs), name
@@ -132,6 +133,31 @@ def test_presets_table_matches_the_recipes():
         assert lora == expected_lora, name
         assert (float(lr), float(beta)) == (config["learning_rate"], config["beta"]), name
         assert (int(w), float(frac)) == (config["jagg_group_size"], config["jagg_frac"]), name
+
+
+def test_nft_presets_table_matches_the_recipes():
+    from trl_jagg.recipes import RECIPES
+
+    rows = [
+        [cell.strip().strip("`") for cell in line.strip().strip("|").split("|")]
+        for line in (DOCS / "models.md").read_text().splitlines()
+        if re.match(r"\| `nft-[a-z0-9.-]+` \| `", line)
+    ]
+    assert sorted(row[0] for row in rows) == sorted(
+        n for n, r in RECIPES.items() if r.config.get("objective") == "nft"
+    )
+    for name, model, reward, _, steps, _, size, g, fraction, lora, lr, kl, nft_beta, decay in rows:
+        recipe, config = RECIPES[name], RECIPES[name].config
+        assert model == recipe.model and [r.strip("` ") for r in reward.split(",")] == list(recipe.reward_funcs), name
+        assert (int(steps), int(size), int(g)) == (
+            config["num_inference_steps"],
+            config["height"],
+            config["num_generations"],
+        )
+        assert float(fraction) == config["train_timestep_fraction"], name
+        assert lora == f"{recipe.lora['r']} / {recipe.lora['lora_alpha']}", name
+        assert (float(lr), float(kl), float(nft_beta)) == (config["learning_rate"], config["beta"], config["nft_beta"])
+        assert int(decay) == config["nft_decay_type"], name
 
 
 def test_quickstart_lists_every_example():

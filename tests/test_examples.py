@@ -24,6 +24,9 @@ EXAMPLES = {
     "train_sd35_flow_grpo.py": (
         "sd3", "StableDiffusion3Pipeline", "stabilityai/stable-diffusion-3.5-medium", LORA
     ),
+    "train_sd35_nft.py": (  # objective="nft"
+        "sd3", "StableDiffusion3Pipeline", "stabilityai/stable-diffusion-3.5-medium", LORA
+    ),
     "train_sd35_geneval.py": (  # the geneval reward on a tiny random OWLv2 + CLIP
         "sd3", "StableDiffusion3Pipeline", "stabilityai/stable-diffusion-3.5-medium", LORA
     ),
@@ -62,6 +65,8 @@ EXAMPLES = {
     ),
 }  # fmt: skip
 
+EXTRA_ARGS = {"train_sd35_nft.py": ["--use_jagg"]}  # JAGG across NFT timesteps is off by default: run it here
+
 
 def test_every_example_is_covered():
     assert sorted(p.name for p in EXAMPLES_DIR.glob("train_*.py")) == sorted(EXAMPLES)
@@ -90,7 +95,8 @@ def test_example_runs_tiny(name, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR: the tiny model is saved under tmp_path
-    monkeypatch.setattr(sys, "argv", [str(EXAMPLES_DIR / name), "--tiny", "--output_dir", str(output_dir)])
+    argv = [str(EXAMPLES_DIR / name), "--tiny", "--output_dir", str(output_dir), *EXTRA_ARGS.get(name, [])]
+    monkeypatch.setattr(sys, "argv", argv)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -8,8 +8,9 @@ from trl_jagg.benchmarks.flops import (
     FLUX_DEV_TRANSFORMER,
     StepCosts,
     backbone_costs,
+    checkpointed_fraction,
     flux_dev_lora,
-    preset_checkpoints,
+    preset_checkpointed_fraction,
     step_flops,
     transformer_flops,
 )
@@ -111,12 +112,6 @@ def test_checkpointed_backward_recomputes_the_blocks_forward_only():
     assert lora_costs == {
         "forward_row": lora_forward, "backward_row": lora_backward, "recompute_row": lora_forward - outside,
     }  # fmt: skip
-    # The presets the whole-step predictions stand for: DanceGRPO's and MixGRPO's full fine-tuning checkpoints
-    # (their scripts pass --gradient_checkpointing), Flow-GRPO's FLUX.1 LoRA does not (activation_checkpointing
-    # False in its config/base.py).
-    assert [preset_checkpoints(name) for name in ("dancegrpo-flux", "mixgrpo-flux", "flow-grpo-flux")] == [
-        True, True, False,
-    ]  # fmt: skip
 
 
 def test_tiny_flux_lora_flops_count_only_the_gradients_the_adapters_need():
@@ -139,3 +134,24 @@ def test_step_flops_prices_the_counted_work():
     # Checkpointing: each backward row also runs the blocks' forward again.
     checkpointed = 10 * 10.0 + 4 * (21.0 + 9.0) + 2 * 3.0 + 0.5
     assert step_flops(costs, counts, checkpointing=True) == pytest.approx(checkpointed)
+    # Every 2nd block of 5 checkpointed (blocks 0, 2, 4): 3/5 of the blocks' forward recomputed per backward row.
+    assert checkpointed_fraction(5, 2) == pytest.approx(3 / 5)
+    assert checkpointed_fraction(57, 1) == 1.0 and checkpointed_fraction(57, 3) == pytest.approx(19 / 57)
+    thinned = 10 * 10.0 + 4 * (21.0 + 9.0 * 3 / 5) + 2 * 3.0 + 0.5
+    assert step_flops(costs, counts, checkpointing=checkpointed_fraction(5, 2)) == pytest.approx(thinned)
+
+
+def test_presets_price_their_checkpointing(monkeypatch):
+    from dataclasses import replace
+
+    from trl_jagg.benchmarks import flops
+
+    # DanceGRPO's and MixGRPO's full fine-tuning checkpoints every block (their scripts pass
+    # --gradient_checkpointing), Flow-GRPO's FLUX.1 LoRA none (activation_checkpointing False in its config/base.py).
+    fractions = [preset_checkpointed_fraction(n) for n in ("dancegrpo-flux", "mixgrpo-flux", "flow-grpo-flux")]
+    assert fractions == [1.0, 1.0, 0.0]
+    # A preset checkpointing every 4th of FLUX.1-dev's 19 + 38 blocks: blocks 0, 4, ..., 56, i.e. 15 of 57.
+    recipe = flops.get_recipe("dancegrpo-flux")
+    every_4th = replace(recipe, config={**recipe.config, "activation_checkpointing_kwargs": {"every_n_layers": 4}})
+    monkeypatch.setattr(flops, "get_recipe", lambda name: every_4th)
+    assert preset_checkpointed_fraction("dancegrpo-flux") == pytest.approx(15 / 57)

@@ -58,6 +58,56 @@ def test_gradient_checkpointing_gives_the_same_gradient(tiny_flux_path, tmp_path
         torch.testing.assert_close(got[name], grad, atol=1e-6, rtol=1e-6, msg=name)
 
 
+def test_every_nth_block_checkpointing_recomputes_those_blocks_with_the_same_gradient(tiny_flux_path, tmp_path):
+    """activation_checkpointing_kwargs={"every_n_layers": 2}: blocks 0, 2, 4, ... of the joint then single-stream
+    blocks (module order) run again in the backward, the others do not, and the gradient is the one without
+    checkpointing."""
+    plain = make_trainer(tiny_flux_path, tmp_path / "plain", lora=False, beta=0.1)
+    batch = plain._generate_and_score([{"prompt": p} for p in PROMPTS for _ in range(2)])
+    expected = update_gradients(plain, batch)
+    every_2nd = make_trainer(
+        tiny_flux_path, tmp_path / "every2", lora=False, beta=0.1, activation_checkpointing=True,
+        activation_checkpointing_kwargs={"every_n_layers": 2},
+    )  # fmt: skip
+
+    def block_calls(trainer: DDPOJaggTrainer) -> list[int]:
+        model = trainer.model
+        blocks = [*model.transformer_blocks, *model.single_transformer_blocks]
+        calls = [0] * len(blocks)
+        handles = [
+            block.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+            for i, block in enumerate(blocks)
+        ]
+        got = update_gradients(trainer, batch)
+        for handle in handles:
+            handle.remove()
+        return calls, got
+
+    plain_calls, _ = block_calls(plain)
+    calls, got = block_calls(every_2nd)
+    assert len(calls) >= 2 and min(plain_calls) > 0  # tiny Flux: one joint and one single-stream block
+    for i, (n, n_plain) in enumerate(zip(calls, plain_calls)):
+        assert n > n_plain if i % 2 == 0 else n == n_plain, (i, calls, plain_calls)
+
+    assert got.keys() == expected.keys() and sum(g.abs().sum() for g in expected.values()) > 0
+    for name, grad in expected.items():
+        torch.testing.assert_close(got[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"activation_checkpointing": True, "activation_checkpointing_kwargs": {"every_n_layers": 0}},
+        {"activation_checkpointing": True, "activation_checkpointing_kwargs": {"offload": True}},
+        {"activation_checkpointing_kwargs": {"every_n_layers": 2}},  # no checkpointing to thin out
+    ],
+    ids=["zero", "unknown-key", "without-checkpointing"],
+)
+def test_bad_activation_checkpointing_kwargs_are_refused(tmp_path, overrides):
+    with pytest.raises(ValueError, match="GRPOJaggConfig.activation_checkpointing_kwargs"):
+        GRPOJaggConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, **overrides)
+
+
 def test_deepspeed_backward_steps_once_per_micro_batch(tiny_flux_path, tmp_path):
     """Under DeepSpeed (simulated: deepspeed is not installed here), accelerate's real DeepSpeedEngineWrapper drives
     an engine that records its calls. Several backward units of one update: every call but the last is not an

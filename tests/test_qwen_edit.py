@@ -298,6 +298,12 @@ def test_source_images_are_checked_at_init(request, tiny_qwenimage_edit_path, ti
         trainer(
             tiny_qwenimage_edit_path, [square, square, wide], source_image_area=AREA, per_device_train_batch_size=4
         )
+    # A side that resizes to 0 (a 20:1 image at 2048 px) would fail in PIL at the first rollout: refused here.
+    thin = noise_image(2, 160).crop((0, 0, 160, 8))
+    for path in (tiny_qwenimage_edit_path, tiny_qwenimage_edit_plus_path):
+        with pytest.raises(ValueError, match=r"row 1 'source_image'.*a 160x8 source image resizes to 192x0 at 2048 "
+                           r"pixels .*raise source_image_area"):  # fmt: skip
+            trainer(path, [square, thin], source_image_area=AREA)
     with pytest.raises(ValueError, match="precompute_prompt_embeds cannot be used"):
         trainer(tiny_qwenimage_edit_path, [square, square], precompute_prompt_embeds=True)
     with pytest.raises(ValueError, match="FluxKontextAdapter does not resize source images by area"):

@@ -12,7 +12,7 @@ import pytest
 import torch
 from datasets import Dataset
 from diffusers import DiffusionPipeline, FluxPipeline, UniPCMultistepScheduler
-from testing_utils import FLOW_FACTORY, NAMES, noise_image
+from testing_utils import DIFFUSION_NFT, FLOW_FACTORY, NAMES, noise_image
 
 from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
 from trl_jagg.models import load_adapter
@@ -20,7 +20,7 @@ from trl_jagg.recipes import RECIPES, get_recipe, list_recipes
 from trl_jagg.trainer import update
 
 YAML_DIR = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "recipes")
-PEER_MODULES = ("_shared", "dancegrpo", "flow_factory", "flow_grpo")
+PEER_MODULES = ("_shared", "dancegrpo", "diffusion_nft", "flow_factory", "flow_grpo")
 
 # The public numbers (JAGG spec section 5), written out independently of trl_jagg/recipes.py.
 _SD35_PUBLISHED = dict(
@@ -30,6 +30,11 @@ _SD35_PUBLISHED = dict(
 _DANCE_PUBLISHED = dict(
     height=720, width=720, num_inference_steps=16, sampler="dance", noise_level=0.3, learning_rate=1e-5,
     train_timestep_fraction=0.6,
+)  # fmt: skip
+_NFT_PUBLISHED = dict(
+    objective="nft", height=512, width=512, num_inference_steps=10, ode_solver_order=2, guidance_scale=1.0,
+    num_generations=24, learning_rate=3e-4, train_timestep_fraction=0.99, beta=1e-4, adv_clip_max=5.0, nft_beta=1.0,
+    nft_decay_type=1,
 )  # fmt: skip
 PUBLISHED = {
     "flow-grpo-sd35": _SD35_PUBLISHED,
@@ -109,6 +114,11 @@ PUBLISHED = {
         train_experts="both", sampler="sde", noise_level=0.9, num_generations=16, learning_rate=1e-4, beta=0.0,
         clip_range=1e-4, adv_clip_max=5.0,
     ),
+    # DiffusionNFT config/nft.py:11-67 (_get_config) at NVlabs/DiffusionNFT@24af555: SD3.5-M, 512 px, 10 steps,
+    # DPM-Solver 2 deterministic, CFG off, 24 images per prompt, timestep_fraction 0.99 (base.py), KL 1e-4.
+    "nft-sd35": _NFT_PUBLISHED,
+    "nft-sd35-ocr": {**_NFT_PUBLISHED, "nft_beta": 0.1, "nft_decay_type": 2},  # config/nft.py:70-79 (sd3_ocr)
+    "nft-sd35-geneval": _NFT_PUBLISHED,
 }  # fmt: skip
 # The peers' conventions around the formulas, read from their code (docs/models.md lists file and line for each).
 # Flow-GRPO: config/grpo.py (pickscore_sd3, pickscore_flux, pickscore_flux_fast, pickscore_qwenimage),
@@ -202,6 +212,14 @@ PEER_CONVENTIONS = {
         scale_rewards="group", advantage_std_ddof=0, ema_decay=0.9, ema_update_interval=4, max_sequence_length=512,
         eval_num_inference_steps=28, negative_prompt="",
     ),
+    # DiffusionNFT: Flow-GRPO's stat tracker with global std (train_nft_sd3.py:508), EMA 0.9 every optimizer step with
+    # the (1 + t) / (10 + t) warm-up (train_nft_sd3.py:565-567, flow_grpo/ema.py:25-26), prompts of 128 tokens, 40
+    # evaluation steps (config/nft.py:20-21).
+    **dict.fromkeys(DIFFUSION_NFT, dict(
+        per_prompt_stat_tracking=True, advantage_std_ddof=0, advantage_eps=1e-4, scale_rewards="batch",
+        ema_decay=0.9, ema_update_interval=1, ema_warmup=True, ema_schedule="step", max_sequence_length=128,
+        eval_num_inference_steps=40,
+    )),
 }  # fmt: skip
 
 # The training around the formulas (issue 18): one row per convention, the peer's value and where it is written.
@@ -385,6 +403,18 @@ PEER_TRAINING = {
         ]
         for name in FLOW_FACTORY
     },
+    "nft-sd35": [
+        ("lr_scheduler_type", "constant", "NFT scripts/train_nft_sd3.py:452-460: an AdamW, no scheduler"),
+        ("optimizer_steps_per_rollout", 1, "NFT config/nft.py:103 (gradient_step_per_epoch=1)"),
+        ("num_iterations", 1, "NFT config/base.py (train.num_inner_epochs = 1)"),
+        ("use_jagg", False, "JAGG across timesteps is an option; on the CPU demo it lost reward per step"),
+        ("mixed_precision", "fp16", "NFT config/base.py (mixed_precision = 'fp16')"),
+    ],
+    "nft-sd35-ocr": [
+        ("optimizer_steps_per_rollout", 2, "NFT config/nft.py:75 (gradient_step_per_epoch=2)"),
+        ("reward_funcs", ("ocr",), "NFT config/nft.py:71-73"),
+    ],
+    "nft-sd35-geneval": [("reward_funcs", ("geneval",), "NFT config/nft.py:83-85")],
 }
 PEER_TRAINING["jagg-fast-flux"] = PEER_TRAINING["mixgrpo-flux"]  # MixGRPO-Flash's training around its window
 # LoRA (rank, alpha, target modules) exactly as the peer's scripts list them.
@@ -437,6 +467,8 @@ PUBLISHED_LORA = {
         64, 128, ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "attn2.to_q", "attn2.to_k",
                   "attn2.to_v", "attn2.to_out.0", "ffn.net.0.proj", "ffn.net.2"),
     ),
+    # NFT scripts/train_nft_sd3.py:419-431: r 32, alpha 64, gaussian, the attn.* projections of both streams.
+    **dict.fromkeys(DIFFUSION_NFT, _SD35_LORA),
 }  # fmt: skip
 MODELS = {
     "flow-grpo-sd35": "stabilityai/stable-diffusion-3.5-medium",
@@ -462,6 +494,9 @@ MODELS = {
     "flow-factory-flux2-klein": "black-forest-labs/FLUX.2-klein-9B",
     "flow-factory-flux2-dev": "black-forest-labs/FLUX.2-dev",
     "flow-factory-wan2.2": "Wan-AI/Wan2.2-T2V-A14B-Diffusers",  # t2v.yaml L34
+    "nft-sd35": "stabilityai/stable-diffusion-3.5-medium",
+    "nft-sd35-ocr": "stabilityai/stable-diffusion-3.5-medium",
+    "nft-sd35-geneval": "stabilityai/stable-diffusion-3.5-medium",
 }
 
 
@@ -478,7 +513,8 @@ def test_preset_builds_a_valid_config(name, tmp_path):
         assert getattr(config, key) == value, key
     # The paper's JAGG settings; a window preset's W is its window (a W = 4 group never fits in 2 or 3 trained steps),
     # and the 4-step distilled klein trains 3 steps: W = 3.
-    assert config.use_jagg and config.jagg_frac == 0.6 and config.jagg_mode == "jagg"
+    # DiffusionNFT's presets leave JAGG across timesteps off (an option; docs/benchmarks.md).
+    assert config.use_jagg == (config.objective == "grpo") and config.jagg_frac == 0.6 and config.jagg_mode == "jagg"
     if config.train_timesteps == "sde_window":
         assert config.jagg_group_size == config.sde_window_size
     else:
@@ -797,6 +833,7 @@ PRESET_SPLIT_TINY = dict(
         not in (
             "flow-grpo-sd35-geneval",
             "jagg-fast-flux",  # mixgrpo-flux's split; test_fast_jagg_preset_... trains its window
+            "nft-sd35-geneval",  # nft-sd35's split and LoRA with another reward
             "flow-factory-z-image",
             "flow-factory-flux2-klein-base",
             "flow-factory-flux2-dev",

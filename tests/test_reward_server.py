@@ -171,6 +171,30 @@ def test_remote_reward_names_the_url_when_the_server_is_down():
     assert url in str(info.value) and "reward_server.py" in str(info.value)
 
 
+def test_reward_timeout_bounds_a_remote_reward_whose_server_never_answers(server_module):
+    """The example server's scoring hangs (until the test ends); the client's own per-attempt timeout (60 s) is far
+    off, and reward_timeout stops the wait."""
+    from trl_jagg.rewards.calling import RewardTimeout
+
+    release, started = threading.Event(), threading.Event()
+
+    def stuck(prompts, images, **kwargs):
+        started.set()
+        release.wait(60)
+        return [0.0] * len(images)
+
+    server, base = serve(server_module, {"stuck": stuck})
+    try:
+        remote = rewards.remote(f"{base}/score/stuck", timeout=60, retries=0, name="stuck_server")
+        with pytest.raises(RewardTimeout, match=r"Reward 'stuck_server' did not return within reward_timeout=1 s"):
+            rewards.compute_rewards([remote], ["a"], [solid((0, 0, 0))], timeout=1)
+        assert started.is_set()  # the request reached the server, which was still scoring
+    finally:
+        release.set()
+        server.shutdown()
+        server.server_close()
+
+
 # ------------------------------------------------------------------------------------------------ server limits
 def test_failing_reward_details_stay_in_the_server_log(server_url):
     status, answer = post(

@@ -17,6 +17,7 @@ from testing_utils import noise_image, solid
 
 import trl_jagg.rewards as rewards
 from trl_jagg.rewards import check_rewards, compute_rewards, load_reward_funcs
+from trl_jagg.rewards.calling import REMOTE_REWARD_TIMEOUT, RewardTimeout, reward_deadline
 from trl_jagg.rewards.remote import RemoteReward
 
 REPO = Path(__file__).resolve().parents[1]
@@ -319,6 +320,87 @@ def test_async_reward_errors_name_the_reward():
 
     with pytest.raises(ValueError, match="'broken'"):
         compute_rewards([broken], ["a"], [solid("red")])
+
+
+# ---------------------------------------------------------------- deadlines (reward_timeout)
+HANG_S = 60.0
+"""How long the hanging rewards below block at most: without a deadline a test fails after this, never hangs."""
+
+
+@pytest.fixture
+def release():
+    """An event the hanging rewards wait on, set when the test ends so that no abandoned call outlives it."""
+    import threading
+
+    event = threading.Event()
+    yield event
+    event.set()
+
+
+def test_a_hung_sync_reward_stops_at_its_deadline_and_is_not_retried(release):
+    calls = []
+
+    def hang(prompts, images, **kwargs):
+        calls.append(torch.is_grad_enabled())
+        release.wait(HANG_S)
+        return [0.0] * len(images)
+
+    def quick(prompts, images, **kwargs):
+        return [1.0] * len(images)
+
+    with (
+        torch.no_grad(),
+        pytest.raises(RewardTimeout, match=r"Reward 'hang' did not return within reward_timeout=0.5 s"),
+    ):
+        compute_rewards([quick, hang], ["a"], [solid("red")], retries=2, timeout=0.5)
+    # Not retried (a retry would wait as long again); run in the caller's grad mode, though in another thread.
+    assert calls == [False]
+
+
+def test_a_reward_raising_its_own_timeout_error_is_retried_as_any_error():
+    calls = []
+
+    def server(prompts, images, **kwargs):  # a client's own deadline, within reward_timeout
+        calls.append(1)
+        if len(calls) == 1:
+            raise TimeoutError("the server did not answer")
+        return [2.0] * len(images)
+
+    total, _ = compute_rewards([server], ["a"], [solid("red")], retries=1, timeout=30)
+    assert total.tolist() == [2.0] and len(calls) == 2
+
+
+def test_an_async_reward_that_never_finishes_is_cancelled_at_its_deadline():
+    import asyncio
+    import threading
+
+    cancelled = threading.Event()
+
+    async def never(prompts, images, **kwargs):
+        try:
+            await asyncio.sleep(HANG_S)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return [0.0] * len(images)
+
+    async def quick(prompts, images, **kwargs):
+        return [1.0] * len(images)
+
+    with pytest.raises(RewardTimeout, match=r"Reward 'never' did not return within reward_timeout=0.5 s"):
+        compute_rewards([quick, never], ["a"], [solid("red")], timeout=0.5)
+    assert cancelled.wait(10)  # the coroutine was cancelled, not left running
+
+
+def test_deadline_defaults_bound_remote_rewards_only():
+    def local(prompts, images, **kwargs):
+        return [0.0] * len(images)
+
+    remote = rewards.remote("http://127.0.0.1:9/score/x")
+    judge = rewards.vlm_judge("http://127.0.0.1:9/v1")
+    assert reward_deadline(local, None) is None  # opt-in for local callables
+    assert reward_deadline(remote, None) == reward_deadline(judge, None) == REMOTE_REWARD_TIMEOUT
+    assert reward_deadline(local, 5) == reward_deadline(remote, 5) == 5.0  # the setting applies to every reward
 
 
 # ---------------------------------------------------------------- videos (lists of frames)

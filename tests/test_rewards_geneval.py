@@ -4,6 +4,8 @@ and CLIP built from config (the count compared with transformers' own post-proce
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from PIL import Image
@@ -104,3 +106,83 @@ def test_geneval_reward_on_tiny_random_models(tiny_geneval_dirs):
     assert len(crops) == 2 and set(crops) <= set(COLORS)
     with pytest.raises(ValueError, match="'tag' and 'include'"):
         reward(["a cat"], [image])
+
+
+CAT = {"class": "cat", "count": 1}
+
+
+class Columns(dict):
+    """A dataset's columns as the reward's check reads them (``column_names``, ``dataset[column]``): pyarrow cannot
+    hold the mixed types of bad rows, which a JSON-lines file loaded with ``datasets`` does."""
+
+    @property
+    def column_names(self) -> list[str]:
+        return list(self)
+
+    def __len__(self) -> int:
+        return len(self["prompt"])
+
+
+@pytest.mark.parametrize(
+    ("row", "field", "problem"),
+    [
+        ({"include": []}, "'include'", "non-empty list"),
+        ({"include": None}, "'include'", "non-empty list"),
+        ({"include": [CAT, {"class": "dog", "count": 1, "position": ["left of", 1]}]}, "'include[1].position'",
+         "names clause 1, which is not an earlier include clause (0..0)"),
+        ({"include": [{"class": "dog", "count": 1, "position": ["left of", 3]}]}, "'include[0].position'",
+         "names clause 3"),
+        ({"include": [CAT, {"class": "dog", "count": 1, "position": ["near", 0]}]}, "'include[1].position'",
+         "relation one of"),
+        ({"include": [{"class": "cat", "count": 1, "color": "mauve"}]}, "'include[0].color'", "'mauve', not one of"),
+        ({"include": [{"class": "cat", "count": 0}]}, "'include[0].count'", "is 0"),
+        ({"include": [{"class": "cat", "count": "2"}]}, "'include[0].count'", "is '2'"),
+        ({"include": [{"class": "cat", "count": True}]}, "'include[0].count'", "is True"),
+        ({"include": [{"count": 1}]}, "'include[0].class'", "is None"),
+        ({"include": ["cat"]}, "'include[0]'", "not a mapping"),
+        ({"include": [CAT], "exclude": [{"class": "dog"}]}, "'exclude[0].count'", "is None"),
+        ({"include": [CAT], "exclude": "dog"}, "'exclude'", "not a list"),
+        ({"include": [CAT], "tag": 3}, "'tag'", "is 3"),
+    ],
+)  # fmt: skip
+def test_bad_metadata_is_refused_naming_the_row_and_the_field(row, field, problem):
+    """Each was scored 0 for every image, or failed at the first scoring with a bare TypeError."""
+    from trl_jagg.rewards.geneval import GenEvalReward
+
+    good = {"tag": "single_object", "include": [CAT], "exclude": None}
+    rows = [good, {**good, **row}]
+    dataset = Columns({"prompt": ["a", "b"], **{key: [r[key] for r in rows] for key in good}})
+    reward = GenEvalReward(detector_id="unused", clip_id="unused")  # nothing loads before the first scoring
+    with pytest.raises(ValueError) as caught:
+        reward.check_dataset(dataset, name="train_dataset", edits_images=False)
+    message = str(caught.value)
+    assert f"train_dataset row 1: GenEval metadata {field}" in message and problem in message, message
+    # Called directly, the same row is refused before any model loads (the models named do not exist).
+    with pytest.raises(ValueError, match=f"sample 1: GenEval metadata {field.replace('[', '.').replace(']', '.')}"):
+        reward(["a", "b"], [Image.new("RGB", (8, 8))] * 2, **{key: [r[key] for r in rows] for key in good})
+
+
+def test_metadata_columns_are_required_and_valid_rows_pass(tmp_path):
+    from datasets import Dataset, load_dataset
+
+    from trl_jagg.rewards.geneval import GenEvalReward
+
+    reward = GenEvalReward(detector_id="unused", clip_id="unused")
+    with pytest.raises(ValueError, match="eval_dataset has no 'tag' or 'include' column"):
+        reward.check_dataset(Dataset.from_dict({"prompt": ["a"]}), name="eval_dataset", edits_images=False)
+    rows = [  # as GenEval's evaluation_metadata.jsonl writes them
+        {"tag": "position", "prompt": "a dog right of a cat",
+         "include": [CAT, {"class": "dog", "count": 1, "position": ["right of", 0]}]},
+        {"tag": "colors", "prompt": "a red cat", "include": [{**CAT, "color": "red"}], "exclude": [{**CAT, "count": 2}]},
+    ]  # fmt: skip
+    (tmp_path / "metadata.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    dataset = load_dataset("json", data_files=str(tmp_path / "metadata.jsonl"), split="train")
+    reward.check_dataset(dataset, name="train_dataset", edits_images=False)
+    # A column of clauses built from dicts gives the keys a clause lacks as None: absent, not a colour.
+    dataset = Dataset.from_dict({"prompt": ["a"], "tag": ["colors"], "include": [[CAT, {**CAT, "color": "red"}]]})
+    assert dataset["include"][0][0]["color"] is None
+    reward.check_dataset(dataset, name="train_dataset", edits_images=False)
+    assert geneval_score({"cat": [LEFT]}, {"include": [{"class": "cat", "count": 1, "color": None}]}, no_colors) == (
+        1.0,
+        True,
+    )

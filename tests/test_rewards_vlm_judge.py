@@ -321,3 +321,70 @@ def test_bad_arguments_name_the_fix(monkeypatch):
         rewards.vlm_judge(url="http://127.0.0.1:1/v1", judge="gpt")
     with pytest.raises(ValueError, match="dimensions"):
         rewards.vlm_judge(url="http://127.0.0.1:1/v1", dimensions=["Beauty"])
+
+
+POINT = "Alignment Score (1-5): {}\nCoherence Score (1-5): {}\nStyle Score (1-5): {}"
+
+
+@pytest.mark.parametrize(
+    ("judge", "reply", "problem"),
+    [
+        ("unifiedreward", completion(POINT.format(999, 3, 3)), "outside the template's range 1-5: Alignment 999"),
+        ("unifiedreward", completion(POINT.format("1e9", 3, 3)), "Alignment 1e"),  # not read as 1
+        ("unifiedreward", completion(POINT.format(0, 3, 3)), "range 1-5: Alignment 0"),
+        ("unifiedreward", completion(POINT.format(3, -2, 3)), "Coherence -2"),
+        ("unifiedreward", completion(POINT.format(3, 3, 3) + "\nStyle Score (1-5): 5"), "more than one score"),
+        (
+            "unifiedreward-think-pairwise",
+            completion("<answer>Image 1 is better</answer>\n<answer>Image 2 is better</answer>"), "both images",
+        ),
+        ("unifiedreward-think-pairwise", completion("<answer>Image 1 is better, Image 2 is better</answer>"), "both"),
+        ("qwen-vl-yes-no", completion("Yes", [("Yes", 1000.0), ("No", -1.0)]), "'Yes' is 1000.0, not a number <= 0"),
+        ("qwen-vl-yes-no", completion("Yes", [("Yes", float("nan"))]), "is nan"),
+        ("qwen-vl-yes-no", completion("Yes", [("Yes", "-0.1")]), "'Yes' is '-0.1'"),
+        (
+            "qwen-vl-yes-no",
+            (200, {"choices": [{"message": {"content": "Yes"}, "logprobs": {"content": [{"top_logprobs": [{"tok": "Yes"}]}]}}]}),
+            "not {'token': str, 'logprob': number}",
+        ),
+    ],
+)  # fmt: skip
+def test_replies_the_judge_cannot_mean_are_errors(stub, judge, reply, problem):
+    """Scores out of the declared range, a dimension given twice, both pairwise answers and unreadable
+    log-probabilities: each was scored before (the last value, image 1, an overflow or NaN)."""
+    server = stub(lambda request: reply)
+    reward = rewards.vlm_judge(url=server.url, judge=judge, model="served-judge", retries=0)
+    with pytest.raises(JudgeReplyError) as caught:
+        reward(prompts=["p", "p"], images=[gray(0), gray(9)])
+    message = str(caught.value)
+    assert problem in message, message
+    assert f"VLM judge '{reward.__name__}' ({judge}, model 'served-judge'" in message and "Reply: " in message
+
+
+def test_judge_reply_errors_go_through_reward_retries(stub, caplog):
+    replies = iter([completion(POINT.format(999, 3, 3)), completion(POINT.format(5, 3, 1))])
+    server = stub(lambda request: next(replies))
+    judge = rewards.vlm_judge(url=server.url, retries=0, max_concurrency=1)
+    total, _ = rewards.compute_rewards([judge], ["p"], [gray(0)], retries=1)
+    assert total.tolist() == pytest.approx([(5 + 3 + 1) / 3]) and len(server.requests) == 2
+    assert any("JudgeReplyError" in record.getMessage() for record in caplog.records)
+    server.reply = lambda request: completion(POINT.format(999, 3, 3))
+    with pytest.raises(JudgeReplyError):  # out of retries: the step stops
+        rewards.compute_rewards([judge], ["p"], [gray(0)], retries=1)
+
+
+def test_keys_in_urls_or_in_api_key_env_are_refused_without_showing_them(monkeypatch, caplog):
+    secret = "sk-live-0123456789abcdef"
+    for call, fix in (
+        (lambda: rewards.vlm_judge(url=f"http://user:{secret}@127.0.0.1:1/v1"), "TRL_JAGG_JUDGE_API_KEY"),
+        (lambda: rewards.vlm_judge(url="http://127.0.0.1:1/v1", api_key_env=secret), "api_key_env='MY_JUDGE_KEY'"),
+        (lambda: rewards.vlm_judge(url="http://127.0.0.1:1/v1", api_key_env="abcDEF0123456789"), "NAME"),
+        (lambda: rewards.remote(f"https://{secret}@127.0.0.1:1/score"), "TRL_JAGG_REWARD_TOKEN"),
+    ):
+        with pytest.raises(ValueError) as caught:
+            call()
+        assert fix in str(caught.value) and secret not in str(caught.value)
+    monkeypatch.delenv("MY_JUDGE_KEY", raising=False)
+    with caplog.at_level("WARNING"):
+        rewards.vlm_judge(url="http://127.0.0.1:1/v1", api_key_env="MY_JUDGE_KEY")
+    assert "MY_JUDGE_KEY' is not set" in caplog.text

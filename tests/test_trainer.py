@@ -862,3 +862,30 @@ def test_a_failed_chunk_is_scored_again_on_the_whole_batch_under_reward_retries(
     reliable = PerSampleReward()
     expected, _, _, _ = overlap_rollout(tiny_flux_path, tmp_path / "b", monkeypatch, reliable, overlap=False)
     assert torch.equal(result["advantages"], expected["advantages"])
+
+
+def test_a_chunk_still_scoring_at_its_deadline_is_abandoned_and_an_async_one_cancelled():
+    """The chunk's own deadline (reward_timeout, from its start), without the one of the whole batch's scoring: the
+    stand-in is called here with no deadline of its own."""
+    import asyncio
+
+    from trl_jagg.rewards.calling import RewardTimeout
+    from trl_jagg.trainer.reward_overlap import ChunkScorer
+
+    cancelled = threading.Event()
+
+    async def judge(prompts, images, **kwargs):
+        try:
+            await asyncio.sleep(60)  # bounded: without a deadline the test fails after it, never hangs
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return [0.0] * len(images)
+
+    judge.per_sample = True
+    scorer = ChunkScorer([judge], enabled=True, trainer_state=None, timeout=0.5)
+    scorer.submit(["a"], ["image"], {})
+    (stand_in,) = scorer.reward_funcs()
+    with pytest.raises(RewardTimeout, match=r"Reward 'judge' did not return within reward_timeout=0.5 s"):
+        stand_in(prompts=["a"], images=["image"])
+    assert cancelled.wait(10)

@@ -3,6 +3,7 @@ non-finite values, 0-step saves, broken checkpoints, secrets, failing rewards (t
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import math
@@ -11,6 +12,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -21,6 +23,7 @@ from transformers import TrainerCallback
 
 from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
 from trl_jagg.errors import CheckpointError, NonFiniteError, TrainingError
+from trl_jagg.rewards.calling import RewardTimeout
 
 PROMPTS = ["a red circle", "a green square", "a blue circle", "a red square"]
 LORA_FILE = "pytorch_lora_weights.safetensors"
@@ -94,7 +97,7 @@ def test_nan_velocity_in_the_update_stops_the_run_with_the_last_good_checkpoint_
         trainer.train()
     message = str(info.value)
     assert "Non-finite loss at step 3" in message
-    assert f"Last good checkpoint: {checkpoint}" in message
+    assert f"Latest checkpoint: {checkpoint}" in message
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-2"]  # no checkpoint-3, no weights saved at the top
     weights = saved.pop("weights")
     assert digest(checkpoint) == saved  # untouched
@@ -180,6 +183,15 @@ def test_untrained_model_never_replaces_existing_weights(tiny_flux_path, tmp_pat
     fresh = tmp_path / "fresh"
     trainer.save_model(str(fresh))  # an untrained model may still go where it replaces nothing
     assert (fresh / LORA_FILE).is_file()
+
+
+def test_untrained_model_is_not_saved_beside_a_finished_runs_checkpoints(tiny_flux_path, tmp_path, checkpoints):
+    run = tmp_path / "run"
+    shutil.copytree(checkpoints["lora"], run / "checkpoint-1")  # a finished run: checkpoints, no top-level weights
+    trainer = make_trainer(tiny_flux_path, run)
+    with pytest.raises(TrainingError, match=f"trained 0 steps into {run}, which holds a run's checkpoints"):
+        trainer.save_model()
+    assert sorted(os.listdir(run)) == ["checkpoint-1"]
 
 
 # ---------------------------------------------------------------- secrets
@@ -299,6 +311,15 @@ def optimizer_of_rank_8(path: str) -> None:
     torch.save(state, path)
 
 
+def nan_in_optimizer(path: str) -> None:
+    state = torch.load(path, weights_only=True)
+    next(iter(state["state"][0].values()))  # the first parameter has its moments
+    for value in state["state"][0].values():
+        if isinstance(value, torch.Tensor) and value.ndim > 0:
+            value.view(-1)[0] = float("nan")
+    torch.save(state, path)
+
+
 def ema_of_rank_8(path: str) -> None:
     state = load_file(path)
     save_file({k: torch.zeros(8, v.shape[1]) if v.shape[0] == 4 else v for k, v in state.items()}, path)
@@ -323,6 +344,8 @@ def ema_of_rank_8(path: str) -> None:
         ("lora", "optimizer.pt", optimizer_of_rank_8, r"optimizer.pt: the exp_avg(_sq)? of parameter \d+ is \[8, "),
         ("ema", f"ema/{LORA_FILE}", nan_in_first_tensor, f"ema/{LORA_FILE}: .* holds NaN"),
         ("ema", f"ema/{LORA_FILE}", ema_of_rank_8, rf"ema/{LORA_FILE}: \d+ tensors have other shapes"),
+        ("lora", "optimizer.pt", nan_in_optimizer, r"optimizer.pt: the exp_avg(_sq)? of parameter 0 holds NaN"),
+        ("ema", "ema/ema_state.json", write_json({"step": 0}), r"was saved at step 0, the checkpoint at step 1"),
     ],
     ids=[
         "no-optimizer",
@@ -336,6 +359,8 @@ def ema_of_rank_8(path: str) -> None:
         "optimizer-rank-8",
         "nan-ema",
         "ema-rank-8",
+        "nan-optimizer",
+        "stale-ema",
     ],  # fmt: skip
 )
 def test_resume_checks_what_it_loads(tiny_flux_path, tmp_path, checkpoints, kind, name, damage, match):
@@ -345,6 +370,46 @@ def test_resume_checks_what_it_loads(tiny_flux_path, tmp_path, checkpoints, kind
         trainer.train(resume_from_checkpoint=path)
     assert path in str(info.value)
     assert trainer.state.global_step <= 1 and not os.path.exists(tmp_path / "run" / "checkpoint-2")
+
+
+def test_a_stale_ema_copied_from_an_earlier_save_is_refused(tiny_flux_path, tmp_path):
+    trainer = make_trainer(tiny_flux_path, tmp_path, ema_decay=0.9, save_strategy="steps", save_steps=1)
+    trainer.train()
+    with open(tmp_path / "checkpoint-2" / "ema" / "ema_state.json") as handle:
+        assert json.load(handle) == {"step": 2}
+    shutil.rmtree(tmp_path / "checkpoint-2" / "ema")
+    shutil.copytree(tmp_path / "checkpoint-1" / "ema", tmp_path / "checkpoint-2" / "ema")
+    resumed = make_trainer(tiny_flux_path, tmp_path, ema_decay=0.9, max_steps=3)
+    with pytest.raises(CheckpointError, match=r"checkpoint-2/ema was saved at step 1, the checkpoint at step 2"):
+        resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 0
+
+
+@pytest.mark.parametrize(
+    ("changed", "match"),
+    [
+        ({"learning_rate": 5e-3}, r"with learning_rate=0\.01; this run has learning_rate=0\.005: .*silently ignored"),
+        ({"lr_scheduler_type": "constant", "warmup_steps": 1}, r"lr_scheduler_type='linear', warmup_steps=0; this run "
+         r"has lr_scheduler_type='constant', warmup_steps=1"),
+    ],
+    ids=["learning-rate", "schedule"],
+)  # fmt: skip
+def test_a_changed_learning_rate_or_schedule_is_refused_at_resume(tiny_flux_path, tmp_path, checkpoints, changed,
+                                                                  match):  # fmt: skip
+    trainer = make_trainer(tiny_flux_path, tmp_path, **changed)  # the checkpoint's run: 1e-2, linear, no warm-up
+    with pytest.raises(CheckpointError, match=match) as info:
+        trainer.train(resume_from_checkpoint=checkpoints["lora"])
+    assert "start a fresh run" in str(info.value) and trainer.state.global_step == 0
+
+
+def test_a_changed_learning_rate_applies_without_the_checkpoints_optimizer(tiny_flux_path, tmp_path, checkpoints):
+    # save_only_model: no scheduler.pt to keep the old rate, so the new one takes effect and is not refused.
+    path = broken_copy(checkpoints["lora"], tmp_path, "optimizer.pt", os.remove)
+    os.remove(os.path.join(path, "scheduler.pt"))
+    trainer = make_trainer(tiny_flux_path, tmp_path / "run", save_only_model=True, learning_rate=5e-3,
+                           lr_scheduler_type="constant")  # fmt: skip
+    trainer.train(resume_from_checkpoint=path)
+    assert trainer.state.global_step == 2 and trainer.lr_scheduler.get_last_lr()[0] == 5e-3
 
 
 def test_missing_optimizer_is_accepted_with_save_only_model(tiny_flux_path, tmp_path, checkpoints):
@@ -408,9 +473,63 @@ def test_write_failure_during_a_save_names_the_path(tiny_flux_path, tmp_path, mo
 
     trainer = make_trainer(tiny_flux_path, tmp_path, max_steps=1, save_strategy="steps", save_steps=1)
     monkeypatch.setattr(transformers.trainer.torch, "save", disk_full)
-    with pytest.raises(CheckpointError, match=rf"Writing {tmp_path}/tmp-checkpoint-1 failed .*Free disk space"):
+    with pytest.raises(CheckpointError, match=rf"Writing {tmp_path}/tmp-checkpoint-1/training_args.bin failed .*disk "
+                       "is likely full"):  # fmt: skip
         trainer.train()
     assert not os.path.exists(tmp_path / "checkpoint-1")
+
+
+def test_a_failed_optimizer_write_names_the_file(tiny_flux_path, tmp_path, monkeypatch):
+    import torch.serialization
+
+    real_save = torch.serialization._save
+
+    def full_at_optimizer(obj, zip_file, *args, **kwargs):  # inside torch.save, its archive opened: a full disk
+        if isinstance(obj, dict) and "param_groups" in obj:
+            raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 4160 vs 4054")
+        return real_save(obj, zip_file, *args, **kwargs)
+
+    trainer = make_trainer(tiny_flux_path, tmp_path, max_steps=1, save_strategy="steps", save_steps=1)
+    monkeypatch.setattr(torch.serialization, "_save", full_at_optimizer)
+    with pytest.raises(CheckpointError, match=rf"Writing {tmp_path}/tmp-checkpoint-1/optimizer.pt failed") as info:
+        trainer.train()
+    assert "unexpected pos" in str(info.value.__cause__)  # the original error is chained
+    assert not os.path.exists(tmp_path / "checkpoint-1")
+
+
+def test_a_torch_save_failure_in_a_checkpoint_names_the_folder_and_a_bug_passes_unchanged(tmp_path, monkeypatch):
+    import torch.serialization
+
+    from trl_jagg.trainer.checkpointing import atomic_checkpoint
+
+    def full_disk(*args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0")
+
+    monkeypatch.setattr(torch.serialization, "_save", full_disk)  # fails inside torch.save, as a full disk does
+    with pytest.raises(CheckpointError, match=rf"Writing {tmp_path}/tmp-checkpoint-1 failed .*unexpected pos"):
+        with atomic_checkpoint(str(tmp_path), "checkpoint-1", should_save=True, wait_for_everyone=lambda: None) as d:
+            os.makedirs(d)
+            torch.save({"rng": 1}, os.path.join(d, "rng_state.pth"))
+    with pytest.raises(RuntimeError, match="a bug") as info:  # not a write: no file to blame
+        with atomic_checkpoint(str(tmp_path), "checkpoint-1", should_save=True, wait_for_everyone=lambda: None):
+            raise RuntimeError("a bug")
+    assert not isinstance(info.value, CheckpointError)
+    assert not os.path.exists(tmp_path / "checkpoint-1")
+
+
+def test_a_failed_final_save_names_the_file(tiny_flux_path, tmp_path, monkeypatch):
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    def disk_full(*args, **kwargs):
+        raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull })")
+
+    trainer = make_trainer(tiny_flux_path, tmp_path, max_steps=1)
+    trainer.train()
+    monkeypatch.setattr(safetensors.torch, "save_file", disk_full)
+    with pytest.raises(CheckpointError, match=rf"Writing {tmp_path}/{LORA_FILE} failed .*disk is likely full") as info:
+        trainer.save_model()
+    assert isinstance(info.value.__cause__, SafetensorError)
 
 
 # ---------------------------------------------------------------- reward failures
@@ -464,6 +583,20 @@ def test_a_reward_failing_while_the_update_awaits_it_saves_a_checkpoint_first(
     assert {LORA_FILE, "optimizer.pt", "trainer_state.json"} <= set(os.listdir(checkpoint))
 
 
+def test_a_nan_in_a_later_rollout_chunk_is_named_by_its_rollout_position(tiny_flux_path, tmp_path):
+    class NanInSecondChunk:  # scored chunk by chunk (2 chunks of 2): its second chunk's second image is NaN
+        __name__, per_sample, calls = "nan_later", True, 0
+
+        def __call__(self, prompts, images, **kwargs):
+            self.calls += 1
+            return [1.0, math.nan if self.calls == 2 else 0.0]
+
+    trainer = make_trainer(tiny_flux_path, tmp_path, reward_func=NanInSecondChunk(), max_steps=1,
+                           per_device_train_batch_size=2, gradient_accumulation_steps=2, sample_batch_size=2)  # fmt: skip
+    with pytest.raises(ValueError, match=r"'nan_later' returned non-finite values at positions \[3\]"):
+        trainer.train()
+
+
 def test_reward_retries(tiny_flux_path, tmp_path, caplog):
     flaky = FailingReward({1, 2})
     trainer = make_trainer(tiny_flux_path, tmp_path, reward_func=flaky, max_steps=1, reward_retries=2)
@@ -477,58 +610,147 @@ def test_reward_retries(tiny_flux_path, tmp_path, caplog):
         exhausted.train()
 
 
+class HangingReward:
+    """Blocks on the calls listed in ``hang_on`` (1-based; chunks of a rollout may run at once) until ``release`` is
+    set, at most ``HANG_S`` s (so that a missing deadline fails a test, never hangs it), and scores otherwise."""
+
+    __name__ = "hanging"
+
+    def __init__(self, hang_on, release):
+        self.hang_on, self.release, self.calls = set(hang_on), release, 0
+        self._lock = threading.Lock()
+
+    def __call__(self, prompts, images, **kwargs):
+        with self._lock:
+            self.calls += 1
+            call = self.calls
+        if call in self.hang_on:
+            self.release.wait(HANG_S)
+        return reward(prompts, images)
+
+
+class AsyncHangingReward(HangingReward):
+    async def __call__(self, prompts, images, **kwargs):  # cancelled at the deadline
+        with self._lock:
+            self.calls += 1
+            call = self.calls
+        if call in self.hang_on:
+            await asyncio.sleep(HANG_S)
+        return reward(prompts, images)
+
+
+HANG_S = 60.0
+
+
+@pytest.fixture
+def release():
+    """Set when the test ends: an abandoned synchronous call returns then, instead of outliving the test."""
+    event = threading.Event()
+    yield event
+    event.set()
+
+
+@pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize(
+    ("per_sample", "hang_on", "layout"),
+    [(False, {2}, {}),  # scored after step 2's rollout
+     # scored during the rollout, 2 chunks a step: step 2's second chunk (call 4) hangs while the update awaits it
+     (True, {4}, {"sample_batch_size": 2})],
+    ids=["whole-batch", "per-sample-chunk"],
+)  # fmt: skip
+def test_a_hung_reward_saves_the_trained_steps_and_stops_naming_reward_step_and_setting(
+    tiny_flux_path, tmp_path, release, is_async, per_sample, hang_on, layout
+):
+    func = (AsyncHangingReward if is_async else HangingReward)(hang_on, release)
+    func.per_sample = per_sample
+    trainer = make_trainer(tiny_flux_path, tmp_path, reward_func=func, max_steps=3, save_steps=100,
+                           save_strategy="steps", reward_timeout=2, **layout)  # fmt: skip
+    with pytest.raises(RewardTimeout, match=r"Reward 'hanging' did not return within reward_timeout=2 s") as info:
+        trainer.train()
+    checkpoint = tmp_path / "checkpoint-1"
+    notes = " ".join(getattr(info.value, "__notes__", []))
+    assert f"The run stopped at step 2. {checkpoint} holds the 1 trained steps" in notes
+    assert {LORA_FILE, "optimizer.pt", "trainer_state.json"} <= set(os.listdir(checkpoint))
+    assert trainer.state.global_step == 1
+
+
 REWARD_FAILS_ON_RANK_1 = """
-import json, os, sys, torch
+import json, os, sys, threading, torch
 torch.set_num_threads(1)
 from datasets import Dataset
 from peft import LoraConfig
 from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
 
-calls = []
+calls, never = [], threading.Event()
 
 def reward(prompts, images, **kwargs):
     calls.append(1)
     if os.environ["RANK"] == "1" and len(calls) == 2:
-        raise ConnectionError("rank 1 lost its reward server")
+        if mode == "raises":
+            raise ConnectionError("rank 1 lost its reward server")
+        never.wait(120)  # hangs (bounded, so that a missing deadline fails the test)
     return [float(i % 3) for i in range(len(images))]
 
-model_path, out = sys.argv[1], sys.argv[2]
-args = GRPOJaggConfig(
-    output_dir=out, per_device_train_batch_size=2, num_generations=2, num_inference_steps=3, height=32, width=32,
-    max_steps=3, learning_rate=1e-2, clip_range=0.1, jagg_group_size=2, max_sequence_length=16, report_to="none",
-    save_strategy="no", use_cpu=True, disable_tqdm=True,
-)
-trainer = DDPOJaggTrainer(
-    model=model_path, reward_funcs=reward, args=args,
-    train_dataset=Dataset.from_dict({"prompt": ["a red circle", "a green square", "a blue circle", "a red square"]}),
-    peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_k"], init_lora_weights="gaussian"),
-)
-try:
-    trainer.train()
-except Exception as error:
-    with open(f"{out}/rank{os.environ['RANK']}.json", "w") as f:
-        json.dump({"type": type(error).__name__, "message": str(error)}, f)
-    raise
+model_path, root = sys.argv[1], sys.argv[2]
+for mode in ("raises", "hangs"):  # one launch, two runs: torch's start-up is the expensive part
+    calls.clear()
+    out = f"{root}/{mode}"
+    args = GRPOJaggConfig(
+        output_dir=out, per_device_train_batch_size=2, num_generations=2, num_inference_steps=3, height=32, width=32,
+        max_steps=3, learning_rate=1e-2, clip_range=0.1, jagg_group_size=2, max_sequence_length=16,
+        report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True,
+        reward_timeout=3 if mode == "hangs" else None,
+    )
+    trainer = DDPOJaggTrainer(
+        model=model_path, reward_funcs=reward, args=args,
+        train_dataset=Dataset.from_dict({"prompt": ["a red circle", "a green square", "a blue circle", "a red square"]}),
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_k"], init_lora_weights="gaussian"),
+    )
+    try:
+        trainer.train()
+    except Exception as error:
+        with open(f"{out}/rank{os.environ['RANK']}.json", "w") as f:
+            json.dump({"type": type(error).__name__, "message": str(error)}, f)
+    else:
+        sys.exit(f"the {mode} run did not stop")
 """
 
 
-def test_reward_failure_on_one_rank_saves_on_every_rank_and_stops_all(tiny_flux_path, tmp_path):
-    """torchrun, 2 CPU processes: the reward raises on rank 1 only. Both ranks reach the checkpoint save (no rank
-    is left waiting in a collective), then both stop; the checkpoint holds the step trained before."""
+@pytest.fixture(scope="module")
+def rank_1_failures(tiny_flux_path, tmp_path_factory):
+    """The output folder of one torchrun launch of REWARD_FAILS_ON_RANK_1 (2 CPU processes, gloo, 127.0.0.1)."""
+    root = tmp_path_factory.mktemp("rank_1_reward")
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    script = tmp_path / "train.py"
+    script = root / "train.py"
     script.write_text(REWARD_FAILS_ON_RANK_1)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
-           str(script), tiny_flux_path, str(tmp_path)]  # fmt: skip
+           str(script), tiny_flux_path, str(root)]  # fmt: skip
+    # Bounded: without a deadline, the hang would last until its 120 s wait ends (or the process group's 30 min).
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert proc.returncode != 0
-    errors = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    assert errors[1]["type"] == "ConnectionError"
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return root
+
+
+@pytest.mark.parametrize("mode", ["raises", "hangs"])
+def test_reward_failure_on_one_rank_saves_on_every_rank_and_stops_all(rank_1_failures, mode):
+    """The reward raises, or hangs past reward_timeout, on rank 1 only. Both ranks reach the checkpoint save (no rank
+    is left waiting in a collective until the process group's timeout), then both stop; the checkpoint, written once,
+    holds the step trained before."""
+    out = rank_1_failures / mode
+    errors = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    if mode == "raises":
+        assert errors[1]["type"] == "ConnectionError"
+    else:
+        assert errors[1]["type"] == "RewardTimeout"
+        assert "Reward 'reward' did not return within reward_timeout=3 s" in errors[1]["message"]
     assert errors[0]["type"] == "TrainingError" and "failed on another process at step 2" in errors[0]["message"]
-    checkpoint = tmp_path / "checkpoint-1"
+    assert f"process 1: {errors[1]['type']}: " in errors[0]["message"]  # what failed there, named here
+    assert sorted(name for name in os.listdir(out) if "checkpoint" in name) == ["checkpoint-1"]
+    checkpoint = out / "checkpoint-1"
     assert {LORA_FILE, "optimizer.pt", "trainer_state.json"} <= set(os.listdir(checkpoint))
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["global_step"] == 1
 
 
 # ---------------------------------------------------------------- evaluation
@@ -542,17 +764,23 @@ def nan_on(call: int):
     return nan_reward
 
 
-@pytest.mark.parametrize("failure", ["raises", "nan"])
-def test_a_failing_evaluation_reward_saves_the_trained_steps_first(tiny_flux_path, tmp_path, failure):
+@pytest.mark.parametrize("failure", ["raises", "nan", "hangs"])
+def test_a_failing_evaluation_reward_saves_the_trained_steps_first(tiny_flux_path, tmp_path, release, failure):
     # Rewards are called once per step (one rollout a step); call 3 is the evaluation at step 2.
-    func = FailingReward({3}) if failure == "raises" else nan_on(3)
-    trainer = make_trainer(tiny_flux_path, tmp_path, reward_func=func, max_steps=3, save_strategy="steps",
-                           save_steps=100, eval_strategy="steps", eval_steps=2, eval_dataset=PROMPTS[:2])  # fmt: skip
-    error = ConnectionError if failure == "raises" else ValueError
+    func = {
+        "raises": lambda: FailingReward({3}),
+        "nan": lambda: nan_on(3),
+        "hangs": lambda: HangingReward({3}, release),
+    }
+    trainer = make_trainer(tiny_flux_path, tmp_path, reward_func=func[failure](), max_steps=3, save_strategy="steps",
+                           save_steps=100, eval_strategy="steps", eval_steps=2, eval_dataset=PROMPTS[:2],
+                           reward_timeout=2 if failure == "hangs" else None)  # fmt: skip
+    error = {"raises": ConnectionError, "nan": ValueError, "hangs": RewardTimeout}[failure]
     with pytest.raises(error) as info:
         trainer.train()
     checkpoint = tmp_path / "checkpoint-2"
-    assert any(f"{checkpoint} holds the 2 trained steps" in note for note in getattr(info.value, "__notes__", []))
+    notes = " ".join(getattr(info.value, "__notes__", []))
+    assert f"The run stopped in the evaluation at step 2. {checkpoint} holds the 2 trained steps" in notes
     assert {LORA_FILE, "optimizer.pt", "trainer_state.json"} <= set(os.listdir(checkpoint))
 
 

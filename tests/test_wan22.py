@@ -7,6 +7,7 @@ fine-tuning saves both transformers in the pipeline layout; a frozen expert gets
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from test_families import assert_same_images, make_trainer, reference_run
 from testing_utils import assert_w2_jagg_equals_exact, redness, run_update, trained_steps_of, update_gradient
 
 from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
+from trl_jagg.errors import CheckpointError
 from trl_jagg.models import load_adapter
 from trl_jagg.rollout import sample_trajectories
 
@@ -279,6 +281,25 @@ def test_resume_keeps_both_experts_weights_and_optimizer_state(tiny_wan22_path, 
     assert {name.split(".")[0] for name in a} == {"transformer", "transformer_2"}
     for name in a:
         torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0)
+    # Resumed with one expert, the checkpoint's other expert would be dropped: the message says what differs.
+    one = wan22_trainer(tiny_wan22_path, tmp_path / "one", train_experts="high_noise")
+    with pytest.raises(CheckpointError, match=re.escape(
+        "holds the weights of the expert(s) ['transformer', 'transformer_2'] (a run with train_experts='both'); this "
+        "run trains ['transformer'] (train_experts='high_noise')")):  # fmt: skip
+        one.train(resume_from_checkpoint=checkpoint)
+
+
+def test_training_an_expert_that_denoises_no_trained_step_is_refused_at_init(tiny_wan22_path, tmp_path):
+    """Steps 0 and 1 of 5 (timesteps 1000 and 900) are the high-noise expert's: training only the low-noise one on
+    them would save an untrained LoRA after updates of zero gradient."""
+    window = {"train_timesteps": "sde_window", "sde_window_size": 2, "sde_window_max_start": 0}
+    with pytest.raises(ValueError, match=r"train_experts='low_noise' trains \['transformer_2'\], but the steps "
+                       r"train_timesteps='sde_window' can train, 0 \(t=1000\), 1 \(t=900\) of num_inference_steps=5, "
+                       "are all denoised by the other expert"):  # fmt: skip
+        wan22_trainer(tiny_wan22_path, tmp_path, train_experts="low_noise", num_inference_steps=5, **window)
+    # One window position further (steps 0-2, t=751 included), the low-noise expert has a step to train.
+    wan22_trainer(tiny_wan22_path, tmp_path, train_experts="low_noise", num_inference_steps=5,
+                  **window | {"sde_window_max_start": 1})  # fmt: skip
 
 
 def test_model_card_snippet_loads_each_expert():

@@ -19,6 +19,7 @@ FLOW_FACTORY = (
     "flow-factory-flux2-dev",
     "flow-factory-wan2.2",
 )
+DIFFUSION_NFT = ("nft-sd35", "nft-sd35-ocr", "nft-sd35-geneval")
 NAMES = [
     "flow-grpo-sd35",
     "flow-grpo-sd35-ocr",
@@ -38,6 +39,7 @@ NAMES = [
     "mixgrpo-flux",
     "jagg-fast-flux",
     *FLOW_FACTORY,
+    *DIFFUSION_NFT,
 ]
 
 PROMPTS = ["a red circle", "a green square", "a blue circle", "a red square"]

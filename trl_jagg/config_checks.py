@@ -14,8 +14,10 @@ from typing import TYPE_CHECKING, Any
 
 from .field_types import type_problem
 from .grpo import MULTI_OBJECTIVE_AGGREGATIONS
-from .jagg import ENDPOINT_BACKWARDS, JAGG_MODES
+from .jagg import ENDPOINT_BACKWARDS, JAGG_MODES, VELOCITY_CACHE_MODES
+from .nft import OLD_POLICY_DECAY_TYPES
 from .recipes import RECIPES
+from .redaction import redacted
 from .sampling import SAMPLERS
 from .sde_window import WINDOW_SCHEDULES
 
@@ -24,6 +26,7 @@ if TYPE_CHECKING:
 
 TRAIN_SAMPLERS = tuple(s for s in SAMPLERS if s != "ode")
 GAUSSIAN_SAMPLERS = ("sde", "dance")  # log-probs are true Gaussian log-densities (CPS drops the constants)
+OBJECTIVES = ("grpo", "nft")
 TRAIN_TIMESTEPS = ("all_but_last", "all", "random", "random_but_last", "sde_window")
 SCALE_REWARDS = ("group", "batch", "none")
 KL_STDS = ("step", "flow_grpo")
@@ -81,13 +84,14 @@ def reward_kwargs_mapping(value: Any) -> dict | None:
             value = json.loads(value)
         except ValueError as error:
             raise ValueError(
-                f"GRPOJaggConfig.reward_kwargs is not JSON ({error}): {value[:200]!r}. Give a JSON object, e.g. "
+                # The text is not shown: it may hold a key, and cannot be parsed to redact it.
+                f"GRPOJaggConfig.reward_kwargs is not JSON ({error}). Give a JSON object, e.g. "
                 """--reward_kwargs '{"vlm-judge": {"url": "http://localhost:8080/v1"}}'."""
             ) from None
     if value is not None and not isinstance(value, dict):
         raise TypeError(
-            f"GRPOJaggConfig.reward_kwargs is {value!r} ({type(value).__name__}); expected a mapping from reward names "
-            "to their keyword arguments, or None."
+            f"GRPOJaggConfig.reward_kwargs is {redacted(value)!r} ({type(value).__name__}); expected a mapping from "
+            "reward names to their keyword arguments, or None."
         )
     return value
 
@@ -176,6 +180,7 @@ def check_fields(config: GRPOJaggConfig) -> None:
         fail("train_timesteps", f"is {config.train_timesteps!r}", f"Use one of {TRAIN_TIMESTEPS}.")
     if not 0 < config.train_timestep_fraction <= 1:
         fail("train_timestep_fraction", f"is {config.train_timestep_fraction}", "Use a value in (0, 1].")
+    _check_nft(config, fail)
     if (config.train_timesteps == "sde_window") != (config.sde_window_size > 0):
         fail(
             "train_timesteps",
@@ -204,7 +209,8 @@ def check_fields(config: GRPOJaggConfig) -> None:
         fail("ode_step_ratio", f"is {config.ode_step_ratio}", "Use a fraction in (0, 1] (1 keeps every step).")
     if config.sde_window_size == 0:
         for name, off in (("sde_window_schedule", "random"), ("ode_solver_order", 1), ("ode_step_ratio", 1.0)):
-            if getattr(config, name) != off:
+            # NFT's rollout is all ODE: its solver order acts on every step.
+            if getattr(config, name) != off and not (name == "ode_solver_order" and config.objective == "nft"):
                 fail(
                     name,
                     f"is {getattr(config, name)!r} without an SDE window (sde_window_size=0)",
@@ -305,6 +311,8 @@ def check_fields(config: GRPOJaggConfig) -> None:
         fail("jagg_cos_threshold", f"is {config.jagg_cos_threshold}", "Use a cosine in [-1, 1] (0.7 is typical).")
     if config.jagg_endpoint_backward not in ENDPOINT_BACKWARDS:
         fail("jagg_endpoint_backward", f"is {config.jagg_endpoint_backward!r}", f"Use one of {ENDPOINT_BACKWARDS}.")
+    if config.jagg_cache_mode not in VELOCITY_CACHE_MODES:
+        fail("jagg_cache_mode", f"is {config.jagg_cache_mode!r}", f"Use one of {VELOCITY_CACHE_MODES}.")
     if config.no_grad_batch_steps is not None and (
         not isinstance(config.no_grad_batch_steps, int) or config.no_grad_batch_steps < 1
     ):
@@ -332,6 +340,8 @@ def check_fields(config: GRPOJaggConfig) -> None:
         )
     if config.reward_retries < 0:
         fail("reward_retries", f"is {config.reward_retries}", "Use 0 (no retry) or more.")
+    if config.reward_timeout is not None and not config.reward_timeout > 0:
+        fail("reward_timeout", f"is {config.reward_timeout}", "Use a number of seconds > 0, or None (see its help).")
     trained = config.num_trained_steps
     routed = config.jagg_frac == "auto" or config.jagg_frac > 0
     if config.use_jagg and config.jagg_mode != "exact" and routed and config.jagg_group_size > trained:
@@ -344,14 +354,66 @@ def check_fields(config: GRPOJaggConfig) -> None:
     _warn_clip_range_scale(config)
 
 
+def _check_nft(config: GRPOJaggConfig, fail: Any) -> None:
+    """The objective and DiffusionNFT's own fields; GRPO-only settings that NFT cannot honour are refused."""
+    if config.objective not in OBJECTIVES:
+        fail("objective", f"is {config.objective!r}", f"Use one of {OBJECTIVES}.")
+    if config.objective != "nft":
+        return
+    if not config.nft_beta > 0:
+        fail("nft_beta", f"is {config.nft_beta}", "Use a positive guidance strength (DiffusionNFT: 1, or 0.1).")
+    if config.nft_decay_type not in OLD_POLICY_DECAY_TYPES:
+        fail("nft_decay_type", f"is {config.nft_decay_type!r}", f"Use one of {sorted(OLD_POLICY_DECAY_TYPES)}.")
+    grpo_only = {
+        "sde_window_size": (config.sde_window_size != 0, "NFT rollouts are deterministic ODE: set it to 0."),
+        "drop_zero_advantages": (
+            config.drop_zero_advantages,
+            "NFT trains a zero-advantage sample too (optimality 1/2): set it to False.",
+        ),
+        "ratio_normalization": (config.ratio_normalization, "NFT has no PPO ratio: set it to False."),
+    }
+    for name, (is_set, fix) in grpo_only.items():
+        if is_set:
+            fail(name, f"is {getattr(config, name)!r} with objective='nft'", fix)
+
+
+def check_activation_checkpointing(config: GRPOJaggConfig) -> None:
+    """``activation_checkpointing_kwargs`` (transformers' field; ``gradient_checkpointing_kwargs`` is its alias) as
+    diffusers backbones take it: ``every_n_layers``, a positive integer, checkpoints every n-th transformer block
+    (``use_reentrant=False`` is accepted: it is what diffusers runs). Checked once transformers has parsed the field
+    and resolved the alias."""
+    kwargs = config.activation_checkpointing_kwargs or {}
+    name = "activation_checkpointing_kwargs"
+    if not isinstance(kwargs, dict):
+        raise ValueError(f'GRPOJaggConfig.{name} is {kwargs!r}. Use a dict such as {{"every_n_layers": 2}}.')
+    unknown = sorted(set(kwargs) - {"every_n_layers", "use_reentrant"})
+    if unknown or kwargs.get("use_reentrant", False):
+        raise ValueError(
+            f"GRPOJaggConfig.{name} is {kwargs!r}: diffusers backbones take only `every_n_layers` (and "
+            "`use_reentrant=False`, which they always run). Remove the other keys."
+        )
+    every = kwargs.get("every_n_layers", 1)
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(
+            f"GRPOJaggConfig.{name}['every_n_layers'] is {every!r}. Use a positive integer: 1 checkpoints every "
+            "transformer block, k every k-th."
+        )
+    if every > 1 and not config.activation_checkpointing:
+        raise ValueError(
+            f"GRPOJaggConfig.{name}['every_n_layers'] is {every} without activation checkpointing. Set "
+            "activation_checkpointing=True (or gradient_checkpointing=True), or remove it."
+        )
+
+
 def _warn_clip_range_scale(config: GRPOJaggConfig) -> None:
     """Warn when the clip range is far from the flow-model recipes' (TRL's token default 0.2 is 2000x Flow-GRPO's
     1e-4): it then clips nearly nothing or nearly everything."""
-    used = sorted({recipe.config["clip_range"] for recipe in RECIPES.values()})
+    clipped = [recipe for recipe in RECIPES.values() if "clip_range" in recipe.config]  # GRPO's, not NFT's
+    used = sorted({recipe.config["clip_range"] for recipe in clipped})
     if used[0] / CLIP_RANGE_SLACK <= config.clip_range <= used[-1] * CLIP_RANGE_SLACK:
         return
     name = "epsilon" if config.epsilon is not None else "clip_range"
-    recipes = ", ".join(f"{recipe.name} {recipe.config['clip_range']:g}" for recipe in RECIPES.values())
+    recipes = ", ".join(f"{recipe.name} {recipe.config['clip_range']:g}" for recipe in clipped)
     warnings.warn(
         f"GRPOJaggConfig.{name} is {config.clip_range:g}, more than {CLIP_RANGE_SLACK:g}x outside the clip ranges of "
         f"the flow-model recipes ({recipes}): a step's log-prob is a mean over latent dimensions, so its ratio "

@@ -44,6 +44,8 @@ from .trainer.guards import stop_if_non_finite
 from .trainer.image_logging import eval_images_key, log_completions, log_image_grid, save_images
 from .trainer.inputs import checked_inputs, checked_model_inputs
 from .trainer.metrics import first_completions, logged_means
+from .trainer.nft_update import NFTUpdateStage
+from .trainer.old_policy import OldPolicy
 from .trainer.placement import FrozenModules
 from .trainer.scoring import RewardFailure
 from .trainer.update import UpdateStage
@@ -100,7 +102,7 @@ class DDPOJaggTrainer(_BaseTrainer):
         # The frozen encoders stay whole: they run outside the DeepSpeed engine.
         with distributed.zero3_init_disabled(args):
             self.adapter = load_adapter(model, dtype=getattr(torch, args.dtype), revision=args.model_revision)
-        self.train_buckets = checked_model_inputs(self.adapter, args, train_dataset, eval_dataset)  # source grids
+        self.train_buckets = checked_model_inputs(self.adapter, args, train_dataset, eval_dataset, self.reward_funcs)
         self.scheduler_overridden = hub.scheduler_differs_from_base(
             self.adapter.pipeline.scheduler, self.base_model_id, args.model_revision
         )
@@ -151,10 +153,20 @@ class DDPOJaggTrainer(_BaseTrainer):
         self.generation = RolloutGenerator(
             self.adapter, args, self.accelerator, self.reward_funcs, self.conditioner, self.frozen, self._metrics
         )
-        self.update_stage = UpdateStage(
-            self.adapter, args, self.accelerator, self._metrics,
-            ref_transformer=self.ref_transformer, has_dropout=has_active_dropout(transformer),
-        )  # fmt: skip
+        # DiffusionNFT samples with an old policy that follows the trained weights after each rollout's updates.
+        self.old_policy = (
+            OldPolicy(self._trainable_parameters, args.nft_decay_type) if args.objective == "nft" else None
+        )
+        if self.old_policy is not None:
+            self.update_stage = NFTUpdateStage(
+                self.adapter, args, self.accelerator, self._metrics,
+                old_policy=self.old_policy, ref_transformer=self.ref_transformer,
+            )  # fmt: skip
+        else:
+            self.update_stage = UpdateStage(
+                self.adapter, args, self.accelerator, self._metrics,
+                ref_transformer=self.ref_transformer, has_dropout=has_active_dropout(transformer),
+            )  # fmt: skip
         self.evaluator = Evaluator(self.adapter, args, self.accelerator, self.frozen, self.reward_funcs, eval_dataset)
         self.ema: EMAWeights | None = None
         if args.ema_decay > 0:
@@ -231,10 +243,13 @@ class DDPOJaggTrainer(_BaseTrainer):
     def _generate_and_score(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         """One scored rollout of a dataloader batch; when a reward fails on any process (in the rollout, or in the
         update that awaits the last rewards), every process saves a checkpoint before the error stops the run."""
-        return self.generation.generate(
-            inputs, self.accelerator.unwrap_model(self.model), global_step=self.state.global_step,
-            trainer_state=self.state, on_reward_failure=self._stop_after_reward_failure,
-        )  # fmt: skip
+        if self.old_policy is not None:
+            self.old_policy.follow(self.state.global_step)
+        with self.old_policy.swapped_in() if self.old_policy is not None else contextlib.nullcontext():
+            return self.generation.generate(
+                inputs, self.accelerator.unwrap_model(self.model), global_step=self.state.global_step,
+                trainer_state=self.state, on_reward_failure=self._stop_after_reward_failure,
+            )  # fmt: skip
 
     def _stop_after_reward_failure(self, failure: RewardFailure, during: str) -> NoReturn:
         """Save ``checkpoint-N`` of the steps trained so far (every process), then raise the error naming it."""
@@ -344,8 +359,8 @@ class DDPOJaggTrainer(_BaseTrainer):
         return super().train(resume_from_checkpoint=resume_from_checkpoint or None, **kwargs)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """:meth:`transformers.Trainer.save_model`, refusing non-finite weights and refusing to replace existing
-        weights with a model that has trained 0 steps."""
+        """:meth:`transformers.Trainer.save_model`, refusing non-finite weights, and a model that has trained 0 steps
+        over existing weights or beside a run's checkpoints."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         params = [p for p in self.model.parameters() if p.requires_grad]
         checkpointing.check_saveable(
@@ -360,10 +375,10 @@ class DDPOJaggTrainer(_BaseTrainer):
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         transformer = self.accelerator.unwrap_model(self.model)
         # `state_dict` is the gathered full state dict under FSDP / DeepSpeed (Trainer.save_model passes it).
-        state_dict, ema_state_dict = self.weights.gathered_state_dicts(transformer, state_dict, self.ema)
+        states = self.weights.gathered_state_dicts(transformer, state_dict, self.ema)  # weights, EMA weights
         if not self.args.should_save:
             return
-        self.weights.save_model_folder(output_dir, transformer, (state_dict, ema_state_dict), self.ema, self.args)
+        self.weights.save_model_folder(output_dir, transformer, states, self.ema, self.args, self.state.global_step)
         self._write_model_card(output_dir, **self._model_card_kwargs)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
@@ -371,10 +386,13 @@ class DDPOJaggTrainer(_BaseTrainer):
         self._buffered_inputs = None
         transformer = self.accelerator.unwrap_model(model if model is not None else self.model)
         self.weights.load_resumed(transformer, resume_from_checkpoint, self.ema, trained=not self.is_deepspeed_enabled)
+        if self.old_policy is not None:
+            self.old_policy.load(resume_from_checkpoint)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if not distributed.is_fully_sharded(self.model):  # FSDP2 writes the full state, not the plugin's files
-            return super()._save_optimizer_and_scheduler(output_dir)
+            with checkpointing.optimizer_write_named(output_dir):  # torch's error names no file
+                return super()._save_optimizer_and_scheduler(output_dir)
         checkpointing.save_full_optimizer_state(
             self.model, self.optimizer, self.lr_scheduler, output_dir, self.args.should_save
         )
@@ -406,10 +424,12 @@ class DDPOJaggTrainer(_BaseTrainer):
                 self._save_optimizer_and_scheduler(staging_dir)
                 self._save_scaler(staging_dir)
                 self._save_rng_state(staging_dir)
+            if args.should_save and self.old_policy is not None:
+                self.old_policy.save(staging_dir)
             if args.should_save:
                 stateful = [*self.callback_handler.callbacks, self.control]
                 checkpointing.save_run_state(
-                    staging_dir, self.state, stateful, self._step, self.generation.stat_tracker
+                    staging_dir, self.state, stateful, self._step, self.generation.stat_tracker, args
                 )
         final_dir = os.path.join(run_dir, name)
         if args.push_to_hub:

@@ -14,18 +14,21 @@ from .config_checks import (
     DTYPES,
     EMA_SCHEDULES,
     KL_STDS,
+    OBJECTIVES,
     SCALE_REWARDS,
     TRAIN_SAMPLERS,
     TRAIN_TIMESTEPS,
+    check_activation_checkpointing,
     check_fields,
     check_types_and_finiteness,
     resolve_generation_batch,
     reward_kwargs_mapping,
 )
 from .grpo import MULTI_OBJECTIVE_AGGREGATIONS
-from .jagg import ENDPOINT_BACKWARDS, JAGG_MODES
+from .jagg import ENDPOINT_BACKWARDS, JAGG_MODES, VELOCITY_CACHE_MODES
 from .prompts import check_prompts
 from .recipes import get_recipe
+from .redaction import redacted
 from .sde_window import WINDOW_SCHEDULES
 
 
@@ -44,7 +47,7 @@ class GRPOJaggConfig(TrainingArguments):
 
         dtype (`str`, defaults to `"float32"`): dtype the pipeline is loaded in when `model` is a Hub id or a path.
         model_revision (`str`, *optional*): revision of the model to load.
-        gradient_checkpointing (inherited): uses diffusers' `enable_gradient_checkpointing()` on the backbone.
+        gradient_checkpointing (inherited): diffusers' `enable_gradient_checkpointing()` (`every_n_layers`: docs/config.md).
 
         > Sampling (rollouts)
 
@@ -54,13 +57,13 @@ class GRPOJaggConfig(TrainingArguments):
 
         > Training (which steps, which loss)
 
-        train_timesteps, train_timestep_fraction, sde_window_size, sde_window_max_start, sde_window_schedule,
+        objective, nft_beta, nft_decay_type, train_timesteps, train_timestep_fraction, sde_window_size, sde_window_max_start, sde_window_schedule,
         sde_window_stride, sde_window_shift_interval, ode_solver_order, ode_step_ratio, clip_range (TRL: epsilon),
         epsilon_high, adv_clip_max, beta, kl_std, ratio_normalization, step_gradient_reweighting, cfg_gradient,
         quantize_timesteps, same_group_noise, num_iterations,
         scale_rewards, advantage_std_ddof, advantage_eps, per_prompt_stat_tracking, stat_tracking_buffer_size,
         drop_zero_advantages, reward_weights, reward_kwargs, multi_objective_aggregation, overlap_rewards,
-        reward_retries.
+        reward_retries, reward_timeout.
 
         > EMA of the trained weights
 
@@ -69,7 +72,7 @@ class GRPOJaggConfig(TrainingArguments):
         > JAGG
 
         use_jagg, jagg_group_size, jagg_frac, jagg_probe_steps, jagg_cos_threshold, jagg_mode,
-        jagg_cache_velocities, jagg_endpoint_backward, no_grad_batch_steps.
+        jagg_cache_velocities, jagg_cache_mode, jagg_endpoint_backward, no_grad_batch_steps.
 
         > Distributed and memory
 
@@ -216,6 +219,32 @@ class GRPOJaggConfig(TrainingArguments):
     )
 
     # ---- Training ----
+    objective: str = field(
+        default="grpo",
+        metadata={
+            "help": f"Training objective, one of {OBJECTIVES}: `grpo` (PPO-clipped policy gradient through the reverse "
+            "SDE, Flow-GRPO / DanceGRPO) or `nft` (DiffusionNFT: deterministic ODE rollouts by a slowly following "
+            "old policy, the negative-aware flow-matching loss on forward-noised clean samples, no log-probabilities; "
+            "trains a random `train_timestep_fraction` of the rollout's timesteps, `beta` is its KL coefficient, "
+            "`use_jagg` groups a sample's timesteps). See docs/models.md for how it follows NVlabs/DiffusionNFT."
+        },
+    )
+    nft_beta: float = field(
+        default=1.0,
+        metadata={
+            "help": "`objective='nft'`: the guidance strength beta of the implicit positive / negative policies "
+            "(`beta v + (1 - beta) v_old` and `(1 + beta) v_old - beta v`); DiffusionNFT uses 1 (0.1 for OCR and "
+            "multi-reward runs)."
+        },
+    )
+    nft_decay_type: int = field(
+        default=1,
+        metadata={
+            "help": "`objective='nft'`: how the sampling (old) policy follows the trained one after each rollout, "
+            "`old = decay * old + (1 - decay) * current`, DiffusionNFT's `decay_type`: 0 (decay 0: on-policy), 1 "
+            "(0.001 per optimizer step up to 0.5), 2 (0 for 75 steps, then 0.0075 per step up to 0.999)."
+        },
+    )
     train_timesteps: str = field(
         default="all_but_last",
         metadata={
@@ -449,6 +478,17 @@ class GRPOJaggConfig(TrainingArguments):
             "stops the run. Output checks (a NaN, a wrong count) are not retried."
         },
     )
+    reward_timeout: float | None = field(
+        default=None,
+        metadata={
+            "help": "Seconds each reward function may take to score one batch (a rollout, a rollout chunk scored "
+            "during the rollout, an evaluation), retries included. When it expires, the call is abandoned (an "
+            "`async def` reward is cancelled; a synchronous one is left running in a daemon thread, its result "
+            "dropped), every process saves a checkpoint of the steps trained so far, and the run stops with an "
+            "error naming the reward and the step. None (default): 600 s for the remote reward and the VLM judges, "
+            "no deadline for local rewards (a number sets it for every reward). See docs/rewards.md."
+        },
+    )
 
     # ---- JAGG ----
     use_jagg: bool = field(
@@ -484,8 +524,21 @@ class GRPOJaggConfig(TrainingArguments):
         default=True,
         metadata={
             "help": "Record every step's guided velocity during the rollout and use them for the intermediate steps "
-            "of JAGG groups while they are exact (no optimizer step since the rollout, no active dropout, same "
-            "dtype/autocast): a group then costs 2 endpoint forwards + 1 backward. Logged as `jagg/cached_velocities`."
+            "of JAGG groups (no active dropout, same dtype/autocast and batch shape; after an optimizer step since "
+            "the rollout as `jagg_cache_mode` says): a group then costs 2 endpoint forwards + 1 backward. Logged as "
+            "`jagg/cached_velocities`."
+        },
+    )
+    jagg_cache_mode: str = field(
+        default="recompute",
+        metadata={
+            "help": f"One of {VELOCITY_CACHE_MODES}: what the velocity cache does after an optimizer step since the "
+            "rollout (`steps_per_generation > gradient_accumulation_steps`, `num_iterations > 1`). `recompute`: the "
+            "intermediates run again without a graph (exact). `corrected`: each cached intermediate is moved by the "
+            "change of its group's two endpoints since the rollout, interpolated with JAGG's weights (no forward; "
+            "exact when that change is linear in time across the group). `stale`: the rollout's velocities as they "
+            "are. Before the first optimizer step every mode uses the cache as is (exact). Logged as "
+            "`jagg/corrected_velocities`."
         },
     )
     jagg_endpoint_backward: str = field(
@@ -681,7 +734,21 @@ class GRPOJaggConfig(TrainingArguments):
         # checks of the machine (bf16 on a CPU, ...) can stop on something else.
         check_fields(self)
         super().__post_init__()
+        check_activation_checkpointing(self)  # transformers' field, parsed and its alias resolved just above
         resolve_generation_batch(self)  # needs the number of processes
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as ``TrainingArguments.to_dict`` gives them (what trackers record, through ``to_json_string``
+        and ``to_sanitized_dict`` too), with every secret redacted (:mod:`trl_jagg.redaction`): a key inside
+        ``reward_kwargs`` or a URL would otherwise reach TensorBoard, W&B and the Hub."""
+        return redacted(super().to_dict())
+
+    def __repr__(self) -> str:
+        # The dataclass repr would show every field in clear (hub_token and reward_kwargs included).
+        shown = "".join(f"{key}={value!r},\n" for key, value in sorted(self.to_dict().items()))
+        return f"{type(self).__name__}(\n{shown})"
+
+    __str__ = __repr__
 
     @property
     def num_trained_steps(self) -> int:

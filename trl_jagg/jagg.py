@@ -13,10 +13,11 @@ distributed setup (``accelerator.backward`` handles grad scaling, DeepSpeed and 
 
 Two things make a JAGG group cheaper still (see ``docs/jagg.md``):
 
-- **On-policy velocity cache.** While the parameters are those that produced the rollout, the intermediate
-  velocities ``v_1 .. v_{W-2}`` are exactly the guided velocities the sampler computed; given them
-  (``cached_velocities``) a group costs its two endpoint forwards and one backward (about 6 forward units instead of
-  ``W + 4``).
+- **Velocity cache.** While the parameters are those that produced the rollout, the intermediate velocities
+  ``v_1 .. v_{W-2}`` are exactly the guided velocities the sampler computed; given them (``cached_velocities``) a
+  group costs its two endpoint forwards and one backward (about 6 forward units instead of ``W + 4``). After an
+  optimizer step they are the rollout policy's; ``correct_cached`` moves each one by the change of the group's
+  endpoints since the rollout, interpolated with JAGG's own weights (:func:`corrected_velocity`).
 - **Batched no-grad forwards.** Velocities that must be recomputed without a graph (uncached intermediates) are
   requested all at once through ``no_grad_velocities_fn``, which can run them as a few large backbone calls.
 
@@ -37,6 +38,10 @@ import torch
 
 JAGG_MODES = ("exact", "jagg", "endpoints")
 ENDPOINT_BACKWARDS = ("joint", "sequential")
+VELOCITY_CACHE_MODES = ("recompute", "corrected", "stale")
+"""What the trainer does with the rollout's velocities after an optimizer step since the rollout: recompute the
+intermediates without a graph, use them corrected by the endpoints' change (:func:`corrected_velocity`), or use them
+as they are. Before the rollout's first optimizer step every mode uses them as they are (they are exact)."""
 
 VelocityFn = Callable[[int], torch.Tensor]
 """Returns the backbone velocity of trained step ``k`` (index into the plan's times); runs under the ambient
@@ -138,6 +143,25 @@ def plan_groups(
     ]
 
 
+def corrected_velocity(
+    cached: torch.Tensor,
+    alpha: float,
+    first_change: torch.Tensor,
+    last_change: torch.Tensor,
+) -> torch.Tensor:
+    """A cached intermediate velocity moved to the current parameters:
+    ``v_roll(t_j) + (1 - alpha_j) (v_now(t_0) - v_roll(t_0)) + alpha_j (v_now(t_{W-1}) - v_roll(t_{W-1}))``.
+
+    ``first_change`` / ``last_change`` are the group endpoints' velocity changes since the rollout (detached). Exact
+    when the change is linear in time across the group (JAGG's own hypothesis for the Jacobian); otherwise its error
+    is the change's curvature, second order in the parameter step. Computed in at least float32, returned in the
+    cached velocity's dtype (the dtype a recomputed velocity has).
+    """
+    dtype = torch.promote_types(cached.dtype, torch.float32)
+    moved = cached.to(dtype) + (1 - alpha) * first_change.to(dtype) + alpha * last_change.to(dtype)
+    return moved.to(cached.dtype)
+
+
 @dataclass
 class EngineResult:
     """What one pass of the engine did.
@@ -148,7 +172,8 @@ class EngineResult:
         num_jagg_groups / num_exact_groups: how the groups were routed.
         num_backward: backward calls made (the cost JAGG saves).
         num_graph_forwards / num_no_grad_forwards: velocities computed with and without an autograd graph.
-        num_cached: velocities taken from ``cached_velocities`` instead of a backbone call.
+        num_cached: velocities taken from ``cached_velocities`` instead of a backbone call (corrected ones included).
+        num_corrected: of those, the ones corrected by the endpoints' change (``correct_cached``).
     """
 
     step_losses: dict[int, float] = field(default_factory=dict)
@@ -158,6 +183,7 @@ class EngineResult:
     num_graph_forwards: int = 0
     num_no_grad_forwards: int = 0
     num_cached: int = 0
+    num_corrected: int = 0
 
     @property
     def loss(self) -> float:
@@ -184,10 +210,17 @@ class JaggEngine:
         sync_context: see :data:`SyncContextFn`; defaults to no context.
         loss_weight: multiplies every step's loss in the backward (e.g. ``1 / (num_steps * grad_accum)``);
             reported losses are unweighted.
-        cached_velocities: the on-policy velocity of trained steps (index into the plan's times), as the rollout
-            computed them. Only pass them while they are exactly what ``velocity_fn`` would return (no optimizer
-            step since the rollout, no active dropout, same dtype); joint groups then take their intermediate
-            velocities from them.
+        cached_velocities: the velocity of trained steps (index into the plan's times), as the rollout computed
+            them, on the forward path ``velocity_fn`` takes (no active dropout, same dtype and batch shape); joint
+            groups then take their intermediate velocities from them. Without ``correct_cached``, only pass them
+            while they are exactly what ``velocity_fn`` would return (no optimizer step since the rollout), or
+            knowingly stale.
+        correct_cached: the parameters changed since the rollout: each cached intermediate of a joint group is
+            corrected by its endpoints' change (:func:`corrected_velocity`), the endpoints' current velocities being
+            their graph forwards, detached. An intermediate is taken from the cache only if both endpoints are
+            cached too (else it is recomputed). A ``sequential`` group needs its last endpoint's current velocity
+            before that endpoint's graph forward: it is requested with the no-grad velocities (one more no-grad
+            forward per such group).
         no_grad_velocities_fn: see :data:`NoGradVelocitiesFn`; defaults to one ``velocity_fn`` call per step. The
             engine asks once per pass for every velocity it needs without a graph.
         endpoint_backward: ``"joint"`` (one backward through both endpoint graphs) or ``"sequential"`` (one
@@ -205,6 +238,7 @@ class JaggEngine:
         cached_velocities: Mapping[int, torch.Tensor] | None = None,
         no_grad_velocities_fn: NoGradVelocitiesFn | None = None,
         endpoint_backward: str = "joint",
+        correct_cached: bool = False,
     ):
         if endpoint_backward not in ENDPOINT_BACKWARDS:
             raise ValueError(
@@ -219,6 +253,11 @@ class JaggEngine:
         self.cached_velocities = cached_velocities or {}
         self.no_grad_velocities_fn = no_grad_velocities_fn or (lambda steps: [velocity_fn(k) for k in steps])
         self.endpoint_backward = endpoint_backward
+        self.correct_cached = correct_cached
+        # Per pass: the intermediates to correct, and the current no-grad velocity of sequential groups' last
+        # endpoints (needed for the correction before their graph forward).
+        self._to_correct: set[int] = set()
+        self._current: dict[int, torch.Tensor] = {}
 
     def run(self, groups: Sequence[StepGroup]) -> EngineResult:
         """Forward and backward every group; gradients accumulate wherever ``backward_fn`` puts them."""
@@ -254,24 +293,59 @@ class JaggEngine:
         return result
 
     def _no_grad_velocities(self, groups: Sequence[StepGroup], result: EngineResult) -> dict[int, torch.Tensor]:
-        """Every velocity the joint groups need without a graph, from the cache or from one batched request."""
-        needed = []
+        """Every velocity the joint groups need without a graph, from the cache or from one batched request (with
+        the current velocity of the sequential groups' last endpoints whose intermediates are corrected)."""
+        cache = self.cached_velocities
+        known: dict[int, torch.Tensor] = {}
+        missing: list[int] = []
+        current: list[int] = []
+        self._to_correct, self._current = set(), {}
         for group in groups:
-            if group.is_joint and len(group.steps) > 1:
-                needed.extend(group.steps[1:-1])
-        known = {k: self.cached_velocities[k] for k in needed if k in self.cached_velocities}
+            if not group.is_joint or len(group.steps) < 3:
+                continue
+            first, last = group.steps[0], group.steps[-1]
+            usable = not self.correct_cached or (first in cache and last in cache)
+            for k in group.steps[1:-1]:
+                if usable and k in cache:
+                    known[k] = cache[k]
+                    if self.correct_cached:
+                        self._to_correct.add(k)
+                else:
+                    missing.append(k)
+            if self.endpoint_backward == "sequential" and any(k in self._to_correct for k in group.steps[1:-1]):
+                current.append(last)
         result.num_cached += len(known)
-        missing = [k for k in needed if k not in known]
-        if missing:
+        result.num_corrected += len(self._to_correct)
+        if missing or current:
             with torch.no_grad():
-                values = list(self.no_grad_velocities_fn(missing))
-            if len(values) != len(missing):
+                values = list(self.no_grad_velocities_fn(missing + current))
+            if len(values) != len(missing) + len(current):
                 raise ValueError(
-                    f"`no_grad_velocities_fn` returned {len(values)} velocities for {len(missing)} steps."
+                    f"`no_grad_velocities_fn` returned {len(values)} velocities for {len(missing) + len(current)} "
+                    "steps."
                 )
             known.update(zip(missing, values))
-            result.num_no_grad_forwards += len(missing)
+            self._current = dict(zip(current, values[len(missing) :]))
+            result.num_no_grad_forwards += len(missing) + len(current)
         return known
+
+    def _intermediates(
+        self, group: StepGroup, known: dict[int, torch.Tensor], v_first: torch.Tensor, v_last: torch.Tensor | None
+    ) -> list[torch.Tensor]:
+        """A joint group's intermediate velocities: recomputed or cached ones as they are, corrected ones moved by
+        the endpoints' change since the rollout (``v_first``, ``v_last``: the endpoints' current velocities)."""
+        inner = group.steps[1:-1]
+        if not any(k in self._to_correct for k in inner):
+            return [known[k] for k in inner]
+        first, last = group.steps[0], group.steps[-1]
+        dtype = torch.promote_types(v_first.dtype, torch.float32)  # a bf16 difference would lose the change
+        first_change = v_first.detach().to(dtype) - self.cached_velocities[first].to(dtype)
+        last_change = v_last.detach().to(dtype) - self.cached_velocities[last].to(dtype)
+        return [
+            corrected_velocity(known[k], group.alphas[j], first_change, last_change) if k in self._to_correct
+            else known[k]
+            for j, k in enumerate(inner, start=1)
+        ]  # fmt: skip
 
     def _forward(self, step: int, result: EngineResult) -> torch.Tensor:
         result.num_graph_forwards += 1
@@ -337,7 +411,9 @@ class JaggEngine:
             self._backward((v_first.to(s_base.dtype) * s_base).sum(), result)
             return
         v_last = self._forward(last, result)
-        s_base, s_corr = self._signals(group, [v_first, *(known[k] for k in group.steps[1:-1]), v_last], losses)
+        s_base, s_corr = self._signals(
+            group, [v_first, *self._intermediates(group, known, v_first, v_last), v_last], losses
+        )
         # One joint backward through both endpoint graphs; a scalar surrogate so any backward_fn works.
         surrogate = (v_first.to(s_base.dtype) * s_base).sum() + (v_last.to(s_corr.dtype) * s_corr).sum()
         self._backward(surrogate, result)
@@ -348,7 +424,8 @@ class JaggEngine:
         """A sequential group's first unit: backward of ``<v_0, s_base>`` (``s_base`` needs every step but the last
         endpoint); returns the partial ``s_corr`` for the second unit."""
         v_first = self._forward(group.steps[0], result)
-        s_base, s_corr = self._signals(group, [v_first, *(known[k] for k in group.steps[1:-1])], losses)
+        v_last = self._current.get(group.steps[-1])  # requested only when an intermediate is corrected
+        s_base, s_corr = self._signals(group, [v_first, *self._intermediates(group, known, v_first, v_last)], losses)
         self._backward((v_first.to(s_base.dtype) * s_base).sum(), result)
         return s_corr
 

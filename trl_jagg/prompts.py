@@ -120,6 +120,11 @@ def source_images_of(value: Any, where: str, limit: int | None = 1) -> Image.Ima
 
 def check_prompts(prompts: Sequence[Any], where: str) -> list[str]:
     """Every prompt of ``prompts`` as text; errors name ``where`` and the index of the first bad one."""
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+        raise TypeError(
+            f"{where} is {type(prompts).__name__} {prompts!r}, not a list of prompts. Give a list, e.g. "
+            f'{where.rsplit(".", 1)[-1]}: ["a red circle", "a blue square"] in YAML.'
+        )
     return [prompt_text(value, f"{where}[{i}]") for i, value in enumerate(prompts)]
 
 
@@ -135,7 +140,7 @@ def check_source_images(
     without ``layout``.
 
     Raises:
-        ValueError: no ``source_image`` column, or a bad row.
+        ValueError: no ``source_image`` column, or a bad row (``layout`` raising ``ValueError`` included).
     """
     if SOURCE_IMAGE_COLUMN not in dataset.column_names:
         raise ValueError(
@@ -145,9 +150,13 @@ def check_source_images(
         )
     layouts = []
     for i, value in enumerate(dataset[SOURCE_IMAGE_COLUMN]):  # one row's images at a time: only layouts are kept
-        images = source_images_of(value, f"{name} row {i} '{SOURCE_IMAGE_COLUMN}'", limit)
+        where = f"{name} row {i} '{SOURCE_IMAGE_COLUMN}'"
+        images = source_images_of(value, where, limit)
         if layout is not None:
-            layouts.append(layout(images))
+            try:
+                layouts.append(layout(images))
+            except ValueError as error:  # an image the model cannot take (e.g. a side that resizes to 0)
+                raise ValueError(f"{where}: {error}") from None
     return layouts if layout is not None else None
 
 
@@ -200,6 +209,8 @@ def prompt_dataset(dataset: Any, prompts_per_rollout: int, name: str = "train_da
         )
     for i, value in enumerate(dataset["prompt"]):
         prompt_text(value, f"{name} row {i} 'prompt'")
+    if name != "train_dataset" and len(dataset) == 0:  # held-out prompts: a rollout's size does not apply
+        raise ValueError(f"{name} holds no prompts: an evaluation would score nothing. Add prompts, or pass None.")
     if len(dataset) < prompts_per_rollout:
         raise ValueError(
             f"{name} has {len(dataset)} prompt{'s' if len(dataset) != 1 else ''}; one rollout needs "

@@ -27,6 +27,7 @@ the adapters' own products: about one forward, so each backward JAGG saves is wo
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from types import MappingProxyType
@@ -90,11 +91,22 @@ def flux_dev_lora() -> dict[str, Any]:
     return {k: list(v) if isinstance(v, tuple) else v for k, v in get_recipe(LORA_PRESET).lora.items()}
 
 
-def preset_checkpoints(preset: str) -> bool:
-    """Whether the preset named ``preset`` checkpoints its backbone's blocks (``activation_checkpointing`` or
-    ``gradient_checkpointing``: the trainer treats them alike)."""
+def checkpointed_fraction(num_blocks: int, every: int) -> float:
+    """The fraction of ``num_blocks`` transformer blocks that checkpointing every ``every``-th one (blocks 0,
+    ``every``, ``2 every``, ... in module order; ``activation_checkpointing_kwargs={"every_n_layers": every}``)
+    recomputes in the backward."""
+    return math.ceil(num_blocks / every) / num_blocks
+
+
+def preset_checkpointed_fraction(preset: str) -> float:
+    """The fraction of FLUX.1-dev's blocks that the preset named ``preset`` checkpoints: 0 without activation
+    checkpointing (``activation_checkpointing`` or ``gradient_checkpointing``: the trainer treats them alike), 1 with
+    it, :func:`checkpointed_fraction` with ``activation_checkpointing_kwargs={"every_n_layers": k}``."""
     config = get_recipe(preset).config
-    return bool(config.get("activation_checkpointing") or config.get("gradient_checkpointing"))
+    if not (config.get("activation_checkpointing") or config.get("gradient_checkpointing")):
+        return 0.0
+    every = (config.get("activation_checkpointing_kwargs") or {}).get("every_n_layers", 1)
+    return checkpointed_fraction(FLUX_DEV_TRANSFORMER["num_layers"] + FLUX_DEV_TRANSFORMER["num_single_layers"], every)
 
 
 def counted_flops(fn: Callable[[], Any]) -> int:
@@ -220,11 +232,16 @@ def flux_dev_costs(resolution: int = 1024, text_tokens: int = 512) -> Mapping[st
     return MappingProxyType(costs)  # read-only: the cache hands the same one to every caller
 
 
-def step_flops(costs: StepCosts, counts: Mapping[str, int], *, checkpointing: bool) -> float:
+def step_flops(costs: StepCosts, counts: Mapping[str, int], *, checkpointing: float) -> float:
     """FLOPs of the work ``counts`` at ``costs``: backbone rows forward (``graph_rows`` + ``no_grad_rows``) and
-    backward (``backward_rows``; each also recomputes the blocks' forward if ``checkpointing``), ``decoded_images``
-    VAE decodes and ``encoded_prompts`` prompt encodings."""
-    backward_row = costs.backward_row + (costs.recompute_row if checkpointing else 0)
+    backward (``backward_rows``), ``decoded_images`` VAE decodes and ``encoded_prompts`` prompt encodings.
+
+    ``checkpointing`` is the fraction of the backbone's blocks that are checkpointed (``True``: all, ``False``: none):
+    each backward row also recomputes their forward, ``checkpointing x recompute_row`` (a row's backward then costs
+    about 3 forwards instead of 2 with every block checkpointed). Pricing a fraction of the blocks as that fraction of
+    ``recompute_row`` assumes blocks of equal cost: FLUX.1-dev's double- and single-stream blocks both run about
+    ``12 d^2`` multiply-adds per token in their projections."""
+    backward_row = costs.backward_row + float(checkpointing) * costs.recompute_row
     return (
         (counts["graph_rows"] + counts["no_grad_rows"]) * costs.forward_row
         + counts["backward_rows"] * backward_row

@@ -13,19 +13,18 @@ It prints, per variant (interleaved over ``--repeats`` repeats after a warm-up, 
 time of the whole rollout, the whole-step time (rollout + update), the speedup over exact and the peak memory of the
 update, and writes ``gpu_benchmark.json``. On one H100/H200 it should take about 5 minutes (not measured yet).
 
-``--whole_step`` times instead the whole-step variants of :mod:`trl_jagg.benchmarks.whole_step` (DanceGRPO shape:
-exact, JAGG, JAGG + cache; Mix shape: exact update, JAGG + cache, + shared prefix, + DPM-Solver++), with the same
-variant definitions, interleaving and hook counts, on the FLUX.1-dev-size transformer with full fine-tuning (as
-DanceGRPO and MixGRPO train it; every trainer shares the one pipeline, and no optimizer step is taken), G = 12 in
-micro-batches of ``--batch`` that the rollout also samples at. It reports synchronised wall time, the peak CUDA
-memory of each variant's step, and beside each measured ratio the FLOP model's predictions for the counted work
-(:mod:`trl_jagg.benchmarks.flops`: full fine-tuning, as timed here, with activation checkpointing if
-``--gradient_checkpointing``, and Flow-GRPO's LoRA on the frozen base, without, as ``flow-grpo-flux``), and writes
-``gpu_whole_step_benchmark.json``.
+``--whole_step`` times instead the whole-step variants of :mod:`trl_jagg.benchmarks.whole_step` (each preset
+trained by ``train()`` at its own cadence, one rollout at a time: ``dancegrpo-flux`` exact and as shipped,
+``mixgrpo-flux`` as MixGRPO-Flash with an exact update and as shipped), with the same variant definitions,
+interleaving and hook counts, on the FLUX.1-dev-size transformer with full fine-tuning (as DanceGRPO and MixGRPO
+train it; every trainer shares the one pipeline and steps it with plain SGD, which keeps no optimizer state). It
+reports synchronised wall time per rollout, the peak CUDA memory of an untimed rollout per variant and beside each
+measured ratio the FLOP model's predictions for the counted work (:mod:`trl_jagg.benchmarks.flops`, activation
+checkpointing as each preset sets it), and writes ``gpu_whole_step_benchmark.json``.
 
     python -m trl_jagg.benchmarks.gpu --output_dir runs/gpu_bench            # one GPU, about 5 minutes
     python -m trl_jagg.benchmarks.gpu --output_dir runs/gpu_bench --tiny     # the same code on a CPU, seconds
-    python -m trl_jagg.benchmarks.gpu --output_dir runs/gpu_bench --whole_step --gradient_checkpointing
+    python -m trl_jagg.benchmarks.gpu --output_dir runs/gpu_bench --whole_step
     python -m trl_jagg.benchmarks.gpu --output_dir runs/gpu_bench --whole_step --tiny   # a CPU smoke run
 """
 
@@ -47,10 +46,11 @@ from .whole_step import (
     WHOLE_STEP_VARIANTS,
     build_trainers,
     flop_model,
-    predicted_checkpointing,
-    print_table,
+    format_table,
     summarize,
-    time_whole_steps,
+    time_rollouts,
+    variant_checkpointing,
+    with_baselines,
 )
 
 TINY_TRANSFORMER = FLUX_DEV_TRANSFORMER | {
@@ -197,13 +197,11 @@ def run_whole_step(
     variants: Sequence[str] = tuple(WHOLE_STEP_VARIANTS),
     resolution: int = 512,
     max_sequence_length: int = 512,
-    batch: int = 2,
     repeats: int = 3,
-    gradient_checkpointing: bool = False,
 ) -> dict[str, Any]:
-    """Time the whole-step variants on the transformer of FLUX.1-dev's config (see the module docstring); returns
-    (and writes) the report. ``tiny`` runs the tiny transformer on the CPU, its work priced at its own counted
-    FLOPs (the tiny VAE and text encoders are not priced)."""
+    """Train the whole-step variants' presets one rollout at a time on the transformer of FLUX.1-dev's config (see
+    the module docstring); returns (and writes) the report. ``tiny`` runs the tiny transformer on the CPU, its work
+    priced at its own counted FLOPs (the tiny VAE and text encoders are not priced)."""
     cuda = torch.cuda.is_available() and not tiny
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -212,12 +210,14 @@ def run_whole_step(
     pipe = build_pipeline(config, device, dtype)
     print(f"[gpu-bench] whole step: {sum(p.numel() for p in pipe.transformer.parameters()) / 1e9:.2f}B parameters "
           f"on {device} ({dtype})", flush=True)  # fmt: skip
+    names = with_baselines(variants)
+    # Every trainer shares the one pipeline; plain SGD keeps no optimizer state (AdamW's for 12B parameters per
+    # trainer would not fit), and the step itself is elementwise, a small share of a rollout.
     trainers = build_trainers(
-        pipe, tuple(variants), os.path.join(output_dir, "run"), micro_batch=batch, height=resolution, width=resolution,
-        max_sequence_length=max_sequence_length, beta=0.0, activation_checkpointing=gradient_checkpointing,
-        use_cpu=not cuda, seed=0,
+        pipe, names, os.path.join(output_dir, "run"), rollouts=repeats + 2, height=resolution, width=resolution,
+        max_sequence_length=max_sequence_length, optim="sgd", use_cpu=not cuda, seed=0,
     )  # fmt: skip
-    measured = time_whole_steps(trainers, repeats=repeats)
+    measured = time_rollouts(trainers, repeats=repeats)
     if tiny:
         lora = flux_dev_lora() | {"r": 4, "lora_alpha": 8}  # the preset's targets, at a rank below the tiny width
         costs = {
@@ -233,27 +233,24 @@ def run_whole_step(
     else:
         costs = flux_dev_costs(resolution, max_sequence_length)
         model = flop_model(costs, resolution=resolution, text_tokens=max_sequence_length)
-
-    def priced_checkpointing(variant: str, training: str) -> bool:
-        # Full fine-tuning is priced as timed; the LoRA as its preset trains it.
-        return gradient_checkpointing if training == "full" else predicted_checkpointing(variant, training)
-
+    checkpointing = {name: {t: variant_checkpointing(name, t) for t in costs} for name in names}
+    baselines = {name: WHOLE_STEP_VARIANTS[name].baselines for name in names}
     report = {
         "config": {
             "transformer": {k: list(v) if isinstance(v, tuple) else v for k, v in config.items()},
             "device": torch.cuda.get_device_name(device) if cuda else "cpu", "dtype": str(dtype),
-            "resolution": resolution, "text_tokens": max_sequence_length, "micro_batch": batch,
-            "gradient_checkpointing": gradient_checkpointing, "repeats": repeats, "torch": torch.__version__,
+            "resolution": resolution, "text_tokens": max_sequence_length, "repeats": repeats,
+            "torch": torch.__version__, "optimizer": "sgd",
             "timer": "wall time (perf_counter), synchronised" if cuda else "process CPU time (process_time)",
-            "variants": {name: WHOLE_STEP_VARIANTS[name] for name in variants}, "flop_model": model,
+            "variants": {name: WHOLE_STEP_VARIANTS[name].preset for name in names}, "flop_model": model,
         },
-        "results": summarize(measured, costs, priced_checkpointing),
+        "results": summarize(measured, costs, baselines, checkpointing),
         "total_s": time.perf_counter() - start,
     }  # fmt: skip
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_whole_step_benchmark.json").write_text(json.dumps(report, indent=2))
-    print_table(report["results"], "tiny model's FLOPs" if tiny else f"FLUX.1-dev at {resolution} px")
+    print(format_table(report["results"], "tiny model's FLOPs" if tiny else f"FLUX.1-dev at {resolution} px"))
     for entry in report["results"]:
         peak = entry["peak_memory_mb"]
         print(f"{entry['variant']:28s} peak {'-' if peak is None else f'{peak:.0f} MiB'}")
@@ -274,7 +271,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--gradient_checkpointing", action="store_true", help="Checkpoint the backbone's blocks.")
     parser.add_argument(
         "--whole_step", action="store_true",
-        help="Time the whole-step variants (full fine-tuning, G = 12; --num_generations and --lora_rank unused).",
+        help="Time the whole-step variants at their presets' cadence (--batch, --num_generations, --lora_rank and "
+        "--gradient_checkpointing unused: the presets set them).",
     )  # fmt: skip
     parser.add_argument("--variants", nargs="+", default=list(WHOLE_STEP_VARIANTS), help="Whole-step variants.")
     ns = parser.parse_args(argv)
@@ -284,7 +282,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     common = {"tiny": ns.tiny, "batch": ns.batch, "gradient_checkpointing": ns.gradient_checkpointing}
     if ns.whole_step:
         keep = ("resolution", "max_sequence_length", "repeats")
-        return run_whole_step(ns.output_dir, variants=ns.variants, **common, **{k: kwargs[k] for k in keep})
+        return run_whole_step(ns.output_dir, tiny=ns.tiny, variants=ns.variants, **{k: kwargs[k] for k in keep})
     return run(ns.output_dir, **common, **kwargs)
 
 

@@ -128,30 +128,49 @@ class BackboneCallCounter:
         return counts
 
 
+class PeakMemory:
+    """Peak memory growth in MiB between :meth:`start` and :meth:`stop`: the CUDA allocator's peak on a GPU; on Linux
+    CPUs the growth of the process's peak resident set (``VmHWM``) after returning freed heap memory to the system
+    (``malloc_trim``, which also slows the steps that follow it: never start it before a timed step). ``None``
+    elsewhere."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._base: int | None = None
+
+    def start(self) -> None:
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+            return
+        self._base = None
+        if not sys.platform.startswith("linux"):
+            return
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        try:
+            Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+        except OSError:
+            return
+        self._base = _proc_status_kb("VmRSS") * 1024
+
+    def stop(self) -> float | None:
+        if self._base is None:
+            return None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return (torch.cuda.max_memory_allocated(self.device) - self._base) / 2**20
+        return (_proc_status_kb("VmHWM") * 1024 - self._base) / 2**20
+
+
 def measure_peak_memory_mb(fn: Callable[[], Any], device: torch.device) -> float | None:
-    """Peak memory growth of ``fn()`` in MiB: the CUDA allocator's peak on a GPU; on Linux CPUs the growth of the
-    process's peak resident set (``VmHWM``) after returning freed heap memory to the system. ``None`` elsewhere."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-        fn()
-        torch.cuda.synchronize(device)
-        return (torch.cuda.max_memory_allocated(device) - base) / 2**20
-    if not sys.platform.startswith("linux"):
-        fn()
-        return None
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    try:
-        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
-    except OSError:
-        fn()
-        return None
-    base = _proc_status_kb("VmRSS")
+    """Peak memory growth of ``fn()`` in MiB (:class:`PeakMemory`)."""
+    probe = PeakMemory(device)
+    probe.start()
     fn()
-    return (_proc_status_kb("VmHWM") - base) / 1024
+    return probe.stop()
 
 
 def _proc_status_kb(key: str) -> int:

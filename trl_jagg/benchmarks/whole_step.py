@@ -1,88 +1,96 @@
-"""Whole-step benchmark: rollout, rewards and update of :class:`DDPOJaggTrainer` at two recipe shapes.
+"""Whole-step benchmark: each preset trained by ``DDPOJaggTrainer.train()`` at its own cadence, one rollout at a time.
 
-Each variant is a trainer on the same tiny Flux pipeline (built from config); one repeat times, interleaved and in
-alternating order, one whole step of every variant on the same prompts at the same optimizer step: the rollout with
-its decode and rewards (``_generate_and_score``) and the update of its micro-batches (the optimizer step, equal for
-all, is left out). Ratios are taken per repeat against a baseline and reported as median, min and max; times are
-process CPU time on a CPU and synchronised wall time on a GPU (:func:`~trl_jagg.benchmarks.trainer.benchmark_clock`).
+Every variant is a preset of :mod:`trl_jagg.recipes` (:data:`WHOLE_STEP_VARIANTS`: the preset, the fields a
+variant changes, the baselines it is compared with) on a tiny Flux pipeline built from config. Only what the tiny
+model needs is changed (:data:`TINY_FIELDS`: the image size, the text tokens; the weight-free ``prompt_color``
+reward): each preset keeps its optimizer steps per rollout (``steps_per_generation x num_iterations /
+gradient_accumulation_steps``: 3 for ``dancegrpo-flux``, 4 for ``mixgrpo-flux``), micro-batches, trained-step draw,
+window schedule and cadence, DPM-Solver++, scheduler shift and activation checkpointing.
 
-- DanceGRPO shape (16 steps, a random 60% of the first 15 trained, G = 12): ``dance_exact``, ``dance_jagg`` (the
-  paper's JAGG: intermediates recomputed without graph), ``dance_jagg_cache``.
-- Mix shape (16 steps, a 4-step SDE window, ODE elsewhere): ``mix_exact`` (MixGRPO's own cost: the mixed rollout
-  with an exact update), ``mix_jagg_cache``, ``+_prefix`` (same-noise groups share the ODE before the window),
-  ``+_dpm`` (DPM-Solver++ of order 2 on 40% of the ODE steps). The window slides between repeats.
+Each variant's trainer runs ``train()`` itself, in a thread of its own that a callback (:class:`RolloutClock`)
+parks at the start of every rollout, so that exactly one trainer runs at a time: one repeat lets every variant
+train one rollout (its rollout, decode, rewards and all its optimizer steps, as ``train()`` runs them), in
+alternating order (ABBA) after a warm-up rollout. The clock runs from the first optimizer step's
+``on_step_begin`` to the last one's ``on_step_end``: process CPU time on a CPU (only the running thread works),
+synchronised wall time on a GPU (:func:`~trl_jagg.benchmarks.trainer.benchmark_clock`). Ratios are taken per repeat
+against each baseline and reported as median, min and max. Memory is measured afterwards, in one more rollout per
+variant that is not timed (:class:`~trl_jagg.benchmarks.trainer.PeakMemory` trims the heap, which slows the steps
+that follow it).
 
-Beside each measured ratio stand the ratios predicted at FLUX.1-dev size (1024 px: 4096 image tokens, 512 text
-tokens), for full fine-tuning (as the tiny model is trained here, and as DanceGRPO's and MixGRPO's presets train) and
-for a LoRA on the frozen base (Flow-GRPO's presets): the work of the timed steps is counted by hooks (backbone rows
-forward with and without a graph and backward, VAE decodes, prompt encodings) and priced by the FLOP model of the
-real modules on the meta device (:mod:`~trl_jagg.benchmarks.flops`). Each prediction prices activation
-checkpointing as the preset it stands for sets it (:func:`predicted_checkpointing`): full fine-tuning as the variant's
-peer (``dancegrpo-flux``, ``mixgrpo-flux``: both checkpoint, so a backward row also recomputes the blocks' forward),
-LoRA as ``flow-grpo-flux`` (no checkpointing). The tiny model is timed without it. On the tiny model the VAE decode,
-rewards and Python overhead are a larger share of a step than at real size, so the measured ratios fall short of the
-predicted ones. A LoRA backward costs about one forward instead of two, so the backwards JAGG saves are worth less
-there.
-``reprice`` recomputes a saved report's predictions from its counted work (nothing is timed).
+The baselines: ``dancegrpo-exact`` is ``dancegrpo-flux`` with ``use_jagg=False`` (DanceGRPO's own cost) and
+``mixgrpo-flash`` is ``mixgrpo-flux`` with ``use_jagg=False``: MixGRPO-Flash as its script runs it
+(Tencent-Hunyuan/MixGRPO@e5cdd6a ``finetune_flux_grpo_MixGRPO_Flash.sh``: DPM-Solver++ of order 2 on the ODE steps
+after the window), so the ratio over it credits JAGG and the velocity cache only, not DPM-Solver++.
 
-The pieces (:func:`build_trainers`, :func:`time_whole_steps`, :func:`summarize`) also serve
-:mod:`trl_jagg.benchmarks.gpu` at FLUX.1-dev size.
+Beside each measured ratio stand the ratios the FLOP model predicts at FLUX.1-dev size (1024 px: 4096 image
+tokens, 512 text tokens) for the work counted by hooks over the timed rollouts (backbone rows forward with and
+without a graph and backward, VAE decodes, prompt encodings; :mod:`~trl_jagg.benchmarks.flops`), with activation
+checkpointing as the variant's preset sets it; the rows a rollout counts do not depend on the image size, so the
+cadence priced is the one timed. The optimizer step (elementwise) is timed but not priced. On the tiny model the VAE
+decode, rewards and each backbone call's fixed overhead are a larger share of a step than at real size, so measured
+and predicted ratios differ (at micro-batches of one sample the measured ones run above: JAGG saves calls as well as
+rows). ``reprice`` recomputes a saved report's predictions from its counted work.
+
+Adding a preset is one line in :data:`WHOLE_STEP_VARIANTS`.
 """
 
 from __future__ import annotations
 
 import gc
 import json
+import math
 import tempfile
-from collections.abc import Callable, Mapping
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import TrainerCallback
 
-from .flops import LORA_PRESET, StepCosts, flux_dev_costs, flux_dev_lora, preset_checkpoints, step_flops
-from .trainer import PROMPTS, _endless, _spread, _sync, benchmark_clock, measure_peak_memory_mb
+from ..recipes import get_recipe
+from .engine import torch_threads
+from .flops import LORA_PRESET, StepCosts, flux_dev_costs, flux_dev_lora, preset_checkpointed_fraction, step_flops
+from .trainer import PROMPTS, PeakMemory, _spread, _sync, benchmark_clock
 
 JSON_NAME = "whole_step_benchmark.json"
+PNG_NAME = "whole_step_benchmark.png"
 PREDICTED_AT = (1024, 512)
 """The FLUX.1-dev setting the FLOP model prices the counted work at: pixels, text tokens."""
-_DANCE = {
-    "num_inference_steps": 16, "num_generations": 12, "train_timesteps": "random_but_last",
-    "train_timestep_fraction": 0.6, "sampler": "dance", "noise_level": 0.3, "same_group_noise": True,
-}  # fmt: skip
-_MIX = {
-    "num_inference_steps": 16, "num_generations": 12, "train_timesteps": "sde_window", "sde_window_size": 4,
-    "sde_window_schedule": "progressive", "sde_window_shift_interval": 1, "sampler": "sde", "noise_level": 0.7,
-}  # fmt: skip
-_JAGG = {"use_jagg": True, "jagg_group_size": 4, "jagg_frac": 0.6, "jagg_cache_velocities": True}
-WHOLE_STEP_VARIANTS: dict[str, dict[str, Any]] = {
-    "dance_exact": {**_DANCE, "use_jagg": False},
-    "dance_jagg": {**_DANCE, **_JAGG, "jagg_cache_velocities": False},
-    "dance_jagg_cache": {**_DANCE, **_JAGG},
-    "mix_exact": {**_MIX, "use_jagg": False},
-    "mix_jagg_cache": {**_MIX, **_JAGG},
-    "mix_jagg_cache_prefix": {**_MIX, **_JAGG, "same_group_noise": True},
-    "mix_jagg_cache_prefix_dpm": {**_MIX, **_JAGG, "same_group_noise": True, "ode_solver_order": 2,
-                                  "ode_step_ratio": 0.4},
-}  # fmt: skip
-"""The config fields of each variant (the rest is the benchmark's config)."""
+EXACT = "dancegrpo-exact"
+FLASH = "mixgrpo-flash"
 
 
-PEER_PRESETS = {"dance": "dancegrpo-flux", "mix": "mixgrpo-flux"}
-"""The preset whose full fine-tuning each shape of variants stands for (by the variant name's prefix)."""
+@dataclass(frozen=True)
+class PresetVariant:
+    """A variant of the benchmark: the preset ``preset`` with ``fields`` changed, compared with ``baselines``."""
+
+    preset: str
+    fields: Mapping[str, Any] = field(default_factory=dict)
+    baselines: tuple[str, ...] = (EXACT,)
 
 
-def predicted_checkpointing(variant: str, training: str) -> bool:
-    """Whether the ``training`` prediction (:data:`~trl_jagg.benchmarks.flops.TRAINING`) for ``variant`` prices
-    activation checkpointing: as the preset it stands for does, the variant's peer (:data:`PEER_PRESETS`) for full
-    fine-tuning, :data:`~trl_jagg.benchmarks.flops.LORA_PRESET` for LoRA."""
-    return preset_checkpoints(LORA_PRESET if training == "lora" else PEER_PRESETS[variant.split("_")[0]])
+WHOLE_STEP_VARIANTS: dict[str, PresetVariant] = {
+    EXACT: PresetVariant("dancegrpo-flux", {"use_jagg": False}, baselines=()),
+    "dancegrpo-flux": PresetVariant("dancegrpo-flux"),
+    FLASH: PresetVariant("mixgrpo-flux", {"use_jagg": False}),
+    "mixgrpo-flux": PresetVariant("mixgrpo-flux", baselines=(EXACT, FLASH)),
+}
+"""The variants by name: a preset as shipped (JAGG + velocity cache) or with an exact update (the baselines)."""
+TINY_FIELDS = ("height", "width", "max_sequence_length")
+"""The only preset fields the benchmark changes (besides the run's own: output directory, steps, seed, device)."""
 
 
-def baselines(variant: str) -> list[str]:
-    """What ``variant`` is compared with: the exact DanceGRPO step, and for the mixed rollouts the same rollout with
-    an exact update (MixGRPO's own cost)."""
-    return ["dance_exact"] + (["mix_exact"] if variant.startswith("mix") else [])
+def rollout_optimizer_steps(args: Any) -> int:
+    """Optimizer steps per rollout of the config ``args``: its micro-batches per rollout over the accumulation."""
+    micro_batches = args.steps_per_generation * args.num_iterations
+    if micro_batches % args.gradient_accumulation_steps:
+        raise ValueError(
+            f"steps_per_generation x num_iterations ({micro_batches}) must be a multiple of "
+            f"gradient_accumulation_steps ({args.gradient_accumulation_steps}): the benchmark times whole rollouts."
+        )
+    return micro_batches // args.gradient_accumulation_steps
 
 
 class WorkCounter:
@@ -125,30 +133,99 @@ WORK = ("graph_rows", "no_grad_rows", "backward_rows", "decoded_images", "encode
 """What :class:`WorkCounter` counts: the inputs of :func:`~trl_jagg.benchmarks.flops.step_flops`."""
 
 
-def _whole_step(trainer: Any, inputs: list[dict[str, Any]], step: int) -> None:
-    """One rollout with rewards and the update of its micro-batches at optimizer step ``step``."""
-    from ..trainer.batch import split_rollout
+class RolloutClock(TrainerCallback):
+    """Times each rollout of a ``train()`` run and hands the turn back between rollouts.
 
-    trainer.state.global_step = step
-    model = trainer.model
-    rollout = trainer._generate_and_score(inputs)
-    model.zero_grad(set_to_none=True)
-    model.train()
-    for micro_batch in split_rollout(rollout, trainer.args.steps_per_generation):
-        trainer.update_stage.run(
-            model, micro_batch, micro_step=trainer._step, global_step=step,
-            accumulation_steps=trainer.current_gradient_accumulation_steps,
-        )  # fmt: skip
-    trainer._metrics.clear()
+    A rollout is ``optimizer_steps`` optimizer steps (the trainer samples it in the first one's first micro-batch).
+    At the first one's ``on_step_begin`` the callback parks the training thread until :meth:`run_rollout` lets it
+    go, then starts the clock; at the last one's ``on_step_end`` it records the elapsed time, the optimizer steps
+    taken and the work counted in between. Rollouts from ``probe_from`` on are not timed: they measure peak memory.
+    """
+
+    def __init__(
+        self, optimizer_steps: int, device: torch.device, counter: WorkCounter, probe_from: int, timeout_s: float
+    ):
+        self.optimizer_steps = optimizer_steps
+        self.device, self.clock, self.counter = device, benchmark_clock(device), counter
+        self.probe_from, self.timeout_s = probe_from, timeout_s
+        self.rollouts: list[dict[str, Any]] = []  # per rollout: time or peak memory, optimizer steps, work
+        self._go, self._parked = threading.Event(), threading.Event()
+        self._current: dict[str, Any] | None = None
+        self._probe: PeakMemory | None = None
+        self._start = 0.0
+        self.error: BaseException | None = None
+
+    # -- the training thread
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step % self.optimizer_steps:
+            return
+        self._parked.set()
+        self._go.wait()
+        self._go.clear()
+        rollout = state.global_step // self.optimizer_steps
+        self._current = {"rollout": rollout, "first_step": state.global_step, "optimizer_steps": 0,
+                         "work": dict(self.counter.counts)}  # fmt: skip
+        if rollout >= self.probe_from:  # not timed: the probe trims the heap
+            self._probe = PeakMemory(self.device)
+            self._probe.start()
+            return
+        _sync(self.device)
+        self._start = self.clock()
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._current is not None:
+            self._current["optimizer_steps"] += 1
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step % self.optimizer_steps or self._current is None:
+            return
+        entry, self._current = self._current, None
+        if self._probe is not None:
+            entry["peak_memory_mb"], self._probe = self._probe.stop(), None
+        else:
+            _sync(self.device)
+            entry["time_s"] = self.clock() - self._start
+        entry["work"] = {k: self.counter.counts[k] - entry["work"][k] for k in WORK}
+        self.rollouts.append(entry)
+
+    def run(self, trainer: Any) -> threading.Thread:
+        """Start ``trainer.train()`` in a thread and wait until it is parked before its first rollout."""
+
+        def train() -> None:
+            try:
+                trainer.train()
+            except BaseException as error:  # re-raised in the scheduling thread
+                self.error = error
+            finally:
+                self._parked.set()
+
+        thread = threading.Thread(target=train, name=f"train-{trainer.args.output_dir}", daemon=True)
+        thread.start()
+        self._wait_parked(thread)
+        return thread
+
+    # -- the scheduling thread
+    def run_rollout(self, thread: threading.Thread) -> None:
+        """Let the parked trainer train one rollout; return when it is parked again before the next (or done)."""
+        self._parked.clear()
+        self._go.set()
+        self._wait_parked(thread)
+
+    def _wait_parked(self, thread: threading.Thread) -> None:
+        if not self._parked.wait(self.timeout_s):
+            raise TimeoutError(f"{thread.name}: no rollout finished within {self.timeout_s:.0f} s.")
+        if self.error is not None:
+            raise RuntimeError(f"{thread.name} failed: {self.error!r}") from self.error
 
 
 def build_trainers(
-    model: Any, variants: tuple[str, ...], workdir: str, *, micro_batch: int | None = None, **config: Any
+    model: Any, variants: Sequence[str], workdir: str, *, rollouts: int, **fields: Any
 ) -> dict[str, Any]:
-    """A ``DDPOJaggTrainer`` per variant on ``model`` (a pipeline or its path): the variant's fields over
-    ``config`` (``GRPOJaggConfig`` fields common to all), rollouts of one group of G in micro-batches of
-    ``micro_batch`` (default G: one micro-batch) that the rollout also samples at, so the velocity cache applies."""
+    """A ``DDPOJaggTrainer`` per variant on ``model`` (a pipeline or its path): the variant's preset with its
+    fields and ``fields`` (the tiny model's, :data:`TINY_FIELDS`, and the run's) on top, the preset's scheduler
+    override, the ``prompt_color`` reward, ``max_steps`` for ``rollouts`` rollouts."""
     from datasets import Dataset
+    from diffusers import DiffusionPipeline
 
     from ..ddpo_jagg_trainer import DDPOJaggTrainer
     from ..grpo_jagg_config import GRPOJaggConfig
@@ -158,88 +235,94 @@ def build_trainers(
         raise ValueError(f"Unknown `variants` {unknown}: use names of {list(WHOLE_STEP_VARIANTS)}.")
     trainers = {}
     for name in variants:
-        fields = WHOLE_STEP_VARIANTS[name]
-        batch = micro_batch or fields["num_generations"]
-        if fields["num_generations"] % batch:
-            raise ValueError(f"`micro_batch` ({batch}) must divide G = {fields['num_generations']}.")
-        args = GRPOJaggConfig(
-            output_dir=str(Path(workdir) / name), per_device_train_batch_size=batch,
-            steps_per_generation=fields["num_generations"] // batch,
-            gradient_accumulation_steps=fields["num_generations"] // batch, report_to="none", disable_tqdm=True,
-            **config, **fields,
-        )  # fmt: skip
+        variant = WHOLE_STEP_VARIANTS[name]
+        recipe = get_recipe(variant.preset)
+        common = {"output_dir": str(Path(workdir) / name), "report_to": "none", "disable_tqdm": True,
+                  "save_strategy": "no", "logging_steps": 10**6}  # fmt: skip
+        args = GRPOJaggConfig.from_recipe(variant.preset, **{**variant.fields, **fields, **common})
+        args.max_steps = rollouts * rollout_optimizer_steps(args)
+        pipeline = DiffusionPipeline.from_pretrained(model) if isinstance(model, str) else model
         torch.manual_seed(args.seed)
-        trainer = DDPOJaggTrainer(
-            model=model, reward_funcs="prompt_color", args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        trainers[name] = DDPOJaggTrainer(
+            model=recipe.apply_scheduler(pipeline), reward_funcs="prompt_color", args=args,
+            train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
         )  # fmt: skip
-        trainers[name] = trainer
     return trainers
 
 
-def time_whole_steps(trainers: dict[str, Any], *, repeats: int) -> dict[str, dict[str, Any]]:
-    """Time ``repeats`` whole steps of every trainer after a warm-up, interleaved in alternating order, each step
-    of a repeat on the same window; returns per variant the times, the work counted over the timed steps
-    (:data:`WORK`) and the smallest peak memory growth of a timed step (MiB; ``None`` where not measurable)."""
+def time_rollouts(trainers: dict[str, Any], *, repeats: int, timeout_s: float = 3600.0) -> dict[str, dict[str, Any]]:
+    """Train every trainer one rollout at a time: a warm-up, ``repeats`` timed repeats in alternating order, then
+    one rollout per variant that measures peak memory and is not timed. Returns per variant the timed rollouts'
+    times, optimizer steps and summed work (:data:`WORK`) and the peak memory growth (MiB; ``None`` where not
+    measurable). The trainers were built for ``repeats + 2`` rollouts (:func:`build_trainers`)."""
+    if repeats < 1:
+        raise ValueError(f"`repeats` must be >= 1, got {repeats}.")
     first = next(iter(trainers.values()))
     device = first.accelerator.device
-    clock = benchmark_clock(device)
-    batches = {name: _endless(trainer) for name, trainer in trainers.items()}
-    measured: dict[str, dict[str, Any]] = {
-        name: {"times": [], "work": dict.fromkeys(WORK, 0), "peak_memory_mb": None} for name in trainers
-    }
-    num_starts = WHOLE_STEP_VARIANTS["mix_exact"]["num_inference_steps"] - 1 - 4 + 1
-    for repeat in range(repeats + 1):
-        step = (7 * repeat) % num_starts  # the mix window's start moves over the schedule between repeats
-        order = list(trainers) if repeat % 2 == 0 else list(trainers)[::-1]
-        for name in order:
-            trainer, inputs, elapsed = trainers[name], next(batches[name]), []
-            counter = WorkCounter(trainer.adapter.pipeline)  # a hook per call: negligible
-
-            def timed(trainer=trainer, inputs=inputs, elapsed=elapsed, step=step) -> None:
-                _sync(device)
-                start = clock()
-                _whole_step(trainer, inputs, step)
-                _sync(device)
-                elapsed.append(clock() - start)
-
-            peak = measure_peak_memory_mb(timed, device)  # its set-up runs before the clock starts
-            counted = counter.close()
-            if repeat > 0:  # repeat 0 is the warm-up
-                entry = measured[name]
-                entry["times"].append(elapsed[0])
-                entry["work"] = {k: entry["work"][k] + counted[k] for k in WORK}
-                if peak is not None:
-                    entry["peak_memory_mb"] = (
-                        peak if entry["peak_memory_mb"] is None else min(entry["peak_memory_mb"], peak)
-                    )
+    clocks, threads, counters = {}, {}, {}
+    try:
+        for name, trainer in trainers.items():  # set-up (optimizer, dataloader) one trainer at a time
+            counters[name] = WorkCounter(trainer.adapter.pipeline)
+            steps = rollout_optimizer_steps(trainer.args)
+            clocks[name] = RolloutClock(steps, device, counters[name], probe_from=repeats + 1, timeout_s=timeout_s)
+            trainer.add_callback(clocks[name])
+            threads[name] = clocks[name].run(trainer)
+        for repeat in range(repeats + 1):  # repeat 0 is the warm-up
+            order = list(trainers) if repeat % 2 == 0 else list(trainers)[::-1]
+            for name in order:
+                clocks[name].run_rollout(threads[name])
+        for name in trainers:  # the memory pass, after every timed rollout
+            clocks[name].run_rollout(threads[name])
+            threads[name].join(timeout_s)
+    finally:
+        for name, counter in counters.items():
+            counter.close()
+            trainers[name].remove_callback(clocks[name])
+    measured = {}
+    for name, clock in clocks.items():
+        timed = [r for r in clock.rollouts if "time_s" in r][1:]  # the first is the warm-up
+        measured[name] = {
+            "times": [r["time_s"] for r in timed],
+            "optimizer_steps": [r["optimizer_steps"] for r in timed],
+            "first_steps": [r["first_step"] for r in timed],
+            "work": {k: sum(r["work"][k] for r in timed) for k in WORK},
+            "peak_memory_mb": next((r["peak_memory_mb"] for r in clock.rollouts if "peak_memory_mb" in r), None),
+            "probed_steps": [r["first_step"] for r in clock.rollouts if "peak_memory_mb" in r],
+        }
     return measured
+
+
+def variant_checkpointing(name: str, training: str) -> float:
+    """The checkpointed fraction of the backbone's blocks that the ``training`` prediction
+    (:data:`~trl_jagg.benchmarks.flops.TRAINING`) of ``name`` prices: as its preset for full fine-tuning,
+    :data:`~trl_jagg.benchmarks.flops.LORA_PRESET` for LoRA."""
+    return preset_checkpointed_fraction(LORA_PRESET if training == "lora" else WHOLE_STEP_VARIANTS[name].preset)
 
 
 def summarize(
     measured: dict[str, dict[str, Any]],
     costs: Mapping[str, StepCosts],
-    checkpointing: Callable[[str, str], bool] = predicted_checkpointing,
+    baselines: Mapping[str, Sequence[str]],
+    checkpointing: Mapping[str, Mapping[str, float]],
 ) -> list[dict[str, Any]]:
-    """Per variant: the step time, the per-repeat ratios against its baselines (median, min, max), the counted work,
-    and the FLOPs and ratios the FLOP model predicts for that work at each of ``costs`` (by way of training), with
-    activation checkpointing where ``checkpointing(variant, training)`` says (recorded as
-    ``predicted_checkpointing``)."""
-    checkpointed = {name: {training: checkpointing(name, training) for training in costs} for name in measured}
+    """Per variant: the rollout time, the per-repeat ratios against its ``baselines`` (median, min, max), the
+    counted work, and the FLOPs and ratios the FLOP model predicts for that work at each of ``costs`` (by way of
+    training), with the checkpointed fraction ``checkpointing[variant][training]`` (recorded as
+    ``predicted_checkpointing``). The ``quality`` figure of the same configuration is left to ``bench quality``."""
     flops = {
-        name: {
-            training: step_flops(c, m["work"], checkpointing=checkpointed[name][training])
-            for training, c in costs.items()
-        }
+        name: {t: step_flops(c, m["work"], checkpointing=checkpointing[name][t]) for t, c in costs.items()}
         for name, m in measured.items()
     }
     results = []
     for name, m in measured.items():
         entry: dict[str, Any] = {
-            "variant": name, "step_s": _spread(m["times"]), "counted": m["work"], "predicted_flops": flops[name],
-            "predicted_checkpointing": checkpointed[name], "peak_memory_mb": m["peak_memory_mb"],
+            "variant": name, "rollout_s": _spread(m["times"]), "optimizer_steps": m["optimizer_steps"],
+            "first_steps": m["first_steps"], "counted": m["work"], "predicted_flops": flops[name],
+            "predicted_checkpointing": dict(checkpointing[name]), "peak_memory_mb": m["peak_memory_mb"],
+            "probed_steps": m["probed_steps"], "baselines": list(baselines[name]), "quality": None,
         }  # fmt: skip
-        for baseline in baselines(name):
-            if baseline in measured and baseline != name:
+        for baseline in baselines[name]:
+            if baseline in measured:
                 times = zip(measured[baseline]["times"], m["times"])
                 entry[f"speedup_vs_{baseline}"] = _spread([b / t for b, t in times])
                 entry[f"predicted_speedup_vs_{baseline}"] = {
@@ -264,40 +347,85 @@ def flop_model(
         "model": model, "resolution": resolution, "text_tokens": text_tokens,
         "training": {"full": "every parameter (dancegrpo-flux, mixgrpo-flux)",
                      "lora": dict(lora) if lora is not None else {"preset": LORA_PRESET, **flux_dev_lora()}},
-        "checkpointing": "each backward row adds recompute_row where a result's predicted_checkpointing is true",
+        "checkpointing": "each backward row adds predicted_checkpointing x recompute_row (the fraction of blocks "
+                         "checkpointed)",
         "flops": {training: c.as_dict() for training, c in costs.items()},
     }  # fmt: skip
+
+
+def _measured(entry: Mapping[str, Any]) -> dict[str, Any]:
+    """What :func:`summarize` reads, back from a report's result ``entry``."""
+    keys = ("optimizer_steps", "first_steps", "peak_memory_mb", "probed_steps")
+    return {"times": entry["rollout_s"]["per_repeat"], "work": entry["counted"], **{k: entry[k] for k in keys}}
 
 
 def reprice(report: dict[str, Any]) -> dict[str, Any]:
     """``report`` (a whole-step report, as written) with its predictions recomputed from its counted work by
     today's FLOP model at :data:`PREDICTED_AT`; the measured times and ratios are unchanged."""
     costs = flux_dev_costs(*PREDICTED_AT)
-    measured = {
-        entry["variant"]: {
-            "times": entry["step_s"]["per_repeat"],
-            "work": entry["counted"],
-            "peak_memory_mb": entry["peak_memory_mb"],
-        }
-        for entry in report["results"]
-    }
+    results = report["results"]
+    measured = {entry["variant"]: _measured(entry) for entry in results}
+    baselines = {entry["variant"]: entry["baselines"] for entry in results}
+    checkpointing = {entry["variant"]: entry["predicted_checkpointing"] for entry in results}
+    repriced = summarize(measured, costs, baselines, checkpointing)
+    for entry, new in zip(results, repriced):
+        new["quality"] = entry["quality"]
     config = report["config"] | {"flop_model": flop_model(costs)}
-    return report | {"config": config, "results": summarize(measured, costs)}
+    return report | {"config": config, "results": repriced}
 
 
-def print_table(results: list[dict[str, Any]], predicted_for: str = "FLUX.1-dev") -> None:
-    """One line per variant: median step time, measured ratios [min, max] and the ones predicted for
-    ``predicted_for`` (per way of training)."""
+def preset_training(name: str) -> str:
+    """How the preset of variant ``name`` trains the backbone: ``"lora"`` or ``"full"``."""
+    return "lora" if get_recipe(WHOLE_STEP_VARIANTS[name].preset).lora else "full"
+
+
+def format_table(results: list[dict[str, Any]], predicted_for: str = "FLUX.1-dev") -> str:
+    """A markdown table, one row per variant: optimizer steps per rollout, median rollout time, each measured ratio
+    median [min, max] with the one predicted for ``predicted_for`` (as the variant's preset trains), the quality."""
+    lines = [
+        f"| variant | optimizer steps / rollout | rollout (s) | measured ratio | {predicted_for} predicted | quality |",
+        "|---|---|---|---|---|---|",
+    ]
     for entry in results:
-        ratios = "  ".join(
-            f"{key.removeprefix('speedup_vs_')}: {entry[key]['median']:.2f}x "
-            f"[{entry[key]['min']:.2f}, {entry[key]['max']:.2f}] ({predicted_for} "
-            + ", ".join(f"{training} {ratio:.2f}x" for training, ratio in entry["predicted_" + key].items())
-            + ")"
-            for key in entry
-            if key.startswith("speedup_vs_")
+        training = preset_training(entry["variant"]) if entry["variant"] in WHOLE_STEP_VARIANTS else "full"
+        keys = [key for key in entry if key.startswith("speedup_vs_")]
+        measured = "<br>".join(
+            f"{entry[k]['median']:.2f}x [{entry[k]['min']:.2f}, {entry[k]['max']:.2f}] vs {k.removeprefix('speedup_vs_')}"
+            for k in keys
         )
-        print(f"{entry['variant']:28s} {entry['step_s']['median']:8.3f} s  {ratios}")
+        predicted = "<br>".join(f"{entry['predicted_' + k][training]:.2f}x ({training})" for k in keys)
+        steps = sorted(set(entry["optimizer_steps"]))
+        quality = "-" if entry.get("quality") is None else entry["quality"]
+        lines.append(
+            f"| {entry['variant']} | {', '.join(map(str, steps))} | {entry['rollout_s']['median']:.2f} | "
+            f"{measured or 'baseline'} | {predicted or '-'} | {quality} |"
+        )
+    return "\n".join(lines)
+
+
+def _plot(results: list[dict[str, Any]], path: Path) -> None:
+    """Measured ratios (median, min-max bars) and the FLOP model's predictions per variant and baseline."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    bars = [(e, k.removeprefix("speedup_vs_")) for e in results for k in e if k.startswith("speedup_vs_")]
+    figure = Figure(figsize=(1.2 * len(bars) + 3, 4), dpi=110)
+    FigureCanvasAgg(figure)
+    ax = figure.subplots()
+    for i, (entry, baseline) in enumerate(bars):
+        spread = entry[f"speedup_vs_{baseline}"]
+        training = preset_training(entry["variant"]) if entry["variant"] in WHOLE_STEP_VARIANTS else "full"
+        ax.bar(i, spread["median"], color="tab:blue", label="measured (tiny, CPU)" if i == 0 else None)
+        ax.errorbar(i, spread["median"], yerr=[[spread["median"] - spread["min"]], [spread["max"] - spread["median"]]],
+                    color="black", capsize=4)  # fmt: skip
+        predicted = entry[f"predicted_speedup_vs_{baseline}"][training]
+        ax.plot(i, predicted, "D", color="tab:orange", label="FLOP model, FLUX.1-dev" if i == 0 else None)
+    ax.set_xticks(range(len(bars)), [f"{e['variant']}\nvs {b}" for e, b in bars], fontsize=7)
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set(ylabel="speed-up per rollout (all its optimizer steps)", title="Presets at their own cadence")
+    ax.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path)
 
 
 def run_whole_step_benchmark(
@@ -311,19 +439,22 @@ def run_whole_step_benchmark(
     repeats: int = 5,
     seed: int = 0,
     num_threads: int = 1,
+    plot: bool = True,
     reprice_report: str | None = None,
 ) -> dict[str, Any]:
-    """Time whole steps of every variant (see the module docstring); returns and writes the report as JSON.
+    """Train every variant's preset one rollout at a time and time it (see the module docstring); returns and
+    writes the report as JSON (and the PNG chart).
 
     Args:
-        output_dir: where ``whole_step_benchmark.json`` goes.
-        variants: names of :data:`WHOLE_STEP_VARIANTS` to run.
+        output_dir: where ``whole_step_benchmark.json`` and ``.png`` go.
+        variants: names of :data:`WHOLE_STEP_VARIANTS` to run; the baselines they name are added.
         resolution: image height and width in pixels (a multiple of 16).
         max_sequence_length: text tokens.
         num_layers, num_single_layers: double- and single-stream blocks of the Flux transformer.
-        repeats: timed repeats after one warm-up.
+        repeats: timed rollouts per variant after one warm-up.
         seed: seed of the weights and rollouts.
         num_threads: torch CPU threads while timing; restored afterwards.
+        plot: write the PNG chart.
         reprice_report: a report written before (a path): instead of timing, its predictions are recomputed from
             its counted work by today's FLOP model (:func:`reprice`) and the report written to ``output_dir``.
     """
@@ -335,9 +466,20 @@ def run_whole_step_benchmark(
                                seed, num_threads)  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     (out / JSON_NAME).write_text(json.dumps(report, indent=2))
-    print_table(report["results"])
+    if plot:
+        _plot(report["results"], out / PNG_NAME)
+    print(format_table(report["results"]))
     print(f"wrote {out / JSON_NAME}")
     return report
+
+
+def with_baselines(variants: Sequence[str]) -> tuple[str, ...]:
+    """``variants`` and the baselines they name, in the order of :data:`WHOLE_STEP_VARIANTS`."""
+    unknown = sorted(set(variants) - set(WHOLE_STEP_VARIANTS))
+    if unknown:
+        raise ValueError(f"Unknown `variants` {unknown}: use names of {list(WHOLE_STEP_VARIANTS)}.")
+    wanted = {b for v in variants for b in WHOLE_STEP_VARIANTS[v].baselines} | set(variants)
+    return tuple(name for name in WHOLE_STEP_VARIANTS if name in wanted)
 
 
 def _timed_report(
@@ -349,32 +491,44 @@ def _timed_report(
 
     if repeats < 1:
         raise ValueError(f"`repeats` must be >= 1, got {repeats}.")
-    previous_threads = torch.get_num_threads()
-    torch.set_num_threads(num_threads)
+    names = with_baselines(variants)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            model_dir = save_tiny_pipeline(
-                "flux", str(Path(tmp) / "flux"), seed=seed,
-                transformer={"num_layers": num_layers, "num_single_layers": num_single_layers},
-            )  # fmt: skip
-            trainers = build_trainers(
-                model_dir, variants, tmp, height=resolution, width=resolution, max_sequence_length=max_sequence_length,
-                beta=0.0, use_cpu=device.type == "cpu", seed=seed,
-            )  # fmt: skip
-            measured = time_whole_steps(trainers, repeats=repeats)
-            del trainers
-            gc.collect()
-    finally:
-        torch.set_num_threads(previous_threads)
+    tiny = {"height": resolution, "width": resolution, "max_sequence_length": max_sequence_length}
+    with torch_threads(num_threads), tempfile.TemporaryDirectory() as tmp:
+        model_dir = save_tiny_pipeline(
+            "flux", str(Path(tmp) / "flux"), seed=seed,
+            transformer={"num_layers": num_layers, "num_single_layers": num_single_layers},
+        )  # fmt: skip
+        trainers = build_trainers(
+            model_dir, names, tmp, rollouts=repeats + 2, **tiny, use_cpu=device.type == "cpu", seed=seed
+        )
+        configs = {name: _scaled_config(trainer.args) for name, trainer in trainers.items()}
+        measured = time_rollouts(trainers, repeats=repeats)
+        del trainers
+        gc.collect()
     costs = flux_dev_costs(*PREDICTED_AT)
+    checkpointing = {name: {t: variant_checkpointing(name, t) for t in costs} for name in names}
+    baselines = {name: WHOLE_STEP_VARIANTS[name].baselines for name in names}
     return {
         "config": {
             "resolution": resolution, "text_tokens": max_sequence_length, "num_layers": num_layers,
             "num_single_layers": num_single_layers, "repeats": repeats, "torch_threads": num_threads,
             "device": device.type, "torch": torch.__version__,
             "timer": "wall time (perf_counter)" if device.type != "cpu" else "process CPU time (process_time)",
-            "variants": {name: WHOLE_STEP_VARIANTS[name] for name in variants}, "flop_model": flop_model(costs),
+            "variants": {name: {"preset": WHOLE_STEP_VARIANTS[name].preset, "fields": dict(WHOLE_STEP_VARIANTS[name].fields),
+                                "baselines": list(baselines[name]), "as_trained": configs[name]} for name in names},
+            "flop_model": flop_model(costs),
         },
-        "results": summarize(measured, costs),
+        "results": summarize(measured, costs, baselines, checkpointing),
     }  # fmt: skip
+
+
+def _scaled_config(args: Any) -> dict[str, Any]:
+    """The cadence fields a variant trained with (for the report)."""
+    keys = ("num_inference_steps", "num_generations", "per_device_train_batch_size", "steps_per_generation",
+            "gradient_accumulation_steps", "num_iterations", "train_timesteps", "train_timestep_fraction",
+            "sde_window_size", "sde_window_schedule", "sde_window_shift_interval", "ode_solver_order",
+            "ode_step_ratio", "use_jagg", "jagg_cache_velocities", "height", "width", "max_sequence_length")  # fmt: skip
+    values = {k: getattr(args, k) for k in keys}
+    values["optimizer_steps_per_rollout"] = rollout_optimizer_steps(args)
+    return {k: v if not isinstance(v, float) or math.isfinite(v) else str(v) for k, v in values.items()}

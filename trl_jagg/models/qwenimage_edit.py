@@ -47,14 +47,34 @@ class QwenImageEditAdapter(QwenImageAdapter):
         """One sample's source images as a list."""
         return [sample] if isinstance(sample, Image.Image) else list(sample)
 
+    @property
+    def vision_area(self) -> int:
+        """The area (pixels) of the images Qwen2.5-VL reads: the VAE's, as the pipeline passes them."""
+        return self.source_image_area
+
     def vision_images(self, sources: list[Image.Image]) -> list[Image.Image]:
-        """The images Qwen2.5-VL reads with the prompt: the source resized for the VAE, as the pipeline passes it."""
-        return [self.pipeline.image_processor.resize(image, *resized_size(self.source_image_area, image)[::-1])
+        """The images Qwen2.5-VL reads with the prompt, resized to :attr:`vision_area`, as the pipeline passes them."""
+        return [self.pipeline.image_processor.resize(image, *resized_size(self.vision_area, image)[::-1])
                 for image in sources]  # fmt: skip
 
     def reference_sizes(self, sample: Image.Image | Sequence[Image.Image]) -> tuple[tuple[int, int], ...]:
-        """The ``(width, height)`` each of a sample's source images is VAE-encoded at."""
-        return tuple(resized_size(self.source_image_area, image) for image in self.sources_of(sample))
+        """The ``(width, height)`` each of a sample's source images is VAE-encoded at.
+
+        Raises:
+            ValueError: an image so elongated that a side resizes to 0 (for the VAE or the vision encoder).
+        """
+        sources = self.sources_of(sample)
+        for image in sources:
+            for area in sorted({self.source_image_area, self.vision_area}):  # the smaller fails first
+                size = resized_size(area, image)
+                if min(size) == 0:
+                    raise ValueError(
+                        f"a {image.width}x{image.height} source image resizes to {size[0]}x{size[1]} at {area} pixels "
+                        "(sides are multiples of 32): a side rounds to 0, which cannot be encoded. Crop or pad it to "
+                        f"an aspect ratio of at most {area // 256}:1"
+                        + (", or raise source_image_area." if area == self.source_image_area else ".")
+                    )
+        return tuple(resized_size(self.source_image_area, image) for image in sources)
 
     def encode_prompts_with_images(
         self, prompts: list[str], images: Sequence[Any], negative_prompt: str | None
@@ -108,6 +128,6 @@ class QwenImageEditPlusAdapter(QwenImageEditAdapter):
     default_source_image_area = pipeline_qwenimage_edit_plus.VAE_IMAGE_SIZE
     vision_image_area: ClassVar[int] = pipeline_qwenimage_edit_plus.CONDITION_IMAGE_SIZE
 
-    def vision_images(self, sources: list[Image.Image]) -> list[Image.Image]:
-        return [self.pipeline.image_processor.resize(image, *resized_size(self.vision_image_area, image)[::-1])
-                for image in sources]  # fmt: skip
+    @property
+    def vision_area(self) -> int:
+        return self.vision_image_area

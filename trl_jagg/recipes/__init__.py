@@ -1,4 +1,4 @@
-"""Presets: the public Flow-GRPO(-Fast), DanceGRPO, MixGRPO and Flow-Factory recipes as named GRPOJaggConfig values.
+"""Presets: the public Flow-GRPO(-Fast), DanceGRPO, MixGRPO, Flow-Factory and DiffusionNFT recipes as named GRPOJaggConfig values.
 
 .. code-block:: python
 
@@ -40,6 +40,7 @@ from types import MappingProxyType
 from ..recipe import Recipe
 from ._shared import ATTENTION_PROJECTIONS, PAPER_JAGG
 from .dancegrpo import DANCEGRPO_RECIPES
+from .diffusion_nft import DIFFUSION_NFT_RECIPES
 from .flow_factory import FLOW_FACTORY_RECIPES
 from .flow_grpo import FLOW_GRPO_RECIPES
 
@@ -48,7 +49,10 @@ __all__ = [
 ]  # fmt: skip
 
 RECIPES: Mapping[str, Recipe] = MappingProxyType(
-    {recipe.name: recipe for recipe in (*FLOW_GRPO_RECIPES, *DANCEGRPO_RECIPES, *FLOW_FACTORY_RECIPES)}
+    {
+        recipe.name: recipe
+        for recipe in (*FLOW_GRPO_RECIPES, *DANCEGRPO_RECIPES, *FLOW_FACTORY_RECIPES, *DIFFUSION_NFT_RECIPES)
+    }
 )
 """Every preset by name, in the order of ``docs/models.md``."""
 

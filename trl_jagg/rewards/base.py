@@ -10,15 +10,11 @@ name, so a config can say ``reward_funcs=["pickscore", "hpsv2.1"]``.
 
 from __future__ import annotations
 
-import asyncio
 import difflib
-import functools
 import importlib
 import inspect
-import logging
 import os
 import sys
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -26,6 +22,8 @@ from typing import Any, TypeVar
 import torch
 from PIL import Image
 
+from ..redaction import redacted
+from .calling import call_with_retries, is_async_reward, reward_deadline
 from .video import frame_kwargs, is_video_batch, takes_videos, video_means
 
 RewardFunc = Callable[..., Sequence[float | None]]
@@ -54,8 +52,6 @@ _ALIASES = {
 
 _URL_PREFIXES = ("http://", "https://")
 _KWARGS_EXAMPLE = '{"vlm-judge": {"url": "http://localhost:8080/v1", "model": "UnifiedReward"}}'
-
-logger = logging.getLogger(__name__)
 
 
 def register_reward(name: str) -> Callable[[_Factory], _Factory]:
@@ -200,7 +196,7 @@ def _keyed_reward_kwargs(reward_kwargs: Any, items: Sequence[Any]) -> dict[str, 
     of ``items`` (a key naming nothing would be dropped silently)."""
     if not isinstance(reward_kwargs, Mapping) or not all(isinstance(v, Mapping) for v in reward_kwargs.values()):
         raise ValueError(
-            f"reward_kwargs is {reward_kwargs!r}: give a mapping from reward names to their keyword arguments, e.g. "
+            f"reward_kwargs is {redacted(reward_kwargs)!r}: give a mapping from reward names to their keyword arguments, e.g. "
             f"{_KWARGS_EXAMPLE}."
         )
     names = {_spec_key(item) for item in items if isinstance(item, str)}
@@ -208,7 +204,7 @@ def _keyed_reward_kwargs(reward_kwargs: Any, items: Sequence[Any]) -> dict[str, 
         if _spec_key(str(key)) not in names:
             given = [item if isinstance(item, str) else reward_name(item) for item in items]
             raise ValueError(
-                f"reward_kwargs has the key {key!r}, which is not one of reward_funcs {given}. Key each entry by a "
+                f"reward_kwargs has the key {redacted(key)!r}, which is not one of reward_funcs {given}. Key each entry by a "
                 f"registered name or URL of reward_funcs, e.g. {_KWARGS_EXAMPLE}; configure a callable yourself."
             )
     return {_spec_key(str(key)): dict(kwargs) for key, kwargs in reward_kwargs.items()}
@@ -251,9 +247,10 @@ def _check_signature(func: RewardFunc) -> None:
         )
 
 
-def check_rewards(name: str, values: Any, expected: int) -> torch.Tensor:
+def check_rewards(name: str, values: Any, expected: int, first_sample: int = 0) -> torch.Tensor:
     """Validate one reward function's output and return it as a float32 tensor of shape ``(expected,)``, with NaN
-    where the reward returned ``None`` (not applicable to that sample).
+    where the reward returned ``None`` (not applicable to that sample). ``first_sample``: the position of the first
+    value in the rollout (a chunk's values are named by their rollout positions).
 
     A wrong count or a NaN/inf score stops training with an error that names the reward: a silently
     replaced value would bias the group advantages without anyone noticing.
@@ -278,7 +275,7 @@ def check_rewards(name: str, values: Any, expected: int) -> torch.Tensor:
         )
     bad = ~torch.isfinite(scores)
     if bad.any():
-        positions = bad.nonzero().flatten().tolist()
+        positions = [first_sample + position for position in bad.nonzero().flatten().tolist()]
         raise ValueError(
             f"Reward {name!r} returned non-finite values at positions {positions[:10]}: {scores[bad][:10].tolist()}."
         )
@@ -292,6 +289,8 @@ def compute_rewards(
     reward_weights: Sequence[float] | None = None,
     trainer_state: Any = None,
     retries: int = 0,
+    timeout: float | None = None,
+    first_sample: int = 0,
     **columns: Any,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Run every reward, check its output, and return the weighted sum and the per-reward scores.
@@ -310,6 +309,10 @@ def compute_rewards(
         reward_weights: One weight per reward; ``None`` means all 1.0.
         trainer_state: The ``transformers.TrainerState`` of the run (``None`` outside training).
         retries: Extra calls of a reward that raises (each logged); its output checks are not retried.
+        timeout: Seconds each reward may take to score the batch, retries included (``reward_timeout``); ``None``
+            bounds only the rewards that declare ``default_reward_timeout`` (remote ones,
+            :data:`~trl_jagg.rewards.calling.REMOTE_REWARD_TIMEOUT`). See :mod:`~trl_jagg.rewards.calling`.
+        first_sample: The rollout position of the first sample (a rollout chunk's), which errors count from.
         **columns: Extra dataset columns passed to every reward.
 
     Returns:
@@ -320,6 +323,7 @@ def compute_rewards(
     Raises:
         ValueError: for a reward's bad output (named), mismatched weights, or a sample that no reward applies to
             (every reward returned ``None`` for it).
+        RewardTimeout: for a reward still running at its deadline (named; not retried).
     """
     weights = [1.0] * len(reward_funcs) if reward_weights is None else [float(w) for w in reward_weights]
     if len(weights) != len(reward_funcs):
@@ -339,6 +343,7 @@ def compute_rewards(
         while unique in names:
             unique, suffix = f"{name}_{suffix}", suffix + 1
         names.append(unique)
+    deadlines = [reward_deadline(func, timeout) for func in reward_funcs]
     if is_video_batch(images):  # image rewards score every frame; a sample gets its frames' mean
         reward_funcs = [
             func if takes_videos(func) else _per_frame(func, name) for func, name in zip(reward_funcs, names)
@@ -352,13 +357,13 @@ def compute_rewards(
     if asynchronous:  # a thread per async reward waits on its coroutine, so that its retries stay sequential
         pool = ThreadPoolExecutor(max_workers=len(asynchronous), thread_name_prefix="async-reward")
         for i in asynchronous:
-            pending[i] = pool.submit(_call_with_retries, synchronous(reward_funcs[i]), names[i], retries, **kwargs)
+            pending[i] = pool.submit(call_with_retries, reward_funcs[i], names[i], retries, deadlines[i], **kwargs)
         pool.shutdown(wait=False)
     outputs = {}
     try:
         for i, func in enumerate(reward_funcs):
             if i not in pending:
-                outputs[i] = _call_with_retries(func, names[i], retries, **kwargs)
+                outputs[i] = call_with_retries(func, names[i], retries, deadlines[i], **kwargs)
         for i, future in pending.items():
             outputs[i] = future.result()
     finally:
@@ -367,7 +372,7 @@ def compute_rewards(
     total = torch.zeros(len(images), dtype=torch.float32)
     per_reward: dict[str, torch.Tensor] = {}
     for i, (name, weight) in enumerate(zip(names, weights)):
-        scores = check_rewards(name, outputs[i], len(images)).cpu()
+        scores = check_rewards(name, outputs[i], len(images), first_sample).cpu()
         per_reward[name] = scores
         total += weight * scores.nan_to_num(0.0)
     if per_reward:
@@ -375,7 +380,7 @@ def compute_rewards(
         if unscored:
             first = unscored[0]
             raise ValueError(
-                f"No reward applies to sample {first} (prompt {prompts[first]!r}"
+                f"No reward applies to sample {first_sample + first} (prompt {prompts[first]!r}"
                 f"{f' and {len(unscored) - 1} more' if len(unscored) > 1 else ''}): every reward function "
                 f"({', '.join(per_reward)}) returned None for it. A reward returns None only for samples that another "
                 "reward scores."
@@ -397,57 +402,6 @@ def _per_frame(func: RewardFunc, name: str) -> RewardFunc:
     def call(**kwargs: Any) -> list[float | None]:
         expanded, counts = frame_kwargs(kwargs)
         return video_means(check_rewards(name, func(**expanded), sum(counts)), counts)
-
-    return call
-
-
-def _call_with_retries(func: RewardFunc, name: str, retries: int, /, **kwargs: Any) -> Any:
-    attempt = 0
-    while True:
-        try:
-            return func(**kwargs)
-        except Exception as error:
-            if attempt == retries:
-                raise
-            attempt += 1
-            logger.warning("Reward %r raised %s: %s. Retry %d of %d.", name, type(error).__name__, error, attempt,
-                           retries)  # fmt: skip
-
-
-def is_async_reward(func: RewardFunc) -> bool:
-    """Whether calling ``func`` returns a coroutine: an ``async def`` function, a ``functools.partial`` of one, or an
-    object with an ``async def __call__`` (the forms ``trl.trainer.utils.is_async_callable`` accepts; importing trl
-    here would cost every reward user its import time)."""
-    while isinstance(func, functools.partial):
-        func = func.func
-    return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(type(func).__call__)
-
-
-_loop: asyncio.AbstractEventLoop | None = None
-_loop_lock = threading.Lock()
-
-
-def _event_loop() -> asyncio.AbstractEventLoop:
-    """One event loop for every async reward of the process, running in a daemon thread (as TRL's GRPOTrainer
-    does): clients that bind to a loop (an ``AsyncOpenAI`` connection pool) keep working across steps, and a caller
-    inside its own running loop (a notebook) is not blocked by ``asyncio.run``."""
-    global _loop
-    with _loop_lock:
-        if _loop is None:
-            loop = asyncio.new_event_loop()
-            threading.Thread(target=loop.run_forever, name="trl-jagg-async-rewards", daemon=True).start()
-            _loop = loop
-        return _loop
-
-
-def synchronous(func: RewardFunc) -> RewardFunc:
-    """``func`` itself when it is synchronous; for an async reward, a function that runs its coroutine on the shared
-    event loop (:func:`_event_loop`) and blocks until it returns."""
-    if not is_async_reward(func):
-        return func
-
-    def call(**kwargs: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(func(**kwargs), _event_loop()).result()
 
     return call
 

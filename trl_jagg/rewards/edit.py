@@ -71,6 +71,23 @@ class ClipEditReward(ClipSimilarityReward):
         direction = F.cosine_similarity(output - source, text_direction, dim=-1)
         return direction, (output * source).sum(dim=-1)
 
+    def check_dataset(self, dataset: Any, *, name: str, edits_images: bool) -> None:
+        """Before training: the model edits images (a text-to-image model has no source to compare with) and
+        ``dataset`` has both caption columns or neither."""
+        if not edits_images:
+            raise ValueError(
+                f"Reward {self.__name__!r} scores edits against their source images, but the model generates from text "
+                "only: there is no source image to compare with. Train an editing model (FluxKontextPipeline, "
+                "QwenImageEditPipeline) on a dataset with a 'source_image' column, or use a text-to-image reward."
+            )
+        captions = [column in dataset.column_names for column in (SOURCE_CAPTION_COLUMN, TARGET_CAPTION_COLUMN)]
+        if captions[0] != captions[1]:
+            raise ValueError(
+                f"{name} has only one of the '{SOURCE_CAPTION_COLUMN}' and '{TARGET_CAPTION_COLUMN}' columns, which "
+                f"reward {self.__name__!r} reads together: give both (the text direction is target - source) or "
+                "neither (the direction is the instruction's)."
+            )
+
     def __call__(self, prompts: Sequence[str], images: Sequence[Image.Image], **kwargs: Any) -> list[float]:
         """Score each edit; needs ``source_images`` (the trainer passes them for editing models) and reads the
         ``source_caption`` / ``target_caption`` columns when the dataset has them."""

@@ -33,8 +33,85 @@ COLORS = ("red", "orange", "yellow", "green", "blue", "purple", "pink", "brown",
 COLOR_TEMPLATES = ("a photo of a {color} {name}", "a photo of a {color}-colored {name}", "a photo of a {color} object")
 """GenEval's zero-shot colour prompts, averaged per colour."""
 
+RELATIONS = ("left of", "right of", "above", "below")
+"""GenEval's position relations."""
+METADATA_COLUMNS = ("tag", "include")
+"""The dataset columns the reward needs (``exclude`` is optional)."""
+
 Box = Sequence[float]
 """``(x0, y0, x1, y1)`` in pixels."""
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def check_metadata(tag: Any, include: Any, exclude: Any, where: str) -> None:
+    """Check one prompt's GenEval metadata, as :func:`geneval_score` reads it: ``tag`` a string, ``include`` a
+    non-empty list of clauses ``{"class": str, "count": int >= 1, "color"?: one of COLORS, "position"?: [relation,
+    index of an EARLIER clause]}``, ``exclude`` ``None`` or a list of ``{"class": str, "count": int >= 1}``. A key
+    holding ``None`` counts as absent (a datasets column of clauses fills the keys a clause lacks with ``None``).
+
+    Raises:
+        ValueError: naming ``where`` (the row), the field and the clause; a bad clause would otherwise score 0 for
+            every image (an unknown colour, a position naming a later clause, ``include=[]``) or fail with a bare
+            ``TypeError`` at the first scoring.
+    """
+
+    def fail(field: str, problem: str) -> None:
+        raise ValueError(f"{where} GenEval metadata '{field}' {problem}. See GenEval's evaluation_metadata.jsonl.")
+
+    if not isinstance(tag, str):
+        fail("tag", f"is {tag!r}, not a string (e.g. 'single_object', 'counting', 'colors', 'position')")
+    if not isinstance(include, (list, tuple)) or not include:
+        fail("include", f"is {include!r}: give a non-empty list of clauses (an empty one scores every image 0)")
+    for field, clauses in (("include", include), ("exclude", exclude)):
+        if clauses is None and field == "exclude":
+            continue
+        if not isinstance(clauses, (list, tuple)):
+            fail(field, f"is {clauses!r}, not a list of clauses")
+        for j, clause in enumerate(clauses):
+            at = f"{field}[{j}]"
+            if not isinstance(clause, Mapping):
+                fail(at, f"is {clause!r}, not a mapping like {{'class': 'cat', 'count': 1}}")
+            if not isinstance(clause.get("class"), str) or not clause["class"].strip():
+                fail(f"{at}.class", f"is {clause.get('class')!r}: give the object's class name")
+            if not _is_count(clause.get("count")):
+                fail(f"{at}.count", f"is {clause.get('count')!r}: give a whole number >= 1")
+            if field == "exclude":
+                continue
+            color = clause.get("color")
+            if color is not None and color not in COLORS:
+                fail(f"{at}.color", f"is {color!r}, not one of GenEval's colours {COLORS} (it would never match)")
+            position = clause.get("position")
+            if position is None:
+                continue
+            if not isinstance(position, (list, tuple)) or len(position) != 2 or position[0] not in RELATIONS:
+                fail(f"{at}.position", f"is {position!r}: give [relation, clause index], relation one of {RELATIONS}")
+            if not (isinstance(position[1], int) and not isinstance(position[1], bool) and 0 <= position[1] < j):
+                fail(
+                    f"{at}.position",
+                    f"names clause {position[1]!r}, which is not an earlier include clause (0..{j - 1}): a position "
+                    "is relative to a clause already matched",
+                )
+
+
+def check_dataset_metadata(dataset: Any, name: str) -> None:
+    """Every row of ``dataset`` (a ``datasets.Dataset``) has GenEval metadata :func:`check_metadata` accepts.
+
+    Raises:
+        ValueError: a missing ``tag`` or ``include`` column, or the first bad row (named with its field).
+    """
+    missing = [column for column in METADATA_COLUMNS if column not in dataset.column_names]
+    if missing:
+        raise ValueError(
+            f"{name} has no {' or '.join(repr(c) for c in missing)} column, which the GenEval reward scores against: "
+            "give GenEval's metadata as dataset columns 'tag' and 'include' (and 'exclude'), e.g. "
+            "load_dataset('json', data_files='evaluation_metadata.jsonl')."
+        )
+    excludes = dataset["exclude"] if "exclude" in dataset.column_names else [None] * len(dataset)
+    for i, (tag, include, exclude) in enumerate(zip(dataset["tag"], dataset["include"], excludes)):
+        check_metadata(tag, include, exclude, f"{name} row {i}:")
 
 
 def relative_position(box_a: Box, box_b: Box, threshold: float = 0.1) -> set[str]:
@@ -94,14 +171,14 @@ def geneval_score(
         terms.append(1 - abs(count - len(found)) / count)
         ok = len(found) == count
         if not ok:
-            if "color" in clause or "position" in clause:
+            if clause.get("color") is not None or clause.get("position") is not None:
                 terms.append(0.0)
         else:
-            if "color" in clause:
+            if clause.get("color") is not None:
                 hits = list(colors_of(name, found)).count(clause["color"])
                 terms.append(1 - abs(count - hits) / count)
                 ok = hits == count
-            if "position" in clause and ok:
+            if clause.get("position") is not None and ok:
                 relation, target = clause["position"]
                 targets = matched[target] if target < len(matched) else None
                 ok = targets is not None and all(
@@ -154,6 +231,11 @@ class GenEvalReward(LazyModelReward):
         self.detector_id, self.clip_id = detector_id, clip_id
         self.threshold, self.counting_threshold, self.nms_threshold = threshold, counting_threshold, nms_threshold
         self.max_objects, self.position_threshold, self.strict = max_objects, position_threshold, strict
+
+    def check_dataset(self, dataset: Any, *, name: str, edits_images: bool) -> None:
+        """Before training: ``dataset`` has GenEval's metadata columns, valid in every row
+        (:func:`check_dataset_metadata`), so that a bad row stops the run at init rather than after a rollout."""
+        check_dataset_metadata(dataset, name)
 
     def _load(self) -> None:
         from transformers import AutoProcessor, CLIPModel, Owlv2ForObjectDetection
@@ -215,6 +297,8 @@ class GenEvalReward(LazyModelReward):
                 f"Reward {self.__name__!r} needs GenEval's metadata as dataset columns 'tag' and 'include' (and "
                 "'exclude'), e.g. load_dataset('json', data_files='evaluation_metadata.jsonl')."
             )
+        for i in range(len(images)):  # the trainer checked its datasets at init; a direct call is checked here
+            check_metadata(tag[i], include[i], None if exclude is None else exclude[i], f"sample {i}:")
         self.load()
         scores = []
         with torch.inference_mode():

@@ -11,6 +11,7 @@ from typing import Any
 
 from PIL import Image
 
+from trl_jagg.prompts import prompt_text
 from trl_jagg.rewards.base import register_reward
 from trl_jagg.rewards.lazy import LazyModelReward, to_rgb
 
@@ -77,6 +78,18 @@ class OcrReward(LazyModelReward):
         # would be taken as BGR already).
         result, _ = self.engine(to_rgb(image))
         return "".join(text for _box, text, _confidence in result or [])
+
+    def check_dataset(self, dataset: Any, *, name: str, edits_images: bool) -> None:
+        """Before training: every prompt of ``dataset`` quotes non-blank text to render (an unquoted prompt would
+        fail the first scoring, after a whole rollout)."""
+        for i, value in enumerate(dataset["prompt"]):
+            prompt = prompt_text(value, f"{name} row {i} 'prompt'")
+            if not normalize_text("".join(_QUOTED.findall(prompt))):
+                raise ValueError(
+                    f"{name} row {i} 'prompt' quotes no text to render, which the OCR reward compares the image's "
+                    f'text with: {prompt!r}. Put the text in double quotes (a sign that says "OPEN"), or drop the '
+                    "row."
+                )
 
     def _score_batch(self, prompts: list[str], images: list[Image.Image]) -> list[float]:
         return [text_match_score(quoted_text(p), self.recognize(im)) for p, im in zip(prompts, images)]

@@ -32,6 +32,8 @@ from typing import Any
 from PIL import Image, UnidentifiedImageError
 
 from trl_jagg.field_types import has_kind
+from trl_jagg.redaction import check_url_without_credentials
+from trl_jagg.rewards.calling import REMOTE_REWARD_TIMEOUT
 from trl_jagg.rewards.lazy import check_pairs, to_rgb
 
 SERVER_HINT = "Start one with: python examples/reward_server.py --rewards pickscore --port 8000"
@@ -179,6 +181,10 @@ class RemoteReward:
     per_sample = True
     """Each image is scored on its own (the requests already split a batch), so a batch may be scored in parts."""
 
+    default_reward_timeout = REMOTE_REWARD_TIMEOUT
+    """The deadline of one call when ``reward_timeout`` is not set (:func:`~trl_jagg.rewards.calling.reward_deadline`):
+    a bound on waits the attempts' ``timeout`` does not cover (a name lookup, several batches), past their own."""
+
     def __init__(
         self,
         url: str,
@@ -190,6 +196,9 @@ class RemoteReward:
         token: str | None = None,
         max_response_bytes: int = MAX_RESPONSE_BYTES,
     ) -> None:
+        check_url_without_credentials(
+            url, "remote reward", f"pass the shared token with token=... or, better, the {TOKEN_ENV} variable."
+        )
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"The reward server URL must start with http:// or https://, got {url!r}.")
         # Checked here, not at the first request: each would fail only after a whole rollout.
@@ -308,6 +317,7 @@ class RemoteReward:
         editing model's ``source_images`` as base64 PNGs beside the images."""
         check_pairs(prompts, images)
         sources = kwargs.pop("source_images", None)
+        kwargs.pop("trainer_state", None)  # not a column: None outside a trainer would reach the server, refused
         if sources is not None and len(sources) != len(images):
             raise ValueError(f"Got {len(sources)} source images for {len(images)} images: give one per image.")
         step = self.batch_size or max(len(images), 1)

@@ -13,8 +13,9 @@ kept as its authors wrote it; sources below):
 - ``"unifiedreward-think-pairwise"``: Pref-GRPO's pairwise preference: every two images of the same prompt are
   compared by UnifiedReward-Think, and each image's reward is its win rate against the others.
 
-A reply without a score is an error naming the judge and quoting the reply, never a 0: a silent default would bias
-the group advantages. The HTTP side (one deadline per attempt, retries with backoff for connection errors,
+A reply without a score, or with one the judge cannot mean (outside the template's range, a dimension scored twice,
+a pairwise verdict for both images, unreadable log-probabilities), is a :class:`JudgeReplyError` naming the judge,
+the model and quoting the reply, never a 0 or a guess: a silent default would bias the group advantages. The HTTP side (one deadline per attempt, retries with backoff for connection errors,
 timeouts, HTTP 429 and 5xx, honouring ``Retry-After``, a bounded answer) is :class:`~trl_jagg.rewards.remote.RemoteReward`'s; requests run in a
 thread pool of ``max_concurrency``. The API key comes from an environment variable, never from a config file.
 """
@@ -35,6 +36,7 @@ from typing import Any
 
 from PIL import Image
 
+from trl_jagg.redaction import check_env_name, check_url_without_credentials
 from trl_jagg.rewards.base import register_reward
 from trl_jagg.rewards.lazy import check_pairs
 from trl_jagg.rewards.remote import MAX_RESPONSE_BYTES, RemoteReward, encode_image
@@ -178,40 +180,71 @@ JUDGES: dict[str, Judge] = {
 """The judges :func:`vlm_judge` knows by name."""
 
 POINT_DIMENSIONS = ("Alignment", "Coherence", "Style")
-_POINT_SCORE = re.compile(r"\b(Alignment|Coherence|Style) Score \(1-5\):\s*([0-9]+(?:\.[0-9]+)?)")
+POINT_RANGE = (1.0, 5.0)
+"""The range UnifiedReward's point-score template declares for each dimension (``Score (1-5)``)."""
+# A whole number as written (with an exponent: "1e9" must not read as 1); the template's "X" placeholders never match.
+_POINT_SCORE = re.compile(
+    r"\b(Alignment|Coherence|Style) Score \(1-5\):\s*([-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?)"
+)
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _FIRST_WORD = re.compile(r"[A-Za-z]+")
 
 
 class JudgeReplyError(ValueError):
-    """A judge's reply holds no score (or a malformed one)."""
+    """A judge's reply holds no score, or one it cannot mean: out of the judge's range, given twice, contradictory,
+    or unreadable log-probabilities. Raised from the reward's call, so ``reward_retries`` retries it."""
 
 
 def point_score(text: str, dimensions: Sequence[str] = POINT_DIMENSIONS) -> float:
     """The mean of the ``dimensions`` scores in a UnifiedReward-2.0 point-score reply.
 
     Raises:
-        JudgeReplyError: when one of ``dimensions`` has no score in ``text``.
+        JudgeReplyError: when one of ``dimensions`` has no score in ``text``, more than one, or one outside
+            :data:`POINT_RANGE`.
     """
-    scores = {name: float(value) for name, value in _POINT_SCORE.findall(text)}
+    scores: dict[str, list[float]] = defaultdict(list)
+    for name, value in _POINT_SCORE.findall(text):
+        scores[name].append(float(value))
     missing = [name for name in dimensions if name not in scores]
     if missing:
         raise JudgeReplyError(f"no {', '.join(missing)} score (expected lines like 'Alignment Score (1-5): 3.5')")
-    return sum(scores[name] for name in dimensions) / len(dimensions)
+    twice = [name for name in dimensions if len(scores[name]) > 1]
+    if twice:
+        shown = "; ".join(f"{name} {scores[name]}" for name in twice)
+        raise JudgeReplyError(f"more than one score for a dimension ({shown}): which one the judge means is unknown")
+    low, high = POINT_RANGE
+    outside = [f"{name} {scores[name][0]:g}" for name in dimensions if not low <= scores[name][0] <= high]
+    if outside:
+        raise JudgeReplyError(f"scores outside the template's range {low:g}-{high:g}: {', '.join(outside)}")
+    return sum(scores[name][0] for name in dimensions) / len(dimensions)
 
 
 def yes_probability(choice: dict[str, Any]) -> float | None:
     """``P(yes) / (P(yes) + P(no))`` from the first answer token's ``top_logprobs`` in a chat-completions choice,
     summing the spellings of each word (``"Yes"``, ``" yes"``, ``"YES"``). ``None`` when the choice carries no
-    log-probabilities or neither word is among the top tokens."""
+    log-probabilities or neither word is among the top tokens.
+
+    Raises:
+        JudgeReplyError: a top token that is not ``{"token": str, "logprob": number <= 0}`` (a missing, non-finite
+            or positive log-probability would give an overflow, a KeyError or a NaN reward).
+    """
     content = (choice.get("logprobs") or {}).get("content") or []
     if not content or not isinstance(content[0], dict):
         return None
+    top = content[0].get("top_logprobs") or []
+    if not isinstance(top, list):
+        raise JudgeReplyError(f"top_logprobs is a {type(top).__name__}, not a list")
     mass = {"yes": 0.0, "no": 0.0}
-    for entry in content[0].get("top_logprobs") or []:
-        word = str(entry.get("token", "")).strip().lower()
+    for entry in top:
+        logprob = entry.get("logprob") if isinstance(entry, dict) else None
+        # A log-probability is <= 0; a little above is rounding (vLLM sends 0.0 for a certain token, never more).
+        if not isinstance(entry, dict) or not isinstance(entry.get("token"), str) or isinstance(logprob, bool):
+            raise JudgeReplyError(f"a top_logprobs entry is not {{'token': str, 'logprob': number}}: {entry!r}"[:200])
+        if not isinstance(logprob, (int, float)) or not -math.inf <= logprob <= 1e-6 or math.isnan(logprob):
+            raise JudgeReplyError(f"the log-probability of {entry['token']!r} is {logprob!r}, not a number <= 0")
+        word = entry["token"].strip().lower()
         if word in mass:
-            mass[word] += math.exp(float(entry["logprob"]))
+            mass[word] += math.exp(logprob)
     total = mass["yes"] + mass["no"]
     return mass["yes"] / total if total > 0 else None
 
@@ -233,12 +266,14 @@ def pairwise_winner(text: str) -> int:
     """0 when the reply's ``<answer>`` says Image 1 is better, 1 for Image 2.
 
     Raises:
-        JudgeReplyError: without an ``<answer>`` naming one of the two images.
+        JudgeReplyError: without an ``<answer>`` naming one of the two images, or with answers naming both.
     """
-    match = _ANSWER.search(text)
-    answer = match.group(1) if match else ""
-    first, second = "Image 1 is better" in answer, "Image 2 is better" in answer
-    if first == second:
+    answers = _ANSWER.findall(text)
+    first = any("Image 1 is better" in answer for answer in answers)
+    second = any("Image 2 is better" in answer for answer in answers)
+    if first and second:
+        raise JudgeReplyError("answers naming both images: the verdict is contradictory")
+    if not first and not second:
         raise JudgeReplyError("no '<answer>Image 1 is better</answer>' or '<answer>Image 2 is better</answer>'")
     return 0 if first else 1
 
@@ -269,6 +304,16 @@ class VLMJudgeReward(RemoteReward):
             raise ValueError(f"dimensions must be a non-empty subset of {POINT_DIMENSIONS}, got {tuple(dimensions)}.")
         if max_concurrency < 1 or not 1 <= top_logprobs <= 20:
             raise ValueError("max_concurrency must be >= 1 and top_logprobs in 1..20 (the OpenAI API's range).")
+        # Keys live in environment variables, never in a URL or a config value (both are saved and logged).
+        check_url_without_credentials(
+            url, f"vlm-judge {judge!r}", f"export the key as {API_KEY_ENV} (or the variable api_key_env names)."
+        )
+        check_env_name(
+            api_key_env, f"vlm-judge {judge!r}: api_key_env", "Export the key (export MY_JUDGE_KEY=...) and pass "
+            f"api_key_env='MY_JUDGE_KEY', or leave the default {API_KEY_ENV}."
+        )  # fmt: skip
+        if api_key_env != API_KEY_ENV and api_key_env not in os.environ:
+            logger.warning("vlm-judge %r: api_key_env=%r is not set, so no API key is sent.", judge, api_key_env)
         endpoint = url.rstrip("/")
         if not endpoint.endswith("/chat/completions"):
             endpoint += "/chat/completions"  # a base URL like http://host:8000/v1, as OpenAI clients take
@@ -325,7 +370,10 @@ class VLMJudgeReward(RemoteReward):
         try:
             if self.spec.mode == "point":
                 return point_score(text, self.dimensions)
-            probability = yes_probability(choice)
+            try:
+                probability = yes_probability(choice)
+            except JudgeReplyError as error:  # the reply shown is the log-probabilities, which were unreadable
+                raise self._reply_error(error, repr(choice.get("logprobs"))) from None
             return probability if probability is not None else yes_no_answer(text)
         except JudgeReplyError as error:
             raise self._reply_error(error, text) from None
@@ -339,8 +387,8 @@ class VLMJudgeReward(RemoteReward):
 
     def _reply_error(self, error: JudgeReplyError, text: str) -> JudgeReplyError:
         return JudgeReplyError(
-            f"VLM judge {self.__name__!r} ({self.judge}, model {self.model!r} at {self.url}) replied without a "
-            f"score: {error}. Reply: {text[:300]!r}. Is the served model the judge's ({self.spec.checkpoint})?"
+            f"VLM judge {self.__name__!r} ({self.judge}, model {self.model!r} at {self.url}) sent a reply that gives "
+            f"no score: {error}. Reply: {text[:300]!r}. Is the served model the judge's ({self.spec.checkpoint})?"
         )
 
     def _map(self, func: Any, calls: list[tuple[Any, ...]]) -> list[Any]:

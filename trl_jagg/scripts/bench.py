@@ -4,9 +4,11 @@
 
     trl-jagg bench [--output_dir runs/bench] [--group_sizes 2 4 8 ...]           # the engine on a small DiT
     trl-jagg bench trainer [--output_dir runs/bench] [--group_sizes 2 4 8 ...]   # DDPOJaggTrainer on a tiny Flux
-    trl-jagg bench whole-step [--output_dir runs/bench] [--repeats 5 ...]       # whole steps at recipe shapes
+    trl-jagg bench whole-step [--output_dir runs/bench] [--repeats 5 ...]       # presets at their own cadence
     trl-jagg bench quality [--output_dir runs/quality] [--seeds 0 1 2 ...]      # the demo's reward per variant
     trl-jagg bench reward-overlap [--output_dir runs/bench] [--latency 0.5 ...]  # a slow reward, overlapped or not
+    trl-jagg bench nft-jagg [--output_dir runs/bench] [--seeds 0 1 2 ...]       # JAGG across DiffusionNFT's timesteps
+    trl-jagg bench velocity-cache [--output_dir runs/bench] [--optimizer_steps 3]  # the cache after optimizer steps
 
 Each benchmark's options are the fields of a dataclass mirroring its function's parameters
 (:class:`EngineBenchmarkArguments` for :func:`trl_jagg.benchmarks.engine.run_engine_benchmark`,
@@ -14,7 +16,8 @@ Each benchmark's options are the fields of a dataclass mirroring its function's 
 :class:`WholeStepBenchmarkArguments` for :func:`trl_jagg.benchmarks.whole_step.run_whole_step_benchmark`,
 :class:`QualityBenchmarkArguments` for :func:`trl_jagg.benchmarks.quality.run_quality_benchmark`,
 :class:`RewardOverlapBenchmarkArguments` for
-:func:`trl_jagg.benchmarks.reward_overlap.run_reward_overlap_benchmark`): a parameter
+:func:`trl_jagg.benchmarks.reward_overlap.run_reward_overlap_benchmark`, :class:`VelocityCacheBenchmarkArguments` for
+:func:`trl_jagg.benchmarks.velocity_cache.run_velocity_cache_benchmark`): a parameter
 added to the function is exposed by adding the field of the same name.
 """
 
@@ -39,10 +42,11 @@ TRAINER_DESCRIPTION = (
 )
 
 WHOLE_STEP_DESCRIPTION = (
-    "Time whole steps of DDPOJaggTrainer (rollout, decode, rewards, update) at the DanceGRPO shape (exact, JAGG, "
-    "JAGG + cache) and the mixed ODE-SDE shape (exact update, JAGG + cache, + shared prefix, + DPM-Solver++ on 40% "
-    "of the ODE steps), interleaved per repeat, with the work counted by hooks and each ratio predicted at "
-    "FLUX.1-dev size by a FLOP model of the real modules (full fine-tuning and LoRA); write whole_step_benchmark.json."
+    "Train each preset (dancegrpo-flux exact and as shipped, mixgrpo-flux as MixGRPO-Flash with an exact update and "
+    "as shipped) through DDPOJaggTrainer.train() at its own cadence (optimizer steps per rollout, window, trained-step "
+    "draw, checkpointing) on a tiny Flux pipeline, one rollout at a time, interleaved; time each rollout with all its "
+    "optimizer steps, count the work by hooks and predict each ratio at FLUX.1-dev size with a FLOP model of the real "
+    "modules; measure memory in an untimed rollout; write whole_step_benchmark.json and .png."
 )
 
 
@@ -124,17 +128,21 @@ class WholeStepBenchmarkArguments:
 
     _argument_group_name = "Whole-step benchmark"
 
-    output_dir: str = field(default="runs/bench", metadata={"help": "Where the JSON goes."})
+    output_dir: str = field(default="runs/bench", metadata={"help": "Where the JSON and PNG go."})
     variants: list[str] = field(
-        default_factory=lambda: list(_whole_step_variants()), metadata={"help": "The variants to time (all)."}
+        default_factory=lambda: list(_whole_step_variants()),
+        metadata={"help": "The variants to time (all; the baselines a variant names are added)."},
     )
     resolution: int = field(default=128, metadata={"help": "Image height and width in pixels (a multiple of 16)."})
     max_sequence_length: int = field(default=64, metadata={"help": "Text tokens."})
     num_layers: int = field(default=2, metadata={"help": "Double-stream blocks of the Flux transformer."})
     num_single_layers: int = field(default=4, metadata={"help": "Single-stream blocks of the Flux transformer."})
-    repeats: int = field(default=5, metadata={"help": "Timed repeats after a warm-up, each a step of every variant."})
+    repeats: int = field(
+        default=5, metadata={"help": "Timed repeats after a warm-up, each one rollout of every variant."}
+    )
     seed: int = field(default=0, metadata={"help": "Seed of the model weights and the rollouts."})
     num_threads: int = field(default=1, metadata={"help": "torch CPU threads while timing (restored afterwards)."})
+    plot: bool = field(default=True, metadata={"help": "Write the PNG chart (--no_plot skips it)."})
     reprice_report: str | None = field(
         default=None,
         metadata={
@@ -230,11 +238,71 @@ class RewardOverlapBenchmarkArguments:
     plot: bool = field(default=True, metadata={"help": "Write the PNG chart (--no_plot skips it)."})
 
 
+VELOCITY_CACHE_DESCRIPTION = (
+    "On the CPU demo, the JAGG gradient with the rollout's cached velocities corrected by the endpoints' change "
+    "(jagg_cache_mode=corrected) and as they are (stale) against recomputed intermediates (recompute), after 1 .. "
+    "--optimizer_steps optimizer steps since the rollout (cosine, relative error, the default's gate), and the "
+    "cache's hits per micro-batch at that many optimizer steps per rollout; write velocity_cache_benchmark.json "
+    "and .png."
+)
+
+
+@dataclass
+class VelocityCacheBenchmarkArguments:
+    """The options of ``trl-jagg bench velocity-cache`` (parameters of
+    :func:`~trl_jagg.benchmarks.velocity_cache.run_velocity_cache_benchmark`)."""
+
+    _argument_group_name = "Velocity-cache benchmark"
+
+    output_dir: str = field(default="runs/bench", metadata={"help": "Where the JSON, PNG and run folders go."})
+    model: str = field(
+        default=DEMO_ASSET_DIR,
+        metadata={"help": "The pipeline to fine-tune, a local directory or a Hub id (default: the demo's model)."},
+    )
+    optimizer_steps: int = field(
+        default=3, metadata={"help": "Optimizer steps since the rollout to measure after (and per rollout for hits)."}
+    )
+    seed: int = field(default=0, metadata={"help": "Seed of the LoRA initialisation and the rollout."})
+    learning_rate: float | None = field(default=None, metadata={"help": "Overrides the demo's 1e-2."})
+    clip_range: float | None = field(
+        default=None, metadata={"help": "Overrides the demo's PPO clip range 1e-4 (1.0: never clips)."}
+    )
+    num_threads: int = field(default=1, metadata={"help": "torch CPU threads (restored afterwards)."})
+    plot: bool = field(default=True, metadata={"help": "Write the PNG chart (--no_plot skips it)."})
+
+
+NFT_JAGG_DESCRIPTION = (
+    "On the CPU demo trained with DiffusionNFT (objective=nft), one rollout's update with JAGG across 4 timesteps "
+    "against the same update exact, at several optimizer steps of an exact-NFT run: gradient cosine, relative error "
+    "and the update's CPU-time ratio; write nft_jagg_benchmark.json and .png."
+)
+
+
+@dataclass
+class NFTJaggBenchmarkArguments:
+    """The options of ``trl-jagg bench nft-jagg`` (parameters of
+    :func:`~trl_jagg.benchmarks.nft.run_nft_jagg_benchmark`)."""
+
+    _argument_group_name = "JAGG-NFT benchmark"
+
+    output_dir: str = field(default="runs/bench", metadata={"help": "Where the JSON and PNG go."})
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2], metadata={"help": "Seeds (LoRA init and rollouts)."})
+    checkpoints: list[int] = field(
+        default_factory=lambda: [0, 20, 40], metadata={"help": "Optimizer steps of the exact-NFT run to measure at."}
+    )
+    repeats: int = field(default=5, metadata={"help": "Timed exact/JAGG pairs per measurement (after a warm-up)."})
+    num_threads: int | None = field(default=1, metadata={"help": "torch intra-op threads (0: torch's default)."})
+    model: str | None = field(default=None, metadata={"help": "The pipeline (default: the demo's model)."})
+    plot: bool = field(default=True, metadata={"help": "Write the PNG chart (--no_plot skips it)."})
+
+
 COMMANDS = {
     "trainer": (TrainerBenchmarkArguments, "bench trainer", TRAINER_DESCRIPTION),
     "whole-step": (WholeStepBenchmarkArguments, "bench whole-step", WHOLE_STEP_DESCRIPTION),
     "quality": (QualityBenchmarkArguments, "bench quality", QUALITY_DESCRIPTION),
     "reward-overlap": (RewardOverlapBenchmarkArguments, "bench reward-overlap", REWARD_OVERLAP_DESCRIPTION),
+    "velocity-cache": (VelocityCacheBenchmarkArguments, "bench velocity-cache", VELOCITY_CACHE_DESCRIPTION),
+    "nft-jagg": (NFTJaggBenchmarkArguments, "bench nft-jagg", NFT_JAGG_DESCRIPTION),
 }
 """The sub-benchmarks by name; without one, ``trl-jagg bench`` runs the engine benchmark."""
 
@@ -245,14 +313,14 @@ def make_parser(command: str | None = None) -> CommandParser:
 
 
 def main(argv: Sequence[str]) -> int:
-    """``trl-jagg bench [trainer | whole-step | quality | reward-overlap] ARGV``: run the benchmark (it prints its table and where its files
+    """``trl-jagg bench [trainer | whole-step | quality | reward-overlap | velocity-cache | nft-jagg] ARGV``: run the benchmark (it prints its table and where its files
     are)."""
     command = argv[0] if argv and argv[0] in COMMANDS else None
     parsed = make_parser(command).parse_command_line(argv[1:] if command else argv)
     if parsed is None:
         return 0
     kwargs = asdict(parsed[0])
-    for key in ("group_sizes", "jagg_fracs", "betas", "variants", "seeds"):
+    for key in ("group_sizes", "jagg_fracs", "betas", "variants", "seeds", "checkpoints"):
         if key in kwargs:
             kwargs[key] = tuple(kwargs[key])
     if command == "trainer":
@@ -271,6 +339,14 @@ def main(argv: Sequence[str]) -> int:
         from trl_jagg.benchmarks.reward_overlap import run_reward_overlap_benchmark
 
         run_reward_overlap_benchmark(**kwargs)
+    elif command == "velocity-cache":
+        from trl_jagg.benchmarks.velocity_cache import run_velocity_cache_benchmark
+
+        run_velocity_cache_benchmark(**kwargs)
+    elif command == "nft-jagg":
+        from trl_jagg.benchmarks.nft import run_nft_jagg_benchmark
+
+        run_nft_jagg_benchmark(**kwargs)
     else:
         from trl_jagg.benchmarks.engine import run_engine_benchmark
 

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..redaction import redacted_argv
 from .utils import CommandParser, UsageError, flag_value, one_line
 
 if TYPE_CHECKING:
@@ -295,6 +297,8 @@ def read_prompts(script_args: ScriptArguments, name: str, split: str, field_name
             dataset = load_dataset(builder, data_files=name, split="train")
     else:
         dataset = load_dataset(name, script_args.dataset_config, split=split)
+    if len(dataset) == 0:  # an empty file has no columns either: say what is wrong, not which column is missing
+        raise UsageError(f"{field_name} {name} holds no prompts. Give a dataset with at least one row.")
     if column not in dataset.column_names:
         raise UsageError(
             f"dataset_prompt_column: the dataset has no column {column!r} (columns: {dataset.column_names})."
@@ -507,6 +511,7 @@ def main(argv: Sequence[str]) -> int:
     parsed = parser.parse_command_line(argv, recipe_defaults)
     if parsed is None:
         return 0
+    sys.argv[1:] = redacted_argv(sys.argv[1:])  # parsed: W&B records sys.argv, which may hold a key
     check_script_args(parsed[0])
     run_train(*parsed)
     return 0

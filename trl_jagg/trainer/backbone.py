@@ -6,9 +6,11 @@ from __future__ import annotations
 import copy
 import difflib
 import json
+from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from diffusers.configuration_utils import FrozenDict
 from diffusers.training_utils import cast_training_params
 from peft import LoraConfig
@@ -75,14 +77,46 @@ def prepare_backbone(
         ref_transformer = copy.deepcopy(transformer).requires_grad_(False).eval()
     if args.gradient_checkpointing or getattr(args, "activation_checkpointing", False):
         # transformers' own switch calls a transformers-only method; diffusers has its own.
+        every = (args.activation_checkpointing_kwargs or {}).get("every_n_layers", 1)
         for part in parts.values():
-            part.enable_gradient_checkpointing()
+            part.enable_gradient_checkpointing(every_nth_block_checkpointed(part, every) if every > 1 else None)
         args.gradient_checkpointing = args.activation_checkpointing = False
     if args.compile_repeated_blocks:
         for backbone in (transformer, ref_transformer):
             if backbone is not None:
                 compile_blocks(backbone, backend=args.compile_backend)
     return transformer, ref_transformer
+
+
+def repeated_blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
+    """The backbone's repeated transformer blocks in module order: the classes of its ``_repeated_blocks`` or, where
+    it declares none (SD3), of its ``_no_split_modules``."""
+    names = set(
+        getattr(transformer, "_repeated_blocks", None) or getattr(transformer, "_no_split_modules", None) or ()
+    )
+    return [module for module in transformer.modules() if type(module).__name__ in names]
+
+
+def every_nth_block_checkpointed(transformer: torch.nn.Module, every: int) -> Callable[..., Any]:
+    """A ``gradient_checkpointing_func`` for diffusers' ``enable_gradient_checkpointing`` that checkpoints blocks 0,
+    ``every``, ``2 every``, ... of :func:`repeated_blocks` (``activation_checkpointing_kwargs={"every_n_layers":
+    every}``, as transformers counts layers) and runs the others as usual, keeping their activations: a backward
+    then recomputes about ``1 / every`` of the blocks' forward instead of all of it."""
+    blocks = repeated_blocks(transformer)
+    if not blocks:
+        raise ValueError(
+            f"GRPOJaggConfig.activation_checkpointing_kwargs: {type(transformer).__name__} declares no repeated blocks "
+            "to choose every n-th of. Remove `every_n_layers` to checkpoint every block."
+        )
+    checkpointed = {id(block) for block in blocks[::every]}
+
+    def checkpoint_or_run(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if id(module) in checkpointed:
+            # As diffusers' default checkpointing function.
+            return torch.utils.checkpoint.checkpoint(module.__call__, *args, use_reentrant=False, **kwargs)
+        return module(*args, **kwargs)
+
+    return checkpoint_or_run
 
 
 def compile_blocks(transformer: torch.nn.Module, **compile_kwargs: Any) -> None:
@@ -92,8 +126,7 @@ def compile_blocks(transformer: torch.nn.Module, **compile_kwargs: Any) -> None:
     if getattr(transformer, "_repeated_blocks", None):
         transformer.compile_repeated_blocks(**compile_kwargs)
         return
-    names = set(getattr(transformer, "_no_split_modules", None) or ())
-    blocks = [module for module in transformer.modules() if type(module).__name__ in names]
+    blocks = repeated_blocks(transformer)
     if not blocks:
         raise ValueError(
             f"GRPOJaggConfig.compile_repeated_blocks: {type(transformer).__name__} declares no repeated blocks "

@@ -4,7 +4,7 @@ from the run seed and the optimizer step.
 A rollout is a dict: per-sample entries (``latents`` ``(B, N + 1, ...)``, ``log_probs`` ``(B, N)``, ``advantages``
 ``(B,)`` (or :class:`PendingAdvantages`), ``velocities`` ``(B, N, ...)`` when recorded, ``cond``) and shared ones
 (``sigmas``, ``sigma_values`` (the same on the host), ``timesteps``, ``stochastic_steps``, ``velocity_keys`` (one per
-step)). The update stage adds
+step) and ``velocity_step`` (the optimizer step the velocities were recorded at)). The update stage adds
 ``reference_means`` (step -> ``(B, ...)``), the KL reference's means kept for the micro-batch's later updates.
 """
 
@@ -23,16 +23,15 @@ def rng_seed(seed: int, global_step: int, *parts: int) -> int:
     return hash((seed, global_step, *parts)) % (2**63)
 
 
-def velocity_key(
-    global_step: int, dtype: torch.dtype, device_type: str, batch_shape: tuple[int, ...]
-) -> tuple[Any, ...]:
-    """Identifies the policy and forward path a velocity was computed with: the optimizer steps taken, the backbone
-    dtype, the autocast state (accelerate's mixed precision wraps the forward in autocast) and the shape of the
-    latents batch the backbone ran on (another batch shape may pick other kernels and round differently, on a GPU
-    and on a CPU alike). A cached velocity is reused only while the key is unchanged."""
+def velocity_key(dtype: torch.dtype, device_type: str, batch_shape: tuple[int, ...]) -> tuple[Any, ...]:
+    """Identifies the forward path a velocity was computed with: the backbone dtype, the autocast state (accelerate's
+    mixed precision wraps the forward in autocast) and the shape of the latents batch the backbone ran on (another
+    batch shape may pick other kernels and round differently, on a GPU and on a CPU alike). A cached velocity is
+    reused only while the key is unchanged; the parameters it was computed with are the rollout's
+    ``velocity_step`` (``jagg_cache_mode`` says what happens after an optimizer step)."""
     autocast = torch.is_autocast_enabled(device_type)
     autocast_dtype = torch.get_autocast_dtype(device_type) if autocast else None
-    return (global_step, dtype, autocast, autocast_dtype, tuple(batch_shape))
+    return (dtype, autocast, autocast_dtype, tuple(batch_shape))
 
 
 class PendingAdvantages:

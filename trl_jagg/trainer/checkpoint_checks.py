@@ -9,6 +9,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import warnings
 import zipfile
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -17,7 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ..errors import CheckpointError
-from .files import GRPO_STATE_NAME
+from .files import EMA_DIR, EMA_STATE_NAME, GRPO_STATE_NAME
 
 # Files `torch.save` writes (zip archives) that Trainer reads back when resuming.
 TORCH_STATE_FILES = ("optimizer.pt", "scheduler.pt", "scaler.pt", "rng_state.pth", "rng_state_*.pth")
@@ -119,8 +120,9 @@ def check_resume_files(path: str, *, save_only_model: bool) -> None:
 
 
 def read_grpo_state(path: str) -> dict[str, Any]:
-    """``path/grpo_state.json``: an object whose ``step`` (micro-batches consumed) is an integer >= 0 and whose
-    ``stat_tracker`` is None or maps each prompt to a list of rewards."""
+    """``path/grpo_state.json``: an object whose ``step`` (micro-batches consumed) is an integer >= 0, whose
+    ``stat_tracker`` is None or maps each prompt to a list of rewards, and whose optional ``run`` records the
+    settings a resume must keep (:func:`check_run_settings`)."""
     file = os.path.join(path, GRPO_STATE_NAME)
     state = _read_json(file)
     problem = None
@@ -139,6 +141,8 @@ def read_grpo_state(path: str) -> dict[str, Any]:
             )
         ):
             problem = "has a stat_tracker that is not None nor an object of reward lists"
+        if not isinstance(state.get("run") or {}, dict):
+            problem = "has a run record that is not an object"
     if problem:
         raise CheckpointError(f"{file} {problem}: not written by this trainer. Resume from an earlier checkpoint.")
     return state
@@ -148,11 +152,7 @@ def check_step_agreement(path: str, gradient_accumulation_steps: int) -> None:
     """``trainer_state.json``'s optimizer step and ``grpo_state.json``'s micro-batch count belong to one save: each
     optimizer step took 1 to ``gradient_accumulation_steps`` micro-batches (fewer only at an epoch's end)."""
     trainer_file = os.path.join(path, TRAINER_STATE_FILE)
-    trainer_state = _read_json(trainer_file)
-    step = trainer_state.get("global_step") if isinstance(trainer_state, dict) else None
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise CheckpointError(f"{trainer_file} has global_step {step!r}, not an integer >= 0. Resume from an earlier "
-                              "checkpoint.")  # fmt: skip
+    step = _global_step(path)
     micro = read_grpo_state(path)["step"]
     if not step <= micro <= step * gradient_accumulation_steps:
         raise CheckpointError(
@@ -164,10 +164,11 @@ def check_step_agreement(path: str, gradient_accumulation_steps: int) -> None:
         )
 
 
-def check_optimizer_shapes(path: str, parameter_shapes: Sequence[tuple[int, ...]]) -> None:
+def check_optimizer_file(path: str, parameter_shapes: Sequence[tuple[int, ...]]) -> None:
     """The per-parameter tensors of ``path/optimizer.pt`` (Adam's moments, ...) have the shapes of the parameters
     the optimizer will hold, in order (``torch.optim.Optimizer.state_dict``'s layout; a fused optimizer would run
-    with the wrong shapes unchecked). A missing file is :func:`check_resume_files`'s concern."""
+    with the wrong shapes unchecked), and are finite (a NaN moment turns the weights NaN at the first step after the
+    resume). A missing file is :func:`check_resume_files`'s concern."""
     file = os.path.join(path, "optimizer.pt")
     if not os.path.isfile(file):
         return
@@ -183,11 +184,79 @@ def check_optimizer_shapes(path: str, parameter_shapes: Sequence[tuple[int, ...]
         )
     for position, (index, shape) in enumerate(zip(indices, parameter_shapes)):
         for name, value in saved.get("state", {}).get(index, {}).items():
-            if isinstance(value, torch.Tensor) and value.ndim > 0 and tuple(value.shape) != tuple(shape):
+            if not isinstance(value, torch.Tensor):
+                continue
+            if value.ndim > 0 and tuple(value.shape) != tuple(shape):
                 raise CheckpointError(
                     f"{file}: the {name} of parameter {position} is {list(value.shape)}, the parameter is "
                     f"{list(shape)} (another LoRA rank?). Resume with the configuration that wrote it."
                 )
+            if value.is_floating_point() and not torch.isfinite(value).all():
+                raise CheckpointError(
+                    f"{file}: the {name} of parameter {position} holds NaN or infinite values (the weights would "
+                    "turn NaN at the first step). Resume from an earlier checkpoint."
+                )
+
+
+def check_ema_step(path: str) -> None:
+    """``path/ema/`` was saved with the checkpoint: the step stamped in ``ema/ema_state.json`` is
+    ``trainer_state.json``'s (an ``ema/`` copied from another save would resume a stale average). A folder saved
+    before the stamp existed cannot be checked: a warning says so."""
+    stamp = os.path.join(path, EMA_DIR, EMA_STATE_NAME)
+    if not os.path.isfile(stamp):
+        warnings.warn(
+            f"{os.path.join(path, EMA_DIR)} has no {EMA_STATE_NAME} (saved by an older version): whether the EMA "
+            "belongs to this checkpoint's step cannot be checked.",
+            stacklevel=2,
+        )
+        return
+    saved = _read_json(stamp)
+    ema_step = saved.get("step") if isinstance(saved, dict) else None
+    if not isinstance(ema_step, int) or isinstance(ema_step, bool):
+        raise CheckpointError(f"{stamp} has step {ema_step!r}, not an integer: not written by this trainer. Resume "
+                              "from an earlier checkpoint.")  # fmt: skip
+    step = _global_step(path)
+    if ema_step != step:
+        raise CheckpointError(
+            f"{stamp}: the EMA in {os.path.join(path, EMA_DIR)} was saved at step {ema_step}, the checkpoint at step "
+            f"{step} ({TRAINER_STATE_FILE}): a stale average from another save, which would make the final EMA "
+            "differ from an uninterrupted run's. Resume from a checkpoint saved whole, or with ema_decay=0."
+        )
+
+
+RESUMED_AS_SAVED = ("learning_rate", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "warmup_ratio")
+"""Settings a resume cannot change: transformers loads ``optimizer.pt`` and ``scheduler.pt`` as saved, so a new
+``learning_rate`` would be silently ignored and a new schedule would be applied from the checkpoint's step."""
+
+
+def check_run_settings(path: str, current: Mapping[str, Any]) -> None:
+    """The settings of the run resuming from ``path`` (``current``, see :data:`RESUMED_AS_SAVED` and
+    ``train_experts``) are those ``grpo_state.json`` recorded when it was saved (a checkpoint without a record is
+    not checked; without ``scheduler.pt``, under ``save_only_model``, the new schedule applies and is not
+    compared)."""
+    recorded = read_grpo_state(path).get("run")
+    if not recorded:
+        return
+    compared = [key for key in current if key in recorded]
+    if not os.path.isfile(os.path.join(path, "scheduler.pt")):
+        compared = [key for key in compared if key not in RESUMED_AS_SAVED]
+    changed = [key for key in compared if recorded[key] != current[key]]
+    if not changed:
+        return
+    was = ", ".join(f"{key}={recorded[key]!r}" for key in changed)
+    now = ", ".join(f"{key}={current[key]!r}" for key in changed)
+    why = []
+    if any(key in RESUMED_AS_SAVED for key in changed):
+        why.append(
+            "a resume loads its optimizer.pt and scheduler.pt as saved (as transformers does), so a new "
+            "learning_rate would be silently ignored and a new schedule would change the run midway"
+        )
+    if "train_experts" in changed:
+        why.append("it holds the weights of the experts it trained")
+    raise CheckpointError(
+        f"{path} was saved by a run with {was}; this run has {now}: {'; '.join(why)}. Resume with the checkpoint's "
+        "values, or start a fresh run (a new output_dir, without resume_from_checkpoint)."
+    )
 
 
 def check_finite_weights(files: Sequence[str]) -> None:
@@ -200,6 +269,17 @@ def check_finite_weights(files: Sequence[str]) -> None:
                     raise CheckpointError(
                         f"{file}: {key} holds NaN or infinite values. Resume from an earlier checkpoint."
                     )
+
+
+def _global_step(path: str) -> int:
+    """``path/trainer_state.json``'s ``global_step``, an integer >= 0."""
+    trainer_file = os.path.join(path, TRAINER_STATE_FILE)
+    trainer_state = _read_json(trainer_file)
+    step = trainer_state.get("global_step") if isinstance(trainer_state, dict) else None
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(f"{trainer_file} has global_step {step!r}, not an integer >= 0. Resume from an earlier "
+                              "checkpoint.")  # fmt: skip
+    return step
 
 
 def _read_json(file: str) -> Any:
@@ -220,9 +300,11 @@ def weight_files(path: str, pattern: str, kind: str) -> list[str]:
 
 __all__ = [
     "check_checkpoint_dir",
+    "check_ema_step",
     "check_finite_weights",
-    "check_optimizer_shapes",
+    "check_optimizer_file",
     "check_resume_files",
+    "check_run_settings",
     "check_state_files",
     "check_step_agreement",
     "check_weights",

@@ -9,7 +9,8 @@ import glob
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterator
+import traceback
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,12 +35,15 @@ from ..errors import CheckpointError, NonFiniteError, TrainingError
 from ..grpo import PerPromptStatTracker
 from ..grpo_jagg_config import GRPOJaggConfig
 from ..models import FlowMatchingAdapter
-from ..models.wan_experts import WanExperts, trained_parts
+from ..models.wan_experts import EXPERTS, TRAIN_EXPERTS, WanExperts, trained_parts
 from .checkpoint_checks import (
+    RESUMED_AS_SAVED,
     check_checkpoint_dir,
+    check_ema_step,
     check_finite_weights,
-    check_optimizer_shapes,
+    check_optimizer_file,
     check_resume_files,
+    check_run_settings,
     check_state_files,
     check_step_agreement,
     check_weights,
@@ -47,7 +51,15 @@ from .checkpoint_checks import (
     weight_files,
 )
 from .ema import EMAWeights, local_parts, sharding_of
-from .files import EMA_DIR, FULL_WEIGHTS_PATTERN, GRPO_STATE_NAME, LORA_WEIGHTS_NAME, SCHEDULER_FOLDER, without_secrets
+from .files import (
+    EMA_DIR,
+    EMA_STATE_NAME,
+    FULL_WEIGHTS_PATTERN,
+    GRPO_STATE_NAME,
+    LORA_WEIGHTS_NAME,
+    SCHEDULER_FOLDER,
+    without_secrets,
+)
 from .guards import NON_FINITE_FIX, all_finite, any_process, last_checkpoint_note
 
 
@@ -95,6 +107,10 @@ class WeightsIO:
         state disagrees (names the file); with ``ema``, its ``ema/`` folder too. ``optimizer_files``: the Trainer
         resumes from ``optimizer.pt`` / ``scheduler.pt`` (not a DeepSpeed or FSDP-plugin folder)."""
         check_checkpoint_dir(path, args.output_dir)
+        if isinstance(transformer, WanExperts):
+            check_saved_experts(path, transformer.trained, args.train_experts)
+        check_state_files(path, json_files=(TRAINER_STATE_NAME, GRPO_STATE_NAME))
+        check_run_settings(path, run_settings(args))
         pattern, kind = (LORA_WEIGHTS_NAME, "LoRA") if self.is_lora else (FULL_WEIGHTS_PATTERN, "full fine-tuning")
         prefix = self.lora_prefix if self.is_lora else ""
         folders = [path]
@@ -111,7 +127,8 @@ class WeightsIO:
                 files = weight_files(part_folder, pattern, kind)
                 check_weights(files, {key: tuple(value.shape) for key, value in expected.items()}, prefix)
                 check_finite_weights(files)
-        check_state_files(path, json_files=(TRAINER_STATE_NAME, GRPO_STATE_NAME))
+        if ema is not None:
+            check_ema_step(path)
         check_step_agreement(path, args.gradient_accumulation_steps)
         if optimizer_files:
             check_resume_files(path, save_only_model=args.save_only_model)
@@ -140,21 +157,25 @@ class WeightsIO:
             self._save(folder, part, self.part_state(transformer, name, state_dict))
 
     def _save(self, output_dir: str, transformer: torch.nn.Module, state_dict: dict | None) -> None:
-        os.makedirs(output_dir, exist_ok=True)
+        with failed_write_named(output_dir):
+            os.makedirs(output_dir, exist_ok=True)
         if self.is_lora:
-            self.adapter.pipeline_class.save_lora_weights(
-                output_dir,
-                transformer_lora_layers=get_peft_model_state_dict(transformer, state_dict=state_dict),
-                # Without the metadata a lora_alpha != r adapter reloads with the wrong scale.
-                transformer_lora_adapter_metadata=self.peft_config.to_dict(),
-            )
+            with failed_write_named(os.path.join(output_dir, LORA_WEIGHTS_NAME)):
+                self.adapter.pipeline_class.save_lora_weights(
+                    output_dir,
+                    transformer_lora_layers=get_peft_model_state_dict(transformer, state_dict=state_dict),
+                    # Without the metadata a lora_alpha != r adapter reloads with the wrong scale.
+                    transformer_lora_adapter_metadata=self.peft_config.to_dict(),
+                )
         elif state_dict is None:
-            transformer.save_pretrained(output_dir)
+            with failed_write_named(os.path.join(output_dir, FULL_WEIGHTS_PATTERN)):
+                transformer.save_pretrained(output_dir)
         else:
-            transformer.save_config(output_dir)
-            save_torch_state_dict(
-                state_dict, output_dir, filename_pattern="diffusion_pytorch_model{suffix}.safetensors"
-            )
+            with failed_write_named(os.path.join(output_dir, FULL_WEIGHTS_PATTERN)):
+                transformer.save_config(output_dir)
+                save_torch_state_dict(
+                    state_dict, output_dir, filename_pattern="diffusion_pytorch_model{suffix}.safetensors"
+                )
 
     def load(self, transformer: torch.nn.Module, folder: str) -> None:
         """Load the weights saved in ``folder`` into ``transformer`` (checked by :meth:`check` first); under
@@ -194,10 +215,11 @@ class WeightsIO:
 
     def save_model_folder(
         self, output_dir: str, transformer: torch.nn.Module, state_dicts: tuple[dict | None, dict | None],
-        ema: EMAWeights | None, args: GRPOJaggConfig,
+        ema: EMAWeights | None, args: GRPOJaggConfig, step: int,
     ) -> None:  # fmt: skip
         """A model folder: the weights, the EMA weights beside them in their format (``ema/``: loadable with
-        ``load_lora_weights(f"{output_dir}/ema")``), the schedule sampled in training (``scheduler/``: a recipe may
+        ``load_lora_weights(f"{output_dir}/ema")``, stamped with the optimizer step ``step`` in ``ema_state.json``,
+        which a resume compares with the checkpoint's), the schedule sampled in training (``scheduler/``: a recipe may
         override the base model's, DanceGRPO's shift 3) and the training arguments without secrets.
         ``state_dicts``: the gathered weights and EMA weights (:meth:`gathered_state_dicts`), ``None`` where the
         model holds them whole."""
@@ -208,8 +230,14 @@ class WeightsIO:
         elif ema is not None:
             with ema.swapped_in():
                 self.save(os.path.join(output_dir, EMA_DIR), transformer, None)
-        self.adapter.pipeline.scheduler.save_pretrained(os.path.join(output_dir, SCHEDULER_FOLDER))
-        torch.save(without_secrets(args), os.path.join(output_dir, TRAINING_ARGS_NAME))
+        if ema is not None:
+            stamp = os.path.join(output_dir, EMA_DIR, EMA_STATE_NAME)
+            with failed_write_named(stamp), open(stamp, "w") as handle:
+                json.dump({"step": step}, handle)
+        with failed_write_named(os.path.join(output_dir, SCHEDULER_FOLDER)):
+            self.adapter.pipeline.scheduler.save_pretrained(os.path.join(output_dir, SCHEDULER_FOLDER))
+        with failed_write_named(os.path.join(output_dir, TRAINING_ARGS_NAME), torch_save=True):
+            torch.save(without_secrets(args), os.path.join(output_dir, TRAINING_ARGS_NAME))
 
     def load_resumed(
         self, transformer: torch.nn.Module, checkpoint: str, ema: EMAWeights | None, *, trained: bool = True
@@ -231,9 +259,63 @@ class WeightsIO:
 
 def check_optimizer_state(checkpoint: str, optimizer: torch.optim.Optimizer) -> None:
     """Before the Trainer loads ``checkpoint/optimizer.pt`` into ``optimizer``: its per-parameter state has the
-    shapes of the parameters (the state of another LoRA rank would load without a complaint)."""
+    shapes of the parameters (the state of another LoRA rank would load without a complaint) and is finite."""
     params = [p for group in _torch_optimizer(optimizer).param_groups for p in group["params"]]
-    check_optimizer_shapes(checkpoint, [tuple(p.shape) for p in params])
+    check_optimizer_file(checkpoint, [tuple(p.shape) for p in params])
+
+
+def check_saved_experts(path: str, trained: Sequence[str], train_experts: str) -> None:
+    """A two-expert checkpoint (Wan2.2) holds a folder for each expert this run trains and no other: resumed with
+    another ``train_experts``, the weights of an expert would be missing or silently left out."""
+    saved = tuple(name for name in EXPERTS if os.path.isdir(os.path.join(path, name)))
+    if not saved or saved == tuple(trained):
+        return  # no expert folder at all: `weight_files` names what the folder holds
+    saved_setting = next((key for key, value in TRAIN_EXPERTS.items() if value == saved), None)
+    raise CheckpointError(
+        f"{path} holds the weights of the expert(s) {list(saved)} (a run with train_experts={saved_setting!r}); this "
+        f"run trains {list(trained)} (train_experts={train_experts!r}). Resume with train_experts="
+        f"{saved_setting!r}, or start a fresh run (a new output_dir, without resume_from_checkpoint)."
+    )
+
+
+def run_settings(args: GRPOJaggConfig) -> dict[str, Any]:
+    """The settings ``grpo_state.json`` records for :func:`~trl_jagg.trainer.checkpoint_checks.check_run_settings`,
+    as JSON values (a resume compares them with the values read back)."""
+    values = {key: getattr(args, key, None) for key in (*RESUMED_AS_SAVED, "train_experts")}
+    return json.loads(json.dumps(values, default=str))
+
+
+@contextlib.contextmanager
+def failed_write_named(path: str, *, torch_save: bool = False) -> Iterator[None]:
+    """A failure to write ``path`` as a :class:`CheckpointError` that names it and the likely cause, chained to the
+    original (torch reports a full disk as "unexpected pos", safetensors as a bare I/O error, neither with the path).
+    ``torch_save``: the block is a ``torch.save``, whose write failures are ``RuntimeError``."""
+    caught = (OSError, SafetensorError, RuntimeError) if torch_save else (OSError, SafetensorError)
+    try:
+        yield
+    except TrainingError:
+        raise
+    except caught as error:
+        raise CheckpointError(
+            f"Writing {path} failed ({type(error).__name__}: {error}). The disk is likely full, or the folder not "
+            "writable: free space (or fix the permissions) and save again; a run resumes from its last complete "
+            "checkpoint."
+        ) from error
+
+
+@contextlib.contextmanager
+def optimizer_write_named(output_dir: str) -> Iterator[None]:
+    """:func:`failed_write_named` for the block writing ``optimizer.pt`` then ``scheduler.pt`` into ``output_dir``
+    with ``torch.save``: the error names the one being written (``torch.save`` creates its file first), or the folder
+    (DeepSpeed's files)."""
+    try:
+        yield
+    except (OSError, SafetensorError, RuntimeError) as error:
+        if isinstance(error, TrainingError) or not _is_write_failure(error):
+            raise
+        written = [os.path.join(output_dir, name) for name in (SCHEDULER_NAME, OPTIMIZER_NAME)]
+        with failed_write_named(next((f for f in written if os.path.exists(f)), output_dir), torch_save=True):
+            raise error
 
 
 def last_checkpoint(output_dir: str) -> str:
@@ -256,8 +338,8 @@ def check_saveable(
     run_dir: str,
     ema: EMAWeights | None = None,
 ) -> None:
-    """Refuse to save non-finite weights or EMA weights, and to replace existing weights with a model that has
-    trained 0 steps (on every process alike)."""
+    """Refuse to save non-finite weights or EMA weights, and to save a model that has trained 0 steps over existing
+    weights or beside a run's checkpoints (on every process alike)."""
     for name, tensors in (("weights", params), ("EMA weights", ema.shadow_params if ema is not None else [])):
         if any_process(accelerator, not all_finite(tensors)):
             raise NonFiniteError(
@@ -269,6 +351,14 @@ def check_saveable(
         raise TrainingError(
             f"Refusing to replace the weights in {output_dir} with a model that has trained 0 steps. Train first, "
             "or save to another directory."
+        )
+    checkpoints = sort_checkpoints(output_dir) if os.path.isdir(output_dir) else []
+    if any_process(accelerator, global_step == 0 and bool(checkpoints)):
+        raise TrainingError(
+            f"Refusing to save a model that has trained 0 steps into {output_dir}, which holds a run's checkpoints "
+            f"(latest: {os.path.basename(checkpoints[-1]) if checkpoints else '?'}): its weights would sit beside "
+            "them as the run's result. To save the trained weights, resume first (train(resume_from_checkpoint="
+            "True) with max_steps reached saves them); otherwise save to another directory."
         )
 
 
@@ -285,25 +375,30 @@ def best_checkpoint(run_dir: str, state: Any, save_strategy: str) -> str | None:
 
 
 def save_run_state(
-    output_dir: str, state: Any, stateful: list[Any], micro_step: int, stat_tracker: PerPromptStatTracker | None
-) -> None:
+    output_dir: str, state: Any, stateful: list[Any], micro_step: int, stat_tracker: PerPromptStatTracker | None,
+    args: GRPOJaggConfig,
+) -> None:  # fmt: skip
     """The Trainer's ``trainer_state.json`` (with the state of the ``stateful`` callbacks and control, as the
     Trainer saves it) and the trainer's own ``grpo_state.json``."""
     for callback in stateful:
         if isinstance(callback, ExportableState):
             state.stateful_callbacks[callback.__class__.__name__] = callback.state()
     state.save_to_json(os.path.join(output_dir, TRAINER_STATE_NAME))
-    save_grpo_state(output_dir, micro_step, stat_tracker)
+    save_grpo_state(output_dir, micro_step, stat_tracker, run_settings(args))
 
 
-def save_grpo_state(output_dir: str, micro_step: int, stat_tracker: PerPromptStatTracker | None) -> None:
-    """The micro-batch counter (rollout buffer position, random trained steps) and the per-prompt reward history:
-    identical on every process (it is updated with gathered rewards), written once."""
+def save_grpo_state(
+    output_dir: str, micro_step: int, stat_tracker: PerPromptStatTracker | None, run: dict[str, Any] | None = None
+) -> None:
+    """The micro-batch counter (rollout buffer position, random trained steps), the per-prompt reward history
+    (identical on every process: it is updated with gathered rewards; written once) and ``run``, the settings a
+    resume must keep (:func:`run_settings`)."""
     state = {
         "step": micro_step,
         "stat_tracker": None
         if stat_tracker is None
         else {prompt: list(values) for prompt, values in stat_tracker.history.items()},
+        "run": run,
     }
     with open(os.path.join(output_dir, GRPO_STATE_NAME), "w") as f:
         json.dump(state, f)  # floats round-trip exactly through JSON
@@ -331,8 +426,9 @@ def save_full_optimizer_state(
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     state = get_optimizer_state_dict(model, _torch_optimizer(optimizer), options=options)
     if should_save:
-        torch.save(state, os.path.join(output_dir, OPTIMIZER_NAME))
-        torch.save(lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+        with optimizer_write_named(output_dir):
+            torch.save(state, os.path.join(output_dir, OPTIMIZER_NAME))
+            torch.save(lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
 
 def load_full_optimizer_state(
@@ -358,14 +454,15 @@ def atomic_checkpoint(
     try:
         yield staging_dir
     except (OSError, RuntimeError, SafetensorError) as error:
-        # torch ("PytorchStreamWriter failed writing file") and safetensors report a full disk or a too-large file
-        # without the path; other errors (this trainer's own, a bug) pass unchanged.
-        written = isinstance(error, (OSError, SafetensorError)) or "writ" in str(error).lower()
-        if isinstance(error, TrainingError) or not written:
+        # torch ("unexpected pos", "PytorchStreamWriter failed writing file") and safetensors report a full disk or
+        # a too-large file without the path (the writes of this trainer's files name theirs: CheckpointError); other
+        # errors (a bug) pass unchanged.
+        if isinstance(error, TrainingError) or not _is_write_failure(error):
             raise
         raise CheckpointError(
-            f"Writing {staging_dir} failed ({type(error).__name__}: {error}). Free disk space (or raise the file "
-            f"size limit) and resume; the checkpoints already in {run_dir} are untouched."
+            f"Writing {staging_dir} failed ({type(error).__name__}: {error}). The disk is likely full (or the file "
+            f"too large, the folder not writable): free disk space and resume; the checkpoints already in {run_dir} "
+            "are untouched."
         ) from error
     wait_for_everyone()
     if should_save:
@@ -373,6 +470,15 @@ def atomic_checkpoint(
             delete_whole(final_dir)
         os.replace(staging_dir, final_dir)
     wait_for_everyone()
+
+
+def _is_write_failure(error: BaseException) -> bool:
+    """Whether ``error`` is a failed write: an I/O error, or a ``RuntimeError`` of ``torch.save`` (raised from
+    ``torch/serialization.py``, whatever its text)."""
+    if isinstance(error, (OSError, SafetensorError)):
+        return True
+    files = [frame.f_code.co_filename for frame, _ in traceback.walk_tb(error.__traceback__)]
+    return any(file.replace(os.sep, "/").endswith("torch/serialization.py") for file in files)
 
 
 DELETING_SUFFIX = ".deleting"

@@ -163,7 +163,7 @@ class Evaluator:
         # As in training: retried, and a failure on any process raises RewardFailure on all (the trainer saves).
         total, parts = scored_rewards(
             self.reward_funcs, self.accelerator, prompts, images, weights=args.reward_weights,
-            retries=args.reward_retries, trainer_state=trainer_state,
+            retries=args.reward_retries, timeout=args.reward_timeout, trainer_state=trainer_state,
             # TRL's reward keywords; evaluation has no completions table, so log_extra's columns are dropped.
             log_metric=lambda name, value: reward_metrics[name].append(float(value)),
             log_extra=lambda column, values: None,

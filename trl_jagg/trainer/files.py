@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..grpo_jagg_config import GRPOJaggConfig
 from ..models.wan_experts import EXPERTS
+from ..redaction import redacted_fields
 
 LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
 """LoRA weights in the diffusers format that ``pipe.load_lora_weights`` reads."""
@@ -17,6 +15,8 @@ FULL_WEIGHTS_PATTERN = "diffusion_pytorch_model*.safetensors"
 SCHEDULER_FOLDER = "scheduler"
 EMA_DIR = "ema"
 """Subfolder of every saved model and checkpoint holding the EMA weights, in the format of the trained ones."""
+EMA_STATE_NAME = "ema_state.json"
+"""In ``ema/``: the optimizer step the average was saved at, which a resume compares with the checkpoint's."""
 GRPO_STATE_NAME = "grpo_state.json"
 """The trainer's own run state in a checkpoint (the Trainer saves weights, optimizer, scheduler and RNG itself)."""
 MODEL_FILES = (
@@ -36,9 +36,6 @@ HUB_IGNORE_PATTERNS = ["_*", f"{PREFIX_CHECKPOINT_DIR}-*", f"tmp-{PREFIX_CHECKPO
 
 
 def without_secrets(args: GRPOJaggConfig) -> GRPOJaggConfig:
-    """A copy of ``args`` for ``training_args.bin`` without ``*_token`` values (the Hub token would be in clear)."""
-    clean = copy.copy(args)
-    for item in dataclasses.fields(args):
-        if item.name.endswith("_token") and getattr(args, item.name) is not None:
-            setattr(clean, item.name, None)
-    return clean
+    """A copy of ``args`` for ``training_args.bin`` without secrets (:func:`~trl_jagg.redaction.redacted_fields`:
+    the Hub token, keys anywhere in ``reward_kwargs``, URL userinfo), which a Hub push would upload in clear."""
+    return redacted_fields(args)

@@ -66,7 +66,10 @@ def advantages_per_group(args: GRPOJaggConfig) -> bool:
 
 def rollout_window(args: GRPOJaggConfig, global_step: int) -> list[int] | None:
     """The SDE window of the rollout at ``global_step`` in the schedule's steps (``None``: every step stochastic):
-    Flow-GRPO-Fast's random start or MixGRPO's sliding one (:func:`trl_jagg.sde_window.sde_window`)."""
+    Flow-GRPO-Fast's random start or MixGRPO's sliding one (:func:`trl_jagg.sde_window.sde_window`). DiffusionNFT
+    (``objective="nft"``) samples every step with the deterministic ODE: an empty window."""
+    if args.objective == "nft":
+        return []
     if args.sde_window_size == 0:
         return None
     return sde_window(
@@ -171,7 +174,7 @@ class RolloutGenerator:
                 # DanceGRPO feeds the backbone int(sigma * 1000) / 1000; the sampler keeps the exact sigmas.
                 timesteps = timesteps.floor()
             stochastic_steps = rollout_window(args, global_step)
-            if stochastic_steps is not None:
+            if stochastic_steps:
                 # The ODE outside the window on fewer steps (ode_step_ratio); the rollout's own schedule from here.
                 path = compressed_path(args.num_inference_steps, stochastic_steps, args.ode_step_ratio)
                 sigmas, timesteps, stochastic_steps = path_schedule(sigmas, timesteps, path, stochastic_steps)
@@ -189,7 +192,9 @@ class RolloutGenerator:
             chunk = args.sample_batch_size or args.per_device_train_batch_size
             # Videos are scored whole, after the rollout (an image reward's per-frame mean is taken there).
             overlap = args.overlap_rewards and not adapter.makes_videos
-            scorer = ChunkScorer(self.reward_funcs, enabled=overlap, trainer_state=trainer_state)
+            scorer = ChunkScorer(
+                self.reward_funcs, enabled=overlap, trainer_state=trainer_state, timeout=args.reward_timeout
+            )
             trajectories: list[Trajectory] = []
             images, pixel_peaks = [], []
             # Rollouts of a large model take minutes: a transient bar under the Trainer's own, on a terminal only
@@ -271,13 +276,14 @@ class RolloutGenerator:
         }
         if record_velocities:
             rollout["velocities"] = torch.cat([t.velocities for t in trajectories])
-            # What each step's cached velocities are exact for: these parameters, this forward path and the batch
-            # shape its backbone call ran on, if every chunk ran that step on one shape (else never reused).
+            # What each step's cached velocities are exact for: these parameters (`velocity_step`), this forward
+            # path and the batch shape its backbone call ran on, if every chunk ran that step on one shape (else
+            # never reused).
             shapes = [set(step) for step in zip(*(t.call_shapes for t in trajectories))]
             rollout["velocity_keys"] = [
-                velocity_key(global_step, adapter.dtype, device.type, *shape) if len(shape) == 1 else None
-                for shape in shapes
+                velocity_key(adapter.dtype, device.type, *shape) if len(shape) == 1 else None for shape in shapes
             ]
+            rollout["velocity_step"] = global_step
         return rollout
 
     def _score(
@@ -292,7 +298,7 @@ class RolloutGenerator:
         extra_columns: dict[str, list[Any]] = defaultdict(list)
         rewards, per_reward = scored_rewards(
             scorer.reward_funcs(), self.accelerator, prompts, images, weights=args.reward_weights,
-            retries=args.reward_retries, trainer_state=trainer_state,
+            retries=args.reward_retries, timeout=args.reward_timeout, trainer_state=trainer_state,
             # TRL's reward keywords: a scalar for the logs, a column (one value per image) for the completions table.
             log_metric=lambda name, value: reward_metrics[name].append(float(value)),
             log_extra=lambda column, values: extra_columns[column].extend(values),
@@ -384,7 +390,9 @@ class RolloutGenerator:
             try:
                 rewards, per_reward = scored_rewards(
                     scorer.reward_funcs(c), self.accelerator, prompts[index], images[index],
-                    weights=args.reward_weights, retries=args.reward_retries, trainer_state=trainer_state,
+                    weights=args.reward_weights, retries=args.reward_retries, timeout=args.reward_timeout,
+                    trainer_state=trainer_state,
+                    first_sample=c * chunk,  # errors name the rollout's positions, not the chunk's
                     log_metric=lambda name, value: reward_metrics[name].append(float(value)),
                     log_extra=lambda column, values: extra_columns[column].extend(values),
                     **{key: values[index] for key, values in columns.items()},

@@ -15,8 +15,9 @@ from transformers.trainer_utils import get_last_checkpoint
 from ..errors import NonFiniteError
 
 NON_FINITE_FIX = (
-    "Resume from the checkpoint with a lower learning_rate (or max_grad_norm > 0, noise_level, guidance_scale in "
-    "their usual ranges, dtype float32)."
+    "Resume from it (from an earlier one if the run had just resumed from it) with max_grad_norm > 0, noise_level "
+    "and guidance_scale in their usual ranges, or dtype float32; a lower learning_rate needs a fresh run (a resume "
+    "keeps the checkpoint's optimizer and schedule)."
 )
 
 
@@ -29,18 +30,19 @@ def any_process(accelerator: Any, flag: bool) -> bool:
 
 
 def last_checkpoint_note(run_dir: str) -> str:
-    """A sentence naming the latest ``checkpoint-N`` in ``run_dir``, or saying there is none."""
+    """A sentence naming the latest ``checkpoint-N`` in ``run_dir``, or saying there is none. Not called "good": the
+    run may have just resumed from it (its files passed the resume checks, yet the values led here)."""
     last = get_last_checkpoint(run_dir) if os.path.isdir(run_dir) else None
     if last is None:
         return f"No checkpoint was saved before it in {run_dir}."
-    return f"Last good checkpoint: {last}."
+    return f"Latest checkpoint: {last}."
 
 
 def stop_if_non_finite(
     accelerator: Any, quantity: str, value: torch.Tensor | float | None, *, step: int, run_dir: str
 ) -> None:
     """Raise :class:`NonFiniteError` naming optimizer step ``step`` (1-based, the one being computed), ``quantity``
-    and the last good checkpoint when ``value`` holds a NaN or an infinity on any process."""
+    and the latest checkpoint when ``value`` holds a NaN or an infinity on any process."""
     if value is None:
         return
     bad = not bool(torch.isfinite(torch.as_tensor(value)).all())

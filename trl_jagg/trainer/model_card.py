@@ -32,6 +32,14 @@ GRPO_CITATION = """@article{shao2024deepseekmath,
   year    = {2024}
 }"""
 
+NFT_CITATION = """@article{zheng2025diffusionnft,
+  title   = {DiffusionNFT: Online Diffusion Reinforcement with Forward Process},
+  author  = {Zheng, Kaiwen and Chen, Huayu and Ye, Haotian and Wang, Haoxiang and Zhang, Qinsheng and Jiang, Kai and
+             Su, Hang and Ermon, Stefano and Zhu, Jun and Liu, Ming-Yu},
+  journal = {arXiv preprint arXiv:2509.16117},
+  year    = {2025}
+}"""
+
 TRL_CITATION = """@software{vonwerra2020trl,
   title   = {TRL: Transformers Reinforcement Learning},
   author  = {von Werra, Leandro and Belkada, Younes and Tunstall, Lewis and Beeching, Edward and Thrush, Tristan and
@@ -103,8 +111,7 @@ _TEMPLATE = """
 
 ## Training
 
-Trained with [trl_jagg]({repository}): GRPO on the denoising trajectory of a flow-matching
-model, with JAGG group gradients in the update stage.
+Trained with [trl_jagg]({repository}): {training_summary}
 
 | setting | value |
 |---|---|
@@ -124,10 +131,10 @@ Cite JAGG as:
 {jagg_citation}
 ```
 
-Cite GRPO as:
+Cite {objective_name} as:
 
 ```bibtex
-{grpo_citation}
+{objective_citation}
 ```
 
 Cite TRL as:
@@ -329,12 +336,25 @@ def write_model_card(
         **base_model_license(base_id),
     )
     kind = "LoRA adapter" if is_lora else "fully fine-tuned transformer"
+    nft = args.objective == "nft"
+    objective_name = "DiffusionNFT" if nft else "GRPO"
+    training_summary = (
+        "DiffusionNFT, the negative-aware flow-matching objective on forward-noised clean samples of deterministic "
+        "rollouts" + (", with JAGG group gradients across each sample's timesteps." if args.use_jagg else ".")
+        if nft
+        else "GRPO on the denoising trajectory of a flow-matching model"
+        + (", with JAGG group gradients in the update stage." if args.use_jagg else ".")
+    )
     base_text = f"[{base_id}](https://huggingface.co/{base_id})" if base_id else f"a local `{pipeline_class}`"
     settings = {
         "base model": base_id or f"local {pipeline_class}",
-        "method": "GRPO + JAGG" if args.use_jagg else "GRPO (exact per-step gradients)",
+        "method": f"{objective_name} + JAGG" if args.use_jagg else f"{objective_name} (exact per-step gradients)",
         "JAGG group size / frac / mode": f"{args.jagg_group_size} / {args.jagg_frac} / {args.jagg_mode}",
-        "sampler / noise level": f"{args.sampler} / {args.noise_level}",
+        **(
+            {"rollout / NFT beta / old-policy decay type": f"ODE / {args.nft_beta} / {args.nft_decay_type}"}
+            if nft
+            else {"sampler / noise level": f"{args.sampler} / {args.noise_level}"}
+        ),
         "steps / resolution": f"{args.num_inference_steps} / {args.height}x{args.width}",
         "images per prompt (G)": args.num_generations,
         "trained steps": args.train_timesteps,
@@ -346,13 +366,17 @@ def write_model_card(
         "The call repeats the sampling settings of training (steps, resolution, guidance"
         + (" and the negative prompt" if "negative_prompt" in call_kwargs else "")
         + (", the scheduler" if scheduler_class else "")
-        + f"); training sampled them with the `{args.sampler}` SDE sampler, the pipeline samples the ODE."
+        + (
+            f"); training sampled them with the ODE (solver order {args.ode_solver_order}), as the pipeline does."
+            if nft
+            else f"); training sampled them with the `{args.sampler}` SDE sampler, the pipeline samples the ODE."
+        )
     )
     card = ModelCard(
         f"---\n{data.to_yaml()}\n---\n"
         + _TEMPLATE.format(
             model_name=model_name,
-            summary=f"A {kind} for {base_text}, aligned with GRPO.",
+            summary=f"A {kind} for {base_text}, aligned with {objective_name}.",
             usage=usage_snippet(
                 base=base_id or LOCAL_BASE,
                 repo=hub_model_id or model_name,
@@ -371,12 +395,15 @@ def write_model_card(
             repository=REPOSITORY_URL,
             versions=framework_versions(),
             jagg_citation=JAGG_CITATION,
-            grpo_citation=GRPO_CITATION,
+            training_summary=training_summary,
+            objective_name=objective_name,
+            objective_citation=NFT_CITATION if nft else GRPO_CITATION,
             trl_citation=TRL_CITATION,
         )
     )
     lora_tags = ["lora", "template:sd-lora"] if is_lora else []
-    populate_model_card(card, tags=list(dict.fromkeys([*TRAINING_TAGS, *tags, *family, *lora_tags])))
+    objective_tags = ["diffusion-nft"] if nft else []
+    populate_model_card(card, tags=list(dict.fromkeys([*TRAINING_TAGS, *tags, *objective_tags, *family, *lora_tags])))
     path = os.path.join(output_dir, "README.md")
     os.makedirs(output_dir, exist_ok=True)
     card.save(path)

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from ..rewards import reward_name
-from ..rewards.base import scores_each_sample, synchronous
+from ..rewards.base import scores_each_sample
+from ..rewards.calling import call_within, reward_deadline
 
 MAX_CHUNKS_IN_FLIGHT = 8
 """Chunks scored at once: a server answers one chunk while the next ones are already sent."""
@@ -27,17 +28,19 @@ MAX_CHUNKS_IN_FLIGHT = 8
 
 class _ChunkScores:
     """Stands in for a reward in :func:`~trl_jagg.rewards.compute_rewards`: its first call returns the chunks'
-    scores, concatenated in order (or raises the first chunk's error); a further call (``reward_retries``) scores the
-    whole batch with the reward itself."""
+    scores, concatenated in order (or raises the first chunk's error, a :class:`~trl_jagg.rewards.calling.RewardTimeout`
+    when a chunk ran past its deadline); a further call (``reward_retries``) scores the whole batch with the reward
+    itself. Its deadline in ``compute_rewards`` is the reward's."""
 
-    def __init__(self, func: Callable[..., Any], chunks: list[tuple[Future, int]]):
+    def __init__(self, func: Callable[..., Any], chunks: list[tuple[Future, int]], timeout: float | None):
         self.func, self.chunks = func, chunks
         self.__name__ = reward_name(func)
+        self.default_reward_timeout = reward_deadline(func, timeout)
         self._called = False
 
     def __call__(self, **kwargs: Any) -> list[Any]:
         if self._called:
-            return synchronous(self.func)(**kwargs)
+            return call_within(self.func, self.__name__, self.default_reward_timeout, **kwargs)
         self._called = True
         wait(
             [future for future, _ in self.chunks]
@@ -58,10 +61,15 @@ class _ChunkScores:
 class ChunkScorer:
     """Scores the per-sample rewards among ``reward_funcs`` chunk by chunk (:meth:`submit`) while the rollout samples;
     :meth:`reward_funcs` is the list to score the whole rollout with afterwards. ``enabled=False`` scores nothing
-    early (every reward then runs on the whole batch, as without this class)."""
+    early (every reward then runs on the whole batch, as without this class). Each chunk's call has the reward's
+    deadline (``timeout``, ``reward_timeout``; see :func:`~trl_jagg.rewards.calling.reward_deadline`) from its
+    start."""
 
-    def __init__(self, reward_funcs: Sequence[Callable[..., Any]], *, enabled: bool, trainer_state: Any):
+    def __init__(
+        self, reward_funcs: Sequence[Callable[..., Any]], *, enabled: bool, trainer_state: Any, timeout: float | None
+    ):
         self._funcs = list(reward_funcs)
+        self._timeout = timeout
         self._early = [i for i, func in enumerate(self._funcs) if enabled and scores_each_sample(func)]
         self._chunks: dict[int, list[tuple[Future, int]]] = {i: [] for i in self._early}
         self._trainer_state = trainer_state
@@ -78,7 +86,10 @@ class ChunkScorer:
         kwargs = dict(prompts=prompts, images=images, completions=images, trainer_state=self._trainer_state,
                       **columns)  # fmt: skip
         for i in self._early:
-            self._chunks[i].append((self._pool.submit(synchronous(self._funcs[i]), **kwargs), len(images)))
+            func = self._funcs[i]
+            call = self._pool.submit(call_within, func, reward_name(func), reward_deadline(func, self._timeout),
+                                     **kwargs)  # fmt: skip
+            self._chunks[i].append((call, len(images)))
 
     @property
     def scores_every_reward(self) -> bool:
@@ -93,7 +104,7 @@ class ChunkScorer:
             self._pool.shutdown(wait=False)  # the submitted chunks still run; nothing new is accepted
         window = slice(None) if chunk is None else slice(chunk, chunk + 1)
         return [
-            _ChunkScores(func, self._chunks[i][window]) if i in self._chunks else func
+            _ChunkScores(func, self._chunks[i][window], self._timeout) if i in self._chunks else func
             for i, func in enumerate(self._funcs)
         ]
 

@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 import torch
+from accelerate.utils import gather_object
 
 from ..errors import TrainingError
 from ..rewards import compute_rewards
@@ -16,15 +17,18 @@ from .guards import any_process
 
 logger = logging.getLogger(__name__)
 
+MAX_REPORTED_CHARS = 500
+"""The start of another process's error shown in this process's error."""
+
 
 class RewardFailure(Exception):
     """A reward function failed on some process (a rollout, an evaluation); raised on every process alike, so the
     trainer can save the steps trained so far (a collective) before stopping. ``error`` is this process's own failure,
-    ``None`` when another process failed."""
+    ``None`` when another process failed; ``elsewhere`` says what failed on the other processes."""
 
-    def __init__(self, error: Exception | None):
+    def __init__(self, error: Exception | None, elsewhere: str = ""):
         super().__init__(str(error) if error is not None else "a reward function failed on another process")
-        self.error = error
+        self.error, self.elsewhere = error, elsewhere
 
     def raise_with_note(self, saved: str | None, trained_steps: int, during: str) -> NoReturn:
         """Raise the reward's own error (or, on the processes where it did not fail, a :class:`TrainingError`) with
@@ -32,10 +36,11 @@ class RewardFailure(Exception):
         note = f"{saved} holds the {trained_steps} trained steps: resume from it." if saved else ""
         note = note or "No trained step was lost (none to save)."
         if self.error is None:
-            raise TrainingError(f"A reward function failed on another process {during}. {note}") from None
+            elsewhere = f" ({self.elsewhere})" if self.elsewhere else ""
+            raise TrainingError(f"A reward function failed on another process {during}{elsewhere}. {note}") from None
         logger.warning("A reward function failed %s. %s", during, note)
         if hasattr(self.error, "add_note"):  # Python >= 3.11: shown with the error
-            self.error.add_note(note)
+            self.error.add_note(f"The run stopped {during}. {note}")
         raise self.error from None
 
 
@@ -47,18 +52,38 @@ def scored_rewards(
     *,
     weights: Sequence[float] | None,
     retries: int,
+    timeout: float | None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """:func:`~trl_jagg.rewards.compute_rewards`, raising :class:`RewardFailure` on every process when it failed on
-    any of them. A process without prompts (an evaluation split over more processes than prompts) calls no reward
-    but joins the check."""
+    """:func:`~trl_jagg.rewards.compute_rewards` (each reward within its deadline, ``timeout`` =
+    ``reward_timeout``), raising :class:`RewardFailure` on every process when it failed on any of them. A process
+    without prompts (an evaluation split over more processes than prompts) calls no reward but joins the check.
+
+    A reward that hangs on one process reaches the check at its deadline, as a failure: the other processes, waiting
+    in the check, stop then too, not at the process group's timeout."""
     failure: Exception | None = None
     return_value: tuple[torch.Tensor, dict[str, torch.Tensor]] = (torch.zeros(0), {})
     try:
         if prompts:
-            return_value = compute_rewards(reward_funcs, prompts, images, weights, retries=retries, **kwargs)
+            return_value = compute_rewards(
+                reward_funcs, prompts, images, weights, retries=retries, timeout=timeout, **kwargs
+            )
     except Exception as error:  # raised below, once every process knows
         failure = error
     if any_process(accelerator, failure is not None):
-        raise RewardFailure(failure)
+        raise RewardFailure(failure, _failures_elsewhere(accelerator, failure))
     return return_value
+
+
+def _failures_elsewhere(accelerator: Any, failure: Exception | None) -> str:
+    """What failed on each other process, e.g. ``"process 1: RewardTimeout: Reward 'x' did not return ..."``, for the
+    error of the processes where nothing failed (a collective, on every process alike)."""
+    if accelerator.num_processes == 1:
+        return ""
+    summary = None if failure is None else f"{type(failure).__name__}: {str(failure)[:MAX_REPORTED_CHARS]}"
+    reports = gather_object([summary])  # one per process, in process order
+    return "; ".join(
+        f"process {index}: {report}"
+        for index, report in enumerate(reports)
+        if report is not None and index != accelerator.process_index
+    )

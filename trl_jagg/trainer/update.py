@@ -9,21 +9,22 @@ deferred step) all live here.
 from __future__ import annotations
 
 import contextlib
+import functools
 import random
 import warnings
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from accelerate.utils import DistributedType
 
 from ..grpo import guard_log_ratio, kl_to_reference, ppo_step_loss
 from ..grpo_jagg_config import GRPOJaggConfig
 from ..jagg import EngineResult, JaggEngine, StepGroup, gradient_diagnostic, leading_jagg_fraction, plan_groups
 from ..models import FlowMatchingAdapter
 from ..sampling import sampler_step
+from .backward import backward, backward_unit
 from .batch import resolved, rng_seed, velocity_key
 from .guards import any_process
 from .placement import adapters_disabled, reshard
@@ -63,18 +64,6 @@ class StepFunctions:
     loss_fn: Callable[[int, torch.Tensor], torch.Tensor]
     no_grad_velocities_fn: Callable[[Sequence[int]], list[torch.Tensor]]
     stats: dict[str, list[torch.Tensor]]
-
-
-@contextlib.contextmanager
-def deepspeed_step_deferred(accelerator: Any) -> Iterator[None]:
-    """Backward calls inside are not a gradient-accumulation boundary for DeepSpeed: no engine step after them."""
-    state = accelerator.gradient_state
-    sync = state.sync_gradients
-    state._set_sync_gradients(False)
-    try:
-        yield
-    finally:
-        state._set_sync_gradients(sync)
 
 
 class UpdateStage:
@@ -193,17 +182,22 @@ class UpdateStage:
 
     def cached_velocities(
         self, model: torch.nn.Module, batch: dict[str, Any], trained: list[int], global_step: int
-    ) -> dict[int, torch.Tensor]:
-        """The rollout's velocities of the trained steps (keyed by trained index) that are exactly what the backbone
-        would return now, at this micro-batch's shape; the others are left out (the engine recomputes them)."""
-        if not self.args.jagg_cache_velocities or "velocities" not in batch or (model.training and self.has_dropout):
-            return {}
+    ) -> tuple[dict[int, torch.Tensor], bool]:
+        """The rollout's velocities of the trained steps (keyed by trained index) that the backbone computed on this
+        update's forward path (dtype, autocast, this micro-batch's shape), the others left out (the engine
+        recomputes them), and whether the engine must correct them (``jagg_cache_mode="corrected"`` after an
+        optimizer step since the rollout). ``"recompute"`` uses none after that step, ``"stale"`` all as they are."""
+        args = self.args
+        if not args.jagg_cache_velocities or "velocities" not in batch or (model.training and self.has_dropout):
+            return {}, False
+        off_policy = global_step != batch["velocity_step"]
+        if off_policy and args.jagg_cache_mode == "recompute":
+            return {}, False
         # The engine's velocity of one step runs the backbone on the micro-batch's latents of that step.
-        key = velocity_key(
-            global_step, self.adapter.dtype, self.accelerator.device.type, tuple(batch["latents"][:, 0].shape)
-        )
+        key = velocity_key(self.adapter.dtype, self.accelerator.device.type, tuple(batch["latents"][:, 0].shape))
         keys = batch["velocity_keys"]
-        return {i: batch["velocities"][:, k] for i, k in enumerate(trained) if keys[k] == key}
+        cache = {i: batch["velocities"][:, k] for i, k in enumerate(trained) if keys[k] == key}
+        return cache, off_policy and args.jagg_cache_mode == "corrected"
 
     # ------------------------------------------------------------------ the engine's inputs
     def step_functions(self, model: torch.nn.Module, batch: dict[str, Any], trained: list[int]) -> StepFunctions:
@@ -275,26 +269,6 @@ class UpdateStage:
             args.jagg_mode if use_jagg else "exact",
             breaks=[i for i in range(1, len(trained)) if experts[i] != experts[i - 1]],
         )
-
-    # ------------------------------------------------------------------ backward
-    def backward(self, loss: torch.Tensor) -> None:
-        """``accelerator.backward``; under DeepSpeed without its own division by the accumulation steps: the engine's
-        loss weight already has it (the Trainer passes ``scale_wrt_gas=False`` for the same reason)."""
-        if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
-            self.accelerator.backward(loss, scale_wrt_gas=False)
-        else:
-            self.accelerator.backward(loss)
-
-    def backward_unit(self, model: torch.nn.Module, is_last: bool) -> contextlib.AbstractContextManager:
-        """The context of one backward unit of a micro-batch: all but the last defer the gradient reduction (DDP's
-        ``no_sync``) or, under DeepSpeed, the optimizer step: accelerate's DeepSpeed backward steps the engine after
-        every backward call of a boundary micro-batch, which would step once per unit. ZeRO-2 reduces at every
-        backward call anyway; the engine accumulates them until the single step."""
-        if is_last:
-            return contextlib.nullcontext()
-        if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
-            return deepspeed_step_deferred(self.accelerator)
-        return self.accelerator.no_sync(model)
 
     # ------------------------------------------------------------------ routing
     def auto_jagg_frac(
@@ -385,15 +359,17 @@ class UpdateStage:
         jagg_frac = args.jagg_frac
         if args.use_jagg and jagg_frac == "auto":
             jagg_frac = self.auto_jagg_frac(model, batch, fns, global_step)
+        cache, correct = self.cached_velocities(model, batch, trained, global_step) if args.use_jagg else ({}, False)
         engine = JaggEngine(
             fns.velocity_fn,
             fns.loss_fn,
-            self.backward,
-            sync_context=lambda is_last: self.backward_unit(model, is_last),
+            functools.partial(backward, self.accelerator),
+            sync_context=lambda is_last: backward_unit(self.accelerator, model, is_last),
             loss_weight=1.0 / (len(trained) * accumulation_steps),
-            cached_velocities=self.cached_velocities(model, batch, trained, global_step) if args.use_jagg else None,
+            cached_velocities=cache,
             no_grad_velocities_fn=fns.no_grad_velocities_fn,
             endpoint_backward=args.jagg_endpoint_backward,
+            correct_cached=correct,
         )
         result = engine.run(self.plan(batch, trained, use_jagg=args.use_jagg, jagg_frac=jagg_frac))
 
@@ -409,5 +385,6 @@ class UpdateStage:
         self.metrics["jagg/groups_exact"].append(result.num_exact_groups)
         self.metrics["jagg/backward_calls"].append(result.num_backward)
         self.metrics["jagg/cached_velocities"].append(result.num_cached)
+        self.metrics["jagg/corrected_velocities"].append(result.num_corrected)
         self.metrics["jagg/no_grad_forwards"].append(result.num_no_grad_forwards)
         return result

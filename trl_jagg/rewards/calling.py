@@ -1,0 +1,148 @@
+"""Calling one reward: ``async def`` rewards on one shared event loop, retries, and a deadline.
+
+A reward that never returns would otherwise hang the run forever and lose every step since the last checkpoint. With a
+deadline (``GRPOJaggConfig.reward_timeout``, or :data:`REMOTE_REWARD_TIMEOUT` for the rewards that declare
+``default_reward_timeout``), a call that is still running when it expires is abandoned and :class:`RewardTimeout`
+is raised instead:
+
+- an ``async def`` reward's coroutine is cancelled (it stops at its next ``await``);
+- a synchronous reward cannot be interrupted in Python, so under a deadline it runs in a daemon thread of its own and
+  the caller stops waiting. The abandoned call keeps running until it returns (its result is dropped) or the process
+  exits; a daemon thread does not hold the exit up.
+
+Without a deadline a synchronous reward runs in the caller's thread, as it always did.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, wait
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+REMOTE_REWARD_TIMEOUT = 600.0
+"""The deadline (seconds) of a reward that declares ``default_reward_timeout`` (the remote reward and the VLM judges)
+when ``reward_timeout`` is not set: longer than their own default attempts take in all (4 x 120 s plus backoffs), so
+their own, more precise error comes first."""
+
+TIMEOUT_FIX = (
+    "Fix what the reward waits on (a server, a lock, a device), make it faster or score fewer images per call "
+    "(sample_batch_size, per_device_eval_batch_size), or raise reward_timeout."
+)
+
+
+class RewardTimeout(TimeoutError):
+    """A reward did not return within its deadline. Not retried (``reward_retries``): the abandoned call may still
+    be running, and a retry would wait as long again."""
+
+    def __init__(self, name: str, timeout: float):
+        super().__init__(
+            f"Reward {name!r} did not return within reward_timeout={timeout:g} s; its call was abandoned (an async "
+            f"reward is cancelled, a synchronous one is left running in a daemon thread). {TIMEOUT_FIX}"
+        )
+        self.name, self.timeout = name, timeout
+
+
+def reward_deadline(func: Callable[..., Any], reward_timeout: float | None) -> float | None:
+    """The deadline of ``func`` in seconds: ``reward_timeout`` when set; otherwise the reward's own
+    ``default_reward_timeout`` (the remote reward and the VLM judges), else ``None`` (no deadline)."""
+    if reward_timeout is not None:
+        return float(reward_timeout)
+    default = getattr(func, "default_reward_timeout", None)
+    return None if default is None else float(default)
+
+
+def is_async_reward(func: Callable[..., Any]) -> bool:
+    """Whether calling ``func`` returns a coroutine: an ``async def`` function, a ``functools.partial`` of one, or an
+    object with an ``async def __call__`` (the forms ``trl.trainer.utils.is_async_callable`` accepts; importing trl
+    here would cost every reward user its import time)."""
+    while isinstance(func, functools.partial):
+        func = func.func
+    return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(type(func).__call__)
+
+
+_loop: asyncio.AbstractEventLoop | None = None
+_loop_lock = threading.Lock()
+
+
+def _event_loop() -> asyncio.AbstractEventLoop:
+    """One event loop for every async reward of the process, running in a daemon thread (as TRL's GRPOTrainer
+    does): clients that bind to a loop (an ``AsyncOpenAI`` connection pool) keep working across steps, and a caller
+    inside its own running loop (a notebook) is not blocked by ``asyncio.run``."""
+    global _loop
+    with _loop_lock:
+        if _loop is None:
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="trl-jagg-async-rewards", daemon=True).start()
+            _loop = loop
+        return _loop
+
+
+def _in_daemon_thread(func: Callable[..., Any], name: str, kwargs: dict[str, Any]) -> Future:
+    """``func(**kwargs)`` started in a daemon thread of its own, which nothing joins (an executor's threads are joined
+    at exit, so a call that never returns would hold the exit up); the grad mode is the caller's (it is per thread)."""
+    outcome: Future = Future()
+    grad_enabled = torch.is_grad_enabled()
+
+    def run() -> None:
+        if not outcome.set_running_or_notify_cancel():  # abandoned before it started
+            return
+        try:
+            with torch.set_grad_enabled(grad_enabled):
+                outcome.set_result(func(**kwargs))
+        except BaseException as error:  # handed to the caller, as an executor does
+            outcome.set_exception(error)
+
+    threading.Thread(target=run, name=f"reward-{name}", daemon=True).start()
+    return outcome
+
+
+def call_within(
+    func: Callable[..., Any], name: str, remaining: float | None, timeout: float | None = None, /, **kwargs: Any
+) -> Any:
+    """``func(**kwargs)`` (an async reward's coroutine run to its end on the shared event loop), or
+    :class:`RewardTimeout` naming ``name`` and ``timeout`` (default ``remaining``) when it has not returned after
+    ``remaining`` seconds (``None``: no deadline); see the module docstring for what happens to the abandoned call."""
+    timeout = remaining if timeout is None else timeout
+    if is_async_reward(func):
+        future: Future = asyncio.run_coroutine_threadsafe(func(**kwargs), _event_loop())
+    elif remaining is None:
+        return func(**kwargs)
+    else:
+        future = _in_daemon_thread(func, name, kwargs)
+    # `wait`, not `result(timeout)`: a reward's own TimeoutError (a server's) must not read as the deadline.
+    if not wait([future], timeout=remaining).done:
+        future.cancel()  # cancels an async reward's task; a thread's call runs on
+        raise RewardTimeout(name, timeout if timeout is not None else math.inf)
+    return future.result()
+
+
+def call_with_retries(
+    func: Callable[..., Any], name: str, retries: int, timeout: float | None, /, **kwargs: Any
+) -> Any:
+    """``func(**kwargs)``, called again up to ``retries`` times when it raises (each retry logged), all attempts
+    within ``timeout`` seconds from now (``None``: no deadline). A :class:`RewardTimeout` is not retried."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    attempt = 0
+    while True:
+        remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        try:
+            return call_within(func, name, remaining, timeout, **kwargs)
+        except RewardTimeout:
+            raise
+        except Exception as error:
+            if attempt == retries:
+                raise
+            attempt += 1
+            logger.warning("Reward %r raised %s: %s. Retry %d of %d.", name, type(error).__name__, error, attempt,
+                           retries)  # fmt: skip

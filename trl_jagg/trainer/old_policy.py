@@ -1,0 +1,96 @@
+"""DiffusionNFT's sampling ("old") policy: a copy of the trainable weights that samples the rollouts and gives the
+``v_old`` of the loss, and follows the trained weights after each rollout's updates,
+``old <- decay * old + (1 - decay) * current`` with the decay of :func:`~trl_jagg.nft.old_policy_decay` (the
+reference code keeps it as a second LoRA adapter, ``"old"``, updated the same way after every epoch).
+
+Each process keeps its own part of every weight (:func:`~trl_jagg.trainer.ema.local_parts`), in float32 so that a
+bf16 average does not lose the ``(1 - decay)`` share. Checkpoints hold it (``nft_old_policy.safetensors``) with the
+optimizer step it last followed, so a resumed run samples with the same policy as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from ..nft import old_policy_decay
+from .ema import local_parts, sharding_of
+
+OLD_POLICY_FILE = "nft_old_policy.safetensors"
+
+
+class OldPolicy:
+    """The sampling policy's weights beside the trained ones.
+
+    Args:
+        parameters: returns the trainable parameters (the backbone's, in a fixed order).
+        decay_type: the reference code's ``decay_type`` (``GRPOJaggConfig.nft_decay_type``).
+    """
+
+    def __init__(self, parameters: Callable[[], list[torch.nn.Parameter]], decay_type: int):
+        if any(sharding_of(p) is not None for p in parameters()):
+            raise ValueError(
+                "objective='nft' does not support sharded weights yet (FSDP2 / DeepSpeed ZeRO-3): train with DDP or "
+                "DeepSpeed ZeRO-2, or use objective='grpo'."
+            )
+        self.parameters = parameters
+        self.decay_type = decay_type
+        self.weights = [p.detach().float().clone() for p in local_parts(parameters())]
+        self.followed_step = 0
+        """The optimizer step at which the old policy last followed the trained weights."""
+
+    @torch.no_grad()
+    def follow(self, global_step: int) -> None:
+        """After the updates of a rollout, at optimizer step ``global_step``: move towards the trained weights (once
+        per step: a rollout that took no optimizer step leaves the policy as it is)."""
+        if global_step == self.followed_step:
+            return
+        decay = old_policy_decay(global_step, self.decay_type)
+        for old, part in zip(self.weights, local_parts(self.parameters())):
+            old.mul_(decay).add_(part.detach().to(old.device, torch.float32), alpha=1.0 - decay)
+        self.followed_step = global_step
+
+    @contextlib.contextmanager
+    def swapped_in(self) -> Iterator[None]:
+        """The old policy's weights in place of the trained ones for the duration of the block."""
+        parts = local_parts(self.parameters())
+        trained = [p.detach().clone() for p in parts]
+        with torch.no_grad():
+            for part, old in zip(parts, self.weights):
+                part.copy_(old)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for part, weight in zip(parts, trained):
+                    part.copy_(weight)
+
+    def save(self, folder: str) -> None:
+        """Write the weights and the step they last followed into ``folder``."""
+        tensors = {str(i): w.contiguous() for i, w in enumerate(self.weights)}
+        save_file(tensors, os.path.join(folder, OLD_POLICY_FILE), metadata={"step": str(self.followed_step)})
+
+    def load(self, folder: str) -> None:
+        """Read what :meth:`save` wrote; refuses a file of another model or another set of trained weights."""
+        path = os.path.join(folder, OLD_POLICY_FILE)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(
+                f"objective='nft' but {path} is missing: the checkpoint was not saved by an NFT run. Resume it "
+                "with objective='grpo', or start a new run."
+            )
+        tensors = load_file(path)
+        shapes = [tuple(w.shape) for w in self.weights]
+        if (
+            sorted(tensors, key=int) != [str(i) for i in range(len(shapes))]
+            or [tuple(tensors[str(i)].shape) for i in range(len(shapes))] != shapes
+        ):
+            raise ValueError(f"{path} does not match the trained weights of this model (other LoRA or model?).")
+        device = self.weights[0].device if self.weights else "cpu"
+        self.weights = [tensors[str(i)].to(device=device, dtype=torch.float32) for i in range(len(shapes))]
+        with safe_open(path, framework="pt") as reader:
+            self.followed_step = int(reader.metadata()["step"])
