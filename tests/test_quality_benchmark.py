@@ -62,6 +62,10 @@ def test_variant_configs_are_valid_demo_configs_and_the_mix_window_visits_each_s
         assert window == [0, 1, 2, 3]
     # 4 SDE steps and round(0.4 x 5) = 2 ODE steps: 6 backbone calls a rollout instead of 9.
     assert compressed_path(9, [0, 1, 2, 3], fast.ode_step_ratio) == [0, 1, 2, 3, 4, 6, 9]
+    for name in ("nft", "nft_jagg"):  # DiffusionNFT: deterministic rollouts, 4 of the 9 timesteps trained
+        nft = configs[name]
+        assert nft.objective == "nft" and nft.sde_window_size == 0 and nft.use_jagg == (name == "nft_jagg")
+        assert max(1, int(9 * nft.train_timestep_fraction)) == nft.jagg_group_size == 4 and nft.beta == 1e-4
     with pytest.raises(ValueError, match="Unknown variant"):
         variant_overrides("mix", 100)
     assert QUALITY_TASKS == {"color": "prompt_color", "detail": "high_frequency"}

@@ -10,6 +10,9 @@ prompts x 8 images per step, the ``prompt_color`` reward) from the same LoRA ini
   the ODE before the window; the window is the JAGG group, with the cache.
 - ``fast_jagg_cache``: the ``jagg-fast-flux`` preset's rollout on the demo: the same, with the window held on the
   first 4 (high-noise) steps and DPM-Solver++ on 40% of the 5 ODE steps after it (6 backbone calls instead of 9).
+- ``nft``: DiffusionNFT (``objective="nft"``, :data:`~trl_jagg.benchmarks.nft.NFT_DEMO_OVERRIDES`): deterministic
+  9-step rollouts, 4 of the 9 timesteps trained, exact per-timestep backward. ``nft_jagg``: the same with the 4
+  timesteps as one JAGG group.
 
 Two tasks (``task``): ``color``, the demo's ``prompt_color`` (the colour is settled in the first, high-noise steps),
 and ``detail``, the ``high_frequency`` reward (fine detail, settled in the last, low-noise steps), so that a window
@@ -46,10 +49,11 @@ from ..demo.run import DEMO_ASSET_DIR, DEMO_NUM_INFERENCE_STEPS, demo_prompts, d
 from ..recipes import get_recipe
 from ..sde_window import default_max_start
 from .engine import torch_threads
+from .nft import NFT_DEMO_OVERRIDES
 
 JSON_NAME = "quality.json"
 PNG_NAME = "quality.png"
-QUALITY_VARIANTS = ("exact", "jagg_cache", "mix_jagg_cache", "fast_jagg_cache")
+QUALITY_VARIANTS = ("exact", "jagg_cache", "mix_jagg_cache", "fast_jagg_cache", "nft", "nft_jagg")
 QUALITY_TASKS = {"color": "prompt_color", "detail": "high_frequency"}
 """The tasks by name, each the registered reward it trains on."""
 FAST_PRESET = "jagg-fast-flux"
@@ -81,6 +85,8 @@ def variant_overrides(variant: str, steps: int) -> dict[str, Any]:
         return {"use_jagg": False}
     if variant == "jagg_cache":
         return {"use_jagg": True, "jagg_cache_velocities": True}
+    if variant in ("nft", "nft_jagg"):
+        return {**NFT_DEMO_OVERRIDES, "use_jagg": variant == "nft_jagg"}
     if variant == "fast_jagg_cache":
         preset = get_recipe(FAST_PRESET).config
         return {"use_jagg": True, "jagg_cache_velocities": True, "sde_window_size": MIX_WINDOW_SIZE,
@@ -344,7 +350,7 @@ def plot_quality(runs: Sequence[dict[str, Any]], path: str, reward: str = "promp
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    colors = dict(zip(QUALITY_VARIANTS, ("tab:blue", "tab:orange", "tab:green", "tab:red")))
+    colors = dict(zip(QUALITY_VARIANTS, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown")))
     figure = Figure(figsize=(15, 4.5), dpi=90)
     FigureCanvasAgg(figure)
     step_ax, cpu_ax, accuracy_ax = figure.subplots(1, 3)
