@@ -456,6 +456,10 @@ def test_bench_quality_flags_reach_the_function(monkeypatch, capsys):
     assert code == 0, err
     assert calls[-1]["output_dir"] == "runs/quality" and calls[-1]["seeds"] == (4, 5)
     assert calls[-1]["variants"] == ("exact",) and calls[-1]["steps"] == 3
+    assert calls[-1]["task"] == "color" and calls[-1]["eval_every"] is None and calls[-1]["price_flux"] is True
+    code, _, err = run(["bench", "quality", "--task", "detail", "--eval_every", "5", "--price_flux", "false"], capsys)
+    assert code == 0, err
+    assert (calls[-1]["task"], calls[-1]["eval_every"], calls[-1]["price_flux"]) == ("detail", 5, False)
     code, _, err = run(["bench", "quality", "--seed", "3"], capsys)
     assert code == 2 and "seeds" in err
 

@@ -62,6 +62,8 @@ def test_non_finite_reward_weight():
         (dict(reward_timeout=0.0), "reward_timeout", "> 0"),
         (dict(sde_window_schedule="sliding"), "sde_window_schedule", "random"),
         (dict(sde_window_schedule="progressive"), "sde_window_schedule", "sde_window_size >= 1"),
+        (dict(sde_window_schedule="fixed"), "sde_window_schedule", "sde_window_size >= 1"),
+        (dict(sde_window_schedule="fixed", sde_window_max_start=9, **WINDOW), "sde_window_max_start", r"\[0, "),
         (dict(ode_solver_order=2), "ode_solver_order", "sde_window_size >= 1"),
         (dict(ode_solver_order=4, **WINDOW), "ode_solver_order", "DPM"),
         (dict(ode_step_ratio=0.0, **WINDOW), "ode_step_ratio", r"\(0, 1\]"),

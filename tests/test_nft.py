@@ -244,12 +244,12 @@ def test_nft_trains_the_demo_to_a_rising_held_out_reward(tmp_path):
     """NFT (exact, no JAGG) on the CPU demo, seed 0, 40 steps at the demo's learning rate: the 18 held-out images (9
     prompts x 2 seeds, the evaluation's ODE) in the named colour rise from 9 to 18 in the run that set this test
     (reward 0.02 -> 0.28); asserted with a margin of 4 images and 0.1 reward."""
+    from trl_jagg.benchmarks.nft import NFT_DEMO_OVERRIDES
     from trl_jagg.demo.run import DEMO_ASSET_DIR, demo_prompts, demo_trainer
 
     trainer = demo_trainer(
-        str(DEMO_ASSET_DIR), str(tmp_path), steps=40, seed=0, use_jagg=False,
-        eval_dataset=Dataset.from_dict({"prompt": demo_prompts() * 2}), objective="nft", sde_window_size=0,
-        train_timesteps="all", train_timestep_fraction=0.5, beta=1e-4, save_strategy="no", report_to="none",
+        str(DEMO_ASSET_DIR), str(tmp_path), steps=40, seed=0, eval_dataset=Dataset.from_dict({"prompt": demo_prompts() * 2}),
+        save_strategy="no", report_to="none", **{**NFT_DEMO_OVERRIDES, "use_jagg": False},
     )  # fmt: skip
     before = trainer.evaluate()
     trainer.train()

@@ -12,14 +12,20 @@ import pytest
 from PIL import Image
 
 from trl_jagg.benchmarks.quality import (
+    QUALITY_TASKS,
     QUALITY_VARIANTS,
+    EvaluateAt,
     TrainingCPUClock,
+    TrainingWork,
+    evaluation_steps,
     markdown_table,
     milestones,
     plot_quality,
     run_order,
     run_record,
     summarize,
+    time_to_reward,
+    time_to_reward_table,
     variant_overrides,
 )
 from trl_jagg.demo.run import DEMO_NUM_INFERENCE_STEPS, demo_config
@@ -45,8 +51,24 @@ def test_variant_configs_are_valid_demo_configs_and_the_mix_window_visits_each_s
     for start in range(5):  # 7 backbone calls a rollout (4 SDE + 3 ODE) instead of 9, wherever the window is
         path = compressed_path(DEMO_NUM_INFERENCE_STEPS, list(range(start, start + 4)), mix.ode_step_ratio)
         assert len(path) - 1 == 7, (start, path)
+    fast = configs["fast_jagg_cache"]  # the jagg-fast-flux rollout: the window held on steps 0-3 of 9
+    assert fast.use_jagg and fast.jagg_cache_velocities and fast.jagg_group_size == fast.sde_window_size == 4
+    assert fast.ode_solver_order == 2 and fast.ode_step_ratio == 0.4 and fast.same_group_noise
+    for step in range(100):
+        window = sde_window(
+            fast.sde_window_schedule, num_steps=9, size=4, max_start=fast.sde_window_max_start, step=step,
+            shift_interval=fast.sde_window_shift_interval,
+        )  # fmt: skip
+        assert window == [0, 1, 2, 3]
+    # 4 SDE steps and round(0.4 x 5) = 2 ODE steps: 6 backbone calls a rollout instead of 9.
+    assert compressed_path(9, [0, 1, 2, 3], fast.ode_step_ratio) == [0, 1, 2, 3, 4, 6, 9]
+    for name in ("nft", "nft_jagg"):  # DiffusionNFT: deterministic rollouts, 4 of the 9 timesteps trained
+        nft = configs[name]
+        assert nft.objective == "nft" and nft.sde_window_size == 0 and nft.use_jagg == (name == "nft_jagg")
+        assert max(1, int(9 * nft.train_timestep_fraction)) == nft.jagg_group_size == 4 and nft.beta == 1e-4
     with pytest.raises(ValueError, match="Unknown variant"):
         variant_overrides("mix", 100)
+    assert QUALITY_TASKS == {"color": "prompt_color", "detail": "high_frequency"}
 
 
 def test_runs_are_interleaved_seed_by_seed_in_rotating_order():
@@ -54,6 +76,22 @@ def test_runs_are_interleaved_seed_by_seed_in_rotating_order():
         (0, "a"), (0, "b"), (0, "c"), (1, "b"), (1, "c"), (1, "a"), (2, "c"), (2, "a"), (2, "b"),
     ]  # fmt: skip
     assert milestones(100) == [50, 100] and milestones(2) == [1, 2] and milestones(1) == [1]
+    assert evaluation_steps(100, 10) == [10, 20, 30, 40, 50, 60, 70, 80, 90, 100]
+    assert evaluation_steps(30, 20) == [15, 20, 30]  # the milestones too
+
+
+def test_evaluate_at_asks_for_an_evaluation_at_its_steps_only():
+    class State:
+        global_step = 0
+
+    class Control:
+        should_evaluate = False
+
+    state, callback, asked = State(), EvaluateAt([2, 5]), []
+    for step in range(1, 7):
+        state.global_step, control = step, Control()
+        asked.append(callback.on_step_end(None, state, control).should_evaluate)
+    assert asked == [False, True, False, False, True, False]
 
 
 def test_cpu_clock_leaves_evaluation_out():
@@ -113,6 +151,75 @@ def test_summary_equals_a_hand_computation():
     assert len(table.splitlines()) == 2 + 4  # header, rule, a row per variant and step
 
 
+def test_time_to_reward_equals_a_hand_computation():
+    """exact's target is the mean of its seeds' last evaluations ((0.15 + 0.35) / 2 = 0.25); each run's time is the
+    CPU time at its first evaluation at or above it."""
+    cpu = {1: 1.0, 2: 2.0, 3: 3.5, 4: 5.0}
+    evals_exact0 = {1: (0.0, 0.3), 2: (0.05, 0.5), 3: (0.1, 0.5), 4: (0.15, 0.7)}  # never reaches 0.25
+    evals_exact1 = {1: (0.1, 0.3), 2: (0.25, 0.3), 3: (0.3, 0.5), 4: (0.35, 0.9)}  # at step 2: 2 x 2.0 s
+    evals_fast0 = {1: (0.1, 0.3), 2: (0.2, 0.3), 3: (0.26, 0.3), 4: (0.3, 0.3)}  # at step 3: 3.5 s
+    evals_fast1 = {1: (0.3, 0.3), 2: (0.3, 0.3), 3: (0.3, 0.3), 4: (0.3, 0.3)}  # at step 1: 1.0 s
+    evals_fast2 = {2: (0.4, 0.3), 4: (0.3, 0.3)}  # at step 2: 2.0 s
+    flat = [0.1] * 4
+    runs = [
+        run_record("exact", 0, _history(flat, flat, evals_exact0), cpu),
+        run_record("exact", 1, _history(flat, flat, evals_exact1), {k: 2 * v for k, v in cpu.items()}),
+        run_record("fast_jagg_cache", 0, _history(flat, flat, evals_fast0), cpu),
+        run_record("fast_jagg_cache", 1, _history(flat, flat, evals_fast1), cpu),
+        run_record("fast_jagg_cache", 2, _history(flat, flat, evals_fast2), cpu),
+        run_record("mix_jagg_cache", 0, _history(flat, flat, {4: (0.2, 0.3)}), cpu),
+    ]
+    table = time_to_reward(runs)
+    assert table["target_eval_reward"] == pytest.approx(0.25) and table["at_step"] == 4
+    assert table["reference_cpu_s"] == pytest.approx((5.0 + 10.0) / 2)  # exact's median CPU time to step 4
+    exact, fast, mix = (table["variants"][v] for v in ("exact", "fast_jagg_cache", "mix_jagg_cache"))
+    assert exact["step"] == [None, 2] and exact["cpu_s"] == [None, 4.0]
+    assert exact["median_cpu_s"] is None and exact["speedup"] is None  # half the seeds never reach it
+    assert fast["step"] == [3, 1, 2] and fast["cpu_s"] == [3.5, 1.0, 2.0]
+    assert fast["median_cpu_s"] == 2.0 and fast["speedup"] == pytest.approx(7.5 / 2.0)
+    assert fast["speedup_per_seed"] == pytest.approx([7.5 / 3.5, 7.5 / 1.0, 7.5 / 2.0])
+    assert exact["speedup_per_seed"] == [None, pytest.approx(7.5 / 4.0)]
+    assert mix["step"] == [None] and mix["median_cpu_s"] is None
+    text = time_to_reward_table(table)
+    assert "| fast_jagg_cache | **2** [4, 1, 2] | 3, 1, 2 | 3.75x [2.14, 7.50] |" in text  # 3.5 s prints as 4
+    assert "| mix_jagg_cache | **not reached** [-] | - | - |" in text
+    assert time_to_reward([runs[2]]) == {} and time_to_reward_table({}) == ""  # no exact run
+    # Priced: the FLOPs of the work done up to the step reached (here 10 a backbone row, 1 a decoded image).
+    for run in runs:
+        run["work"] = [{"rows": 3 * step, "decoded_images": step} for step in run["step"]]
+    priced = time_to_reward(runs, flops=lambda work: 10 * work["rows"] + work["decoded_images"])
+    assert priced["reference_flops"] == 4 * 31  # both exact runs did the same work to step 4
+    fast = priced["variants"]["fast_jagg_cache"]
+    assert fast["flops"] == [3 * 31, 1 * 31, 2 * 31] and fast["median_flops"] == 2 * 31
+    assert fast["flop_speedup"] == pytest.approx(2.0) and fast["speedup"] == pytest.approx(7.5 / 2.0)
+    assert "| 3.75x [2.14, 7.50] | 2.00x [1.33, 4.00] |" in time_to_reward_table(priced)
+
+
+def test_training_work_leaves_evaluation_out():
+    class Counter:
+        counts = {"rows": 0}
+        closed = False
+
+        def close(self):
+            self.closed = True
+
+    class State:
+        global_step = 0
+
+    counter, state = Counter(), State()
+    work = TrainingWork(counter)
+    work.on_train_begin(None, state, None)
+    for step, rows in ((1, 5), (2, 10)):
+        counter.counts["rows"], state.global_step = rows, step
+        work.on_step_end(None, state, None)
+    counter.counts["rows"] = 13  # an evaluation: 3 rows
+    work.on_evaluate(None, state, None)
+    counter.counts["rows"], state.global_step = 18, 3
+    work.on_step_end(None, state, None)
+    work.on_train_end(None, state, None)
+    assert work.work == {1: {"rows": 5}, 2: {"rows": 10}, 3: {"rows": 15}} and counter.closed
+
+
 def test_plot_draws_every_variant(tmp_path):
     runs = [
         run_record(variant, seed, _history([0.1 * seed, 0.2], [0.3, 0.4], {}), {1: 1.0 + seed, 2: 2.0 + seed})
@@ -134,6 +241,7 @@ def test_bench_quality_command_writes_json_and_png(tmp_path):
     argv = ["quality", "--output_dir", str(out), "--steps", "1", "--seeds", "3", "--eval_repeats", "1"]
     assert main([*argv, "--variants", "mix_jagg_cache"]) == 0
     report = json.loads((out / "quality.json").read_text())
+    assert report["config"]["task"] == "color" and report["time_to_reward"] == {}  # no exact run to aim at
     assert [(r["seed"], r["variant"]) for r in report["runs"]] == [(3, "mix_jagg_cache")]
     (run,) = report["runs"]
     assert run["step"] == [1] and run["cpu_s"][0] > 0
@@ -143,3 +251,33 @@ def test_bench_quality_command_writes_json_and_png(tmp_path):
     assert report["summary"]["mix_jagg_cache"]["1"]["seeds"] == [3]
     with Image.open(out / "quality.png") as png:
         assert png.width > 500
+
+
+@pytest.mark.slow
+def test_bench_quality_detail_task_reports_the_time_to_exacts_reward(tmp_path):
+    """The second task end to end: exact and the fast variant for 2 steps, evaluated after each; the time to
+    exact's reward is read from the runs' own evaluations and CPU times."""
+    from trl_jagg.scripts.bench import main
+
+    out = tmp_path / "quality"
+    argv = ["quality", "--output_dir", str(out), "--steps", "2", "--seeds", "0", "--eval_repeats", "1",
+            "--price_flux", "false", "--task"]  # fmt: skip
+    assert main([*argv, "detail", "--eval_every", "1", "--variants", "exact", "fast_jagg_cache"]) == 0
+    report = json.loads((out / "quality.json").read_text())
+    assert report["config"]["reward"] == "high_frequency" and report["config"]["evaluated_steps"] == [1, 2]
+    exact = next(r for r in report["runs"] if r["variant"] == "exact")
+    assert set(exact["eval"]) == {"1", "2"}
+    # The training work: 9 prompts x 8 images decoded a step (the evaluations' 9 each left out); each step runs the
+    # rollout's backbone rows without a graph and the update's with one, backwards through them.
+    for run in report["runs"]:
+        assert [w["decoded_images"] for w in run["work"]] == [72, 144]
+        assert run["work"][1]["backward_rows"] == 2 * run["work"][0]["backward_rows"] > 0
+    table = report["time_to_reward"]
+    assert table["target_eval_reward"] == exact["eval"]["2"]["reward"]  # one seed: its own last evaluation
+    for run in report["runs"]:
+        entry = table["variants"][run["variant"]]
+        reached = [s for s in (1, 2) if run["eval"][str(s)]["reward"] >= table["target_eval_reward"]]
+        assert entry["step"] == [reached[0] if reached else None]
+        assert entry["cpu_s"] == [run["cpu_s"][reached[0] - 1] if reached else None]
+    with pytest.raises(ValueError, match="task"):
+        main([*argv, "texture"])

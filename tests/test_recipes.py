@@ -78,6 +78,12 @@ PUBLISHED = {
         learning_rate=1e-5, train_timesteps="sde_window", sde_window_size=4, sde_window_schedule="progressive",
         sde_window_stride=1, sde_window_shift_interval=20, ode_solver_order=2, ode_step_ratio=0.4,
     ),
+    # Not a peer's: MixGRPO-Flash with its window held on steps 0-3 (issue 29; docs/models.md says why).
+    "jagg-fast-flux": dict(
+        height=720, width=720, num_inference_steps=25, sampler="sde", noise_level=0.7, num_generations=12,
+        learning_rate=1e-5, train_timesteps="sde_window", sde_window_size=4, sde_window_schedule="fixed",
+        sde_window_max_start=0, ode_solver_order=2, ode_step_ratio=0.4, jagg_cache_velocities=True,
+    ),
     # Flow-Factory examples/grpo/lora/z_image{,_turbo}/default.yaml (L44-80)
     "flow-factory-z-image": dict(
         height=512, width=512, num_inference_steps=10, guidance_scale=4.0, sampler="sde", noise_level=0.7,
@@ -173,6 +179,10 @@ PEER_CONVENTIONS = {
         **{**_DANCE_CONVENTIONS, "max_sequence_length": None}, ema_decay=0.0, reward_on_predicted_x0=True,
     ),
     "mixgrpo-flux": dict(
+        per_prompt_stat_tracking=False, scale_rewards="group", advantage_std_ddof=1, advantage_eps=1e-8,
+        quantize_timesteps=True, same_group_noise=True, beta=0.0, clip_range=1e-4, adv_clip_max=5.0,
+    ),
+    "jagg-fast-flux": dict(  # MixGRPO-Flash's
         per_prompt_stat_tracking=False, scale_rewards="group", advantage_std_ddof=1, advantage_eps=1e-8,
         quantize_timesteps=True, same_group_noise=True, beta=0.0, clip_range=1e-4, adv_clip_max=5.0,
     ),
@@ -406,6 +416,7 @@ PEER_TRAINING = {
     ],
     "nft-sd35-geneval": [("reward_funcs", ("geneval",), "NFT config/nft.py:83-85")],
 }
+PEER_TRAINING["jagg-fast-flux"] = PEER_TRAINING["mixgrpo-flux"]  # MixGRPO-Flash's training around its window
 # LoRA (rank, alpha, target modules) exactly as the peer's scripts list them.
 _FG_ATTENTION = (
     "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
@@ -442,6 +453,7 @@ PUBLISHED_LORA = {
     "flow-grpo-wan2.1": (32, 64, ("to_q", "to_k", "to_v", "to_out.0")),
     "dancegrpo-flux": None,  # full fine-tuning
     "mixgrpo-flux": None,
+    "jagg-fast-flux": None,
     "dancegrpo-flux-8gpu": None,
     "dancegrpo-wan2.1": None,  # full fine-tuning
     "dancegrpo-qwenimage-edit": None,
@@ -472,6 +484,7 @@ MODELS = {
     "flow-grpo-wan2.1": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
     "dancegrpo-flux": "black-forest-labs/FLUX.1-dev",
     "mixgrpo-flux": "black-forest-labs/FLUX.1-dev",
+    "jagg-fast-flux": "black-forest-labs/FLUX.1-dev",
     "dancegrpo-flux-8gpu": "black-forest-labs/FLUX.1-dev",
     "dancegrpo-wan2.1": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers",  # DG finetune_wan_2_1_grpo.sh:19 (Wan2.1-T2V-1.3B)
     "dancegrpo-qwenimage-edit": "Qwen/Qwen-Image-Edit",  # DG finetune_qwenimage_edit_grpo.sh:20 (qwenimage_edit)
@@ -683,6 +696,26 @@ def test_mix_preset_trains_its_sliding_window_on_a_compressed_ode_schedule(tiny_
         assert entry["jagg/groups_jagg"] == 1 and entry["jagg/backward_calls"] == 1  # the window is one JAGG group
 
 
+def test_fast_jagg_preset_trains_its_window_held_on_the_high_noise_steps(tiny_flux_path, tmp_path, monkeypatch):
+    """jagg-fast-flux on 10 steps for 3 optimizer steps: every update trains steps 0-3 of the schedule as one JAGG
+    group, on a rollout whose ODE after the window takes round(0.4 x 6) = 2 steps (MixGRPO's, which slides, would
+    train steps 1-4 and 2-5 at the second and third step with these settings)."""
+    recipe = get_recipe("jagg-fast-flux")
+    pipeline = recipe.apply_scheduler(FluxPipeline.from_pretrained(tiny_flux_path))
+    full_sigmas, _ = load_adapter(pipeline).schedule(10, 32, 32)
+    trainer, recorded = recipe_trainer(
+        "jagg-fast-flux", pipeline, tmp_path, monkeypatch, num_inference_steps=10, sde_window_shift_interval=1,
+        max_steps=3,
+    )  # fmt: skip
+    trainer.train()
+    assert len(recorded) == 3
+    for steps, batch in recorded:
+        assert steps == batch["stochastic_steps"] == [0, 1, 2, 3]
+        torch.testing.assert_close(batch["sigmas"], full_sigmas[[0, 1, 2, 3, 4, 7, 10]], atol=0, rtol=0)
+    for entry in (e for e in trainer.state.log_history if "jagg/backward_calls" in e):
+        assert entry["jagg/groups_jagg"] == 1 and entry["jagg/backward_calls"] == 1  # the window is one JAGG group
+
+
 def test_dance_preset_trains_the_requested_fraction_never_the_last_step(tiny_flux_path, tmp_path, monkeypatch):
     recipe = get_recipe("dancegrpo-flux")
     pipeline = recipe.apply_scheduler(FluxPipeline.from_pretrained(tiny_flux_path))
@@ -799,6 +832,7 @@ PRESET_SPLIT_TINY = dict(
         if n
         not in (
             "flow-grpo-sd35-geneval",
+            "jagg-fast-flux",  # mixgrpo-flux's split; test_fast_jagg_preset_... trains its window
             "nft-sd35-geneval",  # nft-sd35's split and LoRA with another reward
             "flow-factory-z-image",
             "flow-factory-flux2-klein-base",

@@ -38,6 +38,7 @@ def test_registry_has_the_documented_names():
         "ocr",
         "prompt_color",
         "brightness",
+        "high_frequency",
     }
     assert expected <= set(rewards.available_rewards())
 
@@ -179,6 +180,25 @@ def test_prompt_color_averages_over_pixels_and_uses_the_first_colour_named():
 def test_brightness_hand_computed_values():
     scores = rewards.brightness()(["", "", ""], [solid((255, 255, 255)), solid((255, 0, 0)), solid((0, 0, 0))])
     assert scores == pytest.approx([1.0, 0.299, 0.0], abs=1e-12)
+
+
+def test_high_frequency_hand_computed_values():
+    """Each interior pixel minus its 3 x 3 box mean, written out: a one-pixel black / white checkerboard has 5
+    pixels of its own value in every 3 x 3 neighbourhood and 4 of the other, so every interior pixel is 4/9 from
+    its box mean; a flat image scores 0; a single white pixel in the centre of a 5 x 5 black image is 8/9 from its
+    box mean, and each of its 8 interior neighbours 1/9 (9 interior pixels)."""
+    checker = ((np.indices((6, 8)).sum(axis=0) % 2) * 255).astype(np.uint8)
+    dot = np.zeros((5, 5), dtype=np.uint8)
+    dot[2, 2] = 255
+    images = [Image.fromarray(np.stack([checker] * 3, axis=-1)), solid((30, 200, 90)), Image.fromarray(dot)]
+    scores = rewards.high_frequency()(["", "", ""], images)
+    assert scores == pytest.approx([4 / 9, 0.0, (8 / 9 + 8 * 1 / 9) / 9], abs=1e-12)
+    # Pure red is luma 0.299: a red / black checkerboard scores 0.299 x 4/9.
+    red_checker = np.zeros((6, 8, 3), dtype=np.uint8)
+    red_checker[..., 0] = checker
+    assert rewards.high_frequency()([""], [Image.fromarray(red_checker)]) == pytest.approx([0.299 * 4 / 9], abs=1e-12)
+    with pytest.raises(ValueError, match="3 x 3"):
+        rewards.high_frequency()([""], [solid((0, 0, 0)).resize((2, 2))])
 
 
 def test_rewards_refuse_mismatched_prompts_and_images():

@@ -103,6 +103,29 @@ def test_progressive_window_follows_mixgrpo_training_states(stride, shift_interv
             current = 0
 
 
+@pytest.mark.parametrize(
+    ("schedule", "max_start", "start_at"),
+    [
+        # Held on the high-noise steps: the same start at every optimizer step, 0 unless set.
+        ("fixed", None, lambda step: 0),
+        ("fixed", 3, lambda step: 3),
+        # MixGRPO's full slide over 10 steps: starts 0..5 (windows of 4 that end before the last step), a move
+        # every 5 optimizer steps, then back to 0.
+        ("progressive", None, lambda step: (step // 5) % 6),
+        # The slide limited to the first 3 starts.
+        ("progressive", 2, lambda step: (step // 5) % 3),
+    ],
+)
+def test_window_positions_over_optimizer_steps(schedule, max_start, start_at):
+    for step in range(60):
+        window = sde_window(
+            schedule, num_steps=10, size=4, max_start=max_start, step=step, shift_interval=5, seed=step
+        )
+        assert window == list(range(start_at(step), start_at(step) + 4)), step
+    with pytest.raises(ValueError, match="max_start"):
+        sde_window("fixed", num_steps=10, size=4, max_start=7)
+
+
 def test_random_window_is_seeded_and_inside_its_range():
     windows = {tuple(sde_window("random", num_steps=10, size=3, max_start=4, seed=seed)) for seed in range(40)}
     assert {w[0] for w in windows} == set(range(5))

@@ -37,6 +37,7 @@ NAMES = [
     "dancegrpo-wan2.1",
     "dancegrpo-qwenimage-edit",
     "mixgrpo-flux",
+    "jagg-fast-flux",
     *FLOW_FACTORY,
     *DIFFUSION_NFT,
 ]

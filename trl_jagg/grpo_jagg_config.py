@@ -270,17 +270,20 @@ class GRPOJaggConfig(JaggArguments, ScalingArguments, EMAArguments, EvaluationAr
     sde_window_max_start: int | None = field(
         default=None,
         metadata={
-            "help": "Latest first step of the SDE window. Defaults to the first half of the schedule for the "
-            "`random` schedule, and to every full window that ends before the last step for `progressive`."
+            "help": "Latest first step of the SDE window (for `fixed`, its only one). Defaults to the first half of "
+            "the schedule for the `random` schedule, to every full window that ends before the last step for "
+            "`progressive`, and to 0 for `fixed`."
         },
     )
     sde_window_schedule: str = field(
         default="random",
         metadata={
             "help": f"Where the SDE window sits, one of {WINDOW_SCHEDULES}: `random` (Flow-GRPO-Fast: its start "
-            "drawn uniformly in [0, sde_window_max_start] at every rollout) or `progressive` (MixGRPO: it starts at "
+            "drawn uniformly in [0, sde_window_max_start] at every rollout), `progressive` (MixGRPO: it starts at "
             "step 0 and moves `sde_window_stride` steps later every `sde_window_shift_interval` optimizer steps, "
-            "back to step 0 after sde_window_max_start)."
+            "back to step 0 after sde_window_max_start; the default max start is MixGRPO's full slide, a smaller "
+            "one limits the slide to the first starts) or `fixed` (held at start sde_window_max_start, default 0: "
+            "the high-noise steps, where the layout and colours are settled)."
         },
     )
     sde_window_stride: int = field(

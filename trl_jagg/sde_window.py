@@ -6,7 +6,10 @@ other steps are the deterministic ODE. Where the window sits:
 - ``"random"`` (Flow-GRPO-Fast): its start is drawn uniformly in ``[0, max_start]`` at every rollout.
 - ``"progressive"`` (MixGRPO): its start slides over training, ``stride`` steps later every ``shift_interval``
   optimizer steps, and rolls back to step 0 after its last position (MixGRPO's ``GRPOTrainingStates`` with
-  ``sample_strategy="progressive"``, ``prog_overlap`` and ``roll_back``).
+  ``sample_strategy="progressive"``, ``prog_overlap`` and ``roll_back``). With its default ``max_start`` the window
+  visits the whole schedule (MixGRPO's full slide); a smaller ``max_start`` limits the slide to the first starts.
+- ``"fixed"``: the window is held at ``max_start`` at every rollout (default 0: the high-noise steps, where a
+  flow model settles the layout and colours, so the trained steps keep moving what they moved at the start).
 
 Outside the window the ODE may take fewer, larger steps (:func:`compressed_path`), which a higher-order solver keeps
 accurate (MixGRPO-Flash's DPM-Solver++ after the window).
@@ -19,13 +22,15 @@ import random
 
 import torch
 
-WINDOW_SCHEDULES = ("random", "progressive")
+WINDOW_SCHEDULES = ("random", "progressive", "fixed")
 
 
 def default_max_start(schedule: str, num_steps: int, size: int) -> int:
     """The latest window start when none is set: the first half of the schedule for ``"random"`` (Flow-GRPO-Fast),
-    and for ``"progressive"`` every full window that ends before the last step, which is never trained (MixGRPO's
-    ``max_timesteps = sampling_steps - 2``)."""
+    for ``"progressive"`` every full window that ends before the last step, which is never trained (MixGRPO's
+    ``max_timesteps = sampling_steps - 2``), and 0 for ``"fixed"`` (the window on the first, high-noise steps)."""
+    if schedule == "fixed":
+        return 0
     if schedule == "progressive":
         return max(0, num_steps - 1 - size)
     return max(0, min(num_steps // 2, num_steps - size))
@@ -46,7 +51,7 @@ def sde_window(
 
     Args:
         schedule: one of :data:`WINDOW_SCHEDULES`.
-        max_start: latest window start (defaults to :func:`default_max_start`).
+        max_start: latest window start (defaults to :func:`default_max_start`); ``"fixed"`` holds the window there.
         step: the optimizer step the rollout is taken at (``"progressive"``).
         stride: steps the window moves at each shift (``"progressive"``; MixGRPO's ``prog_overlap_step``).
         shift_interval: optimizer steps between shifts (``"progressive"``; MixGRPO's ``iters_per_group``).
@@ -62,6 +67,8 @@ def sde_window(
         raise ValueError(f"`max_start` must be in [0, {num_steps - size}] for a window of {size}, got {max_start}.")
     if schedule == "random":
         start = random.Random(seed).randint(0, max_start)
+    elif schedule == "fixed":
+        start = max_start
     else:
         if stride < 1 or shift_interval < 1:
             raise ValueError(f"`stride` and `shift_interval` must be >= 1, got {stride} and {shift_interval}.")

@@ -8,15 +8,26 @@ prompts x 8 images per step, the ``prompt_color`` reward) from the same LoRA ini
 - ``mix_jagg_cache``: MixGRPO-Flash scaled to the demo (see :func:`variant_overrides`): the 4-step SDE window
   slides over the schedule, ODE elsewhere with DPM-Solver++ (order 2) on fewer steps, same-noise groups sharing
   the ODE before the window; the window is the JAGG group, with the cache.
+- ``fast_jagg_cache``: the ``jagg-fast-flux`` preset's rollout on the demo: the same, with the window held on the
+  first 4 (high-noise) steps and DPM-Solver++ on 40% of the 5 ODE steps after it (6 backbone calls instead of 9).
+- ``nft``: DiffusionNFT (``objective="nft"``, :data:`~trl_jagg.benchmarks.nft.NFT_DEMO_OVERRIDES`): deterministic
+  9-step rollouts, 4 of the 9 timesteps trained, exact per-timestep backward. ``nft_jagg``: the same with the 4
+  timesteps as one JAGG group.
+
+Two tasks (``task``): ``color``, the demo's ``prompt_color`` (the colour is settled in the first, high-noise steps),
+and ``detail``, the ``high_frequency`` reward (fine detail, settled in the last, low-noise steps), so that a window
+choice cannot look good only because its task is decided early.
 
 Runs go seed by seed, the variants of a seed in rotating order (interleaved: a slower stretch of a shared machine
 falls on every variant alike). Each run logs, per optimizer step, the rollout's mean reward, its share of images in
 the named colour (``rewards/color_accuracy/mean``) and the process CPU time of training so far (evaluation left
 out; one torch thread, so it counts the work and not the waits of a shared machine). At half-way and at the end the
 trainer's ``evaluate`` renders the same held-out images for every run (the 9 prompts x ``eval_repeats`` seeds, the
-full 9-step Euler ODE): the comparison that does not depend on how a variant samples its rollouts.
+full 9-step Euler ODE): the comparison that does not depend on how a variant samples its rollouts. Every
+``eval_every`` steps (default a tenth of the run) it evaluates too, for the time to reward: per variant and seed the
+training CPU time to the first evaluation at or above ``exact``'s mean held-out reward at the last step.
 
-    trl-jagg bench quality --output_dir runs/quality [--steps 100] [--seeds 0 1 2]
+    trl-jagg bench quality --output_dir runs/quality [--task color] [--steps 100] [--seeds 0 1 2]
 
 writes ``quality.json`` (rewritten after every run, so an interrupted benchmark keeps its finished runs) and
 ``quality.png`` (reward against optimizer step and against CPU time, mean over seeds and a thin line per seed).
@@ -35,12 +46,20 @@ from typing import Any
 from transformers import TrainerCallback
 
 from ..demo.run import DEMO_ASSET_DIR, DEMO_NUM_INFERENCE_STEPS, demo_prompts, demo_trainer
+from ..recipes import get_recipe
 from ..sde_window import default_max_start
 from .engine import torch_threads
+from .nft import NFT_DEMO_OVERRIDES
 
 JSON_NAME = "quality.json"
 PNG_NAME = "quality.png"
-QUALITY_VARIANTS = ("exact", "jagg_cache", "mix_jagg_cache")
+QUALITY_VARIANTS = ("exact", "jagg_cache", "mix_jagg_cache", "fast_jagg_cache", "nft", "nft_jagg")
+QUALITY_TASKS = {"color": "prompt_color", "detail": "high_frequency"}
+"""The tasks by name, each the registered reward it trains on."""
+FAST_PRESET = "jagg-fast-flux"
+FAST_ROLLOUT_FIELDS = ("sde_window_schedule", "sde_window_max_start", "ode_solver_order", "ode_step_ratio",
+                       "same_group_noise")  # fmt: skip
+"""The fields of the fast preset's rollout that ``fast_jagg_cache`` takes as they are."""
 MIX_WINDOW_SIZE = 4
 """The demo's window size (one JAGG group of W = 4), kept for the mixed rollout."""
 
@@ -56,6 +75,9 @@ def variant_overrides(variant: str, steps: int) -> dict[str, Any]:
     would leave a single (first-order) DPM step on sides of 2-3 steps; 0.6 keeps 2-3 a side, i.e. 7 backbone
     calls per rollout instead of 9 at every window position. ``same_group_noise`` as in the preset (it lets a group
     share the ODE before the window).
+
+    The fast variant takes :data:`FAST_ROLLOUT_FIELDS` from the ``jagg-fast-flux`` preset (window held at start 0,
+    DPM-Solver++ 2 on 40% of the ODE steps: 2 for the demo's 5 after the window) and keeps the demo's window of 4.
     """
     if variant not in QUALITY_VARIANTS:
         raise ValueError(f"Unknown variant {variant!r}: use one of {QUALITY_VARIANTS}.")
@@ -63,6 +85,12 @@ def variant_overrides(variant: str, steps: int) -> dict[str, Any]:
         return {"use_jagg": False}
     if variant == "jagg_cache":
         return {"use_jagg": True, "jagg_cache_velocities": True}
+    if variant in ("nft", "nft_jagg"):
+        return {**NFT_DEMO_OVERRIDES, "use_jagg": variant == "nft_jagg"}
+    if variant == "fast_jagg_cache":
+        preset = get_recipe(FAST_PRESET).config
+        return {"use_jagg": True, "jagg_cache_velocities": True, "sde_window_size": MIX_WINDOW_SIZE,
+                **{name: preset[name] for name in FAST_ROLLOUT_FIELDS}}  # fmt: skip
     positions = default_max_start("progressive", DEMO_NUM_INFERENCE_STEPS, MIX_WINDOW_SIZE) + 1
     return {
         "use_jagg": True,
@@ -79,8 +107,25 @@ def variant_overrides(variant: str, steps: int) -> dict[str, Any]:
 
 
 def milestones(steps: int) -> list[int]:
-    """The optimizer steps evaluated and tabulated: half-way and the last (50 and 100 for the default run)."""
+    """The optimizer steps tabulated: half-way and the last (50 and 100 for the default run)."""
     return sorted({max(1, steps // 2), steps})
+
+
+def evaluation_steps(steps: int, every: int) -> list[int]:
+    """The optimizer steps evaluated: every ``every`` steps and the :func:`milestones`."""
+    return sorted({*range(every, steps + 1, every), *milestones(steps)})
+
+
+class EvaluateAt(TrainerCallback):
+    """Asks the Trainer to evaluate at the end of the given optimizer steps (its own ``eval_steps`` is one period)."""
+
+    def __init__(self, steps: Sequence[int]) -> None:
+        self.steps = set(steps)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        if state.global_step in self.steps:
+            control.should_evaluate = True
+        return control
 
 
 class TrainingCPUClock(TrainerCallback):
@@ -110,11 +155,43 @@ class TrainingCPUClock(TrainerCallback):
         self._last_step_end = now
 
 
-def run_record(variant: str, seed: int, log_history: Sequence[dict[str, Any]], cpu_seconds: dict[int, float]) -> dict:
-    """One run's curves and evaluations from the trainer's ``log_history`` and :class:`TrainingCPUClock`'s times."""
+class TrainingWork(TrainerCallback):
+    """The work of training so far at the end of each optimizer step, evaluation left out, as :class:`TrainingCPUClock`
+    leaves out its time: ``counter`` is a :class:`~trl_jagg.benchmarks.whole_step.WorkCounter` (its ``counts``
+    grow with every backbone row, backward row, decoded image and encoded prompt; ``close()`` removes its hooks)."""
+
+    def __init__(self, counter: Any) -> None:
+        self.counter = counter
+        self.work: dict[int, dict[str, int]] = {}
+        self._last_step_end: dict[str, int] = {}
+        self._excluded: dict[str, int] = {}
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._last_step_end = dict(self.counter.counts)
+        self._excluded = dict(self.counter.counts)  # anything counted before training (none in the benchmark)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._last_step_end = dict(self.counter.counts)
+        self.work[state.global_step] = {k: v - self._excluded[k] for k, v in self._last_step_end.items()}
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        now = dict(self.counter.counts)
+        self._excluded = {k: self._excluded[k] + now[k] - self._last_step_end[k] for k in now}
+        self._last_step_end = now
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.counter.close()
+
+
+def run_record(
+    variant: str, seed: int, log_history: Sequence[dict[str, Any]], cpu_seconds: dict[int, float],
+    work: dict[int, dict[str, int]] | None = None,
+) -> dict:  # fmt: skip
+    """One run's curves and evaluations from the trainer's ``log_history``, :class:`TrainingCPUClock`'s times and
+    :class:`TrainingWork`'s counts (``work``: one dict per logged step, if given)."""
     logs = sorted((e for e in log_history if "reward" in e), key=lambda e: e["step"])
     evals = {e["step"]: e for e in log_history if "eval_reward" in e}
-    return {
+    record = {
         "variant": variant,
         "seed": seed,
         "step": [e["step"] for e in logs],
@@ -126,6 +203,9 @@ def run_record(variant: str, seed: int, log_history: Sequence[dict[str, Any]], c
             for step, e in sorted(evals.items())
         },
     }
+    if work is not None:
+        record["work"] = [work[e["step"]] for e in logs]
+    return record
 
 
 def summarize(runs: Sequence[dict[str, Any]], at_steps: Sequence[int]) -> dict[str, Any]:
@@ -154,6 +234,96 @@ def summarize(runs: Sequence[dict[str, Any]], at_steps: Sequence[int]) -> dict[s
     return table
 
 
+def time_to_reward(
+    runs: Sequence[dict[str, Any]], reference: str = "exact", flops: Callable[[dict[str, int]], float] | None = None
+) -> dict[str, Any]:
+    """Per variant, the training CPU seconds to reach ``reference``'s held-out reward at its last step.
+
+    The target is the mean over ``reference``'s seeds of its last evaluation's reward. Per run: the CPU seconds up to
+    the first evaluated step whose held-out reward is at or above it (``None`` if none is); per variant their median
+    over seeds (a run that never reaches it counts as slower than any that does; ``None`` when half or more never
+    do) and ``reference``'s median CPU seconds to its last step over that median (``speedup``; over each seed's time:
+    ``speedup_per_seed``, ``None`` where never reached). With ``flops`` (the
+    FLOPs of a step's counted work, e.g. :func:`flux_dev_pricing`) and runs that carry their ``work``, the same for
+    the FLOPs of the work done up to that step (``flops``, ``median_flops``, ``flop_speedup``): the time predicted at
+    that size. Empty without a ``reference`` run."""
+    own = [r for r in runs if r["variant"] == reference]
+    if not own:
+        return {}
+    last = str(max(r["step"][-1] for r in own))
+    targets = [r["eval"][last]["reward"] for r in own if last in r["eval"]]
+    if not targets:
+        return {}
+    target = statistics.fmean(targets)
+    priced = flops is not None and all("work" in r for r in runs)
+    table: dict[str, Any] = {"target_eval_reward": target, "at_step": int(last), "reference": reference,
+                             "reference_cpu_s": statistics.median(r["cpu_s"][-1] for r in own), "variants": {}}  # fmt: skip
+    if priced:
+        table["reference_flops"] = statistics.median(flops(r["work"][-1]) for r in own)
+    for run in runs:
+        reached = [int(s) for s in sorted(run["eval"], key=int) if run["eval"][s]["reward"] >= target]
+        i = run["step"].index(reached[0]) if reached else None
+        entry = table["variants"].setdefault(run["variant"], {"seeds": [], "step": [], "cpu_s": []})
+        entry["seeds"].append(run["seed"])
+        entry["step"].append(reached[0] if reached else None)
+        entry["cpu_s"].append(None if i is None else run["cpu_s"][i])
+        if priced:
+            entry.setdefault("flops", []).append(None if i is None else flops(run["work"][i]))
+    for entry in table["variants"].values():
+        for key, median_key, speedup_key, total in (
+            ("cpu_s", "median_cpu_s", "speedup", table["reference_cpu_s"]),
+            ("flops", "median_flops", "flop_speedup", table.get("reference_flops")),
+        ):
+            if key not in entry:
+                continue
+            median = statistics.median(math.inf if c is None else c for c in entry[key])
+            entry[median_key] = None if math.isinf(median) else median
+            entry[speedup_key] = None if entry[median_key] is None else total / entry[median_key]
+            entry[f"{speedup_key}_per_seed"] = [None if c is None else total / c for c in entry[key]]
+    return table
+
+
+def flux_dev_pricing(work: dict[str, int]) -> float:
+    """FLOPs of ``work`` (counts of :class:`TrainingWork`) at FLUX.1-dev's size, 1024 px with LoRA
+    (:func:`~trl_jagg.benchmarks.flops.flux_dev_costs`, no checkpointing, as the demo trains): the compute the same
+    schedule of rows, backwards, decodes and prompt encodings would take there."""
+    from .flops import flux_dev_costs, step_flops
+
+    return step_flops(flux_dev_costs()["lora"], work, checkpointing=False)
+
+
+def _speedup_cell(entry: dict[str, Any], key: str) -> str:
+    """``median [min, max]`` of a :func:`time_to_reward` speed-up over the seeds that reached the target ("-": none
+    measured or the median not reached)."""
+    reached = [x for x in entry.get(f"{key}_per_seed", []) if x is not None]
+    if entry.get(key) is None:
+        return "-"
+    return f"{entry[key]:.2f}x [{min(reached):.2f}, {max(reached):.2f}]"
+
+
+def time_to_reward_table(table: dict[str, Any]) -> str:
+    """:func:`time_to_reward` as a Markdown table: per variant the median CPU seconds (the seeds' in brackets, "-"
+    for a seed that never reached the target), the evaluated steps it took, and the speed-ups (median [min, max]
+    over the seeds that reached it)."""
+    if not table:
+        return ""
+    lines = [
+        f"Time to {table['reference']}'s held-out reward at step {table['at_step']} "
+        f"({table['target_eval_reward']:+.3f}; {table['reference']} takes {table['reference_cpu_s']:.0f} CPU s to "
+        f"step {table['at_step']}):",
+        "",
+        "| variant | CPU s to target | step reached | speed-up vs exact's time | FLUX.1-dev speed-up (FLOPs) |",
+        "|---|---|---|---|---|",
+    ]
+    for variant, entry in table["variants"].items():
+        seconds = ", ".join("-" if c is None else f"{c:.0f}" for c in entry["cpu_s"])
+        steps = ", ".join("-" if s is None else str(s) for s in entry["step"])
+        median = "not reached" if entry["median_cpu_s"] is None else f"{entry['median_cpu_s']:.0f}"
+        speedup, flop_speedup = (_speedup_cell(entry, key) for key in ("speedup", "flop_speedup"))
+        lines.append(f"| {variant} | **{median}** [{seconds}] | {steps} | {speedup} | {flop_speedup} |")
+    return "\n".join(lines)
+
+
 def markdown_table(summary: dict[str, Any]) -> str:
     """The summary as a Markdown table: a row per variant and milestone, the mean over seeds with the per-seed
     values in brackets."""
@@ -173,14 +343,14 @@ def markdown_table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot_quality(runs: Sequence[dict[str, Any]], path: str) -> str:
+def plot_quality(runs: Sequence[dict[str, Any]], path: str, reward: str = "prompt_color") -> str:
     """Reward against optimizer step and against training CPU time, and colour accuracy against step: per variant
     the mean over its seeds (thick; CPU time also averaged), every seed (thin), and the evaluations' means
     (diamonds)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    colors = dict(zip(QUALITY_VARIANTS, ("tab:blue", "tab:orange", "tab:green")))
+    colors = dict(zip(QUALITY_VARIANTS, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown")))
     figure = Figure(figsize=(15, 4.5), dpi=90)
     FigureCanvasAgg(figure)
     step_ax, cpu_ax, accuracy_ax = figure.subplots(1, 3)
@@ -204,7 +374,7 @@ def plot_quality(runs: Sequence[dict[str, Any]], path: str) -> str:
         for ax, key in ((step_ax, "reward"), (accuracy_ax, "color_accuracy")):  # the held-out ODE images' means
             means = [statistics.fmean(r["eval"][s][key] for r in own) for s in evaluated]
             ax.plot([int(s) for s in evaluated], means, "D", color=color, ms=8, mec="black")
-    step_ax.set(xlabel="optimizer step", ylabel="mean reward (prompt_color)",
+    step_ax.set(xlabel="optimizer step", ylabel=f"mean reward ({reward})",
                 title="Reward per step (lines: rollouts; diamonds: held-out eval)")  # fmt: skip
     cpu_ax.set(xlabel="process CPU seconds of training (1 thread)", ylabel="rollout mean reward",
                title="Reward against CPU time")  # fmt: skip
@@ -230,32 +400,46 @@ def run_order(seeds: Sequence[int], variants: Sequence[str]) -> list[tuple[int, 
 def run_quality_benchmark(
     output_dir: str,
     *,
+    task: str = "color",
     steps: int = 100,
     seeds: Sequence[int] = (0, 1, 2),
     variants: Sequence[str] = QUALITY_VARIANTS,
     eval_repeats: int = 8,
+    eval_every: int | None = None,
     model: str = DEMO_ASSET_DIR,
     num_threads: int = 1,
+    price_flux: bool = True,
 ) -> dict[str, Any]:
     """Train the demo with every variant and seed (see the module docstring); returns and writes the report.
 
     Args:
         output_dir: where ``quality.json``, ``quality.png`` and the runs' trainer folders go.
+        task: a name of :data:`QUALITY_TASKS`: the reward trained and evaluated.
         steps: optimizer steps per run.
         seeds: training seeds (the LoRA initialisation and the rollouts); every variant runs each.
         variants: names from :data:`QUALITY_VARIANTS`.
         eval_repeats: held-out images per prompt at each evaluation (a different noise seed each).
+        eval_every: optimizer steps between evaluations besides half-way and the last (default ``steps // 10``);
+            the time to reward is read at these steps.
         model: the pipeline (the shipped demo model by default).
         num_threads: torch CPU threads while training; restored afterwards.
+        price_flux: also price the time to reward in FLOPs at FLUX.1-dev's size (:func:`flux_dev_pricing`).
     """
     import torch
     from datasets import Dataset
 
+    from .whole_step import WorkCounter
+
     unknown = sorted(set(variants) - set(QUALITY_VARIANTS))
     if unknown:
         raise ValueError(f"Unknown `variants` {unknown}: use names of {list(QUALITY_VARIANTS)}.")
+    if task not in QUALITY_TASKS:
+        raise ValueError(f"Unknown `task` {task!r}: use one of {list(QUALITY_TASKS)}.")
     if steps < 1 or eval_repeats < 1 or not seeds:
         raise ValueError(f"Need `steps` >= 1, `eval_repeats` >= 1 and a seed, got {steps}, {eval_repeats}, {seeds}.")
+    every = max(1, steps // 10) if eval_every is None else eval_every
+    if every < 1:
+        raise ValueError(f"`eval_every` must be >= 1 (or None: steps // 10), got {eval_every}.")
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     at_steps = milestones(steps)
@@ -263,7 +447,8 @@ def run_quality_benchmark(
     eval_dataset = Dataset.from_dict({"prompt": prompts * eval_repeats})
     report: dict[str, Any] = {
         "config": {
-            "model": model, "steps": steps, "seeds": list(seeds), "eval_steps": at_steps,
+            "model": model, "task": task, "reward": QUALITY_TASKS[task], "steps": steps,
+            "evaluated_steps": evaluation_steps(steps, every), "seeds": list(seeds), "eval_steps": at_steps,
             "eval_images": len(prompts) * eval_repeats, "torch_threads": num_threads, "torch": torch.__version__,
             "timer": "process CPU time of training (process_time), evaluation excluded",
             "variants": {v: variant_overrides(v, steps) for v in variants},
@@ -276,19 +461,23 @@ def run_quality_benchmark(
             print(f"[quality] {variant} seed {seed}: {steps} steps", flush=True)
             trainer = demo_trainer(
                 model, str(out / f"{variant}_seed{seed}"), steps=steps, seed=seed, eval_dataset=eval_dataset,
-                eval_strategy="steps", eval_steps=at_steps[0], per_device_eval_batch_size=len(prompts),
-                **variant_overrides(variant, steps),
+                eval_strategy="steps", eval_steps=every, per_device_eval_batch_size=len(prompts),
+                reward=QUALITY_TASKS[task], **variant_overrides(variant, steps),
             )  # fmt: skip
-            clock = TrainingCPUClock()
-            trainer.add_callback(clock)
+            clock, work = TrainingCPUClock(), TrainingWork(WorkCounter(trainer.adapter.pipeline))
+            for callback in (EvaluateAt(report["config"]["evaluated_steps"]), clock, work):
+                trainer.add_callback(callback)
             trainer.train()
-            if not any(e.get("step") == steps and "eval_reward" in e for e in trainer.state.log_history):
-                trainer.evaluate()  # an odd `steps`: the last step is not a multiple of the half-way one
-            report["runs"].append(run_record(variant, seed, trainer.state.log_history, clock.seconds))
+            report["runs"].append(run_record(variant, seed, trainer.state.log_history, clock.seconds, work.work))
             del trainer
             report["summary"] = summarize(report["runs"], at_steps)
+            report["time_to_reward"] = time_to_reward(report["runs"])
             (out / JSON_NAME).write_text(json.dumps(report, indent=2))
-            plot_quality(report["runs"], str(out / PNG_NAME))
+            plot_quality(report["runs"], str(out / PNG_NAME), QUALITY_TASKS[task])
+    if price_flux:  # counting FLUX.1-dev's modules takes a minute or two, once
+        report["time_to_reward"] = time_to_reward(report["runs"], flops=flux_dev_pricing)
+        (out / JSON_NAME).write_text(json.dumps(report, indent=2))
     print(markdown_table(report["summary"]))
+    print(time_to_reward_table(report["time_to_reward"]))
     print(f"wrote {out / JSON_NAME} and {out / PNG_NAME}")
     return report

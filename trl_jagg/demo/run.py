@@ -15,7 +15,8 @@ format (``lora/``; ``lora_exact/`` with ``--compare``) and ``summary.json``, who
 update stage of JAGG (with the on-policy velocity cache) against exact backward, timed in interleaved pairs on one
 rollout after training. Everything runs offline; the default run takes about 1 minute on a 2-core CPU, ``--compare``
 about 2. ``trl-jagg bench quality`` (:mod:`trl_jagg.benchmarks.quality`) trains it with exact updates, JAGG + cache and
-the mixed ODE-SDE rollout for several seeds and compares their rewards.
+the mixed ODE-SDE rollouts (MixGRPO's sliding window, ``jagg-fast-flux``'s held one) for several seeds and compares
+their rewards, on the colour task or a fine-detail one.
 """
 
 from __future__ import annotations
@@ -89,7 +90,8 @@ def shape_area(prompts: Sequence[str], images: Sequence[Any], **kwargs: Any) -> 
 
 
 class GroupRewardStd:
-    """Diagnostic "reward" (weight 0): every image gets the std of ``prompt_color`` within its GRPO group.
+    """Diagnostic "reward" (weight 0): every image gets the std of the trained reward (``prompt_color`` unless
+    ``reward`` names another) within its GRPO group.
 
     Its logged mean, ``rewards/group_reward_std/mean``, is the mean per-group reward std: when it collapses towards 0
     the advantages are noise (a sign of reward gaming or of a saturated policy). Groups are the runs of
@@ -98,11 +100,11 @@ class GroupRewardStd:
 
     __name__ = "group_reward_std"
 
-    def __init__(self, num_generations: int):
+    def __init__(self, num_generations: int, reward: str = "prompt_color"):
         from ..rewards import load_reward_funcs
 
         self.num_generations = num_generations
-        self.reward = load_reward_funcs("prompt_color")[0]
+        self.reward = load_reward_funcs(reward)[0]
 
     def __call__(self, prompts: Sequence[str], images: Sequence[Any], **kwargs: Any) -> list[float]:
         import numpy as np
@@ -160,6 +162,7 @@ def demo_config(output_dir: str, *, steps: int, seed: int, use_jagg: bool = True
         noise_level=0.7,
         train_timesteps="sde_window",
         sde_window_size=4,
+        sde_window_schedule="fixed",
         sde_window_max_start=0,
         beta=0.15,
         learning_rate=1e-2,
@@ -189,11 +192,12 @@ def demo_lora_config() -> Any:
 
 def demo_trainer(
     model: str, run_dir: str, *, steps: int, seed: int, use_jagg: bool = True, eval_dataset: Any = None,
-    **overrides: Any,
+    reward: str = "prompt_color", **overrides: Any,
 ) -> Any:  # fmt: skip
     """The demo's :class:`~trl_jagg.DDPOJaggTrainer` on :func:`demo_prompts`: :func:`demo_config` (with
-    ``overrides``), :func:`demo_lora_config` initialised from ``seed``, ``prompt_color`` and the three diagnostics,
-    and a one-line progress print per step."""
+    ``overrides``), :func:`demo_lora_config` initialised from ``seed``, the registered ``reward`` it trains on
+    (``prompt_color``; ``trl-jagg bench quality --task detail`` trains ``high_frequency``) and the three
+    diagnostics, and a one-line progress print per step."""
     import torch
     from datasets import Dataset
     from transformers.trainer_callback import ProgressCallback
@@ -203,7 +207,7 @@ def demo_trainer(
     torch.manual_seed(seed)  # the LoRA's random init
     trainer = DDPOJaggTrainer(
         model=model,
-        reward_funcs=["prompt_color", color_accuracy, shape_area, GroupRewardStd(NUM_GENERATIONS)],
+        reward_funcs=[reward, color_accuracy, shape_area, GroupRewardStd(NUM_GENERATIONS, reward)],
         args=demo_config(run_dir, steps=steps, seed=seed, use_jagg=use_jagg, **overrides),
         train_dataset=Dataset.from_dict({"prompt": demo_prompts()}),
         eval_dataset=eval_dataset,

@@ -3,6 +3,8 @@ DanceGRPO's FastVideo trainer, FLUX.1-dev)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..recipe import Recipe
 from ._shared import PAPER_JAGG
 
@@ -194,6 +196,110 @@ _DANCE_QWENIMAGE_EDIT = Recipe(
 )
 
 
+_MIX = Recipe(
+    name="mixgrpo-flux",
+    model="black-forest-labs/FLUX.1-dev",
+    description="MixGRPO-Flash on FLUX.1-dev: full fine-tuning, 25 steps with shift 3, SDE (a = 0.7) only "
+    "in a 4-step window that slides one step every 20 optimizer steps, DPM-Solver++ (order 2) on 40% of "
+    "the ODE steps around it; the window is trained, as one JAGG group.",
+    source="MixGRPO (Li et al. 2025, arXiv 2507.21802), Tencent-Hunyuan/MixGRPO@e5cdd6a: "
+    "scripts/finetune/finetune_flux_grpo_MixGRPO_Flash.sh, fastvideo/train_grpo_flux.py, "
+    "fastvideo/utils/grpo_states.py, fastvideo/utils/sampling_utils.py.",
+    config={
+        # finetune_flux_grpo_MixGRPO_Flash.sh L141-142, L54, L55 (eta with --flow_grpo_sampling L196:
+        # Flow-GRPO's SDE step, sampling_utils.py L157-186), L150.
+        "height": 720,
+        "width": 720,
+        "num_inference_steps": 25,
+        "guidance_scale": 3.5,  # sampling_utils.py L72-76
+        "sampler": "sde",
+        "noise_level": 0.7,
+        "num_generations": 12,
+        # One prompt x 12 generations per process (--train_batch_size 1, L128, L150), one sample per
+        # backward, an optimizer step every 3 samples (L68; train_grpo_flux.py L543-609): 4 per rollout.
+        "per_device_train_batch_size": 1,
+        "steps_per_generation": 12,
+        "gradient_accumulation_steps": 3,
+        # The sliding window: group_size 4 (L58), progressive (L59) with prog_overlap and roll_back
+        # (L164, L168), moving prog_overlap_step 1 (L60) every iters_per_group 20 (L57) steps;
+        # grpo_states.py L85-99 and L141-148, train_grpo_flux.py L916-928 and L946-947.
+        "train_timesteps": "sde_window",
+        "sde_window_size": 4,
+        "sde_window_schedule": "progressive",
+        "sde_window_stride": 1,
+        "sde_window_shift_interval": 20,
+        "sde_window_max_start": 19,  # its last full window: steps 19-22 (max_timesteps = 25 - 2)
+        # dpm_algorithm_type dpmsolver++, order 2, midpoint, post compress ratio 0.4 (L75-79).
+        "ode_solver_order": 2,
+        "ode_step_ratio": 0.4,
+        "beta": 0.0,  # kl_coeff (L56)
+        "clip_range": 1e-4,  # L156
+        "adv_clip_max": 5.0,  # L157
+        # Per group (--use_group L152), torch's unbiased std + 1e-8 (train_grpo_flux.py L428-448); int(sigma * 1000)
+        # fed to the model (sampling_utils.py L64); --init_same_noise (L155).
+        "scale_rewards": "group",
+        "advantage_std_ddof": 1,
+        "advantage_eps": 1e-8,
+        "quantize_timesteps": True,
+        "same_group_noise": True,
+        "max_sequence_length": 512,
+        "learning_rate": 1e-5,  # L135
+        # --lr_scheduler's default (train_grpo_flux.py L1152-1156) with --lr_warmup_steps 0 (L146).
+        "lr_scheduler_type": "constant_with_warmup",
+        "warmup_steps": 0,
+        "weight_decay": 1e-4,  # L149
+        "max_grad_norm": 1.0,  # L148
+        **PAPER_JAGG,  # W = 4: the whole window is one group
+        "dtype": "float32",  # full fine-tuning keeps float32 master weights
+        "activation_checkpointing": True,  # --gradient_checkpointing (L127)
+    },
+    scheduler={"shift": 3.0, "use_dynamic_shifting": False},  # --shift 3 (L151), sd3_time_shift
+    reward_funcs=("hpsv2.1", "imagereward", "pickscore"),  # multi_reward (train_grpo_flux.py L710-727)
+    mixed_precision="bf16",  # --mixed_precision bf16 (L136) over float32 weights
+    notes=(
+        "MixGRPO truncates the windows that reach its max_timesteps (grpo_states.py L148) and includes "
+        "an empty one; here every window is full (sde_window_max_start=19: its last full window, "
+        "steps 19-22), so the trained steps are always one JAGG group of W = 4.",
+        "MixGRPO-Flash compresses only the ODE steps after the window (dpm_apply_strategy 'post') and "
+        "keeps its history across the window's SDE steps; ode_step_ratio thins both sides and each ODE "
+        "run starts its DPM-Solver++ history afresh. Before the window, the shared rollout prefix "
+        "already runs the ODE once per group.",
+        "MixGRPO sums per-reward advantages (multi_reward_mix 'advantage_aggr', L62); trl_jagg sums the "
+        "weighted rewards before the group advantage.",
+        "Shift 3 is a scheduler override, applied by the CLI for `--recipe mixgrpo-flux`; in Python, "
+        "pass get_recipe('mixgrpo-flux').apply_scheduler(pipeline) to DDPOJaggTrainer.",
+        "Full fine-tuning of a 12B backbone needs FSDP (or DeepSpeed ZeRO) on GPUs.",
+    ),
+)
+
+_FAST = replace(
+    _MIX,
+    name="jagg-fast-flux",
+    description="The fastest configuration that keeps its reward, on FLUX.1-dev: MixGRPO-Flash's rollout (SDE "
+    "only in a 4-step window, DPM-Solver++ of order 2 on 40% of the ODE steps, the shared prefix) with the window "
+    "held on the first, high-noise steps instead of sliding; the window is trained, as one JAGG group (with the "
+    "velocity cache, the default).",
+    source="trl_jagg (issue 29), built on MixGRPO-Flash (mixgrpo-flux): docs/models.md says where it departs.",
+    config={
+        **{k: v for k, v in _MIX.config.items() if k not in ("sde_window_stride", "sde_window_shift_interval")},
+        # Held on steps 0-3, where the layout and colours are settled: a window that slides on stops moving the
+        # reward once it leaves them while the KL term pulls the policy back (docs/models.md, docs/benchmarks.md).
+        "sde_window_schedule": "fixed",
+        "sde_window_max_start": 0,
+    },
+    notes=(
+        "Departs from MixGRPO-Flash only in where the window sits: held at steps 0-3 for the whole run "
+        "instead of sliding one step every 20 optimizer steps over steps 0-22. Steps 4-24 run DPM-Solver++ "
+        "(order 2) on 40% of their points: 8 backbone calls, 12 a rollout in all instead of 25.",
+        "The window starts at step 0, so the shared prefix before it is empty: same_group_noise is kept "
+        "only so that a user who moves the window (sde_window_max_start) keeps MixGRPO's shared prefix.",
+        *_MIX.notes[1:3],
+        "Shift 3 is a scheduler override, applied by the CLI for `--recipe jagg-fast-flux`; in Python, "
+        "pass get_recipe('jagg-fast-flux').apply_scheduler(pipeline) to DDPOJaggTrainer.",
+        _MIX.notes[4],
+    ),
+)
+
 DANCEGRPO_RECIPES: tuple[Recipe, ...] = (
     _DANCE,
     _DANCE.variant(
@@ -224,80 +330,7 @@ DANCEGRPO_RECIPES: tuple[Recipe, ...] = (
     ),
     _DANCE_WAN,
     _DANCE_QWENIMAGE_EDIT,
-    Recipe(
-        name="mixgrpo-flux",
-        model="black-forest-labs/FLUX.1-dev",
-        description="MixGRPO-Flash on FLUX.1-dev: full fine-tuning, 25 steps with shift 3, SDE (a = 0.7) only "
-        "in a 4-step window that slides one step every 20 optimizer steps, DPM-Solver++ (order 2) on 40% of "
-        "the ODE steps around it; the window is trained, as one JAGG group.",
-        source="MixGRPO (Li et al. 2025, arXiv 2507.21802), Tencent-Hunyuan/MixGRPO@e5cdd6a: "
-        "scripts/finetune/finetune_flux_grpo_MixGRPO_Flash.sh, fastvideo/train_grpo_flux.py, "
-        "fastvideo/utils/grpo_states.py, fastvideo/utils/sampling_utils.py.",
-        config={
-            # finetune_flux_grpo_MixGRPO_Flash.sh L141-142, L54, L55 (eta with --flow_grpo_sampling L196:
-            # Flow-GRPO's SDE step, sampling_utils.py L157-186), L150.
-            "height": 720,
-            "width": 720,
-            "num_inference_steps": 25,
-            "guidance_scale": 3.5,  # sampling_utils.py L72-76
-            "sampler": "sde",
-            "noise_level": 0.7,
-            "num_generations": 12,
-            # One prompt x 12 generations per process (--train_batch_size 1, L128, L150), one sample per
-            # backward, an optimizer step every 3 samples (L68; train_grpo_flux.py L543-609): 4 per rollout.
-            "per_device_train_batch_size": 1,
-            "steps_per_generation": 12,
-            "gradient_accumulation_steps": 3,
-            # The sliding window: group_size 4 (L58), progressive (L59) with prog_overlap and roll_back
-            # (L164, L168), moving prog_overlap_step 1 (L60) every iters_per_group 20 (L57) steps;
-            # grpo_states.py L85-99 and L141-148, train_grpo_flux.py L916-928 and L946-947.
-            "train_timesteps": "sde_window",
-            "sde_window_size": 4,
-            "sde_window_schedule": "progressive",
-            "sde_window_stride": 1,
-            "sde_window_shift_interval": 20,
-            "sde_window_max_start": 19,  # its last full window: steps 19-22 (max_timesteps = 25 - 2)
-            # dpm_algorithm_type dpmsolver++, order 2, midpoint, post compress ratio 0.4 (L75-79).
-            "ode_solver_order": 2,
-            "ode_step_ratio": 0.4,
-            "beta": 0.0,  # kl_coeff (L56)
-            "clip_range": 1e-4,  # L156
-            "adv_clip_max": 5.0,  # L157
-            # Per group (--use_group L152), torch's unbiased std + 1e-8 (train_grpo_flux.py L428-448); int(sigma * 1000)
-            # fed to the model (sampling_utils.py L64); --init_same_noise (L155).
-            "scale_rewards": "group",
-            "advantage_std_ddof": 1,
-            "advantage_eps": 1e-8,
-            "quantize_timesteps": True,
-            "same_group_noise": True,
-            "max_sequence_length": 512,
-            "learning_rate": 1e-5,  # L135
-            # --lr_scheduler's default (train_grpo_flux.py L1152-1156) with --lr_warmup_steps 0 (L146).
-            "lr_scheduler_type": "constant_with_warmup",
-            "warmup_steps": 0,
-            "weight_decay": 1e-4,  # L149
-            "max_grad_norm": 1.0,  # L148
-            **PAPER_JAGG,  # W = 4: the whole window is one group
-            "dtype": "float32",  # full fine-tuning keeps float32 master weights
-            "activation_checkpointing": True,  # --gradient_checkpointing (L127)
-        },
-        scheduler={"shift": 3.0, "use_dynamic_shifting": False},  # --shift 3 (L151), sd3_time_shift
-        reward_funcs=("hpsv2.1", "imagereward", "pickscore"),  # multi_reward (train_grpo_flux.py L710-727)
-        mixed_precision="bf16",  # --mixed_precision bf16 (L136) over float32 weights
-        notes=(
-            "MixGRPO truncates the windows that reach its max_timesteps (grpo_states.py L148) and includes "
-            "an empty one; here every window is full (sde_window_max_start=19: its last full window, "
-            "steps 19-22), so the trained steps are always one JAGG group of W = 4.",
-            "MixGRPO-Flash compresses only the ODE steps after the window (dpm_apply_strategy 'post') and "
-            "keeps its history across the window's SDE steps; ode_step_ratio thins both sides and each ODE "
-            "run starts its DPM-Solver++ history afresh. Before the window, the shared rollout prefix "
-            "already runs the ODE once per group.",
-            "MixGRPO sums per-reward advantages (multi_reward_mix 'advantage_aggr', L62); trl_jagg sums the "
-            "weighted rewards before the group advantage.",
-            "Shift 3 is a scheduler override, applied by the CLI for `--recipe mixgrpo-flux`; in Python, "
-            "pass get_recipe('mixgrpo-flux').apply_scheduler(pipeline) to DDPOJaggTrainer.",
-            "Full fine-tuning of a 12B backbone needs FSDP (or DeepSpeed ZeRO) on GPUs.",
-        ),
-    ),
+    _MIX,
+    _FAST,
 )
 """DanceGRPO's and MixGRPO's presets, in the order of ``docs/models.md``."""

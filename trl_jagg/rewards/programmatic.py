@@ -70,3 +70,33 @@ def brightness() -> RewardFunc:
         return [float((_pixels(image) @ _LUMA_WEIGHTS).mean()) for image in images]
 
     return brightness
+
+
+def high_frequency_energy(image: Image.Image) -> float:
+    """Mean over the interior pixels of ``|luma - mean of its 3 x 3 neighbourhood|``, in [0, 8/9].
+
+    The part of the image a 3 x 3 box blur removes: 0 for a flat image, 4/9 for a one-pixel checkerboard of black
+    and white. Border pixels, which lack a full neighbourhood, are left out.
+    """
+    luma = _pixels(image) @ _LUMA_WEIGHTS
+    height, width = luma.shape
+    if height < 3 or width < 3:
+        raise ValueError(f"high_frequency needs images of at least 3 x 3 pixels, got {width} x {height}.")
+    box = sum(luma[i : height - 2 + i, j : width - 2 + j] for i in range(3) for j in range(3)) / 9.0
+    return float(np.abs(luma[1:-1, 1:-1] - box).mean())
+
+
+@register_reward("high_frequency")
+def high_frequency() -> RewardFunc:
+    """Fine detail: :func:`high_frequency_energy`, the luma a 3 x 3 box blur removes; the prompt is ignored.
+
+    Edges, texture and grain score; flat areas do not. A flow model settles such detail in its last, low-noise
+    denoising steps, so this is the demo's second task (``trl-jagg bench quality --task detail``): a rollout whose
+    trained steps are only the first, high-noise ones must reach it through the shared weights.
+    """
+
+    def high_frequency(prompts: Sequence[str], images: Sequence[Image.Image], **kwargs: Any) -> list[float]:
+        check_pairs(prompts, images)
+        return [high_frequency_energy(image) for image in images]
+
+    return high_frequency

@@ -153,10 +153,11 @@ class WholeStepBenchmarkArguments:
 
 
 QUALITY_DESCRIPTION = (
-    "Train the CPU demo with exact updates, JAGG + velocity cache and the mixed ODE-SDE rollout (MixGRPO-style "
-    "sliding window, DPM-Solver++) + JAGG + cache, for every seed in interleaved order; write quality.json (reward "
-    "and colour accuracy per step, evaluations half-way and at the end) and quality.png (reward against step and "
-    "CPU time)."
+    "Train the CPU demo with exact updates, JAGG + velocity cache and the mixed ODE-SDE rollouts (MixGRPO-style "
+    "sliding window, and the jagg-fast-flux window held on the high-noise steps; DPM-Solver++) + JAGG + cache, for "
+    "every seed in interleaved order, on the colour task or the fine-detail one; write quality.json (reward and "
+    "colour accuracy per step, evaluations every tenth of the run, the CPU time to exact's final held-out reward) "
+    "and quality.png (reward against step and CPU time)."
 )
 
 
@@ -174,17 +175,35 @@ class QualityBenchmarkArguments:
     _argument_group_name = "Quality benchmark"
 
     output_dir: str = field(default="runs/quality", metadata={"help": "Where the JSON, PNG and run folders go."})
+    task: str = field(
+        default="color",
+        metadata={
+            "help": "`color` (the demo's prompt_color reward, settled in the high-noise steps) or `detail` (the "
+            "high_frequency reward: fine detail, settled in the low-noise steps)."
+        },
+    )
     steps: int = field(default=100, metadata={"help": "Optimizer steps per run."})
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2], metadata={"help": "Training seeds (each variant)."})
     variants: list[str] = field(
         default_factory=lambda: list(_quality_variants()), metadata={"help": "The variants to train (all)."}
     )
     eval_repeats: int = field(default=8, metadata={"help": "Held-out images per prompt at each evaluation."})
+    eval_every: int | None = field(
+        default=None,
+        metadata={"help": "Optimizer steps between evaluations, besides half-way and the end (default steps // 10)."},
+    )
     model: str = field(
         default=DEMO_ASSET_DIR,
         metadata={"help": "The pipeline to fine-tune, a local directory or a Hub id (default: the demo's model)."},
     )
     num_threads: int = field(default=1, metadata={"help": "torch CPU threads while training (restored afterwards)."})
+    price_flux: bool = field(
+        default=True,
+        metadata={
+            "help": "Also price the time to reward in FLOPs at FLUX.1-dev's size (1024 px, LoRA): the counted work "
+            "of the runs at that size (counting FLUX.1-dev's modules takes a minute or two, once)."
+        },
+    )
 
 
 REWARD_OVERLAP_DESCRIPTION = (
