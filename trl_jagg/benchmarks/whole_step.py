@@ -76,6 +76,7 @@ WHOLE_STEP_VARIANTS: dict[str, PresetVariant] = {
     "dancegrpo-flux": PresetVariant("dancegrpo-flux"),
     FLASH: PresetVariant("mixgrpo-flux", {"use_jagg": False}),
     "mixgrpo-flux": PresetVariant("mixgrpo-flux", baselines=(EXACT, FLASH)),
+    "jagg-fast-flux": PresetVariant("jagg-fast-flux", baselines=(EXACT, FLASH)),
 }
 """The variants by name: a preset as shipped (JAGG + velocity cache) or with an exact update (the baselines)."""
 TINY_FIELDS = ("height", "width", "max_sequence_length")
