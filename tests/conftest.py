@@ -92,3 +92,18 @@ def tiny_wan22_path(tmp_path_factory: pytest.TempPathFactory) -> str:
 def tiny_wan22_ti2v_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A tiny Wan2.2 TI2V-5B-like pipeline (`expand_timesteps`, the 48-channel Wan2.2 VAE) saved to disk."""
     return _save_tiny("wan22_ti2v", tmp_path_factory)
+
+
+@pytest.fixture
+def offline_wandb(tmp_path, monkeypatch):
+    """W&B in offline mode writing under ``tmp_path/wandb``. W&B reads ``WANDB_DIR`` once per process into its
+    settings singleton, so an earlier test on the same worker would otherwise keep its own folder: the singleton is
+    torn down before (to re-read the variables) and after (to leave none behind)."""
+    wandb = pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    wandb.teardown()
+    yield wandb
+    wandb.finish()
+    wandb.teardown()

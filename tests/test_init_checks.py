@@ -11,7 +11,7 @@ from datasets import Dataset
 from testing_utils import noise_image, redness
 
 from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
-from trl_jagg.rewards import load_reward_funcs
+from trl_jagg.rewards import LazyModelReward, load_reward_funcs
 
 PROMPTS = ['a sign that says "OPEN"', 'a mug that says "TEA"']
 
@@ -23,6 +23,13 @@ def build(path, tmp_path, *, train=None, eval_dataset=None, reward_funcs=redness
         model=path, reward_funcs=reward_funcs, args=GRPOJaggConfig(**config | overrides),
         train_dataset=train if train is not None else Dataset.from_dict({"prompt": PROMPTS}), eval_dataset=eval_dataset,
     )  # fmt: skip
+
+
+@pytest.fixture
+def reward_weights_reachable(monkeypatch):
+    """The offline test cache holds no reward weights, and their check runs first; tests of the dataset checks that
+    follow it treat the weights as reachable (tests/test_hub_access.py covers the weight check itself)."""
+    monkeypatch.setattr(LazyModelReward, "check_weights", lambda self: None)
 
 
 @pytest.mark.parametrize("split", ["train_dataset", "eval_dataset"])
@@ -37,7 +44,7 @@ def test_a_source_image_column_on_a_text_to_image_model_is_refused(tiny_flux_pat
         build(tiny_flux_path, tmp_path, **datasets)
 
 
-def test_an_edit_reward_on_a_text_to_image_model_is_refused(tiny_flux_path, tmp_path):
+def test_an_edit_reward_on_a_text_to_image_model_is_refused(tiny_flux_path, tmp_path, reward_weights_reachable):
     with pytest.raises(ValueError, match="Reward 'clip-edit' scores edits against their source images, but the model "
                        "generates from text only"):  # fmt: skip
         build(tiny_flux_path, tmp_path, reward_funcs=["pickscore", "clip-edit"])
@@ -95,7 +102,7 @@ def test_the_cli_names_a_scalar_eval_prompts_and_an_empty_eval_file(tmp_path):
         train.load_eval_dataset(script_args, args)
 
 
-def test_geneval_metadata_is_checked_at_init(tiny_flux_path, tmp_path):
+def test_geneval_metadata_is_checked_at_init(tiny_flux_path, tmp_path, reward_weights_reachable):
     """GenEval's `check_dataset` runs when the trainer is built: missing columns and bad rows are named."""
     geneval = load_reward_funcs("geneval", detector_id="not-loaded", clip_id="not-loaded")
     with pytest.raises(ValueError, match="train_dataset has no 'tag' or 'include' column"):

@@ -15,7 +15,6 @@ import os
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-import pytest
 import torch
 from datasets import Dataset
 from peft import LoraConfig
@@ -113,11 +112,10 @@ def test_redaction_at_any_depth_and_in_urls():
     assert clean.hub_token is None and clean.reward_kwargs == redacted(value) and args.hub_token == "h"
 
 
-def test_no_secret_reaches_a_file_a_tracker_or_a_log(tiny_flux_path, tmp_path, monkeypatch, caplog, capfd):
-    wandb = pytest.importorskip("wandb")
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
-    monkeypatch.setenv("WANDB_SILENT", "true")
+def test_no_secret_reaches_a_file_a_tracker_or_a_log(
+    tiny_flux_path, tmp_path, monkeypatch, caplog, capfd, offline_wandb
+):
+    wandb = offline_wandb
     monkeypatch.setenv("TRL_JAGG_REWARD_TOKEN", SECRETS["env_token"])
     monkeypatch.setenv("TEST_JUDGE_KEY", SECRETS["judge"])
     monkeypatch.setitem(REWARD_REGISTRY, "test-options", options_reward)  # registered for this test only

@@ -47,10 +47,7 @@ def wandb_history(run_file: str) -> list[dict[str, str]]:
     return rows
 
 
-def test_every_image_reaches_tensorboard_wandb_and_trackio(tiny_flux_path, tmp_path, monkeypatch):
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
-    monkeypatch.setenv("WANDB_SILENT", "true")
+def test_every_image_reaches_tensorboard_wandb_and_trackio(tiny_flux_path, tmp_path, monkeypatch, offline_wandb):
     monkeypatch.setenv("TRACKIO_DIR", str(tmp_path / "trackio"))  # read when trackio is first imported
     project = f"trl-jagg-test-{os.getpid()}"
     args = GRPOJaggConfig(
@@ -66,9 +63,7 @@ def test_every_image_reaches_tensorboard_wandb_and_trackio(tiny_flux_path, tmp_p
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_k", "to_v"]),
     )  # fmt: skip
     trainer.train()
-    import wandb
-
-    wandb.finish()  # flush the offline run's last records before reading its file
+    offline_wandb.finish()  # flush the offline run's last records before reading its file
     steps = [1, 2]
 
     # TensorBoard: every image tag at both steps, the eval grid in the eval section.
