@@ -347,3 +347,25 @@ def test_predict_is_refused_with_what_to_use_instead(tiny_flux_path, tmp_path):
         NotImplementedError, match=r"predict\(\) is not supported.*evaluate\(eval_dataset\).*sample_images"
     ):
         trainer.predict(Dataset.from_dict({"prompt": ["a red circle"]}))
+
+
+def test_the_trainer_derives_from_the_base_trls_own_trainers_use():
+    """TRL's trainers at the locked version derive from its private ``_BaseTrainer`` (model cards, tags); the trainer
+    follows them. If TRL moves its own trainers off it, this fails and the trainer's base should move too."""
+    from trl import DPOTrainer, GRPOTrainer, SFTTrainer
+    from trl.trainer.base_trainer import _BaseTrainer
+
+    assert all(issubclass(trainer, _BaseTrainer) for trainer in (GRPOTrainer, DPOTrainer, SFTTrainer))
+    assert issubclass(DDPOJaggTrainer, _BaseTrainer)
+
+
+def test_image_grid_tiles_rows_with_caption_strips_and_fills_the_last_row():
+    from trl_jagg.trainer.image_logging import image_grid
+
+    red, blue = Image.new("RGB", (8, 8), (255, 0, 0)), Image.new("RGB", (8, 8), (0, 0, 255))
+    grid = image_grid([red, blue, red, blue, red], captions=["", "", "", "", ""], columns=3)
+    assert grid.size == (3 * 8, 2 * (8 + 12))  # 3 columns, 2 rows of image + 12-pixel caption strip
+    assert grid.getpixel((0, 0)) == (255, 0, 0) and grid.getpixel((8, 0)) == (0, 0, 255)
+    assert grid.getpixel((0, 20)) == (0, 0, 255) and grid.getpixel((8, 20)) == (255, 0, 0)  # row 2: 4th, 5th
+    assert grid.getpixel((4, 10)) == (255, 255, 255)  # empty caption strip
+    assert grid.getpixel((20, 24)) == (255, 255, 255)  # the last row's missing 6th tile

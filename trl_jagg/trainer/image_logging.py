@@ -20,6 +20,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from diffusers.utils import make_image_grid
 from PIL import Image, ImageDraw
 from transformers import TrainerCallback
 from transformers.integrations import TensorBoardCallback, TrackioCallback, WandbCallback
@@ -49,19 +50,21 @@ def frame_strip(sample: Image.Image | Sequence[Image.Image]) -> Image.Image:
 def image_grid(
     images: list[Image.Image], captions: list[str] | None = None, columns: int | None = None
 ) -> Image.Image:
-    """Tile images in a grid, each with an optional caption strip under it."""
+    """Tile images in a grid (diffusers' ``make_image_grid``), each with an optional caption strip under it; a
+    last row left short is filled with white."""
     columns = columns or min(len(images), 8)
     rows = math.ceil(len(images) / columns)
     width, height = images[0].size
     caption_h = 12 if captions else 0
-    grid = Image.new("RGB", (columns * width, rows * (height + caption_h)), "white")
-    draw = ImageDraw.Draw(grid)
+    tiles = []
     for i, image in enumerate(images):
-        x, y = (i % columns) * width, (i // columns) * (height + caption_h)
-        grid.paste(image.convert("RGB"), (x, y))
+        tile = Image.new("RGB", (width, height + caption_h), "white")
+        tile.paste(image.convert("RGB"), (0, 0))
         if captions:
-            draw.text((x + 1, y + height), captions[i][: max(1, width // 6)], fill="black")
-    return grid
+            ImageDraw.Draw(tile).text((1, height), captions[i][: max(1, width // 6)], fill="black")
+        tiles.append(tile)
+    tiles += [Image.new("RGB", (width, height + caption_h), "white")] * (rows * columns - len(tiles))
+    return make_image_grid(tiles, rows, columns)
 
 
 def log_image_grid(
