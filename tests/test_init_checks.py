@@ -18,7 +18,7 @@ PROMPTS = ['a sign that says "OPEN"', 'a mug that says "TEA"']
 
 def build(path, tmp_path, *, train=None, eval_dataset=None, reward_funcs=redness, **overrides) -> DDPOJaggTrainer:
     config = dict(output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2, height=32, width=32,
-                  num_inference_steps=2, max_sequence_length=16, report_to="none")  # fmt: skip
+                  num_inference_steps=2, max_sequence_length=16, report_to="none", use_jagg=False)  # fmt: skip
     return DDPOJaggTrainer(
         model=path, reward_funcs=reward_funcs, args=GRPOJaggConfig(**config | overrides),
         train_dataset=train if train is not None else Dataset.from_dict({"prompt": PROMPTS}), eval_dataset=eval_dataset,
