@@ -14,7 +14,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 # The pages written with the CLI and examples; docs/rewards.md belongs to the rewards and is only linked to.
-PAGES = ["index", "quickstart", "jagg", "config", "models", "distributed", "benchmarks", "troubleshooting", "api"]
+PAGES = [
+    "index", "quickstart", "recipes", "jagg", "config", "models", "distributed", "benchmarks", "troubleshooting", "api",
+    *(f"peers/{p.stem}" for p in sorted((DOCS / "peers").glob("*.md"))),
+]  # fmt: skip
 
 
 def load_script(name: str):
@@ -70,7 +73,7 @@ def test_links_resolve(page):
         if target.startswith(("http://", "https://")):
             continue
         path, _, anchor = target.partition("#")
-        file = (DOCS / path).resolve() if path else DOCS / f"{page}.md"
+        file = ((DOCS / page).parent / path).resolve() if path else DOCS / f"{page}.md"
         assert file.exists(), f"{page}.md links to missing {target}"
         if anchor and file.suffix == ".md":
             headings = re.findall(r"^#+ (.+)$", file.read_text(), flags=re.M)
@@ -322,3 +325,71 @@ def test_python_blocks_run(path, tiny_hub):
             exec(compile(code, f"{path.name}:{line}", "exec"), namespace)
         except Exception as error:
             raise AssertionError(f"{path.relative_to(ROOT)}, block at line {line} fails: {error!r}") from error
+
+
+# ---------------------------------------------------------------- docs/recipes.md: every command parses
+RECIPES_PAGE = DOCS / "recipes.md"
+
+
+def shell_commands(path: Path) -> list[list[str]]:
+    """The commands of every ```bash block of ``path``, one token list each (``\\`` continuations joined, comments
+    dropped)."""
+    import shlex
+
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", path.read_text(), flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            tokens = shlex.split(line, comments=True)
+            if tokens:
+                commands.append(tokens)
+    return commands
+
+
+def train_argv(tokens: list[str]) -> list[str] | None:
+    """The arguments after ``train`` of a ``trl-jagg train`` or ``accelerate launch ... -m trl_jagg.cli train``
+    command; ``None`` for any other command."""
+    if tokens[:2] == ["trl-jagg", "train"]:
+        return tokens[2:]
+    if tokens[:2] == ["accelerate", "launch"] and "trl_jagg.cli" in tokens:
+        rest = tokens[tokens.index("trl_jagg.cli") + 1 :]
+        assert rest[:1] == ["train"], tokens
+        return rest[1:]
+    return None
+
+
+def test_recipes_page_commands_parse_with_the_train_parser(tmp_path, monkeypatch):
+    from trl_jagg.scripts.train import DATASET_FILE_TYPES, parse_train_args, split_launch_options
+
+    commands = shell_commands(RECIPES_PAGE)
+    trains = [(tokens, train_argv(tokens)) for tokens in commands]
+    trains = [(tokens, argv) for tokens, argv in trains if argv is not None]
+    assert len(trains) >= 10  # every recipe of the page has at least one
+    presets = set()
+    for tokens, argv in trains:
+        if "--config_file" in tokens:
+            config_file = tokens[tokens.index("--config_file") + 1]
+            assert (ROOT / config_file).is_file(), f"docs/recipes.md names a missing {config_file}"
+        # The launch options go to accelerate (with --accelerate_config); the rest is what each process parses.
+        _, rest = split_launch_options(argv)
+        # The prompt files the commands name are the reader's: stand-ins in an empty folder.
+        monkeypatch.chdir(tmp_path)
+        for token in rest:
+            if token.lower().endswith(DATASET_FILE_TYPES):
+                (tmp_path / token).write_text("a prompt\n")
+        # The recipes target GPUs; mixed precision cannot be validated on a CPU-only machine.
+        script_args, args = parse_train_args([*rest, "--bf16", "false", "--fp16", "false"])
+        assert script_args.model_name_or_path and script_args.reward_funcs and args.output_dir, tokens
+        presets.add(script_args.recipe)
+    # The combinations the page promises.
+    assert {
+        "flow-grpo-flux", "dancegrpo-flux-8gpu", "flow-grpo-sd35-geneval", "flow-grpo-sd35-ocr", "nft-sd35",
+        "flow-grpo-qwenimage-edit", "flow-grpo-wan2.1", "flow-factory-wan2.2", "jagg-fast-flux",
+    } <= presets  # fmt: skip
+
+
+def test_recipes_page_names_only_existing_presets():
+    from trl_jagg.recipes import RECIPES
+
+    text = RECIPES_PAGE.read_text()
+    for name in re.findall(r"--recipe ([\w.-]+)", text):
+        assert name in RECIPES, f"docs/recipes.md names an unknown preset {name}"
