@@ -159,11 +159,8 @@ class DeadlineReader(io.RawIOBase):
         return self._sock.recv_into(buffer)
 
 
-@functools.cache
-def _ssl_context() -> ssl.SSLContext:
-    """The system's trust store, loaded once (``ssl.create_default_context`` takes milliseconds; a client is built
-    per call): an ``https://`` server is verified as the standard library verifies it."""
-    return ssl.create_default_context()
+# The system's trust store, as the standard library verifies with; loaded once (milliseconds), a client is built per call.
+_ssl_context = functools.cache(ssl.create_default_context)
 
 
 class RemoteReward:
@@ -193,7 +190,7 @@ class RemoteReward:
             url, "remote reward", f"pass the shared token with token=... or, better, the {TOKEN_ENV} variable."
         )
         try:
-            parsed: httpx.URL | None = httpx.URL(url)
+            parsed = httpx.URL(url)
         except httpx.InvalidURL:
             parsed = None
         if parsed is None or parsed.scheme not in ("http", "https") or not parsed.host:
