@@ -360,8 +360,8 @@ class VLMJudgeReward(RemoteReward):
         self, client: httpx.AsyncClient, prompt: str, images: list[Image.Image]
     ) -> tuple[str, dict[str, Any]]:
         """One request: the images and the judge's question; returns the reply text and the whole choice."""
-        body = await asyncio.to_thread(self._chat_body, prompt, images)  # PNG encoding off the event loop
-        async with self._slots:
+        async with self._slots:  # encoded in the slot too: at most max_concurrency request bodies held at once
+            body = await asyncio.to_thread(self._chat_body, prompt, images)  # PNG encoding off the event loop
             answer = await self._post(client, body)
         try:
             choice = answer["choices"][0]
