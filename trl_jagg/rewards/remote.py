@@ -225,7 +225,7 @@ class RemoteReward:
             headers["Authorization"] = f"Bearer {self.token}"
         return httpx.AsyncClient(headers=headers, timeout=self.timeout, verify=_ssl_context(), trust_env=False)
 
-    async def _attempt(self, client: httpx.AsyncClient, body: bytes) -> tuple[int, bytes, float | None]:
+    async def _attempt(self, client: httpx.AsyncClient, body: str | bytes) -> tuple[int, bytes, float | None]:
         """One attempt: send ``body``, read the status, a bounded answer and its ``Retry-After`` wait
         (:func:`retry_after_seconds`). The answer is streamed, so a longer one is refused at the bound."""
         async with client.stream("POST", self.url, content=body) as response:
@@ -239,7 +239,7 @@ class RemoteReward:
                     )
             return response.status_code, bytes(data), retry_after_seconds(response.headers.get("Retry-After"))
 
-    async def _post(self, client: httpx.AsyncClient, body: bytes) -> Any:
+    async def _post(self, client: httpx.AsyncClient, body: str | bytes) -> Any:
         """The JSON answer to ``body``, each attempt within ``timeout`` seconds in all (connect, send, score, read),
         retried as the class docstring says."""
         server_error: str | None = None  # the last HTTP 429 / 5xx answer: the server is up but did not score
@@ -279,30 +279,12 @@ class RemoteReward:
             f"{connection_error}). Is it running and reachable? {SERVER_HINT}"
         )
 
-    @staticmethod
-    def _request_body(
-        prompts: list[str], images: list[Image.Image], metadata: dict[str, Any], sources: list | None
-    ) -> bytes:
-        payload = {"prompts": prompts, "images": [encode_image(im) for im in images], "metadata": metadata}
-        if sources is not None:
-            payload["source_images"] = [encode_image(im) for im in sources]
-        return json.dumps(payload).encode("utf-8")
-
-    async def _score(
-        self,
-        client: httpx.AsyncClient,
-        prompts: list[str],
-        images: list[Image.Image],
-        metadata: dict[str, Any],
-        sources: list | None,
-    ) -> list[float | None]:
-        # PNG encoding is CPU work: a worker thread does it, so the shared event loop keeps serving other rewards.
-        body = await asyncio.to_thread(self._request_body, prompts, images, metadata, sources)
-        answer = await self._post(client, body)
+    def _scores(self, answer: Any, count: int) -> list[float | None]:
+        """The ``count`` scores of a server's JSON ``answer``, checked."""
         scores = answer.get("scores") if isinstance(answer, dict) else None
-        if not isinstance(scores, list) or len(scores) != len(images):
+        if not isinstance(scores, list) or len(scores) != count:
             shown = repr(answer)[:200]
-            raise RuntimeError(f"Reward server {self.url} sent a malformed answer for {len(images)} images: {shown}")
+            raise RuntimeError(f"Reward server {self.url} sent a malformed answer for {count} images: {shown}")
         # A number or null (not applicable), never coerced: "0.5" or true is a server bug, not a score.
         bad = [i for i, score in enumerate(scores) if score is not None and not has_kind(score, float)]
         if bad:
@@ -323,19 +305,19 @@ class RemoteReward:
             raise ValueError(f"Got {len(sources)} source images for {len(images)} images: give one per image.")
         step = self.batch_size or max(len(images), 1)
         columns = _json_columns(kwargs)
+        # Per-sample columns (lists as long as the batch) are split with the batch; others are sent whole.
+        split = {key for key, value in columns.items() if isinstance(value, list) and len(value) == len(images)}
         scores: list[float | None] = []
         async with self._client() as client:
             for start in range(0, len(images), step):
-                # Per-sample columns (lists as long as the batch) are split with the batch; others are sent whole.
-                metadata = {
-                    key: value[start : start + step]
-                    if isinstance(value, list) and len(value) == len(images)
-                    else value
-                    for key, value in columns.items()
-                }
                 batch = slice(start, start + step)
-                sent_sources = None if sources is None else list(sources[batch])
-                scores += await self._score(client, list(prompts[batch]), list(images[batch]), metadata, sent_sources)
+                metadata = {key: value[batch] if key in split else value for key, value in columns.items()}
+                payload = {"prompts": list(prompts[batch]), "images": list(images[batch]), "metadata": metadata}
+                if sources is not None:
+                    payload["source_images"] = list(sources[batch])
+                # Images become base64 PNGs (CPU work) in a worker thread: the shared event loop serves on meanwhile.
+                body = await asyncio.to_thread(json.dumps, payload, default=encode_image)
+                scores += self._scores(await self._post(client, body), len(payload["images"]))
         return scores
 
     def __call__(self, prompts: Sequence[str], images: Sequence[Image.Image], **kwargs: Any) -> list[float | None]:
