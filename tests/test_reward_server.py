@@ -362,6 +362,20 @@ def test_binds_to_loopback_by_default(server_module):
 
 
 # ------------------------------------------------------------------------------------------------ client limits
+def read_request(conn: socket.socket) -> None:
+    """Read one request whole, its headers then its ``Content-Length`` body (a client may send them apart)."""
+    data = b""
+    for _ in range(1000):  # bounded: the requests in these tests are small
+        head, found, body = data.partition(b"\r\n\r\n")
+        length = re.search(rb"(?i)content-length: *(\d+)", head)
+        if found and len(body) >= int(length.group(1) if length else 0):
+            return
+        chunk = conn.recv(1 << 20)
+        if not chunk:
+            return
+        data += chunk
+
+
 def one_shot_server(*behaviours):
     """A raw server on 127.0.0.1 answering one connection per behaviour, in turn, with ``behave(sock)``; returns
     its URL and thread."""
@@ -375,7 +389,7 @@ def one_shot_server(*behaviours):
                 conn, _ = listener.accept()
                 with conn:
                     conn.settimeout(5)
-                    conn.recv(1 << 20)  # the request (small in these tests)
+                    read_request(conn)
                     try:
                         behave(conn)
                     except OSError:
@@ -435,6 +449,60 @@ def test_client_bounds_the_answer_size():
     with pytest.raises(RuntimeError, match="more than max_response_bytes=4096 bytes"):
         rewards.remote(url, timeout=2, retries=0, max_response_bytes=4096)(["a"], [solid((0, 0, 0))])
     thread.join(5)
+
+
+def test_a_longer_answer_is_refused_without_reading_the_rest():
+    """The server announces a gigabyte, sends 64 KB and holds the connection: the client refuses the answer at its
+    bound, without waiting for the rest (which would end at its 30 s deadline as a timeout)."""
+    closed = threading.Event()
+
+    def behave(conn):
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 1000000000\r\n\r\n" + b" " * 65536)
+        conn.settimeout(10)
+        if conn.recv(1) == b"":  # the client closes the connection it gave up on
+            closed.set()
+
+    url, thread = one_shot_server(behave)
+    with pytest.raises(RuntimeError, match="more than max_response_bytes=4096 bytes"):
+        rewards.remote(url, timeout=30, retries=0, max_response_bytes=4096)(["a"], [solid((0, 0, 0))])
+    assert closed.wait(10)
+    thread.join(5)
+
+
+def test_reward_timeout_cancels_the_request_in_flight():
+    """``reward_timeout`` cancels the remote reward's coroutine on the shared event loop: its connection is closed at
+    the deadline (a synchronous call abandoned in a thread would hold it until its own 60 s timeout)."""
+    from trl_jagg.rewards.calling import RewardTimeout, is_async_reward
+
+    closed = threading.Event()
+
+    def behave(conn):  # never answers; sees the client close the connection
+        conn.settimeout(30)
+        if conn.recv(1) == b"":
+            closed.set()
+
+    url, thread = one_shot_server(behave)
+    remote = rewards.remote(url, timeout=60, retries=0)
+    assert is_async_reward(remote)
+    with pytest.raises(RewardTimeout):
+        rewards.compute_rewards([remote], ["a"], [solid((0, 0, 0))], timeout=0.5)
+    assert closed.wait(10)
+    thread.join(5)
+
+
+def test_a_remote_reward_called_inside_an_async_reward_names_the_fix(server_url):
+    remote = rewards.remote(f"{server_url}/score/prompt_color")
+
+    async def blocking(prompts, images, **kwargs):
+        return remote(prompts, images)
+
+    async def awaiting(prompts, images, **kwargs):
+        return await remote.acall(prompts, images)
+
+    with pytest.raises(RuntimeError, match=r"await reward\.acall"):
+        rewards.compute_rewards([blocking], ["red"], [solid((255, 0, 0))])
+    total, _ = rewards.compute_rewards([awaiting], ["red"], [solid((255, 0, 0))])
+    assert total.tolist() == pytest.approx(rewards.prompt_color()(["red"], [solid((255, 0, 0))]))
 
 
 # ------------------------------------------------------------------------------------------------ round two

@@ -23,7 +23,7 @@ import torch
 from PIL import Image
 
 from ..redaction import redacted
-from .calling import call_with_retries, is_async_reward, reward_deadline
+from .calling import call_with_retries, coroutine_function, is_async_reward, reward_deadline
 from .video import frame_kwargs, is_video_batch, takes_videos, video_means
 
 RewardFunc = Callable[..., Sequence[float | None]]
@@ -391,11 +391,12 @@ def compute_rewards(
 def _per_frame(func: RewardFunc, name: str) -> RewardFunc:
     """``func`` (an image reward) called on every frame of the videos it receives, returning each video's mean score
     (:mod:`~trl_jagg.rewards.video`); asynchronous when ``func`` is."""
-    if is_async_reward(func):
+    awaited = coroutine_function(func)
+    if awaited is not None:
 
         async def call_async(**kwargs: Any) -> list[float | None]:
             expanded, counts = frame_kwargs(kwargs)
-            return video_means(check_rewards(name, await func(**expanded), sum(counts)), counts)
+            return video_means(check_rewards(name, await awaited(**expanded), sum(counts)), counts)
 
         return call_async
 

@@ -5,7 +5,8 @@ deadline (``GRPOJaggConfig.reward_timeout``, or :data:`REMOTE_REWARD_TIMEOUT` fo
 ``default_reward_timeout``), a call that is still running when it expires is abandoned and :class:`RewardTimeout`
 is raised instead:
 
-- an ``async def`` reward's coroutine is cancelled (it stops at its next ``await``);
+- an async reward's coroutine (an ``async def`` reward's, or the ``acall`` of the remote reward and the VLM judges,
+  whose request in flight is then closed) is cancelled (it stops at its next ``await``);
 - a synchronous reward cannot be interrupted in Python, so under a deadline it runs in a daemon thread of its own and
   the caller stops waiting. The abandoned call keeps running until it returns (its result is dropped) or the process
   exits; a daemon thread does not hold the exit up.
@@ -22,7 +23,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import Future, wait
 from typing import Any
 
@@ -62,13 +63,25 @@ def reward_deadline(func: Callable[..., Any], reward_timeout: float | None) -> f
     return None if default is None else float(default)
 
 
+def coroutine_function(func: Callable[..., Any]) -> Callable[..., Awaitable[Any]] | None:
+    """What an async caller awaits to score with ``func``: ``func`` itself when calling it returns a coroutine (an
+    ``async def`` function, a ``functools.partial`` of one, or an object with an ``async def __call__``: the forms
+    ``trl.trainer.utils.is_async_callable`` accepts; importing trl here would cost every reward user its import
+    time); the ``async def acall`` of a reward that also has a synchronous ``__call__`` (the remote reward and the
+    VLM judges); ``None`` for a synchronous reward."""
+    acall = getattr(func, "acall", None)
+    if inspect.iscoroutinefunction(acall):
+        return acall
+    inner = func
+    while isinstance(inner, functools.partial):
+        inner = inner.func
+    return func if inspect.iscoroutinefunction(inner) or inspect.iscoroutinefunction(type(inner).__call__) else None
+
+
 def is_async_reward(func: Callable[..., Any]) -> bool:
-    """Whether calling ``func`` returns a coroutine: an ``async def`` function, a ``functools.partial`` of one, or an
-    object with an ``async def __call__`` (the forms ``trl.trainer.utils.is_async_callable`` accepts; importing trl
-    here would cost every reward user its import time)."""
-    while isinstance(func, functools.partial):
-        func = func.func
-    return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(type(func).__call__)
+    """Whether ``func`` can be awaited (:func:`coroutine_function`): it then runs on the shared event loop, and a
+    deadline cancels it."""
+    return coroutine_function(func) is not None
 
 
 _loop: asyncio.AbstractEventLoop | None = None
@@ -86,6 +99,30 @@ def _event_loop() -> asyncio.AbstractEventLoop:
             threading.Thread(target=loop.run_forever, name="trl-jagg-async-rewards", daemon=True).start()
             _loop = loop
         return _loop
+
+
+def run_on_event_loop(coroutine: Coroutine[Any, Any, Any]) -> Any:
+    """``coroutine``'s result, run on the shared event loop, for a synchronous caller (a reward with both forms,
+    called); interrupting the wait cancels it.
+
+    Raises:
+        RuntimeError: when called from the loop's own thread (an async reward calling one synchronously would wait on
+            itself forever): await its ``acall`` there instead.
+    """
+    loop = _event_loop()
+    try:
+        inside = asyncio.get_running_loop() is loop
+    except RuntimeError:  # no loop runs in this thread
+        inside = False
+    if inside:
+        coroutine.close()
+        raise RuntimeError("A reward was called synchronously inside an async reward: `await reward.acall(...)`.")
+    future = asyncio.run_coroutine_threadsafe(coroutine, loop)
+    try:
+        return future.result()
+    except BaseException:
+        future.cancel()  # a KeyboardInterrupt must not leave the request running on the loop
+        raise
 
 
 def _in_daemon_thread(func: Callable[..., Any], name: str, kwargs: dict[str, Any]) -> Future:
@@ -114,8 +151,9 @@ def call_within(
     :class:`RewardTimeout` naming ``name`` and ``timeout`` (default ``remaining``) when it has not returned after
     ``remaining`` seconds (``None``: no deadline); see the module docstring for what happens to the abandoned call."""
     timeout = remaining if timeout is None else timeout
-    if is_async_reward(func):
-        future: Future = asyncio.run_coroutine_threadsafe(func(**kwargs), _event_loop())
+    awaited = coroutine_function(func)
+    if awaited is not None:
+        future: Future = asyncio.run_coroutine_threadsafe(awaited(**kwargs), _event_loop())
     elif remaining is None:
         return func(**kwargs)
     else:

@@ -1,4 +1,5 @@
-"""A reward scored by an HTTP server, so that large reward models can run on other GPUs or machines.
+"""A reward scored by an HTTP server, so that large reward models can run on other GPUs or machines; its client
+(:class:`RemoteReward`, on ``httpx``) is also the VLM judges' (:mod:`~trl_jagg.rewards.vlm_judge`).
 
 Protocol (JSON over ``POST``, see ``examples/reward_server.py``)::
 
@@ -7,33 +8,39 @@ Protocol (JSON over ``POST``, see ``examples/reward_server.py``)::
     response: {"scores": [float, ...]}            (or {"error": str} with an HTTP error status)
 
 Both sides bound what the other can make them do: the client gives each attempt one deadline for connecting,
-sending and reading the whole answer (a server trickling bytes cannot hold it longer) and reads a bounded answer;
-the server (``examples/reward_server.py``) limits the body, the time to receive it, the connections it serves at
-once, the image formats (PNG, JPEG, WEBP) and the pixels per image. A shared token (``Authorization: Bearer``,
-from ``TRL_JAGG_REWARD_TOKEN`` by default) keeps other local users out.
+sending and reading the whole answer (a server trickling bytes cannot hold it longer) and streams a bounded answer
+(a longer one is refused without reading the rest); the server (``examples/reward_server.py``) limits the body, the
+time to receive it, the connections it serves at once, the image formats (PNG, JPEG, WEBP) and the pixels per image.
+A shared token (``Authorization: Bearer``, from ``TRL_JAGG_REWARD_TOKEN`` by default) keeps other local users out.
+
+The client is asynchronous: the trainer awaits :meth:`RemoteReward.acall` on the event loop every async reward
+shares (:mod:`~trl_jagg.rewards.calling`), so that ``reward_timeout`` cancels a request in flight; calling the
+reward (``reward(prompts, images)``) runs the same coroutine there and waits for its scores.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import email.utils
-import http.client
+import functools
 import io
 import json
 import math
 import os
 import socket
+import ssl
 import time
-import urllib.parse
 from collections.abc import Sequence
 from typing import Any
 
+import httpx
 from PIL import Image, UnidentifiedImageError
 
 from trl_jagg.field_types import has_kind
 from trl_jagg.redaction import check_url_without_credentials
-from trl_jagg.rewards.calling import REMOTE_REWARD_TIMEOUT
+from trl_jagg.rewards.calling import REMOTE_REWARD_TIMEOUT, run_on_event_loop
 from trl_jagg.rewards.lazy import check_pairs, to_rgb
 
 SERVER_HINT = "Start one with: python examples/reward_server.py --rewards pickscore --port 8000"
@@ -152,25 +159,8 @@ class DeadlineReader(io.RawIOBase):
         return self._sock.recv_into(buffer)
 
 
-class _DeadlineSocket:
-    """A connected socket for ``http.client`` whose sends and reads share one deadline."""
-
-    def __init__(self, sock: socket.socket, deadline: float) -> None:
-        self._sock, self._deadline = sock, deadline
-
-    def makefile(self, mode: str = "rb", buffering: int | None = None) -> io.BufferedReader:
-        return io.BufferedReader(DeadlineReader(self._sock, self._deadline))
-
-    def sendall(self, data: bytes) -> None:
-        remaining = self._deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError("the deadline passed")
-        self._sock.settimeout(remaining)  # since Python 3.5 a sendall timeout bounds the whole call
-        self._sock.sendall(data)
-
-    def close(self) -> None:
-        """Nothing: ``http.client`` closes the connection while the answer is still being read from it (a plain
-        socket survives that through its ``makefile`` reference count); the caller closes the socket."""
+# The system's trust store, as the standard library verifies with; loaded once (milliseconds), a client is built per call.
+_ssl_context = functools.cache(ssl.create_default_context)
 
 
 class RemoteReward:
@@ -199,8 +189,12 @@ class RemoteReward:
         check_url_without_credentials(
             url, "remote reward", f"pass the shared token with token=... or, better, the {TOKEN_ENV} variable."
         )
-        if not url.startswith(("http://", "https://")):
-            raise ValueError(f"The reward server URL must start with http:// or https://, got {url!r}.")
+        try:
+            parsed = httpx.URL(url)
+        except httpx.InvalidURL:
+            parsed = None
+        if parsed is None or parsed.scheme not in ("http", "https") or not parsed.host:
+            raise ValueError(f"The reward server URL must be http(s)://host[:port]/path, got {url!r}.")
         # Checked here, not at the first request: each would fail only after a whole rollout.
         for field_name, value, valid, fix in (
             ("timeout", timeout, has_kind(timeout, float) and 0 < timeout < math.inf, "a finite number of seconds > 0"),
@@ -220,42 +214,34 @@ class RemoteReward:
         self.batch_size = batch_size
         self.token = token if token is not None else os.environ.get(TOKEN_ENV) or None
         self.max_response_bytes = max_response_bytes
-        parts = urllib.parse.urlsplit(url)
-        self._connection_class = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-        self._host, self._port = parts.hostname, parts.port
-        self._path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        last_segment = parts.path.rstrip("/").rsplit("/", 1)[-1]
+        last_segment = parsed.path.rstrip("/").rsplit("/", 1)[-1]
         self.__name__ = name or (f"remote_{last_segment}" if last_segment else "remote")
 
-    def _request(self, body: bytes) -> tuple[int, bytes, float | None]:
-        """One attempt within ``timeout`` seconds in all: connect, send, read the status, a bounded body and the
-        ``Retry-After`` wait (:func:`retry_after_seconds`)."""
-        deadline = time.monotonic() + self.timeout
-        connection = self._connection_class(self._host, self._port, timeout=self.timeout)
-        headers = {"Content-Type": "application/json"}
+    def _client(self) -> httpx.AsyncClient:
+        """The client of one call (its requests share connections; closed when the call ends or is cancelled). No
+        proxy or ``.netrc`` from the environment: the request goes where ``url`` says, with ``token`` only."""
+        headers = {"Content-Type": "application/json", "Accept-Encoding": "identity"}  # the size bound is the body's
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
-        sock = None
-        try:
-            connection.connect()
-            sock = connection.sock
-            connection.sock = _DeadlineSocket(sock, deadline)
-            connection.request("POST", self._path, body=body, headers=headers)
-            response = connection.getresponse()
-            data = response.read(self.max_response_bytes + 1)
-        finally:
-            connection.close()
-            if sock is not None:
-                sock.close()
-        if len(data) > self.max_response_bytes:
-            raise RuntimeError(
-                f"Reward server {self.url} sent more than max_response_bytes={self.max_response_bytes} bytes: not "
-                "a score list."
-            )
-        return response.status, data, retry_after_seconds(response.getheader("Retry-After"))
+        return httpx.AsyncClient(headers=headers, timeout=self.timeout, verify=_ssl_context(), trust_env=False)
 
-    def _post(self, payload: dict[str, Any]) -> dict[str, Any]:
-        body = json.dumps(payload).encode("utf-8")
+    async def _attempt(self, client: httpx.AsyncClient, body: str | bytes) -> tuple[int, bytes, float | None]:
+        """One attempt: send ``body``, read the status, a bounded answer and its ``Retry-After`` wait
+        (:func:`retry_after_seconds`). The answer is streamed, so a longer one is refused at the bound."""
+        async with client.stream("POST", self.url, content=body) as response:
+            data = bytearray()
+            async for chunk in response.aiter_raw():
+                data += chunk
+                if len(data) > self.max_response_bytes:
+                    raise RuntimeError(
+                        f"Reward server {self.url} sent more than max_response_bytes={self.max_response_bytes} bytes: "
+                        "not a score list."
+                    )
+            return response.status_code, bytes(data), retry_after_seconds(response.headers.get("Retry-After"))
+
+    async def _post(self, client: httpx.AsyncClient, body: str | bytes) -> Any:
+        """The JSON answer to ``body``, each attempt within ``timeout`` seconds in all (connect, send, score, read),
+        retried as the class docstring says."""
         server_error: str | None = None  # the last HTTP 429 / 5xx answer: the server is up but did not score
         connection_error: Exception | None = None
         retry_after: float | None = None  # what the last answer asked to wait
@@ -264,10 +250,11 @@ class RemoteReward:
                 # The server's own wait when it gave one, bounded by one attempt's deadline (a long Retry-After
                 # would stall the step past what `timeout` allows); the backoff otherwise.
                 backoff = self.backoff * 2 ** (attempt - 1)
-                time.sleep(backoff if retry_after is None else min(retry_after, self.timeout))
+                await asyncio.sleep(backoff if retry_after is None else min(retry_after, self.timeout))
             try:
-                status, data, retry_after = self._request(body)
-            except (OSError, http.client.HTTPException) as error:  # TimeoutError and ConnectionError included
+                # httpx's timeouts bound each wait; this deadline bounds them all (a server trickling bytes).
+                status, data, retry_after = await asyncio.wait_for(self._attempt(client, body), self.timeout)
+            except (asyncio.TimeoutError, httpx.TransportError, OSError) as error:  # httpx's timeouts included
                 server_error, connection_error, retry_after = None, error, None
                 continue
             detail = _error_detail(data)
@@ -282,27 +269,22 @@ class RemoteReward:
         attempts = f"{self.retries + 1} attempt(s)"
         if server_error is not None:
             raise RuntimeError(f"Reward server {self.url} failed to score after {attempts}: {server_error}")
-        if isinstance(connection_error, TimeoutError):
+        if isinstance(connection_error, (TimeoutError, asyncio.TimeoutError, httpx.TimeoutException)):
             raise TimeoutError(
                 f"Reward server {self.url} did not answer within timeout={self.timeout} s (the deadline of each "
                 f"attempt: connect, send, score, read) after {attempts}. Raise timeout or lower batch_size."
             )
         raise ConnectionError(
-            f"Could not reach the reward server {self.url} after {attempts} ({connection_error}). "
-            f"Is it running and reachable? {SERVER_HINT}"
+            f"Could not reach the reward server {self.url} after {attempts} ({type(connection_error).__name__}: "
+            f"{connection_error}). Is it running and reachable? {SERVER_HINT}"
         )
 
-    def _score(
-        self, prompts: list[str], images: list[Image.Image], metadata: dict[str, Any], sources: list | None
-    ) -> list[float | None]:
-        payload = {"prompts": prompts, "images": [encode_image(im) for im in images], "metadata": metadata}
-        if sources is not None:
-            payload["source_images"] = [encode_image(im) for im in sources]
-        answer = self._post(payload)
+    def _scores(self, answer: Any, count: int) -> list[float | None]:
+        """The ``count`` scores of a server's JSON ``answer``, checked."""
         scores = answer.get("scores") if isinstance(answer, dict) else None
-        if not isinstance(scores, list) or len(scores) != len(images):
+        if not isinstance(scores, list) or len(scores) != count:
             shown = repr(answer)[:200]
-            raise RuntimeError(f"Reward server {self.url} sent a malformed answer for {len(images)} images: {shown}")
+            raise RuntimeError(f"Reward server {self.url} sent a malformed answer for {count} images: {shown}")
         # A number or null (not applicable), never coerced: "0.5" or true is a server bug, not a score.
         bad = [i for i, score in enumerate(scores) if score is not None and not has_kind(score, float)]
         if bad:
@@ -312,9 +294,10 @@ class RemoteReward:
             )
         return [None if score is None else float(score) for score in scores]
 
-    def __call__(self, prompts: Sequence[str], images: Sequence[Image.Image], **kwargs: Any) -> list[float | None]:
+    async def acall(self, prompts: Sequence[str], images: Sequence[Image.Image], **kwargs: Any) -> list[float | None]:
         """Score each (prompt, image) pair on the server; JSON-serialisable ``kwargs`` go along as metadata, and an
-        editing model's ``source_images`` as base64 PNGs beside the images."""
+        editing model's ``source_images`` as base64 PNGs beside the images. The batches of ``batch_size`` images
+        are sent one after the other (the server's limits are per request)."""
         check_pairs(prompts, images)
         sources = kwargs.pop("source_images", None)
         kwargs.pop("trainer_state", None)  # not a column: None outside a trainer would reach the server, refused
@@ -322,23 +305,24 @@ class RemoteReward:
             raise ValueError(f"Got {len(sources)} source images for {len(images)} images: give one per image.")
         step = self.batch_size or max(len(images), 1)
         columns = _json_columns(kwargs)
+        # Per-sample columns (lists as long as the batch) are split with the batch; others are sent whole.
+        split = {key for key, value in columns.items() if isinstance(value, list) and len(value) == len(images)}
         scores: list[float | None] = []
-        for start in range(0, len(images), step):
-            # Per-sample columns (lists as long as the batch) are split with the batch; others are sent whole.
-            metadata = {
-                key: value[start : start + step] if isinstance(value, list) and len(value) == len(images) else value
-                for key, value in columns.items()
-            }
-            batch = slice(start, start + step)
-            scores.extend(
-                self._score(
-                    list(prompts[batch]),
-                    list(images[batch]),
-                    metadata,
-                    None if sources is None else list(sources[batch]),
-                )
-            )
+        async with self._client() as client:
+            for start in range(0, len(images), step):
+                batch = slice(start, start + step)
+                metadata = {key: value[batch] if key in split else value for key, value in columns.items()}
+                payload = {"prompts": list(prompts[batch]), "images": list(images[batch]), "metadata": metadata}
+                if sources is not None:
+                    payload["source_images"] = list(sources[batch])
+                # Images become base64 PNGs (CPU work) in a worker thread: the shared event loop serves on meanwhile.
+                body = await asyncio.to_thread(json.dumps, payload, default=encode_image)
+                scores += self._scores(await self._post(client, body), len(payload["images"]))
         return scores
+
+    def __call__(self, prompts: Sequence[str], images: Sequence[Image.Image], **kwargs: Any) -> list[float | None]:
+        """:meth:`acall`'s scores, for a synchronous caller (run on the shared event loop)."""
+        return run_on_event_loop(self.acall(prompts, images, **kwargs))
 
     def __repr__(self) -> str:
         return f"RemoteReward(url={self.url!r}, name={self.__name__!r})"

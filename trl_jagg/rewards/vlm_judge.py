@@ -15,25 +15,28 @@ kept as its authors wrote it; sources below):
 
 A reply without a score, or with one the judge cannot mean (outside the template's range, a dimension scored twice,
 a pairwise verdict for both images, unreadable log-probabilities), is a :class:`JudgeReplyError` naming the judge,
-the model and quoting the reply, never a 0 or a guess: a silent default would bias the group advantages. The HTTP side (one deadline per attempt, retries with backoff for connection errors,
-timeouts, HTTP 429 and 5xx, honouring ``Retry-After``, a bounded answer) is :class:`~trl_jagg.rewards.remote.RemoteReward`'s; requests run in a
-thread pool of ``max_concurrency``. The API key comes from an environment variable, never from a config file.
+the model and quoting the reply, never a 0 or a guess: a silent default would bias the group advantages. The HTTP
+side (one deadline per attempt, retries with backoff for connection errors, timeouts, HTTP 429 and 5xx, honouring
+``Retry-After``, a bounded answer, the async client) is :class:`~trl_jagg.rewards.remote.RemoteReward`'s; at most
+``max_concurrency`` requests are in flight at once. The API key comes from an environment variable, never from a
+config file.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import json
 import logging
 import math
 import os
 import re
-import threading
 from collections import defaultdict
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
 from PIL import Image
 
 from trl_jagg.redaction import check_env_name, check_url_without_credentials
@@ -328,16 +331,16 @@ class VLMJudgeReward(RemoteReward):
         self.dimensions = tuple(dimensions)
         self.max_concurrency = max_concurrency
         self.top_logprobs = top_logprobs
-        # One bound for every call of this reward: overlapped rollout chunks call it from several threads at once.
-        self._slots = threading.BoundedSemaphore(max_concurrency)
+        # One bound for every call of this reward: overlapped rollout chunks call it at once (all on one event loop).
+        self._slots = asyncio.Semaphore(max_concurrency)
 
     @property
     def per_sample(self) -> bool:  # type: ignore[override]
         """A point or yes/no score depends on its image alone; a win rate on the prompt's other images."""
         return self.spec.mode != "pairwise"
 
-    def _ask(self, prompt: str, images: list[Image.Image]) -> tuple[str, dict[str, Any]]:
-        """One request: the images and the judge's question; returns the reply text and the whole choice."""
+    def _chat_body(self, prompt: str, images: list[Image.Image]) -> bytes:
+        """The request asking the judge's question about ``images``: a chat completion at temperature 0."""
         content: list[dict[str, Any]] = [
             {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{encode_image(image)}"}}
             for image in images
@@ -351,8 +354,15 @@ class VLMJudgeReward(RemoteReward):
         }
         if self.spec.mode == "yes_no":
             payload.update(logprobs=True, top_logprobs=self.top_logprobs)
-        with self._slots:
-            answer = self._post(payload)
+        return json.dumps(payload).encode("utf-8")
+
+    async def _ask(
+        self, client: httpx.AsyncClient, prompt: str, images: list[Image.Image]
+    ) -> tuple[str, dict[str, Any]]:
+        """One request: the images and the judge's question; returns the reply text and the whole choice."""
+        async with self._slots:  # encoded in the slot too: at most max_concurrency request bodies held at once
+            body = await asyncio.to_thread(self._chat_body, prompt, images)  # PNG encoding off the event loop
+            answer = await self._post(client, body)
         try:
             choice = answer["choices"][0]
             text = choice["message"]["content"]
@@ -365,8 +375,8 @@ class VLMJudgeReward(RemoteReward):
             ) from None
         return text, choice
 
-    def _score_one(self, prompt: str, image: Image.Image) -> float:
-        text, choice = self._ask(prompt, [image])
+    async def _score_one(self, client: httpx.AsyncClient, prompt: str, image: Image.Image) -> float:
+        text, choice = await self._ask(client, prompt, [image])
         try:
             if self.spec.mode == "point":
                 return point_score(text, self.dimensions)
@@ -378,8 +388,8 @@ class VLMJudgeReward(RemoteReward):
         except JudgeReplyError as error:
             raise self._reply_error(error, text) from None
 
-    def _winner(self, prompt: str, first: Image.Image, second: Image.Image) -> int:
-        text, _ = self._ask(prompt, [first, second])
+    async def _winner(self, client: httpx.AsyncClient, prompt: str, first: Image.Image, second: Image.Image) -> int:
+        text, _ = await self._ask(client, prompt, [first, second])
         try:
             return pairwise_winner(text)
         except JudgeReplyError as error:
@@ -391,31 +401,18 @@ class VLMJudgeReward(RemoteReward):
             f"no score: {error}. Reply: {text[:300]!r}. Is the served model the judge's ({self.spec.checkpoint})?"
         )
 
-    def _map(self, func: Any, calls: list[tuple[Any, ...]]) -> list[Any]:
-        """``func(*call)`` for every call, at most ``max_concurrency`` at a time, results in call order. The first
-        failure cancels the calls not yet started and is raised."""
-        if not calls:
-            return []
-        with ThreadPoolExecutor(max_workers=min(self.max_concurrency, len(calls))) as pool:
-            futures = [pool.submit(func, *call) for call in calls]
-            try:
-                return [future.result() for future in futures]
-            except BaseException:
-                for future in futures:
-                    future.cancel()
-                raise
-
-    def __call__(self, prompts: Sequence[str], images: Sequence[Image.Image], **kwargs: Any) -> list[float | None]:
+    async def acall(self, prompts: Sequence[str], images: Sequence[Image.Image], **kwargs: Any) -> list[float | None]:
         """Score each (prompt, image) pair; in pairwise mode an image's score is its win rate against the other
         images of its prompt, and ``None`` (not applicable) for a prompt with a single image."""
         check_pairs(prompts, images)
-        if self.spec.mode != "pairwise":
-            return self._map(self._score_one, list(zip(prompts, images)))
-        by_prompt: dict[str, list[int]] = defaultdict(list)
-        for index, prompt in enumerate(prompts):
-            by_prompt[prompt].append(index)
-        pairs = [pair for indices in by_prompt.values() for pair in itertools.combinations(indices, 2)]
-        winners = self._map(self._winner, [(prompts[i], images[i], images[j]) for i, j in pairs])
+        async with self._client() as client:
+            if self.spec.mode != "pairwise":
+                return await _all([self._score_one(client, *call) for call in zip(prompts, images)])
+            by_prompt: dict[str, list[int]] = defaultdict(list)
+            for index, prompt in enumerate(prompts):
+                by_prompt[prompt].append(index)
+            pairs = [pair for indices in by_prompt.values() for pair in itertools.combinations(indices, 2)]
+            winners = await _all([self._winner(client, prompts[i], images[i], images[j]) for i, j in pairs])
         wins = [0] * len(images)
         for pair, winner in zip(pairs, winners):
             wins[pair[winner]] += 1
@@ -424,6 +421,19 @@ class VLMJudgeReward(RemoteReward):
 
     def __repr__(self) -> str:
         return f"VLMJudgeReward(url={self.url!r}, judge={self.judge!r}, model={self.model!r}, name={self.__name__!r})"
+
+
+async def _all(calls: list[Awaitable[Any]]) -> list[Any]:
+    """The results of ``calls``, run concurrently, in call order. The first failure cancels the others (and waits for
+    them to stop, so that no request outlives the call's client) and is raised."""
+    tasks = [asyncio.ensure_future(call) for call in calls]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 @register_reward("vlm-judge")
@@ -450,8 +460,8 @@ def vlm_judge(
         judge: ``"unifiedreward"`` (point score), ``"qwen-vl-yes-no"`` (log-probability of yes) or
             ``"unifiedreward-think-pairwise"`` (win rate within each prompt's images); see :data:`JUDGES`.
         dimensions: The UnifiedReward point-score dimensions averaged into the reward.
-        max_concurrency: Requests in flight at once, over every call of this reward (a thread pool per call, one
-            semaphore for all: overlapped rollout chunks call the reward from several threads).
+        max_concurrency: Requests in flight at once, over every call of this reward (overlapped rollout chunks call
+            it at once).
         timeout: Seconds one attempt of one request may take in all (a deadline, as in :func:`remote`).
         retries: Extra attempts after a connection error, timeout, HTTP 429 or 5xx; waits ``backoff * 2**k`` s, or
             the answer's ``Retry-After`` (at most ``timeout``), as in :func:`remote`.
