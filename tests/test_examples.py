@@ -65,7 +65,7 @@ EXAMPLES = {
     ),
 }  # fmt: skip
 
-EXTRA_ARGS = {"train_sd35_nft.py": ["--use_jagg"]}  # JAGG across NFT timesteps is off by default: run it here
+EXTRA_ARGS = {"train_sd35_nft.py": ["--use_jagg", "true"]}  # JAGG across NFT timesteps is off by default: run it here
 
 
 def test_every_example_is_covered():
