@@ -13,9 +13,11 @@ GenEval's Mask2Former pipeline: serve that with examples/flow_grpo_sidecar.py an
     python examples/train_sd35_geneval.py --tiny --output_dir /tmp/sd35-geneval-tiny   # CPU smoke test, seconds
 """
 
+import json
+import os
 from dataclasses import replace
 
-from datasets import Dataset
+from datasets import load_dataset
 
 from trl_jagg.scripts.examples import Example
 from trl_jagg.testing.tiny_models import temporary_folder
@@ -24,13 +26,17 @@ from trl_jagg.testing.tiny_rewards import TINY_GENEVAL_METADATA, save_tiny_genev
 
 class GenEvalExample(Example):
     def tiny_setup(self, args, config):
-        """The tiny SD3, and the geneval reward's real code on tiny random OWLv2 + CLIP (removed at exit)."""
-        detector_dir, clip_dir = save_tiny_geneval_models(temporary_folder("tiny-geneval-"))
+        """The tiny SD3, the geneval reward's real code on tiny random OWLv2 + CLIP, GenEval-style metadata."""
+        folder = temporary_folder("tiny-geneval-")  # removed at exit
+        detector_dir, clip_dir = save_tiny_geneval_models(folder)
         # Random logits put most boxes near 0.5: a higher threshold keeps the counts small and varied.
         config.reward_kwargs = {"geneval": {"detector_id": detector_dir, "clip_id": clip_dir, "threshold": 0.6,
                                             "counting_threshold": 0.6}}  # fmt: skip
-        tiny = super().tiny_setup(args, config)
-        return replace(tiny, reward="geneval", dataset=Dataset.from_list(list(TINY_GENEVAL_METADATA)))
+        metadata = os.path.join(folder, "train_metadata.jsonl")
+        with open(metadata, "w") as handle:
+            handle.writelines(json.dumps(row) + "\n" for row in TINY_GENEVAL_METADATA)
+        dataset = load_dataset("json", data_files=metadata, split="train")  # prompt, tag, include, exclude
+        return replace(super().tiny_setup(args, config), reward="geneval", dataset=dataset)
 
 
 EXAMPLE = GenEvalExample(
