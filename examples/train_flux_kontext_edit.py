@@ -6,11 +6,11 @@ single blocks' MLP; rewards: CLIP image similarity to the source + GenEval count
 of the 5 trained steps, one JAGG group of W = 4. The dataset has `prompt` (the instruction), `source_image` and
 GenEval's metadata columns (`tag`, `include`, `exclude`), e.g. Flow-GRPO's dataset/counting_edit as JSON lines.
 
-    accelerate launch --num_processes 8 examples/train_flux_kontext_edit.py --dataset train_metadata.jsonl
+    accelerate launch --num_processes 8 examples/train_flux_kontext_edit.py --dataset_name train_metadata.jsonl
     python examples/train_flux_kontext_edit.py --tiny --output_dir /tmp/kontext-tiny   # CPU smoke test, seconds
 """
 
-from trl_jagg.scripts.examples import Example
+from trl_jagg.scripts.examples import COUNTING_EDIT, Example
 
 EXAMPLE = Example(
     __file__,
@@ -18,9 +18,7 @@ EXAMPLE = Example(
     model="black-forest-labs/FLUX.1-Kontext-dev",
     tiny="flux_kontext",
     output_dir="flux-kontext-edit",  # rewards: the preset's
-    dataset="dataset/counting_edit/train_metadata.jsonl",  # JSON lines: prompt, image, GenEval's metadata
-    prompt_column="prompt",
-    source_image_column="image",  # paths relative to the file
+    **COUNTING_EDIT,  # Flow-GRPO's dataset/counting_edit/train_metadata.jsonl: --dataset_name <its path>
 )  # pytorch_lora_weights.safetensors: FluxKontextPipeline.load_lora_weights(output_dir)
 
 if __name__ == "__main__":

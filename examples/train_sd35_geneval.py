@@ -5,11 +5,11 @@ The `flow-grpo-sd35-geneval` preset (trl_jagg/recipes/, docs/models.md), Flow-GR
 trained (two JAGG groups of W = 4 and one exact step). The prompts are Flow-GRPO's dataset/geneval
 train_metadata.jsonl: each line's prompt, tag, include and exclude become dataset columns, and the reward reads the
 last three. `geneval` runs GenEval's rules on OWLv2 detections and CLIP colours in process; Flow-GRPO's reward is
-GenEval's Mask2Former pipeline: serve that with examples/flow_grpo_sidecar.py and pass its URL as --reward.
+GenEval's Mask2Former pipeline: serve that with examples/flow_grpo_sidecar.py and pass its URL as --reward_funcs.
 
     accelerate launch --num_processes 8 examples/train_sd35_geneval.py --output_dir sd35-geneval \\
-        --train_metadata flow_grpo/dataset/geneval/train_metadata.jsonl \\
-        --test_metadata flow_grpo/dataset/geneval/test_metadata.jsonl
+        --dataset_name flow_grpo/dataset/geneval/train_metadata.jsonl \\
+        --eval_dataset_name flow_grpo/dataset/geneval/test_metadata.jsonl
     python examples/train_sd35_geneval.py --tiny --output_dir /tmp/sd35-geneval-tiny   # CPU smoke test, seconds
 """
 

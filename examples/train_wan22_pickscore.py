@@ -5,7 +5,7 @@ steps, CFG 4 on the high-noise expert `transformer` and 3 on the low-noise `tran
 `boundary_ratio`), G = 16, LoRA r 64 / alpha 128 on both experts (`train_experts="both"`; or "high_noise" /
 "low_noise"); JAGG groups of W = 4 on each side of the switch, never across it.
 
-    accelerate launch --num_processes 8 examples/train_wan22_pickscore.py --dataset <prompts> --output_dir wan22
+    accelerate launch --num_processes 8 examples/train_wan22_pickscore.py --dataset_name <prompts> --output_dir wan22
     python examples/train_wan22_pickscore.py --tiny --output_dir /tmp/wan22-tiny   # CPU smoke test
 """
 

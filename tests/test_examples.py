@@ -197,7 +197,11 @@ def test_help_lists_every_config_field(capsys):
 
     load_example("train_wan22_pickscore.py").main(["--help"])
     text = capsys.readouterr().out
-    names = {item.name for item in fields(GRPOJaggConfig) if item.init} | {"tiny", "model_name_or_path", "dataset_name"}
+    names = {item.name for item in fields(GRPOJaggConfig) if item.init} | {
+        "tiny",
+        "model_name_or_path",
+        "dataset_name",
+    }
     assert {"jagg_group_size", "use_jagg", "learning_rate", "output_dir"} <= names
     assert [name for name in sorted(names) if f"--{name} " not in text] == []
 
@@ -218,3 +222,15 @@ def test_without_tiny_the_dataset_is_required_and_read_from_a_file(tmp_path):
     dataset = kontext.load_dataset(args)
     assert dataset["prompt"] == ["two cats"]
     assert dataset[0]["source_image"].size == (8, 6) and dataset[0]["source_image"].getpixel((0, 0)) == (10, 20, 30)
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_documented_commands_parse(name):
+    """The command lines in the example's docstring and in docs/quickstart.md use flags the example takes."""
+    docs = (EXAMPLES_DIR.parent / "docs" / "quickstart.md").read_text()
+    text = runpy.run_path(str(EXAMPLES_DIR / name))["__doc__"].replace("\\\n", " ") + docs
+    commands = re.findall(rf"examples/{re.escape(name)} ([^#\n`]*)", text)
+    assert commands
+    example = load_example(name)
+    for flags in commands:
+        assert example.parse([*CPU, *flags.split()]) is not None, flags

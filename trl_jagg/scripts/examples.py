@@ -76,6 +76,15 @@ class ExampleArguments:
     )
 
 
+COUNTING_EDIT: Mapping[str, Any] = {
+    "dataset": "dataset/counting_edit/train_metadata.jsonl",
+    "prompt_column": "prompt",
+    "source_image_column": "image",
+}
+"""The editing examples' prompts, Flow-GRPO's dataset/counting_edit: JSON lines of an instruction (``prompt``), the
+image it edits (``image``, a path relative to the file) and GenEval's metadata (``tag``, ``include``, ``exclude``).
+``Example(..., **COUNTING_EDIT)``."""
+
 EXAMPLE_VALUES: Mapping[str, Any] = {"max_steps": 1000, "save_steps": 100, "report_to": "tensorboard"}
 """What every example sets over its preset (an example's ``values`` replace them)."""
 
