@@ -15,13 +15,14 @@ bfloat16) runs in process on every GPU, beside FLUX.1-dev; it reads MizzenAI/HPS
 
 from dataclasses import replace
 
-from trl_jagg.scripts.examples import Example
-from trl_jagg.testing.tiny_models import temporary_folder
+from trl_jagg import GRPOJaggConfig
+from trl_jagg.scripts.examples import Example, ExampleArguments
+from trl_jagg.testing.tiny_models import TinyRun, temporary_folder
 from trl_jagg.testing.tiny_rewards import save_tiny_hpsv3
 
 
 class HPSv3Example(Example):
-    def tiny_setup(self, args, config):
+    def tiny_setup(self, args: ExampleArguments, config: GRPOJaggConfig) -> TinyRun:
         """The tiny Flux, and HPSv3's real code on a tiny random Qwen2-VL + head (its folder removed at exit)."""
         hpsv3 = save_tiny_hpsv3(temporary_folder("tiny-hpsv3-"))
         config.reward_kwargs = {"hpsv3": {"base_model": hpsv3.base_model, "checkpoint": hpsv3.checkpoint}}

@@ -12,6 +12,7 @@ The rest is the `flow-grpo-flux` preset (trl_jagg/recipes/). Serve the judge fir
 """
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from trl_jagg.scripts.examples import Example, ExampleArguments
 
@@ -27,7 +28,7 @@ class JudgeArguments(ExampleArguments):
 
 
 class JudgeExample(Example):
-    def extra_values(self, args):
+    def extra_values(self, args: JudgeArguments) -> dict[str, Any]:
         """The judge by name, configured in reward_kwargs (as a recipe YAML or `--reward_kwargs` would)."""
         judge = {"url": args.judge_url, "model": args.judge_model, "judge": "unifiedreward-think-pairwise",
                  "max_concurrency": 32}  # fmt: skip

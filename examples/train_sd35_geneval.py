@@ -19,13 +19,14 @@ from dataclasses import replace
 
 from datasets import load_dataset
 
-from trl_jagg.scripts.examples import Example
-from trl_jagg.testing.tiny_models import temporary_folder
+from trl_jagg import GRPOJaggConfig
+from trl_jagg.scripts.examples import Example, ExampleArguments
+from trl_jagg.testing.tiny_models import TinyRun, temporary_folder
 from trl_jagg.testing.tiny_rewards import TINY_GENEVAL_METADATA, save_tiny_geneval_models
 
 
 class GenEvalExample(Example):
-    def tiny_setup(self, args, config):
+    def tiny_setup(self, args: ExampleArguments, config: GRPOJaggConfig) -> TinyRun:
         """The tiny SD3, the geneval reward's real code on tiny random OWLv2 + CLIP, GenEval-style metadata."""
         folder = temporary_folder("tiny-geneval-")  # removed at exit
         detector_dir, clip_dir = save_tiny_geneval_models(folder)

@@ -197,6 +197,8 @@ def test_help_lists_every_config_field(capsys):
 
     load_example("train_wan22_pickscore.py").main(["--help"])
     text = capsys.readouterr().out
+    # The example's defaults, not the dataclass's (help wraps lines at spaces and hyphens).
+    assert "(default:Wan-AI/Wan2.2-T2V-A14B-Diffusers)" in "".join(text.split())
     names = {item.name for item in fields(GRPOJaggConfig) if item.init} | {
         "tiny",
         "model_name_or_path",

@@ -127,6 +127,7 @@ class Example:
 
     @property
     def preset(self) -> Recipe:
+        """The :class:`~trl_jagg.recipe.Recipe` named by :attr:`recipe`."""
         from trl_jagg.recipes import get_recipe
 
         return get_recipe(self.recipe)
@@ -138,7 +139,9 @@ class Example:
         return {}
 
     def tiny_setup(self, args: ExampleArguments, config: GRPOJaggConfig) -> TinyRun:
-        """Build what ``--tiny`` swaps in: the tiny pipeline, reward and prompts (config values are in :meth:`parse`)."""
+        """Build what ``--tiny`` swaps in: the tiny pipeline, reward and prompts (its config values are set when
+        parsing). An example that keeps its reward on tiny reward models builds them here and points
+        ``config.reward_kwargs`` at their folders (checked with the rewards before the trainer is built)."""
         from trl_jagg.testing.tiny_models import tiny_run
 
         return tiny_run(self.tiny, num_inference_steps=self.tiny_steps)
@@ -163,7 +166,10 @@ class Example:
         if preset.mixed_precision:  # the peer's mixed precision (fp16 or bf16 autocast, GPUs)
             values[preset.mixed_precision] = True
         if self.fsdp_blocks and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            values |= {"fsdp": True, "fsdp_config": {"version": 2, "transformer_layer_cls_to_wrap": self.fsdp_blocks}}
+            values |= {
+                "fsdp": True,
+                "fsdp_config": {"version": 2, "transformer_layer_cls_to_wrap": list(self.fsdp_blocks)},
+            }
         values |= {**self.values, **self.extra_values(args)}
         if args.eval_dataset_name:
             values["eval_strategy"] = "steps"
@@ -208,6 +214,9 @@ class Example:
             UsageError: for an unknown field (with the nearest name) or an invalid value (naming the field).
         """
         parser = self.parser()
+        if "-h" in argv or "--help" in argv:  # the help shows the example's defaults (--tiny's with --tiny)
+            rest = [token for token in argv if token not in ("-h", "--help")]
+            parser.set_defaults(**self.defaults(self.own_arguments(rest, {})))
         parsed = parser.parse_command_line(argv, lambda argv, config: self.defaults(self.own_arguments(argv, config)))
         return None if parsed is None else (parsed[0], parsed[1])
 
