@@ -13,50 +13,31 @@ bfloat16) runs in process on every GPU, beside FLUX.1-dev; it reads MizzenAI/HPS
     python examples/train_flux_hpsv3.py --tiny --output_dir /tmp/flux-hpsv3-tiny   # CPU smoke test, seconds
 """
 
-from __future__ import annotations
+from dataclasses import replace
 
-import argparse
-
-from datasets import load_dataset
-
-from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
-from trl_jagg.recipes import get_recipe
-from trl_jagg.testing.tiny_models import temporary_folder, tiny_run
+from trl_jagg import GRPOJaggConfig
+from trl_jagg.scripts.examples import Example, ExampleArguments
+from trl_jagg.testing.tiny_models import TinyRun, temporary_folder
 from trl_jagg.testing.tiny_rewards import save_tiny_hpsv3
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output_dir", default="flux-hpsv3")
-    parser.add_argument("--dataset", default="nateraw/parti-prompts", help="Hub dataset of prompts")
-    parser.add_argument("--prompt_column", default="Prompt")
-    parser.add_argument("--tiny", action="store_true", help="tiny Flux and a tiny random Qwen2-VL + head, CPU")
-    args = parser.parse_args()
+class HPSv3Example(Example):
+    def tiny_setup(self, args: ExampleArguments, config: GRPOJaggConfig) -> TinyRun:
+        """The tiny Flux, and HPSv3's real code on a tiny random Qwen2-VL + head (its folder removed at exit)."""
+        hpsv3 = save_tiny_hpsv3(temporary_folder("tiny-hpsv3-"))
+        config.reward_kwargs = {"hpsv3": {"base_model": hpsv3.base_model, "checkpoint": hpsv3.checkpoint}}
+        return replace(super().tiny_setup(args, config), reward="hpsv3")
 
-    recipe = get_recipe("flow-grpo-flux")
-    config = dict(output_dir=args.output_dir, max_steps=1000, save_steps=100, report_to="tensorboard",
-                  reward_kwargs={"hpsv3": {"dtype": "bfloat16"}})  # fmt: skip
-    config[recipe.mixed_precision] = True  # the peer's mixed precision (bf16 autocast, GPUs)
-    model = "black-forest-labs/FLUX.1-dev"
-    if args.tiny:  # the same architectures built small from config: the reward's real code on random weights
-        tiny = tiny_run("flux")
-        model, dataset = tiny.model, tiny.dataset
-        hpsv3 = save_tiny_hpsv3(temporary_folder("tiny-hpsv3-"))  # removed at exit
-        config.update(tiny.config, reward_kwargs={"hpsv3": {"base_model": hpsv3.base_model,
-                                                            "checkpoint": hpsv3.checkpoint}})  # fmt: skip
-    else:
-        dataset = load_dataset(args.dataset, split="train").rename_column(args.prompt_column, "prompt")
 
-    trainer = DDPOJaggTrainer(
-        model=model,
-        reward_funcs="hpsv3",
-        args=GRPOJaggConfig.from_recipe(recipe.name, **config),
-        train_dataset=dataset,
-        peft_config=recipe.lora_config(),  # LoRA r 64 / alpha 128
-    )
-    trainer.train()
-    trainer.save_model()  # pytorch_lora_weights.safetensors: FluxPipeline.load_lora_weights(output_dir)
-
+EXAMPLE = HPSv3Example(
+    __file__,
+    recipe="flow-grpo-flux",
+    model="black-forest-labs/FLUX.1-dev",
+    reward_funcs=["hpsv3"],
+    tiny="flux",
+    output_dir="flux-hpsv3",
+    values={"reward_kwargs": {"hpsv3": {"dtype": "bfloat16"}}},
+)  # pytorch_lora_weights.safetensors: FluxPipeline.load_lora_weights(output_dir)
 
 if __name__ == "__main__":
-    main()
+    EXAMPLE.main()

@@ -9,50 +9,16 @@ group and one exact step).
     python examples/train_zimage_turbo_pickscore.py --tiny --output_dir /tmp/zimage-tiny   # CPU smoke test, seconds
 """
 
-from __future__ import annotations
+from trl_jagg.scripts.examples import Example
 
-import argparse
-
-from datasets import load_dataset
-
-from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
-from trl_jagg.recipes import get_recipe
-from trl_jagg.testing.tiny_models import tiny_run
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output_dir", default="zimage-pickscore")
-    parser.add_argument("--dataset", default="nateraw/parti-prompts", help="Hub dataset of prompts")
-    parser.add_argument("--prompt_column", default="Prompt")
-    parser.add_argument("--push_to_hub", action="store_true")
-    parser.add_argument("--tiny", action="store_true", help="tiny model built from config, colour reward, CPU")
-    args = parser.parse_args()
-
-    recipe = get_recipe("flow-factory-z-image-turbo")
-    config = dict(output_dir=args.output_dir, max_steps=1000, save_steps=100, report_to="tensorboard",
-                  push_to_hub=args.push_to_hub)  # fmt: skip
-    config[recipe.mixed_precision] = True  # the peer's mixed precision (fp16 or bf16 autocast, GPUs)
-    model, reward = "Tongyi-MAI/Z-Image-Turbo", "pickscore"
-    if args.tiny:  # the same architecture built small from config, a weight-free reward: seconds on a CPU
-        tiny = tiny_run("zimage")
-        model, reward, dataset = tiny.model, tiny.reward, tiny.dataset
-        config.update(tiny.config)
-    else:
-        dataset = load_dataset(args.dataset, split="train").rename_column(args.prompt_column, "prompt")
-
-    trainer = DDPOJaggTrainer(
-        model=model,
-        reward_funcs=reward,
-        args=GRPOJaggConfig.from_recipe(recipe.name, **config),
-        train_dataset=dataset,
-        peft_config=recipe.lora_config(),  # LoRA r 64 / alpha 128
-    )
-    trainer.train()
-    trainer.save_model()  # pytorch_lora_weights.safetensors: ZImagePipeline.load_lora_weights(output_dir)
-    if args.push_to_hub:
-        trainer.push_to_hub(dataset_name=None if args.tiny else args.dataset)
-
+EXAMPLE = Example(
+    __file__,
+    recipe="flow-factory-z-image-turbo",
+    model="Tongyi-MAI/Z-Image-Turbo",
+    reward_funcs=["pickscore"],
+    tiny="zimage",
+    output_dir="zimage-pickscore",
+)  # pytorch_lora_weights.safetensors: ZImagePipeline.load_lora_weights(output_dir)
 
 if __name__ == "__main__":
-    main()
+    EXAMPLE.main()

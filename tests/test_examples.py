@@ -65,7 +65,7 @@ EXAMPLES = {
     ),
 }  # fmt: skip
 
-EXTRA_ARGS = {"train_sd35_nft.py": ["--use_jagg"]}  # JAGG across NFT timesteps is off by default: run it here
+EXTRA_ARGS = {"train_sd35_nft.py": ["--use_jagg", "true"]}  # JAGG across NFT timesteps is off by default: run it here
 
 
 def test_every_example_is_covered():
@@ -78,6 +78,8 @@ def test_example_is_short_and_uses_the_real_model(name):
     assert len(source.splitlines()) < 80
     assert f'"{EXAMPLES[name][2]}"' in source
     assert "--tiny" in source and "accelerate launch" in source
+    # The command line, --tiny, the dataset and the trainer are trl_jagg/scripts/examples.py's: no parser of its own.
+    assert "argparse" not in source and "EXAMPLE.main()" in source
 
 
 @pytest.mark.slow
@@ -109,3 +111,128 @@ def test_example_runs_tiny(name, tmp_path, monkeypatch, capsys):
     groups = re.findall(r"'jagg/groups_jagg': '?([0-9.]+)", stdout)
     assert len(groups) == 2, stdout[-2000:]
     assert all(float(g) >= 1 for g in groups)
+
+
+def load_example(name: str):
+    """The example's :class:`~trl_jagg.scripts.examples.Example`, its file run as a module (not as a script)."""
+    return runpy.run_path(str(EXAMPLES_DIR / name))["EXAMPLE"]
+
+
+# Every example's config is built on this machine's CPU: `use_cpu` lets a bf16 preset through TrainingArguments.
+CPU = ["--use_cpu", "true"]
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_example_flags_land_in_its_config(name, tmp_path):
+    """Without flags the example's config is its preset's; every GRPOJaggConfig field (a mixin group's too) and the
+    example's own flags override it, as in `trl-jagg train`; nothing is loaded or trained."""
+    from trl_jagg.recipes import get_recipe
+
+    example = load_example(name)
+    preset = get_recipe(example.recipe).config
+    args, default = example.parse(CPU)
+    assert default.output_dir == example.output_dir and default.max_steps == example.values.get("max_steps", 1000)
+    for key in ("learning_rate", "num_inference_steps", "jagg_group_size", "beta", "height"):
+        if key in preset and key not in example.values:
+            assert getattr(default, key) == preset[key], key
+    assert args.model_name_or_path == EXAMPLES[name][2] and not args.tiny
+
+    flags = {"learning_rate": 3e-5, "num_generations": 2, "use_jagg": not default.use_jagg, "jagg_group_size": 3}
+    argv = [*CPU, "--output_dir", str(tmp_path), "--dataset_name", "prompts.txt"]
+    for key, value in flags.items():
+        assert getattr(default, key) != value, key  # the flag changes something
+        argv += [f"--{key}", str(value).lower()]
+    args, config = example.parse(argv)
+    assert {key: getattr(config, key) for key in flags} == flags
+    assert config.output_dir == str(tmp_path) and args.dataset_name == "prompts.txt"
+    assert config.num_inference_steps == default.num_inference_steps  # what no flag names stays the preset's
+
+
+def test_precedence_preset_tiny_yaml_flags(tmp_path):
+    """Lowest first: the preset < the example's values < --tiny's < the --config YAML < flags."""
+    example = load_example("train_sd35_flow_grpo.py")
+    _, tiny = example.parse(["--tiny"])
+    assert (tiny.height, tiny.max_steps, tiny.fp16) == (32, 2, False)  # --tiny's values over the example's
+    yaml_file = tmp_path / "run.yaml"
+    yaml_file.write_text("max_steps: 7\nlearning_rate: 1.0e-5\ntiny: true\n")
+    args, config = example.parse(["--config", str(yaml_file), "--learning_rate", "2e-5"])
+    assert args.tiny and (config.height, config.max_steps, config.learning_rate) == (32, 7, 2e-5)
+
+
+def test_example_own_flags_set_its_values():
+    """An example's own flag (the judge's URL) and eval_dataset_name reach the config they set."""
+    args, config = load_example("train_flux_unifiedreward.py").parse([*CPU, "--judge_url", "http://judge:8080/v1"])
+    assert args.judge_url == "http://judge:8080/v1" and config.reward_kwargs["vlm-judge"]["url"] == args.judge_url
+    _, config = load_example("train_sd35_geneval.py").parse(["--eval_dataset_name", "test_metadata.jsonl"])
+    assert (config.eval_strategy, config.eval_steps) == ("steps", 120)
+
+
+@pytest.mark.parametrize(
+    "argv, hint",
+    [
+        (["--learning_rte", "1e-5"], "Did you mean 'learning_rate'?"),
+        (["--jagg_grup_size", "2"], "Did you mean 'jagg_group_size'?"),
+        (["--dataset", "prompts.txt"], "use dataset_name"),  # the examples' former flag
+        (["--mixed_precision", "bf16"], "use --bf16 true or --fp16 true"),
+    ],
+)
+def test_unknown_flag_is_a_usage_error_with_a_hint(argv, hint, capsys):
+    from trl_jagg.scripts.utils import UsageError
+
+    example = load_example("train_flux_pickscore.py")
+    with pytest.raises(UsageError, match="unknown field") as error:
+        example.parse(argv)
+    assert hint in str(error.value)
+    with pytest.raises(SystemExit) as exit_:
+        example.main(argv)
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.startswith("python examples/train_flux_pickscore.py: error: unknown field")
+
+
+def test_help_lists_every_config_field(capsys):
+    """Every GRPOJaggConfig field (TrainingArguments' included) and the example's own flags."""
+    from dataclasses import fields
+
+    from trl_jagg import GRPOJaggConfig
+
+    load_example("train_wan22_pickscore.py").main(["--help"])
+    text = capsys.readouterr().out
+    # The example's defaults, not the dataclass's (help wraps lines at spaces and hyphens).
+    assert "(default:Wan-AI/Wan2.2-T2V-A14B-Diffusers)" in "".join(text.split())
+    names = {item.name for item in fields(GRPOJaggConfig) if item.init} | {
+        "tiny",
+        "model_name_or_path",
+        "dataset_name",
+    }
+    assert {"jagg_group_size", "use_jagg", "learning_rate", "output_dir"} <= names
+    assert [name for name in sorted(names) if f"--{name} " not in text] == []
+
+
+def test_without_tiny_the_dataset_is_required_and_read_from_a_file(tmp_path):
+    """Checked before any model loads; an editing example's source images are read relative to its .jsonl."""
+    from PIL import Image
+
+    from trl_jagg.scripts.utils import UsageError
+
+    example = load_example("train_wan_ocr.py")
+    with pytest.raises(UsageError, match="dataset_name is required"):
+        example.build_trainer(*example.parse(CPU))
+    Image.new("RGB", (8, 6), (10, 20, 30)).save(tmp_path / "a.png")
+    (tmp_path / "train.jsonl").write_text('{"prompt": "two cats", "image": "a.png"}\n')
+    kontext = load_example("train_flux_kontext_edit.py")
+    args, _ = kontext.parse([*CPU, "--dataset_name", str(tmp_path / "train.jsonl")])
+    dataset = kontext.load_dataset(args)
+    assert dataset["prompt"] == ["two cats"]
+    assert dataset[0]["source_image"].size == (8, 6) and dataset[0]["source_image"].getpixel((0, 0)) == (10, 20, 30)
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_documented_commands_parse(name):
+    """The command lines in the example's docstring and in docs/quickstart.md use flags the example takes."""
+    docs = (EXAMPLES_DIR.parent / "docs" / "quickstart.md").read_text()
+    text = runpy.run_path(str(EXAMPLES_DIR / name))["__doc__"].replace("\\\n", " ") + docs
+    commands = re.findall(rf"examples/{re.escape(name)} ([^#\n`]*)", text)
+    assert commands
+    example = load_example(name)
+    for flags in commands:
+        assert example.parse([*CPU, *flags.split()]) is not None, flags

@@ -338,20 +338,50 @@ def build_lora_config(script_args: ScriptArguments, revision: str | None = None)
 
 def build_trainer(script_args: ScriptArguments, training_args: GRPOJaggConfig) -> DDPOJaggTrainer:
     """The :class:`~trl_jagg.DDPOJaggTrainer` the arguments describe (rewards, prompts, LoRA), not yet trained."""
-    from transformers import set_seed
+    reward_funcs = checked_reward_funcs(script_args.reward_funcs, training_args)
+    dataset = load_prompt_dataset(script_args)
+    eval_dataset = load_eval_dataset(script_args, training_args)
+    return new_trainer(
+        script_args.model_name_or_path,
+        reward_funcs,
+        training_args,
+        dataset,
+        eval_dataset,
+        build_lora_config(script_args, training_args.model_revision),
+        script_args.recipe,
+    )
 
-    from trl_jagg import DDPOJaggTrainer
+
+def checked_reward_funcs(reward_funcs: Sequence[Any], training_args: GRPOJaggConfig) -> list[Any]:
+    """``reward_funcs`` as a list, once each loads with ``reward_kwargs``: a bad name or ``reward_kwargs`` entry is
+    a usage error, before any model loads (the trainer builds them again)."""
     from trl_jagg.rewards import load_reward_funcs
 
-    reward_funcs = list(script_args.reward_funcs)
-    try:  # a bad name or reward_kwargs entry is a usage error, before any model loads; the trainer builds them
+    reward_funcs = list(reward_funcs)
+    try:
         load_reward_funcs(reward_funcs, training_args.reward_kwargs)
     except ValueError as error:
         raise UsageError(f"reward_funcs: {error}") from None
-    dataset = load_prompt_dataset(script_args)
-    eval_dataset = load_eval_dataset(script_args, training_args)
-    model: Any = script_args.model_name_or_path
-    scheduler = recipe_scheduler(script_args.recipe)
+    return reward_funcs
+
+
+def new_trainer(
+    model: str,
+    reward_funcs: list[Any],
+    training_args: GRPOJaggConfig,
+    train_dataset: Dataset,
+    eval_dataset: Dataset | None,
+    peft_config: LoraConfig | None,
+    recipe: str | None,
+) -> DDPOJaggTrainer:
+    """The trainer of pipeline ``model`` (a Hub id or a folder), seeded, with the scheduler override of preset
+    ``recipe`` applied to the pipeline when it has one; shared by ``trl-jagg train`` and the examples."""
+    from transformers import set_seed
+
+    from trl_jagg import DDPOJaggTrainer
+
+    pipeline: Any = model
+    scheduler = recipe_scheduler(recipe)
     if scheduler:
         # A recipe that changes the schedule (DanceGRPO's fixed shift 3): load the pipeline and apply it.
         import torch
@@ -359,22 +389,22 @@ def build_trainer(script_args: ScriptArguments, training_args: GRPOJaggConfig) -
 
         from trl_jagg.recipes import get_recipe
 
-        model = DiffusionPipeline.from_pretrained(
+        pipeline = DiffusionPipeline.from_pretrained(
             model, dtype=getattr(torch, training_args.dtype), revision=training_args.model_revision
         )
-        get_recipe(script_args.recipe).apply_scheduler(model)
+        get_recipe(recipe).apply_scheduler(pipeline)
         if training_args.process_index == 0:
-            print(f"Recipe {script_args.recipe}: scheduler overrides {scheduler} applied to the pipeline.")
+            print(f"Recipe {recipe}: scheduler overrides {scheduler} applied to the pipeline.")
     # The LoRA weights are drawn when the trainer adds the adapter, before Trainer seeds anything: seed here so that
     # a run is reproducible from its `seed`.
     set_seed(training_args.seed)
     return DDPOJaggTrainer(
-        model=model,
+        model=pipeline,
         reward_funcs=reward_funcs,
         args=training_args,
-        train_dataset=dataset,
+        train_dataset=train_dataset,
         eval_dataset=eval_dataset,
-        peft_config=build_lora_config(script_args, training_args.model_revision),
+        peft_config=peft_config,
     )
 
 
@@ -390,14 +420,21 @@ def recipe_scheduler(name: str | None) -> dict[str, Any]:
 def run_train(script_args: ScriptArguments, training_args: GRPOJaggConfig) -> DDPOJaggTrainer:
     """Build the trainer, train (resuming when asked), save to ``output_dir``, push when ``push_to_hub`` and end
     (the trackers finish: nothing that talks to the other processes may follow)."""
-    trainer = build_trainer(script_args, training_args)
+    return train_and_save(build_trainer(script_args, training_args), training_args, script_args.dataset_name)
+
+
+def train_and_save(
+    trainer: DDPOJaggTrainer, training_args: GRPOJaggConfig, dataset_name: str | None = None
+) -> DDPOJaggTrainer:
+    """Train (resuming when asked), save to ``output_dir``, push when ``push_to_hub`` (the model card names
+    ``dataset_name``) and end; shared by ``trl-jagg train`` and the examples."""
     # "true" / "last" / "latest" (a flag's text) mean the latest checkpoint-N: the trainer reads them.
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)
     if trainer.is_world_process_zero():
         print(f"Saved the trained weights to {training_args.output_dir}")
     if training_args.push_to_hub:
-        trainer.push_to_hub(dataset_name=script_args.dataset_name)
+        trainer.push_to_hub(dataset_name=dataset_name)
     # As TRL's grpo script: finish the trackers and destroy the process group (Trainer.end, transformers >= 5.x).
     if hasattr(trainer, "end"):
         trainer.end()

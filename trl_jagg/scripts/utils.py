@@ -52,6 +52,7 @@ OTHER_NAMES: Mapping[str, str] = {
     "validation_prompt": "use eval_prompts (rendered every image_log_steps)",
     "instance_prompt": "use prompts (a list of training prompts) or dataset_name",
     # TRL's and peft's
+    "dataset": "use dataset_name (a Hub dataset id or a local file of prompts)",
     "peft_config": "use use_peft true with lora_r, lora_alpha, lora_target_modules",
     "lora_rank_pattern": "not supported on the command line: build a peft LoraConfig in Python",
 }
@@ -173,10 +174,9 @@ class CommandParser(TrlParser):
 
     def __init__(self, dataclass_types: Sequence[type], command: str, description: str, **kwargs: Any):
         self.command = command
-        kwargs.setdefault("usage", f"{PROG} {command} [--config config.yaml] [--field value ...]")
-        super().__init__(
-            dataclass_types, prog=f"{PROG} {command}", description=description, allow_abbrev=False, **kwargs
-        )
+        kwargs.setdefault("prog", f"{PROG} {command}")  # an example script passes its own name
+        kwargs.setdefault("usage", f"{kwargs['prog']} [--config config.yaml] [--field value ...]")
+        super().__init__(dataclass_types, description=description, allow_abbrev=False, **kwargs)
 
     def error(self, message: str) -> typing.NoReturn:
         raise UsageError(message)

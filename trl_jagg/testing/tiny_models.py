@@ -552,12 +552,14 @@ class TinyRun:
     config: dict[str, Any]
 
 
-def tiny_run(family: str, *, num_inference_steps: int = 5) -> TinyRun:
-    """The ``--tiny`` setup of the examples for ``family``; ``num_inference_steps`` sets how many steps are trained
-    (5 gives 4 trained steps: one full JAGG group of W = 4). An editing family's dataset also has a ``source_image``
-    column (grey images of different shades: the image each instruction edits)."""
-    from datasets import Dataset
+EDIT_FAMILIES = ("flux_kontext", "qwenimage_edit", "qwenimage_edit_plus")
+"""The editing families: their prompts come with a ``source_image`` to edit."""
 
+
+def tiny_config(family: str, *, num_inference_steps: int = 5) -> dict[str, Any]:
+    """The config values of a ``--tiny`` run of ``family`` (two optimizer steps on 32x32 images, Wan: 5-frame videos,
+    in seconds on a CPU), without building anything; ``num_inference_steps`` sets how many steps are trained (5 gives
+    4 trained steps: one full JAGG group of W = 4)."""
     config = dict(
         height=32, width=32, num_inference_steps=num_inference_steps, num_generations=2,
         per_device_train_batch_size=4, gradient_accumulation_steps=1, steps_per_generation=None, max_steps=2,
@@ -565,16 +567,26 @@ def tiny_run(family: str, *, num_inference_steps: int = 5) -> TinyRun:
         report_to="none", save_strategy="no", reward_weights=None,  # one reward, whatever the preset's weights
         ema_update_interval=1,  # a preset's EMA (every 8 steps) would never update in 2 steps
     )  # fmt: skip
-    columns: dict[str, list[Any]] = {"prompt": list(TINY_PROMPTS)}
-    if family in ("flux_kontext", "qwenimage_edit", "qwenimage_edit_plus"):  # editing: a grey image to edit
-        columns["source_image"] = [Image.new("RGB", (32, 32), (64 * i,) * 3) for i in range(len(TINY_PROMPTS))]
-        if family != "flux_kontext":  # encoded at the output's 32 x 32 px, not the pipeline's 1024 x 1024
-            config["source_image_area"] = 32 * 32
+    if family in EDIT_FAMILIES[1:]:  # encoded at the output's 32 x 32 px, not the pipeline's 1024 x 1024
+        config["source_image_area"] = 32 * 32
     if family in ("wan", "wan22", "wan22_ti2v"):  # 5-frame videos: 2 latent frames
         config["num_frames"] = 5
     if family == "flux2_dev":  # its system message takes the first 31 tokens of the prompt encoding
         config["max_sequence_length"] = 48
     if family == "wan22":  # the 4 trained steps are 2 per expert: groups of W = 2, one on each side of the switch
         config["jagg_group_size"] = 2
+    return config
+
+
+def tiny_run(family: str, *, num_inference_steps: int = 5) -> TinyRun:
+    """The ``--tiny`` setup of the examples for ``family``: the tiny pipeline saved to a temporary folder (removed at
+    exit) and :func:`tiny_config`'s values. An editing family's dataset also has a ``source_image`` column (grey
+    images of different shades: the image each instruction edits)."""
+    from datasets import Dataset
+
+    columns: dict[str, list[Any]] = {"prompt": list(TINY_PROMPTS)}
+    if family in EDIT_FAMILIES:  # editing: a grey image to edit
+        columns["source_image"] = [Image.new("RGB", (32, 32), (64 * i,) * 3) for i in range(len(TINY_PROMPTS))]
     model = save_tiny_pipeline(family, temporary_folder(f"tiny-{family}-"))
+    config = tiny_config(family, num_inference_steps=num_inference_steps)
     return TinyRun(model, "prompt_color", Dataset.from_dict(columns), config)
