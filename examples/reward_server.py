@@ -46,7 +46,8 @@ from PIL import Image
 
 from trl_jagg.rewards import check_rewards, load_reward_funcs
 from trl_jagg.rewards.base import REWARD_KEYWORDS
-from trl_jagg.rewards.remote import MAX_PIXELS, TOKEN_ENV, DeadlineReader, RejectedImage, load_image, open_image
+from trl_jagg.rewards.remote import TOKEN_ENV
+from trl_jagg.rewards.server_limits import MAX_PIXELS, DeadlineReader, RejectedImage, load_image, open_image
 
 logger = logging.getLogger("reward_server")
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from PIL import Image
 
 from trl_jagg.rewards import remote
-from trl_jagg.rewards.remote import MAX_PIXELS
+from trl_jagg.rewards.server_limits import MAX_PIXELS
 
 SERVER = Path(__file__).resolve().parent / "reward_server.py"
 
