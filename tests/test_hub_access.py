@@ -115,8 +115,14 @@ def make_args(tmp_path) -> GRPOJaggConfig:
 
 
 def test_offline_reward_weights_fail_before_the_pipeline_loads(tmp_path, offline, no_model_load):
+    local_model = str(tmp_path)  # a local folder passes the model's check; its pipeline is never loaded here
     with pytest.raises(OSError, match=r"reward 'pickscore': model 'yuvalkirstain/PickScore_v1' is not in the local"):
-        DDPOJaggTrainer("unused", "pickscore", args=make_args(tmp_path), train_dataset=["a", "b"])
+        DDPOJaggTrainer(local_model, "pickscore", args=make_args(tmp_path), train_dataset=["a", "b"])
+
+
+def test_an_unreachable_model_is_named_before_an_unreachable_reward(tmp_path, offline, no_model_load):
+    with pytest.raises(OSError, match=rf"^model '{GATED}' is not in the local Hugging Face cache"):
+        DDPOJaggTrainer(GATED, "pickscore", args=make_args(tmp_path), train_dataset=["a", "b"])
 
 
 def test_gated_reward_weights_name_the_reward_and_the_repo(hub_answers):

@@ -97,7 +97,8 @@ def test_columns_named_like_reward_keywords_are_refused_with_a_rename(column):
 # ---------------------------------------------------------------- through the trainer: refused before loading
 @pytest.fixture
 def no_model_load(monkeypatch):
-    """Loading the model fails the test: the errors below must come first."""
+    """Loading the model fails the test: the errors below must come first. The model given is a local folder
+    (`tmp_path`), which passes the model's reachability check."""
 
     def fail(*args, **kwargs):
         raise AssertionError("the model was loaded before the input was checked")
@@ -129,7 +130,7 @@ def reward(prompts, images, **kwargs):
 )
 def test_trainer_refuses_bad_datasets_before_loading(tmp_path, no_model_load, dataset, error, match):
     with pytest.raises(error, match=match):
-        DDPOJaggTrainer("unused", reward, args=make_args(tmp_path), train_dataset=dataset)
+        DDPOJaggTrainer(str(tmp_path), reward, args=make_args(tmp_path), train_dataset=dataset)
 
 
 @pytest.mark.parametrize(
@@ -139,7 +140,7 @@ def test_trainer_refuses_bad_datasets_before_loading(tmp_path, no_model_load, da
 def test_trainer_refuses_a_bad_eval_dataset_before_loading(tmp_path, no_model_load, eval_dataset, match):
     with pytest.raises(ValueError, match=match):
         DDPOJaggTrainer(
-            "unused", reward, args=make_args(tmp_path), train_dataset=["a", "b"], eval_dataset=eval_dataset
+            str(tmp_path), reward, args=make_args(tmp_path), train_dataset=["a", "b"], eval_dataset=eval_dataset
         )
 
 
@@ -147,7 +148,7 @@ def test_missing_resume_directory_is_refused_before_loading(tmp_path, no_model_l
     (tmp_path / "checkpoint-2").mkdir()
     args = make_args(tmp_path, resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
     with pytest.raises(RuntimeError, match=r"checkpoint-3'?: no such directory\. Checkpoints in .*checkpoint-2"):
-        DDPOJaggTrainer("unused", reward, args=args, train_dataset=["a", "b"])
+        DDPOJaggTrainer(str(tmp_path), reward, args=args, train_dataset=["a", "b"])
 
 
 @pytest.mark.parametrize("word", ["latest", "LAST", "true"])
@@ -155,7 +156,7 @@ def test_resume_from_the_latest_checkpoint_by_word_passes_the_input_checks(tmp_p
     # The word is not a folder: the input checks let it through, and the model loading comes next.
     with pytest.raises(AssertionError, match="the model was loaded"):
         DDPOJaggTrainer(
-            "unused", reward, args=make_args(tmp_path, resume_from_checkpoint=word), train_dataset=["a", "b"]
+            str(tmp_path), reward, args=make_args(tmp_path, resume_from_checkpoint=word), train_dataset=["a", "b"]
         )
 
 

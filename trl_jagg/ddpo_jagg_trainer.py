@@ -28,6 +28,7 @@ from trl.trainer.base_trainer import _BaseTrainer
 
 from . import distributed
 from .grpo_jagg_config import GRPOJaggConfig
+from .hub_access import check_hub_file
 from .models import load_adapter
 from .prompts import prompt_text
 from .quiet import quiet_deepspeed_cpu_notice
@@ -96,7 +97,10 @@ class DDPOJaggTrainer(_BaseTrainer):
         distributed.check_world_size(args.world_size)
         # Seed before the adapter is created: Trainer seeds only in its own __init__, after LoRA init.
         set_seed(args.seed)
-        # Cheap checks first: nothing is loaded before the inputs are known to be usable.
+        # Cheap checks first: nothing is loaded before the inputs are known to be usable. The model is named before
+        # a reward's weights when both are unreachable: it is the first thing a user gives.
+        if isinstance(model, str):
+            check_hub_file(model, "model_index.json", what="model", revision=args.model_revision)
         train_dataset, eval_dataset, self.reward_funcs = checked_inputs(
             args, train_dataset, eval_dataset, reward_funcs
         )
