@@ -30,7 +30,7 @@ from trl_jagg import MODEL_FAMILIES
 from trl_jagg.scripts import PROG
 
 COMMANDS: dict[str, str] = {
-    "train": "GRPO + JAGG fine-tuning from a YAML config and flags (accelerate launch-able)",
+    "train": "GRPO or DiffusionNFT fine-tuning with JAGG, from a YAML config and flags (accelerate launch-able)",
     "demo": "train a tiny model on CPU and plot its rising reward (a few minutes)",
     "bench": "time the update stage with JAGG vs exact backward (`bench trainer`: through the trainer)",
     "calibrate": "measure JAGG-vs-exact gradient cosines per group and suggest jagg_frac",
@@ -47,7 +47,7 @@ def _top_help() -> str:
         [
             f"usage: {PROG} <command> [options]",
             "",
-            f"GRPO fine-tuning of flow-matching models with JAGG group gradients: {MODEL_FAMILIES}.",
+            f"GRPO and DiffusionNFT fine-tuning of flow-matching models with JAGG group gradients: {MODEL_FAMILIES}.",
             "",
             "commands:",
             *(f"  {name:<10} {text}" for name, text in COMMANDS.items()),
