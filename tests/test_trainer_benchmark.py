@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from trl_jagg.benchmarks.trainer import JSON_NAME, PNG_NAME, measure_peak_memory_mb, run_trainer_benchmark
+from trl_jagg.benchmarks.measuring import measure_peak_memory_mb
+from trl_jagg.benchmarks.trainer import JSON_NAME, PNG_NAME, run_trainer_benchmark
 
 
 @pytest.fixture(scope="module")

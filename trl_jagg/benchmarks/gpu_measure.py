@@ -25,7 +25,8 @@ import torch
 from transformers import PrinterCallback, TrainerCallback
 
 from .flops import StepCosts, backbone_costs, step_flops
-from .trainer import PROMPTS, _configured, _endless, _spread, _sync, benchmark_clock, time_update
+from .measuring import benchmark_clock, endless_batches, spread, sync_device
+from .trainer import PROMPTS, _configured, time_update
 from .whole_step import WorkCounter
 
 H200_BF16_TFLOPS = 790.0
@@ -141,7 +142,7 @@ def numerics(trainer: Any) -> dict[str, Any]:
     """The numerical checks (see the module docstring) on one fresh rollout of ``trainer``."""
     from ..trainer.batch import split_rollout
 
-    batches = _endless(trainer)
+    batches = endless_batches(trainer)
     rollout = sample_rollout(trainer, batches)
     report = velocity_checks(trainer, split_rollout(rollout, trainer.args.steps_per_generation)[0])
     exact = update_gradient(trainer, rollout, "exact", None, None)
@@ -180,7 +181,7 @@ class RolloutTimer(TrainerCallback):
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.start is None:
-            _sync(self.device)
+            sync_device(self.device)
             self.start = self.clock()
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -188,7 +189,7 @@ class RolloutTimer(TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if state.global_step == state.max_steps and self.start is not None:
-            _sync(self.device)
+            sync_device(self.device)
             self.elapsed = self.clock() - self.start
 
 
@@ -284,7 +285,7 @@ def cadence_steps(
     for name, timed in runs.items():
         work, checkpointed = timed[0]["work"], variants[name].checkpointed
         flops = step_flops(costs, work, checkpointing=checkpointed)
-        step = _spread([r["time_s"] for r in timed])
+        step = spread([r["time_s"] for r in timed])
         achieved = flops / step["median"] / 1e12
         peaks = [r["peak_gib"] for r in timed if r["peak_gib"] is not None]
         report[name] = {

@@ -27,15 +27,11 @@ ones are trained; the update's speedup on that longer sequence is the editing va
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import gc
 import json
 import platform
-import statistics
-import sys
 import tempfile
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +39,14 @@ import torch
 from datasets import Dataset
 
 from .engine import torch_threads
+from .measuring import (
+    BackboneCallCounter,
+    benchmark_clock,
+    endless_batches,
+    measure_peak_memory_mb,
+    spread,
+    sync_device,
+)
 
 PROMPTS = ["a red circle", "a green square", "a blue triangle", "a red square"]
 FAMILIES = ("flux", "flux_kontext", "wan")
@@ -71,122 +75,6 @@ TARGETS = (
     ("W=8 JAGG+cache vs exact", 0.0, 8, "jagg_cache", "exact", 3.2),
     ("beta>0 W=4 JAGG+cache vs JAGG", "kl", 4, "jagg_cache", "jagg", 1.15),
 )
-
-
-class BackboneCallCounter:
-    """Counts backbone work by hooks: policy forwards with and without an autograd graph, reference forwards (the
-    frozen copy, or the policy with its LoRA adapters disabled) and ``accelerator.backward`` calls.
-
-    Use as a context manager around the work to count; :meth:`take` returns and resets the counts.
-    """
-
-    def __init__(self, trainer: Any):
-        self.trainer = trainer
-        self.counts = dict.fromkeys(("graph_forwards", "no_grad_forwards", "reference_forwards", "backward_calls"), 0)
-        self._handles: list[Any] = []
-        self._backward: Callable | None = None
-
-    def __enter__(self) -> BackboneCallCounter:
-        from peft.tuners.tuners_utils import BaseTunerLayer
-
-        policy = self.trainer.accelerator.unwrap_model(self.trainer.model)
-        lora_layer = next((m for m in policy.modules() if isinstance(m, BaseTunerLayer)), None)
-
-        def on_policy(module: torch.nn.Module, args: Any, output: Any) -> None:
-            if lora_layer is not None and lora_layer.disable_adapters:
-                self.counts["reference_forwards"] += 1
-            elif torch.is_grad_enabled():
-                self.counts["graph_forwards"] += 1
-            else:
-                self.counts["no_grad_forwards"] += 1
-
-        def on_reference(module: torch.nn.Module, args: Any, output: Any) -> None:
-            self.counts["reference_forwards"] += 1
-
-        self._handles.append(policy.register_forward_hook(on_policy))
-        if self.trainer.ref_transformer is not None:
-            self._handles.append(self.trainer.ref_transformer.register_forward_hook(on_reference))
-        accelerator = self.trainer.accelerator
-        self._backward = accelerator.backward
-
-        def counting_backward(loss: torch.Tensor, **kwargs: Any) -> None:
-            self.counts["backward_calls"] += 1
-            self._backward(loss, **kwargs)
-
-        accelerator.backward = counting_backward
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        self.trainer.accelerator.backward = self._backward
-
-    def take(self) -> dict[str, int]:
-        counts = dict(self.counts)
-        self.counts = dict.fromkeys(self.counts, 0)
-        return counts
-
-
-class PeakMemory:
-    """Peak memory growth in MiB between :meth:`start` and :meth:`stop`: the CUDA allocator's peak on a GPU; on Linux
-    CPUs the growth of the process's peak resident set (``VmHWM``) after returning freed heap memory to the system
-    (``malloc_trim``, which also slows the steps that follow it: never start it before a timed step). ``None``
-    elsewhere."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self._base: int | None = None
-
-    def start(self) -> None:
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self._base = torch.cuda.memory_allocated(self.device)
-            return
-        self._base = None
-        if not sys.platform.startswith("linux"):
-            return
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        try:
-            Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
-        except OSError:
-            return
-        self._base = _proc_status_kb("VmRSS") * 1024
-
-    def stop(self) -> float | None:
-        if self._base is None:
-            return None
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            return (torch.cuda.max_memory_allocated(self.device) - self._base) / 2**20
-        return (_proc_status_kb("VmHWM") * 1024 - self._base) / 2**20
-
-
-def measure_peak_memory_mb(fn: Callable[[], Any], device: torch.device) -> float | None:
-    """Peak memory growth of ``fn()`` in MiB (:class:`PeakMemory`)."""
-    probe = PeakMemory(device)
-    probe.start()
-    fn()
-    return probe.stop()
-
-
-def _proc_status_kb(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1])
-    raise KeyError(key)
-
-
-def _spread(values: Sequence[float]) -> dict[str, Any]:
-    return {
-        "median": statistics.median(values),
-        "min": min(values),
-        "max": max(values),
-        "per_repeat": list(values),
-    }
 
 
 def theory(variant: str, group_size: int, num_trained: int, jagg_frac: float) -> float:
@@ -349,7 +237,7 @@ def run_trainer_benchmark(
             "torch": torch.__version__,
             "python": platform.python_version(),
         },
-        "rollout_s": {beta: _spread(values) for beta, values in rollouts.items()},
+        "rollout_s": {beta: spread(values) for beta, values in rollouts.items()},
         "results": results,
         "targets": _targets(results, betas),
     }
@@ -413,7 +301,7 @@ def time_update(
     model.zero_grad(set_to_none=True)
     model.train()
     clock = benchmark_clock(device)
-    _sync(device)
+    sync_device(device)
     start = clock()
     with _configured(trainer, variant, group_size, jagg_frac):
         for micro_batch in micro_batches:
@@ -421,7 +309,7 @@ def time_update(
                 model, micro_batch, micro_step=trainer._step, global_step=trainer.state.global_step,
                 accumulation_steps=trainer.current_gradient_accumulation_steps,
             )  # fmt: skip
-    _sync(device)
+    sync_device(device)
     return clock() - start
 
 
@@ -440,7 +328,7 @@ def time_variants(
     model = trainer.model
     device = trainer.accelerator.device
     beta = trainer.args.beta
-    batches = _endless(trainer)
+    batches = endless_batches(trainer)
     instances = _instances(beta, group_sizes, jagg_fracs)
     times: dict[tuple, list[float]] = {i: [] for i in instances}
     calls: dict[tuple, dict[str, int]] = {}
@@ -449,11 +337,11 @@ def time_variants(
     clock = benchmark_clock(device)
 
     def sample() -> tuple[dict[str, Any], float]:
-        _sync(device)
+        sync_device(device)
         start = clock()
         with _configured(trainer, "jagg_cache", None, None):  # records the velocities
             rollout = trainer._generate_and_score(next(batches))
-        _sync(device)
+        sync_device(device)
         return rollout, clock() - start
 
     # Repeat 0 is the warm-up (and counts the backbone calls); then ABAB...BABA over the instances.
@@ -495,35 +383,17 @@ def time_variants(
             "variant": variant,
             "group_size": w,
             "jagg_frac": frac,
-            "update_s": _spread(times[instance]),
-            "update_speedup": _spread([e / t for e, t in zip(exact, times[instance])]),
-            "step_speedup": _spread([(r + e) / (r + t) for r, e, t in zip(rollout_times, exact, times[instance])]),
+            "update_s": spread(times[instance]),
+            "update_speedup": spread([e / t for e, t in zip(exact, times[instance])]),
+            "step_speedup": spread([(r + e) / (r + t) for r, e, t in zip(rollout_times, exact, times[instance])]),
             "calls": calls[instance],
             "peak_memory_mb": peaks.get(instance),
             "theory_update_speedup": theory(variant, w or 1, num_trained, frac or 0.0),
         }
         if variant.startswith("jagg_cache"):
-            entry["speedup_vs_jagg"] = _spread([j / t for j, t in zip(by_repeat_jagg[w, frac], times[instance])])
+            entry["speedup_vs_jagg"] = spread([j / t for j, t in zip(by_repeat_jagg[w, frac], times[instance])])
         results.append(entry)
     return results, rollout_times
-
-
-def benchmark_clock(device: torch.device) -> Callable[[], float]:
-    """The clock the benchmarks time with: wall time on an accelerator (synchronised around each measurement); on
-    a CPU the process's CPU time, which, with one torch thread, counts the work itself and not the time other
-    processes on a shared machine hold the cores (wall-time ratios there swing by 10x between repeats)."""
-    return time.perf_counter if device.type != "cpu" else time.process_time
-
-
-def _endless(trainer: Any) -> Iterator[Any]:
-    """Rollout inputs from the trainer's dataloader, epoch after epoch."""
-    while True:
-        yield from trainer.get_train_dataloader()
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _find(results: list[dict[str, Any]], **match: Any) -> dict[str, Any] | None:
@@ -557,8 +427,8 @@ def _print_report(report: dict[str, Any]) -> None:
         f"image + {config.get('reference_tokens', 0)} reference + {config['text_tokens']} text tokens, "
         f"{config['repeats']} interleaved repeats (median [min, max])"
     )
-    for beta, spread in report["rollout_s"].items():
-        print(f"beta={beta}: rollout {spread['median']:.3f}s [{spread['min']:.3f}, {spread['max']:.3f}]")
+    for beta, rollout in report["rollout_s"].items():
+        print(f"beta={beta}: rollout {rollout['median']:.3f}s [{rollout['min']:.3f}, {rollout['max']:.3f}]")
     header = "beta   W  frac variant          update s  speedup vs exact [min,max]  whole step  cost model  calls g/n/r/b  peak MiB"
     print(header)
     for r in report["results"]:

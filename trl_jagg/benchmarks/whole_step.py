@@ -12,9 +12,9 @@ parks at the start of every rollout, so that exactly one trainer runs at a time:
 train one rollout (its rollout, decode, rewards and all its optimizer steps, as ``train()`` runs them), in
 alternating order (ABBA) after a warm-up rollout. The clock runs from the first optimizer step's
 ``on_step_begin`` to the last one's ``on_step_end``: process CPU time on a CPU (only the running thread works),
-synchronised wall time on a GPU (:func:`~trl_jagg.benchmarks.trainer.benchmark_clock`). Ratios are taken per repeat
+synchronised wall time on a GPU (:func:`~trl_jagg.benchmarks.measuring.benchmark_clock`). Ratios are taken per repeat
 against each baseline and reported as median, min and max. Memory is measured afterwards, in one more rollout per
-variant that is not timed (:class:`~trl_jagg.benchmarks.trainer.PeakMemory` trims the heap, which slows the steps
+variant that is not timed (:class:`~trl_jagg.benchmarks.measuring.PeakMemory` trims the heap, which slows the steps
 that follow it).
 
 The baselines: ``dancegrpo-exact`` is ``dancegrpo-flux`` with ``use_jagg=False`` (DanceGRPO's own cost) and
@@ -52,7 +52,8 @@ from transformers import TrainerCallback
 from ..recipes import get_recipe
 from .engine import torch_threads
 from .flops import LORA_PRESET, StepCosts, flux_dev_costs, flux_dev_lora, preset_checkpointed_fraction, step_flops
-from .trainer import PROMPTS, PeakMemory, _spread, _sync, benchmark_clock
+from .measuring import PeakMemory, benchmark_clock, spread, sync_device
+from .trainer import PROMPTS
 
 JSON_NAME = "whole_step_benchmark.json"
 PNG_NAME = "whole_step_benchmark.png"
@@ -170,7 +171,7 @@ class RolloutClock(TrainerCallback):
             self._probe = PeakMemory(self.device)
             self._probe.start()
             return
-        _sync(self.device)
+        sync_device(self.device)
         self._start = self.clock()
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -184,7 +185,7 @@ class RolloutClock(TrainerCallback):
         if self._probe is not None:
             entry["peak_memory_mb"], self._probe = self._probe.stop(), None
         else:
-            _sync(self.device)
+            sync_device(self.device)
             entry["time_s"] = self.clock() - self._start
         entry["work"] = {k: self.counter.counts[k] - entry["work"][k] for k in WORK}
         self.rollouts.append(entry)
@@ -317,7 +318,7 @@ def summarize(
     results = []
     for name, m in measured.items():
         entry: dict[str, Any] = {
-            "variant": name, "rollout_s": _spread(m["times"]), "optimizer_steps": m["optimizer_steps"],
+            "variant": name, "rollout_s": spread(m["times"]), "optimizer_steps": m["optimizer_steps"],
             "first_steps": m["first_steps"], "counted": m["work"], "predicted_flops": flops[name],
             "predicted_checkpointing": dict(checkpointing[name]), "peak_memory_mb": m["peak_memory_mb"],
             "probed_steps": m["probed_steps"], "baselines": list(baselines[name]), "quality": None,
@@ -325,7 +326,7 @@ def summarize(
         for baseline in baselines[name]:
             if baseline in measured:
                 times = zip(measured[baseline]["times"], m["times"])
-                entry[f"speedup_vs_{baseline}"] = _spread([b / t for b, t in times])
+                entry[f"speedup_vs_{baseline}"] = spread([b / t for b, t in times])
                 entry[f"predicted_speedup_vs_{baseline}"] = {
                     training: flops[baseline][training] / flops[name][training] for training in costs
                 }
