@@ -48,12 +48,10 @@ class ScriptArguments:
     recipe: str | None = field(
         default=None,
         metadata={
-            "help": "Preset to start from (trl_jagg/recipes/): flow-grpo-sd35, flow-grpo-sd35-ocr, "
-            "flow-grpo-sd35-geneval, flow-grpo-guard-sd35, flow-grpo-flux, flow-grpo-qwenimage, flow-grpo-qwenimage-all-steps, "
-            "flow-grpo-fast-flux, flow-grpo-kontext, dancegrpo-flux, dancegrpo-flux-8gpu, dancegrpo-wan2.1, "
-            "dancegrpo-qwenimage-edit, mixgrpo-flux or a "
-            "flow-factory-* preset. It sets the model, rewards, LoRA and config values and applies its scheduler override (DanceGRPO's shift 3); the YAML config and the flags override "
-            "its values."
+            "help": "Preset to start from: a name of trl_jagg.recipes.list_recipes() (docs/models.md lists them: "
+            "flow-grpo-*, dancegrpo-*, mixgrpo-flux, jagg-fast-flux, nft-sd35*, flow-factory-*). It sets the model, "
+            "rewards, LoRA and config values and applies its scheduler override (DanceGRPO's shift 3); the YAML "
+            "config and the flags override its values."
         },
     )
     dataset_name: str | None = field(
