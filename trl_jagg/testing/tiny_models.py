@@ -567,7 +567,7 @@ def tiny_config(family: str, *, num_inference_steps: int = 5) -> dict[str, Any]:
         report_to="none", save_strategy="no", reward_weights=None,  # one reward, whatever the preset's weights
         ema_update_interval=1,  # a preset's EMA (every 8 steps) would never update in 2 steps
     )  # fmt: skip
-    if family in EDIT_FAMILIES[1:]:  # encoded at the output's 32 x 32 px, not the pipeline's 1024 x 1024
+    if family in ("qwenimage_edit", "qwenimage_edit_plus"):  # sources at the output's 32 x 32 px, not 1024 x 1024
         config["source_image_area"] = 32 * 32
     if family in ("wan", "wan22", "wan22_ti2v"):  # 5-frame videos: 2 latent frames
         config["num_frames"] = 5
