@@ -23,7 +23,8 @@ from test_trainer import make_trainer
 
 from trl_jagg.benchmarks.velocity_cache import mode_gradient
 from trl_jagg.demo.run import DEMO_ASSET_DIR, demo_trainer
-from trl_jagg.jagg import corrected_velocity, plan_groups
+from trl_jagg.jagg import plan_groups
+from trl_jagg.velocity_cache import corrected_velocity, signal_sensitivity
 
 
 class DriftingVelocity(TinyVelocity):
@@ -96,6 +97,77 @@ def test_corrected_cache_recomputes_a_group_whose_endpoint_is_not_cached():
     assert (result.num_cached, result.num_corrected, result.num_no_grad_forwards) == (2, 2, 2)
     reference = reference_jagg_gradient(rollout, range(4)) + reference_jagg_gradient(rollout, range(4, 8))
     torch.testing.assert_close(corrected, reference, rtol=1e-10, atol=1e-12)
+
+
+def test_signal_sensitivity_is_the_larger_probed_move_of_the_aggregated_signals():
+    """A quadratic loss per step, ``s_k(v) = c_k v``: probing intermediate ``j`` at its rollout velocity ``r_j`` and
+    at ``2 v_j - r_j`` moves ``(s_base, s_corr)`` by ``-/+ sum_j (w_j^base, w_j^corr) c_j (v_j - r_j)``, written out
+    here; both probes move it equally."""
+    torch.manual_seed(3)
+    steps, coefficients = [0, 1, 2, 3], [0.5, 2.0, -1.5, 3.0]
+    weights = [(1.0, 0.0), (2 / 3, 1 / 3), (1 / 3, 2 / 3), (0.0, 1.0)]
+    velocities = [torch.randn(2, 5, dtype=torch.float64) for _ in steps]
+    recorded = {1: velocities[1] + 0.1 * torch.randn(2, 5, dtype=torch.float64), 2: velocities[2].clone()}
+    base = sum(w[0] * c * v for w, c, v in zip(weights, coefficients, velocities))
+    corr = sum(w[1] * c * v for w, c, v in zip(weights, coefficients, velocities))
+    move = [coefficients[j] * (velocities[j] - recorded[j]) for j in (1, 2)]
+    moved_base = sum(weights[j][0] * m for j, m in zip((1, 2), move))
+    moved_corr = sum(weights[j][1] * m for j, m in zip((1, 2), move))
+    want = (moved_base.square().sum() + moved_corr.square().sum()) / (base.square().sum() + corr.square().sum())
+    got = signal_sensitivity(lambda k, v: coefficients[k] * v, steps, weights, velocities, recorded)
+    assert got == pytest.approx(want.sqrt().item(), rel=1e-12)
+    # Nothing corrected, nothing moved: 0. A zero signal that a probe moves: infinitely sensitive.
+    assert signal_sensitivity(lambda k, v: coefficients[k] * v, steps, weights, velocities, {}) == 0.0
+    zero = [torch.zeros(2, 5, dtype=torch.float64) for _ in steps]
+    assert signal_sensitivity(lambda k, v: v, steps, weights, zero, {1: torch.ones(2, 5, dtype=torch.float64)}) == (
+        float("inf")
+    )
+
+
+def moved_weights_rollout(scale: float):
+    """A rollout of 8 steps (two groups of W = 4), its recorded velocities, then every weight of the (nonlinear)
+    velocity moved by ``scale`` times a random direction: the change is not linear in time across a group."""
+    torch.manual_seed(5)
+    rollout = make_rollout(TinyVelocity(), 8, linear_trajectory=False, beta=0.0)
+    cache = recorded_velocities(rollout, 8)
+    with torch.no_grad():
+        for p in rollout.model.parameters():
+            p.add_(scale * torch.randn_like(p))
+    return rollout, cache, plan_groups(rollout.times, 4, 1.0)
+
+
+def test_checked_cache_keeps_a_correction_whose_signals_hold():
+    """A small step: every probe moves the signals by far less than the tolerance, so both groups keep their corrected
+    intermediates; the gradient is then the corrected mode's, bit for bit (the check adds nothing to the velocities
+    the backward uses), and within 1e-3 of recomputed intermediates."""
+    rollout, cache, groups = moved_weights_rollout(1e-5)
+    checked, result = engine_gradient(
+        rollout, groups, cached_velocities=cache, correct_cached=True, cache_tolerance=4e-3
+    )
+    corrected, _ = engine_gradient(rollout, groups, cached_velocities=cache, correct_cached=True)
+    assert (result.num_corrected, result.num_rejected, result.num_no_grad_forwards) == (4, 0, 0)
+    assert 0 < result.cache_sensitivity <= 4e-3
+    assert torch.equal(checked, corrected)
+    reference = reference_jagg_gradient(rollout, range(4)) + reference_jagg_gradient(rollout, range(4, 8))
+    assert relative_difference(checked, reference) < 1e-3
+
+
+def test_checked_cache_recomputes_where_the_correction_would_move_the_gradient():
+    """A large step moves the PPO ratios across the clip edge: the corrected gradient is off by far more than 1e-3
+    (so this test fails if the check is switched off), the probes see the signals switch, and both groups recompute
+    their intermediates: the gradient is the spec's JAGG gradient at the current weights (float64: to rounding)."""
+    rollout, cache, groups = moved_weights_rollout(0.3)
+    reference = reference_jagg_gradient(rollout, range(4)) + reference_jagg_gradient(rollout, range(4, 8))
+    corrected, _ = engine_gradient(rollout, groups, cached_velocities=cache, correct_cached=True)
+    assert relative_difference(corrected, reference) > 1e-2
+    counter = CallCounter(rollout.model)
+    checked, result = engine_gradient(
+        rollout, groups, backward_fn=counter.backward_fn, cached_velocities=cache, correct_cached=True,
+        cache_tolerance=4e-3,
+    )  # fmt: skip
+    assert result.cache_sensitivity > 4e-3
+    assert (result.num_cached, result.num_corrected, result.num_rejected, result.num_no_grad_forwards) == (0, 0, 4, 4)
+    torch.testing.assert_close(checked, reference, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.filterwarnings("ignore:GRPOJaggConfig.clip_range is 1")  # on purpose, see the docstring
@@ -186,6 +258,43 @@ def test_cache_hits_per_micro_batch_at_three_optimizer_steps_per_rollout(
     logs = [e for e in trainer.state.log_history if "jagg/cached_velocities" in e]
     assert [e["jagg/cached_velocities"] for e in logs] == cached
     assert [e["jagg/corrected_velocities"] for e in logs] == corrected
+
+
+@pytest.mark.parametrize(
+    ("tolerance", "no_grad_rows", "cached", "corrected", "rejected"),
+    [
+        # No probe moves the signals 1e30 times their norm: the corrected mode's hits.
+        (1e30, [0, 0, 0], [2, 2, 2], [0, 2, 2], [0, 0]),
+        # Every probe moves the signals: the recompute mode's rows, the intermediates counted as rejected.
+        (0.0, [0, 4, 4], [2, 0, 0], [0, 0, 0], [2, 2]),
+    ],
+)
+def test_checked_cache_through_train_at_three_optimizer_steps_per_rollout(
+    tiny_flux_path, tmp_path, tolerance, no_grad_rows, cached, corrected, rejected
+):
+    """The cadence of the test above with ``jagg_cache_mode="checked"`` at the two tolerances whose outcome does not
+    depend on the probes' values: the check's decision reaches the backbone calls and the logs."""
+    trainer = make_trainer(
+        tiny_flux_path, tmp_path, num_inference_steps=5, jagg_group_size=4, beta=0.0, per_device_train_batch_size=2,
+        steps_per_generation=3, max_steps=3, jagg_cache_mode="checked", jagg_cache_tolerance=tolerance,
+    )  # fmt: skip
+    rows = RowCounter(trainer)
+    trainer.train()
+    rows.handle.remove()
+    assert [n for _, n in rows.per_update] == no_grad_rows
+    logs = [e for e in trainer.state.log_history if "jagg/cached_velocities" in e]
+    assert [e["jagg/cached_velocities"] for e in logs] == cached
+    assert [e["jagg/corrected_velocities"] for e in logs] == corrected
+    # Logged once the cache is off-policy (the second and third optimizer steps).
+    assert [e["jagg/cache_rejected"] for e in logs if "jagg/cache_rejected" in e] == rejected
+    assert all(e["jagg/cache_sensitivity"] > 0 for e in logs if "jagg/cache_sensitivity" in e)
+
+
+def test_checked_cache_needs_a_tolerance_of_at_least_zero(tmp_path):
+    from trl_jagg import GRPOJaggConfig
+
+    with pytest.raises(ValueError, match="jagg_cache_tolerance"):
+        GRPOJaggConfig(output_dir=str(tmp_path), jagg_cache_mode="checked", jagg_cache_tolerance=-1.0)
 
 
 def test_correction_leaves_the_rollouts_velocities_alone(tiny_flux_path, tmp_path):

@@ -16,12 +16,13 @@ from typing import TYPE_CHECKING, Any
 
 from .field_types import type_problem
 from .grpo import MULTI_OBJECTIVE_AGGREGATIONS
-from .jagg import ENDPOINT_BACKWARDS, JAGG_MODES, VELOCITY_CACHE_MODES
+from .jagg import ENDPOINT_BACKWARDS, JAGG_MODES
 from .nft import OLD_POLICY_DECAY_TYPES
 from .recipes import RECIPES
 from .redaction import redacted
 from .sampling import SAMPLERS
 from .sde_window import WINDOW_SCHEDULES
+from .velocity_cache import VELOCITY_CACHE_MODES
 
 if TYPE_CHECKING:
     from .grpo_jagg_config import GRPOJaggConfig
@@ -317,6 +318,8 @@ def check_fields(config: GRPOJaggConfig) -> None:
         fail("jagg_endpoint_backward", f"is {config.jagg_endpoint_backward!r}", f"Use one of {ENDPOINT_BACKWARDS}.")
     if config.jagg_cache_mode not in VELOCITY_CACHE_MODES:
         fail("jagg_cache_mode", f"is {config.jagg_cache_mode!r}", f"Use one of {VELOCITY_CACHE_MODES}.")
+    if not (isinstance(config.jagg_cache_tolerance, (int, float)) and config.jagg_cache_tolerance >= 0):
+        fail("jagg_cache_tolerance", f"is {config.jagg_cache_tolerance!r}", "Use a number >= 0 (the default is 4e-3).")
     if config.no_grad_batch_steps is not None and (
         not isinstance(config.no_grad_batch_steps, int) or config.no_grad_batch_steps < 1
     ):

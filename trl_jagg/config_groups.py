@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .config_checks import EMA_SCHEDULES
-from .jagg import ENDPOINT_BACKWARDS, JAGG_MODES, VELOCITY_CACHE_MODES
+from .jagg import ENDPOINT_BACKWARDS, JAGG_MODES
+from .velocity_cache import VELOCITY_CACHE_MODES
 
 
 @dataclass
@@ -54,15 +55,27 @@ class JaggArguments:
         },
     )
     jagg_cache_mode: str = field(
-        default="recompute",
+        default="checked",
         metadata={
             "help": f"One of {VELOCITY_CACHE_MODES}: what the velocity cache does after an optimizer step since the "
             "rollout (`steps_per_generation > gradient_accumulation_steps`, `num_iterations > 1`). `recompute`: the "
             "intermediates run again without a graph (exact). `corrected`: each cached intermediate is moved by the "
             "change of its group's two endpoints since the rollout, interpolated with JAGG's weights (no forward; "
-            "exact when that change is linear in time across the group). `stale`: the rollout's velocities as they "
-            "are. Before the first optimizer step every mode uses the cache as is (exact). Logged as "
-            "`jagg/corrected_velocities`."
+            "exact when that change is linear in time across the group). `checked`: corrected where the group's "
+            "loss signals move by at most `jagg_cache_tolerance` (relative) when every correction is undone or "
+            "doubled, recomputed elsewhere (a PPO ratio near its clip edge fails it). `stale`: the rollout's "
+            "velocities as they are. Before the first optimizer step every mode uses the cache as is (exact). "
+            "Logged as `jagg/corrected_velocities` (`checked`: also `jagg/cache_rejected` and "
+            "`jagg/cache_sensitivity`, the largest relative move)."
+        },
+    )
+    jagg_cache_tolerance: float = field(
+        default=4e-3,
+        metadata={
+            "help": "With `jagg_cache_mode=checked`: the largest relative move of a JAGG group's aggregated loss "
+            "signals, under a velocity error as large as the correction, for which the corrected intermediates are "
+            "kept. The correction leaves about a tenth of that move (docs/benchmarks.md), so 4e-3 keeps the "
+            "gradient within about 1e-3 of recomputed intermediates."
         },
     )
     jagg_endpoint_backward: str = field(

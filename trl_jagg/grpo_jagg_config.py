@@ -71,7 +71,7 @@ class GRPOJaggConfig(JaggArguments, ScalingArguments, EMAArguments, EvaluationAr
         > JAGG
 
         use_jagg, jagg_group_size, jagg_frac, jagg_probe_steps, jagg_cos_threshold, jagg_mode,
-        jagg_cache_velocities, jagg_cache_mode, jagg_endpoint_backward, no_grad_batch_steps.
+        jagg_cache_velocities, jagg_cache_mode, jagg_cache_tolerance, jagg_endpoint_backward, no_grad_batch_steps.
 
         > Distributed and memory
 

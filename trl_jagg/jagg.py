@@ -17,7 +17,9 @@ Two things make a JAGG group cheaper still (see ``docs/jagg.md``):
   ``v_1 .. v_{W-2}`` are exactly the guided velocities the sampler computed; given them (``cached_velocities``) a
   group costs its two endpoint forwards and one backward (about 6 forward units instead of ``W + 4``). After an
   optimizer step they are the rollout policy's; ``correct_cached`` moves each one by the change of the group's
-  endpoints since the rollout, interpolated with JAGG's own weights (:func:`corrected_velocity`).
+  endpoints since the rollout, interpolated with JAGG's own weights (:func:`corrected_velocity`); with
+  ``cache_tolerance`` a group keeps them only where :func:`signal_sensitivity` stays within it (else they are
+  recomputed: ``trl_jagg/velocity_cache.py``).
 - **Batched no-grad forwards.** Velocities that must be recomputed without a graph (uncached intermediates) are
   requested all at once through ``no_grad_velocities_fn``, which can run them as a few large backbone calls.
 
@@ -36,13 +38,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .velocity_cache import corrected_velocity, signal_sensitivity
+
 JAGG_MODES = ("exact", "jagg", "endpoints")
 ENDPOINT_BACKWARDS = ("joint", "sequential")
-VELOCITY_CACHE_MODES = ("recompute", "corrected", "stale")
-"""What the trainer does with the rollout's velocities after an optimizer step since the rollout: recompute the
-intermediates without a graph, use them corrected by the endpoints' change (:func:`corrected_velocity`), or use them
-as they are. Before the rollout's first optimizer step every mode uses them as they are (they are exact)."""
-
 VelocityFn = Callable[[int], torch.Tensor]
 """Returns the backbone velocity of trained step ``k`` (index into the plan's times); runs under the ambient
 grad mode, which the engine sets."""
@@ -77,6 +76,15 @@ class StepGroup:
     def is_joint(self) -> bool:
         """Whether the group takes one joint backward through its endpoints."""
         return self.method != "exact"
+
+    @property
+    def signal_weights(self) -> list[tuple[float, float]]:
+        """Each step's weights ``(w_base, w_corr)`` in ``s_base`` and ``s_corr``: ``(1 - alpha_j, alpha_j)``; in the
+        ``endpoints`` ablation each endpoint keeps only its own signal and the intermediate ones are dropped."""
+        if self.method != "endpoints":
+            return [(1 - a, a) for a in self.alphas]
+        inner = [(0.0, 0.0)] * (len(self.steps) - 2)
+        return [(1.0, 0.0), *inner, (0.0, 1.0)] if len(self.steps) > 1 else [(1.0, 0.0)]
 
 
 def _check_times(times: Sequence[float]) -> list[float]:
@@ -143,25 +151,6 @@ def plan_groups(
     ]
 
 
-def corrected_velocity(
-    cached: torch.Tensor,
-    alpha: float,
-    first_change: torch.Tensor,
-    last_change: torch.Tensor,
-) -> torch.Tensor:
-    """A cached intermediate velocity moved to the current parameters:
-    ``v_roll(t_j) + (1 - alpha_j) (v_now(t_0) - v_roll(t_0)) + alpha_j (v_now(t_{W-1}) - v_roll(t_{W-1}))``.
-
-    ``first_change`` / ``last_change`` are the group endpoints' velocity changes since the rollout (detached). Exact
-    when the change is linear in time across the group (JAGG's own hypothesis for the Jacobian); otherwise its error
-    is the change's curvature, second order in the parameter step. Computed in at least float32, returned in the
-    cached velocity's dtype (the dtype a recomputed velocity has).
-    """
-    dtype = torch.promote_types(cached.dtype, torch.float32)
-    moved = cached.to(dtype) + (1 - alpha) * first_change.to(dtype) + alpha * last_change.to(dtype)
-    return moved.to(cached.dtype)
-
-
 @dataclass
 class EngineResult:
     """What one pass of the engine did.
@@ -174,6 +163,9 @@ class EngineResult:
         num_graph_forwards / num_no_grad_forwards: velocities computed with and without an autograd graph.
         num_cached: velocities taken from ``cached_velocities`` instead of a backbone call (corrected ones included).
         num_corrected: of those, the ones corrected by the endpoints' change (``correct_cached``).
+        num_rejected: corrected intermediates recomputed instead because their group failed the check
+            (``cache_tolerance``); counted in ``num_no_grad_forwards``, not in ``num_cached``.
+        cache_sensitivity: the largest :func:`signal_sensitivity` of the checked groups (``0.0`` if none).
     """
 
     step_losses: dict[int, float] = field(default_factory=dict)
@@ -184,6 +176,8 @@ class EngineResult:
     num_no_grad_forwards: int = 0
     num_cached: int = 0
     num_corrected: int = 0
+    num_rejected: int = 0
+    cache_sensitivity: float = 0.0
 
     @property
     def loss(self) -> float:
@@ -221,6 +215,14 @@ class JaggEngine:
             cached too (else it is recomputed). A ``sequential`` group needs its last endpoint's current velocity
             before that endpoint's graph forward: it is requested with the no-grad velocities (one more no-grad
             forward per such group).
+        cache_tolerance: with ``correct_cached``, the largest :func:`signal_sensitivity` a group's corrected
+            intermediates may have; a group above it has its intermediates recomputed without a graph. ``None``
+            keeps every correction unchecked.
+        probe_loss_fn: ``loss_fn`` without side effects (the diagnostics it records), for the check's probes;
+            defaults to ``loss_fn``.
+        agree: turns a group's sensitivity into the one every process uses (the largest over processes), so that
+            all of them make the same backbone calls: a sharded backbone (FSDP, ZeRO-3) gathers its weights in every
+            call, so a recompute on one process only would leave the others waiting. Defaults to the identity.
         no_grad_velocities_fn: see :data:`NoGradVelocitiesFn`; defaults to one ``velocity_fn`` call per step. The
             engine asks once per pass for every velocity it needs without a graph.
         endpoint_backward: ``"joint"`` (one backward through both endpoint graphs) or ``"sequential"`` (one
@@ -239,6 +241,9 @@ class JaggEngine:
         no_grad_velocities_fn: NoGradVelocitiesFn | None = None,
         endpoint_backward: str = "joint",
         correct_cached: bool = False,
+        cache_tolerance: float | None = None,
+        probe_loss_fn: LossFn | None = None,
+        agree: Callable[[float], float] | None = None,
     ):
         if endpoint_backward not in ENDPOINT_BACKWARDS:
             raise ValueError(
@@ -254,6 +259,9 @@ class JaggEngine:
         self.no_grad_velocities_fn = no_grad_velocities_fn or (lambda steps: [velocity_fn(k) for k in steps])
         self.endpoint_backward = endpoint_backward
         self.correct_cached = correct_cached
+        self.cache_tolerance = cache_tolerance
+        self.probe_loss_fn = probe_loss_fn or loss_fn
+        self.agree = agree or (lambda value: value)
         # Per pass: the intermediates to correct, and the current no-grad velocity of sequential groups' last
         # endpoints (needed for the correction before their graph forward).
         self._to_correct: set[int] = set()
@@ -315,7 +323,6 @@ class JaggEngine:
             if self.endpoint_backward == "sequential" and any(k in self._to_correct for k in group.steps[1:-1]):
                 current.append(last)
         result.num_cached += len(known)
-        result.num_corrected += len(self._to_correct)
         if missing or current:
             with torch.no_grad():
                 values = list(self.no_grad_velocities_fn(missing + current))
@@ -330,10 +337,16 @@ class JaggEngine:
         return known
 
     def _intermediates(
-        self, group: StepGroup, known: dict[int, torch.Tensor], v_first: torch.Tensor, v_last: torch.Tensor | None
+        self,
+        group: StepGroup,
+        known: dict[int, torch.Tensor],
+        v_first: torch.Tensor,
+        v_last: torch.Tensor | None,
+        result: EngineResult,
     ) -> list[torch.Tensor]:
         """A joint group's intermediate velocities: recomputed or cached ones as they are, corrected ones moved by
-        the endpoints' change since the rollout (``v_first``, ``v_last``: the endpoints' current velocities)."""
+        the endpoints' change since the rollout (``v_first``, ``v_last``: the endpoints' current velocities), or,
+        when the correction fails the check (``cache_tolerance``), recomputed without a graph."""
         inner = group.steps[1:-1]
         if not any(k in self._to_correct for k in inner):
             return [known[k] for k in inner]
@@ -341,11 +354,36 @@ class JaggEngine:
         dtype = torch.promote_types(v_first.dtype, torch.float32)  # a bf16 difference would lose the change
         first_change = v_first.detach().to(dtype) - self.cached_velocities[first].to(dtype)
         last_change = v_last.detach().to(dtype) - self.cached_velocities[last].to(dtype)
-        return [
+        velocities = [
             corrected_velocity(known[k], group.alphas[j], first_change, last_change) if k in self._to_correct
             else known[k]
             for j, k in enumerate(inner, start=1)
         ]  # fmt: skip
+        corrected = [k for k in inner if k in self._to_correct]
+        if self.cache_tolerance is None or self._correction_holds(group, [v_first, *velocities, v_last], result):
+            result.num_corrected += len(corrected)
+            return velocities
+        with torch.no_grad():
+            recomputed = dict(zip(corrected, self.no_grad_velocities_fn(corrected)))
+        result.num_cached -= len(corrected)
+        result.num_no_grad_forwards += len(corrected)
+        result.num_rejected += len(corrected)
+        return [recomputed.get(k, v) for k, v in zip(inner, velocities)]
+
+    def _correction_holds(self, group: StepGroup, velocities: list[torch.Tensor], result: EngineResult) -> bool:
+        """Whether the group's :func:`signal_sensitivity` (its corrected intermediates probed) is within
+        ``cache_tolerance``; records the largest one in ``result``."""
+        sensitivity = self.agree(
+            signal_sensitivity(
+                lambda k, v: upstream_signal(self.probe_loss_fn, k, v)[1],
+                group.steps,
+                group.signal_weights,
+                [v.detach() for v in velocities],
+                {k: self.cached_velocities[k] for k in group.steps[1:-1] if k in self._to_correct},
+            )
+        )
+        result.cache_sensitivity = max(result.cache_sensitivity, sensitivity)
+        return sensitivity <= self.cache_tolerance
 
     def _forward(self, step: int, result: EngineResult) -> torch.Tensor:
         result.num_graph_forwards += 1
@@ -389,12 +427,7 @@ class JaggEngine:
         step = group.steps[j]
         loss, signal = upstream_signal(self.loss_fn, step, velocity)
         losses[step] = loss
-        last = len(group.steps) - 1
-        if group.method == "endpoints":
-            # Ablation: each endpoint keeps only its own loss, the intermediate signals are dropped.
-            weights = (1.0, 0.0) if j == 0 else (0.0, 1.0) if j == last else (0.0, 0.0)
-        else:
-            weights = (1 - group.alphas[j], group.alphas[j])
+        weights = group.signal_weights[j]
         if s_base is not None:
             s_base += weights[0] * signal
         elif weights[0] != 0:
@@ -412,7 +445,7 @@ class JaggEngine:
             return
         v_last = self._forward(last, result)
         s_base, s_corr = self._signals(
-            group, [v_first, *self._intermediates(group, known, v_first, v_last), v_last], losses
+            group, [v_first, *self._intermediates(group, known, v_first, v_last, result), v_last], losses
         )
         # One joint backward through both endpoint graphs; a scalar surrogate so any backward_fn works.
         surrogate = (v_first.to(s_base.dtype) * s_base).sum() + (v_last.to(s_corr.dtype) * s_corr).sum()
@@ -425,7 +458,8 @@ class JaggEngine:
         endpoint); returns the partial ``s_corr`` for the second unit."""
         v_first = self._forward(group.steps[0], result)
         v_last = self._current.get(group.steps[-1])  # requested only when an intermediate is corrected
-        s_base, s_corr = self._signals(group, [v_first, *self._intermediates(group, known, v_first, v_last)], losses)
+        inner = self._intermediates(group, known, v_first, v_last, result)
+        s_base, s_corr = self._signals(group, [v_first, *inner], losses)
         self._backward((v_first.to(s_base.dtype) * s_base).sum(), result)
         return s_corr
 

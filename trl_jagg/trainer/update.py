@@ -64,6 +64,9 @@ class StepFunctions:
     loss_fn: Callable[[int, torch.Tensor], torch.Tensor]
     no_grad_velocities_fn: Callable[[Sequence[int]], list[torch.Tensor]]
     stats: dict[str, list[torch.Tensor]]
+    probe_loss_fn: Callable[[int, torch.Tensor], torch.Tensor] | None = None
+    """``loss_fn`` without recording diagnostics (the velocity cache's check probes the loss at velocities no step
+    trains with)."""
 
 
 class UpdateStage:
@@ -185,8 +188,9 @@ class UpdateStage:
     ) -> tuple[dict[int, torch.Tensor], bool]:
         """The rollout's velocities of the trained steps (keyed by trained index) that the backbone computed on this
         update's forward path (dtype, autocast, this micro-batch's shape), the others left out (the engine
-        recomputes them), and whether the engine must correct them (``jagg_cache_mode="corrected"`` after an
-        optimizer step since the rollout). ``"recompute"`` uses none after that step, ``"stale"`` all as they are."""
+        recomputes them), and whether the engine must correct them (``jagg_cache_mode="checked"`` or
+        ``"corrected"`` after an optimizer step since the rollout). ``"recompute"`` uses none after that step,
+        ``"stale"`` all as they are."""
         args = self.args
         if not args.jagg_cache_velocities or "velocities" not in batch or (model.training and self.has_dropout):
             return {}, False
@@ -197,7 +201,7 @@ class UpdateStage:
         key = velocity_key(self.adapter.dtype, self.accelerator.device.type, tuple(batch["latents"][:, 0].shape))
         keys = batch["velocity_keys"]
         cache = {i: batch["velocities"][:, k] for i, k in enumerate(trained) if keys[k] == key}
-        return cache, off_policy and args.jagg_cache_mode == "corrected"
+        return cache, off_policy and args.jagg_cache_mode in ("checked", "corrected")
 
     # ------------------------------------------------------------------ the engine's inputs
     def step_functions(self, model: torch.nn.Module, batch: dict[str, Any], trained: list[int]) -> StepFunctions:
@@ -216,7 +220,7 @@ class UpdateStage:
                 sigma_max=sigmas[1], prev_sample=latents[:, k + 1],
             )  # fmt: skip
 
-        def loss_fn(i: int, v: torch.Tensor) -> torch.Tensor:
+        def loss_fn(i: int, v: torch.Tensor, record: bool = True) -> torch.Tensor:
             k = trained[i]
             step = step_at(k, v)
             kl = None
@@ -233,8 +237,9 @@ class UpdateStage:
                 clip_range_high=args.epsilon_high, log_ratio=log_ratio,
                 policy_weight=1.0 / (sigmas[k] - sigmas[k + 1]) if args.step_gradient_reweighting else 1.0,
             )  # fmt: skip
-            for key in STEP_STATS:
-                stats[key].append(getattr(out, key))
+            if record:
+                for key in STEP_STATS:
+                    stats[key].append(getattr(out, key))
             return out.loss
 
         return StepFunctions(
@@ -243,6 +248,7 @@ class UpdateStage:
             loss_fn=loss_fn,
             no_grad_velocities_fn=lambda steps: self.velocities(model, batch, [trained[i] for i in steps]),
             stats=stats,
+            probe_loss_fn=functools.partial(loss_fn, record=False),
         )
 
     def steps_to_train(self, batch: dict[str, Any], *, micro_step: int, global_step: int) -> list[int]:
@@ -339,6 +345,11 @@ class UpdateStage:
             "jagg_group_size": self.args.jagg_group_size,
         }
 
+    def largest_over_processes(self, value: float) -> float:
+        """``value``'s largest over the processes (every process calls it at the same point)."""
+        local = torch.tensor([value], device=self.accelerator.device, dtype=torch.float64)
+        return float(self.accelerator.gather(local).max())
+
     # ------------------------------------------------------------------ one micro-batch
     def run(
         self, model: torch.nn.Module, batch: dict[str, Any], *, micro_step: int, global_step: int,
@@ -370,6 +381,9 @@ class UpdateStage:
             no_grad_velocities_fn=fns.no_grad_velocities_fn,
             endpoint_backward=args.jagg_endpoint_backward,
             correct_cached=correct,
+            cache_tolerance=args.jagg_cache_tolerance if args.jagg_cache_mode == "checked" else None,
+            probe_loss_fn=fns.probe_loss_fn,
+            agree=self.largest_over_processes if self.accelerator.num_processes > 1 else None,
         )
         result = engine.run(self.plan(batch, trained, use_jagg=args.use_jagg, jagg_frac=jagg_frac))
 
@@ -386,5 +400,8 @@ class UpdateStage:
         self.metrics["jagg/backward_calls"].append(result.num_backward)
         self.metrics["jagg/cached_velocities"].append(result.num_cached)
         self.metrics["jagg/corrected_velocities"].append(result.num_corrected)
+        if correct and args.jagg_cache_mode == "checked":
+            self.metrics["jagg/cache_rejected"].append(result.num_rejected)
+            self.metrics["jagg/cache_sensitivity"].append(result.cache_sensitivity)
         self.metrics["jagg/no_grad_forwards"].append(result.num_no_grad_forwards)
         return result
