@@ -319,7 +319,7 @@ def check_fields(config: GRPOJaggConfig) -> None:
     if config.jagg_cache_mode not in VELOCITY_CACHE_MODES:
         fail("jagg_cache_mode", f"is {config.jagg_cache_mode!r}", f"Use one of {VELOCITY_CACHE_MODES}.")
     if not (isinstance(config.jagg_cache_tolerance, (int, float)) and config.jagg_cache_tolerance >= 0):
-        fail("jagg_cache_tolerance", f"is {config.jagg_cache_tolerance!r}", "Use a number >= 0 (the default is 4e-3).")
+        fail("jagg_cache_tolerance", f"is {config.jagg_cache_tolerance!r}", "Use a number >= 0 (the default is 1e-3).")
     if config.no_grad_batch_steps is not None and (
         not isinstance(config.no_grad_batch_steps, int) or config.no_grad_batch_steps < 1
     ):

@@ -70,12 +70,12 @@ class JaggArguments:
         },
     )
     jagg_cache_tolerance: float = field(
-        default=4e-3,
+        default=1e-3,
         metadata={
             "help": "With `jagg_cache_mode=checked`: the largest relative move of a JAGG group's aggregated loss "
             "signals, under a velocity error as large as the correction, for which the corrected intermediates are "
-            "kept. The correction leaves about a tenth of that move (docs/benchmarks.md), so 4e-3 keeps the "
-            "gradient within about 1e-3 of recomputed intermediates."
+            "kept. Measured, the corrected gradient's error was about half the sensitivity (docs/benchmarks.md), "
+            "so 1e-3 keeps it near 5e-4 of the gradient with recomputed intermediates."
         },
     )
     jagg_endpoint_backward: str = field(

@@ -264,7 +264,13 @@ def _timed_rollout(trainer: Any) -> dict[str, Any]:
         trainer.remove_callback(timer)
         work = counter.close()
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-    return {"time_s": timer.elapsed, "optimizer_steps": timer.optimizer_steps, "work": work, "peak_gib": peak}
+    # The velocity cache's check after the rollout's first optimizer step (jagg_cache_mode="checked"): what it logged.
+    checks = [e for e in trainer.state.log_history if "jagg/cache_rejected" in e]
+    cache = {key: [e[f"jagg/cache_{key}"] for e in checks] for key in ("rejected", "sensitivity")} if checks else None
+    return {
+        "time_s": timer.elapsed, "optimizer_steps": timer.optimizer_steps, "work": work, "peak_gib": peak,
+        "cache_check": cache,
+    }  # fmt: skip
 
 
 def cadence_steps(
@@ -288,11 +294,17 @@ def cadence_steps(
         step = spread([r["time_s"] for r in timed])
         achieved = flops / step["median"] / 1e12
         peaks = [r["peak_gib"] for r in timed if r["peak_gib"] is not None]
+        checks = [r["cache_check"] for r in timed if r["cache_check"]]
         report[name] = {
             "step_s": step, "checkpointed": checkpointed, "optimizer_steps": timed[0]["optimizer_steps"],
             "counted": work,
             "work_per_rollout_equal": all(r["work"] == work for r in timed), "backbone_tflop": flops / 1e12,
             "achieved_tflops": achieved, "mfu": achieved / peak_tflops, "peak_gib": max(peaks) if peaks else None,
+            # Intermediates the check recomputed per micro-batch (mean) and its largest logged sensitivity: whether
+            # the cache served every optimizer step of the rollout at this size (None: not checked).
+            "cache_rejected": sum(sum(c["rejected"]) for c in checks) / sum(len(c["rejected"]) for c in checks)
+            if checks else None,
+            "cache_sensitivity": max(max(c["sensitivity"]) for c in checks) if checks else None,
         }  # fmt: skip
     return report
 
