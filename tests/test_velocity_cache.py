@@ -170,6 +170,26 @@ def test_checked_cache_recomputes_where_the_correction_would_move_the_gradient()
     torch.testing.assert_close(checked, reference, rtol=1e-10, atol=1e-12)
 
 
+def test_checked_cache_decides_on_the_agreed_sensitivity():
+    """Under several processes each group's sensitivity is the largest over them (``agree``), so every process makes
+    the same backbone calls. Here another process is sensitive (``agree`` returns inf) though this one is not: both
+    groups recompute, once each, and the gradient is the recomputed one."""
+    rollout, cache, groups = moved_weights_rollout(1e-5)
+    seen: list[float] = []
+
+    def agree(value: float) -> float:
+        seen.append(value)
+        return float("inf")
+
+    checked, result = engine_gradient(
+        rollout, groups, cached_velocities=cache, correct_cached=True, cache_tolerance=1e-3, agree=agree
+    )
+    assert len(seen) == 2 and all(0 < v <= 1e-3 for v in seen)  # one call per group, with the local sensitivity
+    assert (result.num_corrected, result.num_rejected, result.num_no_grad_forwards) == (0, 4, 4)
+    reference = reference_jagg_gradient(rollout, range(4)) + reference_jagg_gradient(rollout, range(4, 8))
+    torch.testing.assert_close(checked, reference, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.filterwarnings("ignore:GRPOJaggConfig.clip_range is 1")  # on purpose, see the docstring
 def test_corrected_cache_gradient_stays_within_the_bound_after_optimizer_steps_and_stale_does_not(tmp_path):
     """The demo model (pretrained: its velocity changes smoothly across a group), 16 images, one JAGG group of W = 4
