@@ -25,7 +25,7 @@ import torch
 from transformers import PrinterCallback, TrainerCallback
 
 from .flops import StepCosts, backbone_costs, step_flops
-from .measuring import benchmark_clock, endless_batches, spread, sync_device
+from .measuring import benchmark_clock, collect_garbage, endless_batches, frozen_heap, spread, sync_device
 from .trainer import PROMPTS, _configured, time_update
 from .whole_step import WorkCounter
 
@@ -281,12 +281,14 @@ def cadence_steps(
     steps per rollout, the counted work per rollout, the backbone's FLOPs per rollout (``costs``, blocks
     checkpointed as the config says), the achieved TFLOP/s and MFU against ``peak_tflops``, the peak memory."""
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
-    for repeat in range(repeats + 1):
-        order = list(variants) if repeat % 2 == 0 else list(variants)[::-1]
-        for name in order:
-            result = _timed_rollout(variants[name].trainer)
-            if repeat > 0:  # repeat 0 is the warm-up
-                runs[name].append(result)
+    for name in variants:  # the warm-up
+        _timed_rollout(variants[name].trainer)
+    with frozen_heap():  # no variant pays for a collection of another's objects
+        for repeat in range(1, repeats + 1):
+            order = list(variants) if repeat % 2 == 0 else list(variants)[::-1]
+            for name in order:
+                collect_garbage()
+                runs[name].append(_timed_rollout(variants[name].trainer))
     report = {}
     for name, timed in runs.items():
         work, checkpointed = timed[0]["work"], variants[name].checkpointed

@@ -12,7 +12,10 @@ parks at the start of every rollout, so that exactly one trainer runs at a time:
 train one rollout (its rollout, decode, rewards and all its optimizer steps, as ``train()`` runs them), in
 alternating order (ABBA) after a warm-up rollout. The clock runs from the first optimizer step's
 ``on_step_begin`` to the last one's ``on_step_end``: process CPU time on a CPU (only the running thread works),
-synchronised wall time on a GPU (:func:`~trl_jagg.benchmarks.measuring.benchmark_clock`). Ratios are taken per repeat
+synchronised wall time on a GPU (:func:`~trl_jagg.benchmarks.measuring.benchmark_clock`). The timed rollouts run with
+the objects alive after the warm-up frozen out of Python's garbage collector and a collection before each
+(:func:`~trl_jagg.benchmarks.measuring.frozen_heap`): a full collection would otherwise traverse every variant's
+trainer and be charged to whichever rollout triggered it. Ratios are taken per repeat
 against each baseline and reported as median, min and max. Memory is measured afterwards, in one more rollout per
 variant that is not timed (:class:`~trl_jagg.benchmarks.measuring.PeakMemory` trims the heap, which slows the steps
 that follow it).
@@ -52,7 +55,7 @@ from transformers import TrainerCallback
 from ..recipes import get_recipe
 from .engine import torch_threads
 from .flops import LORA_PRESET, StepCosts, flux_dev_costs, flux_dev_lora, preset_checkpointed_fraction, step_flops
-from .measuring import PeakMemory, benchmark_clock, spread, sync_device
+from .measuring import PeakMemory, benchmark_clock, collect_garbage, frozen_heap, spread, sync_device
 from .trainer import PROMPTS
 
 JSON_NAME = "whole_step_benchmark.json"
@@ -269,10 +272,14 @@ def time_rollouts(trainers: dict[str, Any], *, repeats: int, timeout_s: float = 
             clocks[name] = RolloutClock(steps, device, counters[name], probe_from=repeats + 1, timeout_s=timeout_s)
             trainer.add_callback(clocks[name])
             threads[name] = clocks[name].run(trainer)
-        for repeat in range(repeats + 1):  # repeat 0 is the warm-up
-            order = list(trainers) if repeat % 2 == 0 else list(trainers)[::-1]
-            for name in order:
-                clocks[name].run_rollout(threads[name])
+        for name in trainers:  # the warm-up: every trainer's lasting state (optimizer, caches) exists after it
+            clocks[name].run_rollout(threads[name])
+        with frozen_heap():
+            for repeat in range(1, repeats + 1):
+                order = list(trainers) if repeat % 2 == 0 else list(trainers)[::-1]
+                for name in order:
+                    collect_garbage()
+                    clocks[name].run_rollout(threads[name])
         for name in trainers:  # the memory pass, after every timed rollout
             clocks[name].run_rollout(threads[name])
             threads[name].join(timeout_s)
