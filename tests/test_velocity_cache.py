@@ -152,21 +152,26 @@ def test_checked_cache_keeps_a_correction_whose_signals_hold():
     assert relative_difference(checked, reference) < 1e-3
 
 
-def test_checked_cache_recomputes_where_the_correction_would_move_the_gradient():
+@pytest.mark.parametrize("endpoint_backward", ["joint", "sequential"])
+def test_checked_cache_recomputes_where_the_correction_would_move_the_gradient(endpoint_backward):
     """A large step moves the PPO ratios across the clip edge: the corrected gradient is off by far more than 1e-3
     (so this test fails if the check is switched off), the probes see the signals switch, and both groups recompute
-    their intermediates: the gradient is the spec's JAGG gradient at the current weights (float64: to rounding)."""
+    their intermediates: the gradient is the spec's JAGG gradient at the current weights (float64: to rounding). A
+    sequential group has already asked for its last endpoint's current velocity (the check needs it)."""
     rollout, cache, groups = moved_weights_rollout(0.3)
     reference = reference_jagg_gradient(rollout, range(4)) + reference_jagg_gradient(rollout, range(4, 8))
-    corrected, _ = engine_gradient(rollout, groups, cached_velocities=cache, correct_cached=True)
+    corrected, _ = engine_gradient(
+        rollout, groups, cached_velocities=cache, correct_cached=True, endpoint_backward=endpoint_backward
+    )
     assert relative_difference(corrected, reference) > 1e-2
-    counter = CallCounter(rollout.model)
     checked, result = engine_gradient(
-        rollout, groups, backward_fn=counter.backward_fn, cached_velocities=cache, correct_cached=True,
-        cache_tolerance=1e-3,
+        rollout, groups, cached_velocities=cache, correct_cached=True, cache_tolerance=1e-3,
+        endpoint_backward=endpoint_backward,
     )  # fmt: skip
     assert result.cache_sensitivity > 1e-3
-    assert (result.num_cached, result.num_corrected, result.num_rejected, result.num_no_grad_forwards) == (0, 0, 4, 4)
+    last_endpoints = 2 if endpoint_backward == "sequential" else 0
+    assert (result.num_cached, result.num_corrected, result.num_rejected) == (0, 0, 4)
+    assert result.num_no_grad_forwards == 4 + last_endpoints
     torch.testing.assert_close(checked, reference, rtol=1e-10, atol=1e-12)
 
 
