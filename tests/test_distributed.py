@@ -329,6 +329,27 @@ def _torchrun(script: str, *args: str, timeout: int = 300):
     return proc
 
 
+def test_checked_velocity_cache_agrees_across_sharded_processes(tiny_flux_path, tmp_path):
+    """`jagg_cache_mode="checked"` on 2 gloo processes with the backbone sharded (FSDP2 gathers its weights in every
+    backbone call): one rollout, two optimizer steps. The worker makes the ranks disagree (rank 1's sensitivity is
+    above the tolerance, rank 0's below); every rank decides on the largest, so both recompute and make the same
+    backbone calls. Rank 1 recomputing alone would leave rank 0 waiting until the launch timed out."""
+    import json
+
+    _torchrun("checked_cache", str(tmp_path), tiny_flux_path)
+    reports = [json.loads((tmp_path / f"checked{r}.json").read_text()) for r in range(2)]
+    assert all(r["sharded"] for r in reports)
+    checks = [r["checks"] for r in reports]
+    # One JAGG group with an intermediate, checked in the second update only (the first is on the rollout's policy).
+    assert [len(c) for c in checks] == [1, 1]
+    local = [c[0]["local"] for c in checks]
+    assert 0 < local[0] < 0.5 < local[1]  # alone, rank 0 would keep the correction and rank 1 recompute
+    assert [c[0]["agreed"] for c in checks] == [local[1]] * 2
+    # The same decision on both ranks: the second update recomputes its intermediate (one row, no graph).
+    assert reports[0]["updates"] == reports[1]["updates"]
+    assert [u["rejected"] for u in reports[0]["updates"]] == [0, 1]
+
+
 def test_trainer_gradients_on_two_processes(tiny_flux_path, tiny_wan22_path, tmp_path):
     """The trainer on 2 gloo processes against one process on the same global batch (1e-5), JAGG and exact:
     - `fully_shard_backbone=True` (blocks then root sharded with FSDP2, KL reference sharded too), LoRA and full
