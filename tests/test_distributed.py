@@ -350,6 +350,48 @@ def test_checked_velocity_cache_agrees_across_sharded_processes(tiny_flux_path, 
     assert [u["rejected"] for u in reports[0]["updates"]] == [0, 1]
 
 
+def test_nft_with_the_backbone_sharded_on_two_processes(tiny_flux_path, tmp_path):
+    """DiffusionNFT with the LoRA backbone sharded by FSDP2 on 2 gloo processes: each process keeps its shard of the
+    old policy, checkpoints hold it whole, and a resumed run ends bit-identical to an uninterrupted one.
+
+    The old policy is checked against its definition from the saved files: ``checkpoint-(t+1)`` holds the policy that
+    followed the weights after step ``t``, ``old_(t+1) = d_t old_t + (1 - d_t) w_t`` (``checkpoint-1``: the initial
+    weights), with ``w_t`` written by the worker from torch's ``full_tensor`` and ``d_t`` the decay schedule pinned
+    against DiffusionNFT's in test_nft.py."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from trl_jagg.nft import old_policy_decay
+    from trl_jagg.trainer.old_policy import OLD_POLICY_FILE
+
+    _torchrun("nft_sharded", str(tmp_path), tiny_flux_path)
+    reports = [json.loads((tmp_path / f"nft{r}.json").read_text()) for r in range(2)]
+    for report in reports:  # each process holds a part of the weights FSDP2 split (dim 0 of 2 processes)
+        assert report["old_policy_parts"] != report["whole_shapes"] and report["followed"] == 2
+
+    def old(run: str, t: int) -> dict[str, torch.Tensor]:
+        return load_file(str(tmp_path / run / f"checkpoint-{t}" / OLD_POLICY_FILE))
+
+    weights = [load_file(str(tmp_path / f"w{t}.safetensors")) for t in range(3)]
+    assert {k: tuple(v.shape) for k, v in old("whole", 1).items()} == {
+        str(i): tuple(s) for i, s in enumerate(reports[0]["whole_shapes"])
+    }
+    assert all(torch.equal(old("whole", 1)[k], weights[0][k].float()) for k in weights[0])
+    for t in (1, 2):
+        decay = old_policy_decay(t, 1)
+        for k, w in weights[t].items():
+            expected = decay * old("whole", t)[k] + (1 - decay) * w.float()
+            torch.testing.assert_close(old("whole", t + 1)[k], expected, rtol=1e-6, atol=1e-7)
+    with safe_open(str(tmp_path / "whole" / "checkpoint-3" / OLD_POLICY_FILE), framework="pt") as reader:
+        assert reader.metadata()["step"] == "2"
+    # Bit-identical on purpose: the resumed run repeats the same calls on the same shapes with the restored RNG.
+    for name in (OLD_POLICY_FILE, "pytorch_lora_weights.safetensors"):
+        straight, resumed = (load_file(str(tmp_path / run / "checkpoint-3" / name)) for run in ("whole", "resumed"))
+        assert straight.keys() == resumed.keys() and all(torch.equal(straight[k], resumed[k]) for k in straight)
+
+
 def test_trainer_gradients_on_two_processes(tiny_flux_path, tiny_wan22_path, tmp_path):
     """The trainer on 2 gloo processes against one process on the same global batch (1e-5), JAGG and exact:
     - `fully_shard_backbone=True` (blocks then root sharded with FSDP2, KL reference sharded too), LoRA and full

@@ -429,8 +429,8 @@ class DDPOJaggTrainer(_BaseTrainer):
                 self._save_optimizer_and_scheduler(staging_dir)
                 self._save_scaler(staging_dir)
                 self._save_rng_state(staging_dir)
-            if args.should_save and self.old_policy is not None:
-                self.old_policy.save(staging_dir)
+            if self.old_policy is not None:  # every process: sharded weights are gathered
+                self.old_policy.save(staging_dir, write=args.should_save)
             if args.should_save:
                 stateful = [*self.callback_handler.callbacks, self.control]
                 checkpointing.save_run_state(

@@ -84,6 +84,32 @@ def local_parts(params: list[torch.Tensor]) -> list[torch.Tensor]:
     return [kind.local(p) if (kind := sharding_of(p)) is not None else p for p in params]
 
 
+def aligned_parts(
+    copies: list[torch.Tensor], params: list[torch.Tensor], device: torch.device | str | None = None
+) -> list[torch.Tensor]:
+    """This process's part of each parameter (:func:`local_parts`), with each of ``copies`` (one float32 copy per
+    parameter, the EMA's average or DiffusionNFT's old policy) that was taken whole cut to that part, in place, on
+    ``device`` (``None``: the part's): accelerate's FSDP2 plugin and DeepSpeed's ZeRO-3 engine shard the backbone
+    in ``train()``, after the trainer made the copies, and a checkpoint holds whole tensors."""
+    parts = local_parts(params)
+    for i, (copy, part, param) in enumerate(zip(copies, parts, params)):
+        if copy.shape != part.shape and (kind := sharding_of(param)) is not None:
+            copies[i] = kind.split(copy, param).to(device=device or part.device, dtype=torch.float32)
+    return parts
+
+
+def whole(copy: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of ``copy``, this process's part of ``param`` (:func:`aligned_parts`): under sharding a
+    collective that every process joins, in the same order; else ``copy`` itself."""
+    kind = sharding_of(param)
+    return kind.gather(copy, param) if kind is not None else copy
+
+
+def whole_shape(param: torch.Tensor) -> tuple[int, ...]:
+    """The shape of the whole parameter, whichever part of it this process holds."""
+    return tuple(param.ds_shape) if hasattr(param, "ds_shape") else tuple(param.shape)
+
+
 class EMAWeights(EMAModel):
     """diffusers' :class:`~diffusers.training_utils.EMAModel` of ``parameters()`` (the trainable ones), on the CPU
     with ``ema_offload``; Flow-GRPO's warm-up ``min(decay, (1 + t) / (10 + t))`` when ``ema_warmup``. Under
@@ -112,16 +138,9 @@ class EMAWeights(EMAModel):
         self.to(device=self.shadow_device, dtype=torch.float32)
 
     def _parts(self) -> list[torch.Tensor]:
-        """This process's part of each trainable weight, the average cut to the same parts if it was taken whole:
-        accelerate's FSDP2 plugin and DeepSpeed's ZeRO-3 engine shard the backbone in ``train()``, after the trainer
-        made the average."""
-        params = self.parameters()
-        parts = local_parts(params)
-        for i, (shadow, part, param) in enumerate(zip(self.shadow_params, parts, params)):
-            if shadow.shape != part.shape and (kind := sharding_of(param)) is not None:
-                split = kind.split(shadow, param)
-                self.shadow_params[i] = split.to(device=self.shadow_device or part.device, dtype=torch.float32)
-        return parts
+        """This process's part of each trainable weight, the average cut to the same parts if it was taken whole
+        (:func:`aligned_parts`)."""
+        return aligned_parts(self.shadow_params, self.parameters(), self.shadow_device)
 
     def update_at(self, global_step: int) -> None:
         """Average the current weights in, after optimizer step ``global_step``."""
@@ -161,8 +180,7 @@ class EMAWeights(EMAModel):
         params, weights = self.parameters(), []
         self._parts()
         for shadow, param in zip(self.shadow_params, params):
-            kind = sharding_of(param)
-            full = kind.gather(shadow, param) if kind is not None else shadow
+            full = whole(shadow, param)
             weights.append(full.to("cpu", param.dtype) if main else None)
         return weights
 

@@ -3,9 +3,10 @@
 ``old <- decay * old + (1 - decay) * current`` with the decay of :func:`~trl_jagg.nft.old_policy_decay` (the
 reference code keeps it as a second LoRA adapter, ``"old"``, updated the same way after every epoch).
 
-Each process keeps its own part of every weight (:func:`~trl_jagg.trainer.ema.local_parts`), in float32 so that a
-bf16 average does not lose the ``(1 - decay)`` share. Checkpoints hold it (``nft_old_policy.safetensors``) with the
-optimizer step it last followed, so a resumed run samples with the same policy as an uninterrupted one.
+Each process keeps its own part of every weight, in float32 so that a bf16 average does not lose the ``(1 - decay)``
+share: under FSDP2 or DeepSpeed ZeRO-3 its shard (:func:`~trl_jagg.trainer.ema.aligned_parts`, as the EMA does).
+Checkpoints hold the whole weights (``nft_old_policy.safetensors``, gathered) with the optimizer step it last
+followed, so a resumed run samples with the same policy as an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from ..nft import old_policy_decay
-from .ema import local_parts, sharding_of
+from .ema import aligned_parts, local_parts, whole, whole_shape
 
 OLD_POLICY_FILE = "nft_old_policy.safetensors"
 
@@ -33,11 +34,6 @@ class OldPolicy:
     """
 
     def __init__(self, parameters: Callable[[], list[torch.nn.Parameter]], decay_type: int):
-        if any(sharding_of(p) is not None for p in parameters()):
-            raise ValueError(
-                "objective='nft' does not support sharded weights yet (FSDP2 / DeepSpeed ZeRO-3): train with DDP or "
-                "DeepSpeed ZeRO-2, or use objective='grpo'."
-            )
         self.parameters = parameters
         self.decay_type = decay_type
         self.weights = [p.detach().float().clone() for p in local_parts(parameters())]
@@ -51,14 +47,14 @@ class OldPolicy:
         if global_step == self.followed_step:
             return
         decay = old_policy_decay(global_step, self.decay_type)
-        for old, part in zip(self.weights, local_parts(self.parameters())):
+        for old, part in zip(self.weights, aligned_parts(self.weights, self.parameters())):
             old.mul_(decay).add_(part.detach().to(old.device, torch.float32), alpha=1.0 - decay)
         self.followed_step = global_step
 
     @contextlib.contextmanager
     def swapped_in(self) -> Iterator[None]:
         """The old policy's weights in place of the trained ones for the duration of the block."""
-        parts = local_parts(self.parameters())
+        parts = aligned_parts(self.weights, self.parameters())
         trained = [p.detach().clone() for p in parts]
         with torch.no_grad():
             for part, old in zip(parts, self.weights):
@@ -70,10 +66,14 @@ class OldPolicy:
                 for part, weight in zip(parts, trained):
                     part.copy_(weight)
 
-    def save(self, folder: str) -> None:
-        """Write the weights and the step they last followed into ``folder``."""
-        tensors = {str(i): w.contiguous() for i, w in enumerate(self.weights)}
-        save_file(tensors, os.path.join(folder, OLD_POLICY_FILE), metadata={"step": str(self.followed_step)})
+    def save(self, folder: str, *, write: bool = True) -> None:
+        """Write the whole weights and the step they last followed into ``folder`` (where ``write``: the main
+        process). Under sharding every process must call it: the weights are gathered one at a time."""
+        params = self.parameters()
+        aligned_parts(self.weights, params)
+        tensors = {str(i): whole(w, p).to("cpu").contiguous() for i, (w, p) in enumerate(zip(self.weights, params))}
+        if write:
+            save_file(tensors, os.path.join(folder, OLD_POLICY_FILE), metadata={"step": str(self.followed_step)})
 
     def load(self, folder: str) -> None:
         """Read what :meth:`save` wrote; refuses a file of another model or another set of trained weights."""
@@ -84,13 +84,14 @@ class OldPolicy:
                 "with objective='grpo', or start a new run."
             )
         tensors = load_file(path)
-        shapes = [tuple(w.shape) for w in self.weights]
+        shapes = [whole_shape(p) for p in self.parameters()]
         if (
             sorted(tensors, key=int) != [str(i) for i in range(len(shapes))]
             or [tuple(tensors[str(i)].shape) for i in range(len(shapes))] != shapes
         ):
             raise ValueError(f"{path} does not match the trained weights of this model (other LoRA or model?).")
         device = self.weights[0].device if self.weights else "cpu"
+        # Whole tensors: cut to this process's parts where the weights are sharded, at their next use.
         self.weights = [tensors[str(i)].to(device=device, dtype=torch.float32) for i in range(len(shapes))]
         with safe_open(path, framework="pt") as reader:
             self.followed_step = int(reader.metadata()["step"])
