@@ -236,6 +236,19 @@ def test_ema_under_fsdp_version_1_is_refused(tmp_path):
         EMAWeights(args, lambda: [torch.nn.Parameter(torch.zeros(2))], accelerator=fsdp1)
 
 
+def test_nft_under_fsdp_version_1_is_refused():
+    """The same for DiffusionNFT's old policy, a per-process copy of the trained weights."""
+    from types import SimpleNamespace
+
+    from trl_jagg.trainer.old_policy import OldPolicy
+
+    fsdp1 = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=object()), is_fsdp2=False)
+    with pytest.raises(ValueError, match="objective='nft' is not supported with FSDP version 1"):
+        OldPolicy(lambda: [torch.nn.Parameter(torch.zeros(2))], decay_type=1, accelerator=fsdp1)
+    fsdp2 = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=object()), is_fsdp2=True)
+    assert OldPolicy(lambda: [torch.nn.Parameter(torch.zeros(2))], decay_type=1, accelerator=fsdp2).weights
+
+
 REFUSED_SCRIPT = """
 import os
 import sys
@@ -315,6 +328,22 @@ def _load_script(name: str):
     return module
 
 
+def _accelerate_launch_fsdp2(script: str, *args: str, timeout: int = 300):
+    """``accelerate launch --config_file examples/accelerate_configs/fsdp2.yaml`` of a worker on 2 CPU processes."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent
+    config = root.parent / "examples" / "accelerate_configs" / "fsdp2.yaml"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes", "2",
+           "--main_process_port", str(_free_port()), str(root / "distributed_scripts" / f"{script}.py"), *args]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
 def _torchrun(script: str, *args: str, timeout: int = 300):
     import subprocess
     import sys
@@ -350,46 +379,18 @@ def test_checked_velocity_cache_agrees_across_sharded_processes(tiny_flux_path, 
     assert [u["rejected"] for u in reports[0]["updates"]] == [0, 1]
 
 
-def test_nft_with_the_backbone_sharded_on_two_processes(tiny_flux_path, tmp_path):
-    """DiffusionNFT with the LoRA backbone sharded by FSDP2 on 2 gloo processes: each process keeps its shard of the
-    old policy, checkpoints hold it whole, and a resumed run ends bit-identical to an uninterrupted one.
+@pytest.mark.parametrize("backend", ["fsdp2", "fsdp2-plugin"])
+def test_nft_with_the_backbone_sharded_on_two_processes(tiny_flux_path, tmp_path, backend):
+    """DiffusionNFT with the LoRA backbone sharded by FSDP2 on 2 gloo processes, by the trainer at init or by
+    accelerate's plugin from the shipped `fsdp2.yaml` in `train()`, after the old policy was copied whole (see
+    :func:`testing_utils.check_sharded_nft_run`; DeepSpeed ZeRO-3: tests/test_deepspeed.py)."""
+    from testing_utils import check_sharded_nft_run
 
-    The old policy is checked against its definition from the saved files: ``checkpoint-(t+1)`` holds the policy that
-    followed the weights after step ``t``, ``old_(t+1) = d_t old_t + (1 - d_t) w_t`` (``checkpoint-1``: the initial
-    weights), with ``w_t`` written by the worker from torch's ``full_tensor`` and ``d_t`` the decay schedule pinned
-    against DiffusionNFT's in test_nft.py."""
-    import json
-
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
-    from trl_jagg.nft import old_policy_decay
-    from trl_jagg.trainer.old_policy import OLD_POLICY_FILE
-
-    _torchrun("nft_sharded", str(tmp_path), tiny_flux_path)
-    reports = [json.loads((tmp_path / f"nft{r}.json").read_text()) for r in range(2)]
-    for report in reports:  # each process holds a part of the weights FSDP2 split (dim 0 of 2 processes)
-        assert report["old_policy_parts"] != report["whole_shapes"] and report["followed"] == 2
-
-    def old(run: str, t: int) -> dict[str, torch.Tensor]:
-        return load_file(str(tmp_path / run / f"checkpoint-{t}" / OLD_POLICY_FILE))
-
-    weights = [load_file(str(tmp_path / f"w{t}.safetensors")) for t in range(3)]
-    assert {k: tuple(v.shape) for k, v in old("whole", 1).items()} == {
-        str(i): tuple(s) for i, s in enumerate(reports[0]["whole_shapes"])
-    }
-    assert all(torch.equal(old("whole", 1)[k], weights[0][k].float()) for k in weights[0])
-    for t in (1, 2):
-        decay = old_policy_decay(t, 1)
-        for k, w in weights[t].items():
-            expected = decay * old("whole", t)[k] + (1 - decay) * w.float()
-            torch.testing.assert_close(old("whole", t + 1)[k], expected, rtol=1e-6, atol=1e-7)
-    with safe_open(str(tmp_path / "whole" / "checkpoint-3" / OLD_POLICY_FILE), framework="pt") as reader:
-        assert reader.metadata()["step"] == "2"
-    # Bit-identical on purpose: the resumed run repeats the same calls on the same shapes with the restored RNG.
-    for name in (OLD_POLICY_FILE, "pytorch_lora_weights.safetensors"):
-        straight, resumed = (load_file(str(tmp_path / run / "checkpoint-3" / name)) for run in ("whole", "resumed"))
-        assert straight.keys() == resumed.keys() and all(torch.equal(straight[k], resumed[k]) for k in straight)
+    if backend == "fsdp2":
+        _torchrun("nft_sharded", str(tmp_path), tiny_flux_path, backend)
+    else:
+        _accelerate_launch_fsdp2("nft_sharded", str(tmp_path), tiny_flux_path, backend)
+    check_sharded_nft_run(tmp_path)
 
 
 def test_trainer_gradients_on_two_processes(tiny_flux_path, tiny_wan22_path, tmp_path):
@@ -475,9 +476,6 @@ def test_fsdp2_plugin_path_on_two_processes(tiny_flux_path, tmp_path):
     - full fine-tuning: 2 optimizer steps with the EMA on the same global batch as one process give its weights and
       its EMA, saved in the single-process layout, and the EMA is the formula's."""
     import json
-    import subprocess
-    import sys
-    from pathlib import Path
 
     from diffusers import FluxTransformer2DModel
     from safetensors.torch import load_file
@@ -496,14 +494,7 @@ def test_fsdp2_plugin_path_on_two_processes(tiny_flux_path, tmp_path):
         history.append({n: p.detach().clone() for n, p in trainer.model.named_parameters()})
     del trainer
 
-    root = Path(__file__).resolve().parent
-    config = root.parent / "examples" / "accelerate_configs" / "fsdp2.yaml"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes", "2",
-           "--main_process_port", str(_free_port()), str(root / "distributed_scripts" / "fsdp2_plugin.py"),
-           tiny_flux_path, str(tmp_path)]  # fmt: skip
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    _accelerate_launch_fsdp2("fsdp2_plugin", tiny_flux_path, str(tmp_path))
     reports = [json.loads((tmp_path / f"report{r}.json").read_text()) for r in range(2)]
     blocks = FluxTransformer2DModel.load_config(tiny_flux_path, subfolder="transformer")
     for report in reports:

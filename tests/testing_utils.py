@@ -207,3 +207,47 @@ def assert_velocity_cache_equals_recomputation(trainer, calls_per_velocity: int)
     # velocity changes the gradient at the order of the gradient itself.
     torch.testing.assert_close(cached, recomputed, rtol=0, atol=1e-5 * recomputed.abs().max().item())
     calls.handle.remove()
+
+
+def check_sharded_nft_run(work_dir, *, resume_atol: float = 0.0) -> None:
+    """What ``distributed_scripts/nft_sharded.py`` left in ``work_dir`` (a pathlib folder): each process kept its
+    shard of DiffusionNFT's old policy, checkpoints hold it whole, and the resumed run ends bit-identical.
+
+    The old policy is checked against its definition from the saved files: ``checkpoint-(t+1)`` holds the policy
+    that followed the weights after step ``t``, ``old_(t+1) = d_t old_t + (1 - d_t) w_t`` (``checkpoint-1``: the
+    initial weights), with ``w_t`` written by the worker from torch's or DeepSpeed's own gather and ``d_t`` the decay
+    schedule pinned against DiffusionNFT's in test_nft.py. ``resume_atol``: how far the resumed weights may be (0:
+    bit-identical)."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from trl_jagg.nft import old_policy_decay
+    from trl_jagg.trainer.old_policy import OLD_POLICY_FILE
+
+    reports = [json.loads((work_dir / f"nft{r}.json").read_text()) for r in range(2)]
+    for report in reports:  # each process holds a part of the weights the backend split
+        assert report["old_policy_parts"] != report["whole_shapes"] and report["followed"] == 2
+
+    def old(run: str, t: int) -> dict[str, torch.Tensor]:
+        return load_file(str(work_dir / run / f"checkpoint-{t}" / OLD_POLICY_FILE))
+
+    weights = [load_file(str(work_dir / f"w{t}.safetensors")) for t in range(3)]
+    whole_shapes = {str(i): list(shape) for i, shape in enumerate(reports[0]["whole_shapes"])}
+    assert {k: list(v.shape) for k, v in old("whole", 1).items()} == whole_shapes
+    assert all(torch.equal(old("whole", 1)[k], weights[0][k].float()) for k in weights[0])
+    for t in (1, 2):
+        decay = old_policy_decay(t, 1)
+        for k, w in weights[t].items():
+            expected = decay * old("whole", t)[k] + (1 - decay) * w.float()
+            torch.testing.assert_close(old("whole", t + 1)[k], expected, rtol=1e-6, atol=1e-7)
+    with safe_open(str(work_dir / "whole" / "checkpoint-3" / OLD_POLICY_FILE), framework="pt") as reader:
+        assert reader.metadata()["step"] == "2"
+    # Bit-identical (resume_atol 0) on purpose: the resumed run repeats the same calls on the same shapes with the
+    # restored RNG.
+    for name in (OLD_POLICY_FILE, "pytorch_lora_weights.safetensors"):
+        straight, resumed = (load_file(str(work_dir / run / "checkpoint-3" / name)) for run in ("whole", "resumed"))
+        assert straight.keys() == resumed.keys()
+        for k in straight:
+            torch.testing.assert_close(resumed[k], straight[k], rtol=0, atol=resume_atol, msg=f"{name} {k}")

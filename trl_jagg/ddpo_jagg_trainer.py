@@ -161,7 +161,9 @@ class DDPOJaggTrainer(_BaseTrainer):
         )
         # DiffusionNFT samples with an old policy that follows the trained weights after each rollout's updates.
         self.old_policy = (
-            OldPolicy(self._trainable_parameters, args.nft_decay_type) if args.objective == "nft" else None
+            OldPolicy(self._trainable_parameters, args.nft_decay_type, accelerator=self.accelerator)
+            if args.objective == "nft"
+            else None
         )
         if self.old_policy is not None:
             self.update_stage = NFTUpdateStage(

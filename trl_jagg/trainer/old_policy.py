@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -31,9 +32,18 @@ class OldPolicy:
     Args:
         parameters: returns the trainable parameters (the backbone's, in a fixed order).
         decay_type: the reference code's ``decay_type`` (``GRPOJaggConfig.nft_decay_type``).
+        accelerator: the trainer's, to refuse accelerate's FSDP version 1 plugin (as the EMA does).
     """
 
-    def __init__(self, parameters: Callable[[], list[torch.nn.Parameter]], decay_type: int):
+    def __init__(
+        self, parameters: Callable[[], list[torch.nn.Parameter]], decay_type: int, *, accelerator: Any = None
+    ):
+        fsdp = accelerator is not None and getattr(accelerator.state, "fsdp_plugin", None) is not None
+        if fsdp and not accelerator.is_fsdp2:  # FSDP1's flat parameters are neither whole weights nor DTensor shards
+            raise ValueError(
+                "objective='nft' is not supported with FSDP version 1. Use FSDP2 (fsdp_version: 2, as "
+                "examples/accelerate_configs/fsdp2.yaml), DeepSpeed or DDP."
+            )
         self.parameters = parameters
         self.decay_type = decay_type
         self.weights = [p.detach().float().clone() for p in local_parts(parameters())]
