@@ -68,7 +68,7 @@ def test_flow_grpo_kl_is_the_exact_step_kl_times_dt_at_every_step(tiny_flux_path
         with torch.no_grad():
             for i in range(len(trained)):
                 fns.loss_fn(i, fns.velocity_fn(i))
-        kls[kl_std] = [float(kl) for kl in fns.stats["kl"]]
+        kls[kl_std] = [float(kl) for kl in fns.stats["kl"].values()]
     sigmas = batch["sigmas"].double()
     dt = [(sigmas[k] - sigmas[k + 1]).item() for k in trained]
     assert min(kls["step"]) > 0

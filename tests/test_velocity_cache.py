@@ -116,6 +116,11 @@ def test_signal_sensitivity_is_the_larger_probed_move_of_the_aggregated_signals(
     want = (moved_base.square().sum() + moved_corr.square().sum()) / (base.square().sum() + corr.square().sum())
     got = signal_sensitivity(lambda k, v: coefficients[k] * v, steps, weights, velocities, recorded)
     assert got == pytest.approx(want.sqrt().item(), rel=1e-12)
+    # The signals at the velocities, when the caller has them (the engine's own pass), give the same.
+    signals = [c * v for c, v in zip(coefficients, velocities)]
+    assert signal_sensitivity(
+        lambda k, v: coefficients[k] * v, steps, weights, velocities, recorded, signals=signals
+    ) == (got)
     # Nothing corrected, nothing moved: 0. A zero signal that a probe moves: infinitely sensitive.
     assert signal_sensitivity(lambda k, v: coefficients[k] * v, steps, weights, velocities, {}) == 0.0
     zero = [torch.zeros(2, 5, dtype=torch.float64) for _ in steps]

@@ -337,16 +337,10 @@ class JaggEngine:
         return known
 
     def _intermediates(
-        self,
-        group: StepGroup,
-        known: dict[int, torch.Tensor],
-        v_first: torch.Tensor,
-        v_last: torch.Tensor | None,
-        result: EngineResult,
+        self, group: StepGroup, known: dict[int, torch.Tensor], v_first: torch.Tensor, v_last: torch.Tensor | None
     ) -> list[torch.Tensor]:
         """A joint group's intermediate velocities: recomputed or cached ones as they are, corrected ones moved by
-        the endpoints' change since the rollout (``v_first``, ``v_last``: the endpoints' current velocities), or,
-        when the correction fails the check (``cache_tolerance``), recomputed without a graph."""
+        the endpoints' change since the rollout (``v_first``, ``v_last``: the endpoints' current velocities)."""
         inner = group.steps[1:-1]
         if not any(k in self._to_correct for k in inner):
             return [known[k] for k in inner]
@@ -354,36 +348,48 @@ class JaggEngine:
         dtype = torch.promote_types(v_first.dtype, torch.float32)  # a bf16 difference would lose the change
         first_change = v_first.detach().to(dtype) - self.cached_velocities[first].to(dtype)
         last_change = v_last.detach().to(dtype) - self.cached_velocities[last].to(dtype)
-        velocities = [
+        return [
             corrected_velocity(known[k], group.alphas[j], first_change, last_change) if k in self._to_correct
             else known[k]
             for j, k in enumerate(inner, start=1)
         ]  # fmt: skip
-        corrected = [k for k in inner if k in self._to_correct]
-        if self.cache_tolerance is None or self._correction_holds(group, [v_first, *velocities, v_last], result):
-            result.num_corrected += len(corrected)
-            return velocities
-        with torch.no_grad():
-            recomputed = dict(zip(corrected, self.no_grad_velocities_fn(corrected)))
-        result.num_cached -= len(corrected)
-        result.num_no_grad_forwards += len(corrected)
-        result.num_rejected += len(corrected)
-        return [recomputed.get(k, v) for k, v in zip(inner, velocities)]
 
-    def _correction_holds(self, group: StepGroup, velocities: list[torch.Tensor], result: EngineResult) -> bool:
-        """Whether the group's :func:`signal_sensitivity` (its corrected intermediates probed) is within
-        ``cache_tolerance``; records the largest one in ``result``."""
-        sensitivity = self.agree(
-            signal_sensitivity(
-                lambda k, v: upstream_signal(self.probe_loss_fn, k, v)[1],
-                group.steps,
-                group.signal_weights,
-                [v.detach() for v in velocities],
-                {k: self.cached_velocities[k] for k in group.steps[1:-1] if k in self._to_correct},
+    def _check_correction(
+        self,
+        group: StepGroup,
+        velocities: list[torch.Tensor],
+        signals: list[torch.Tensor],
+        losses: dict[int, torch.Tensor],
+        result: EngineResult,
+    ) -> None:
+        """The velocity cache's check of a group with corrected intermediates (``cache_tolerance``): its
+        :func:`signal_sensitivity`, agreed over processes, against the tolerance. A group that fails has its
+        corrected intermediates recomputed without a graph and their signals (and losses) taken again, in
+        ``signals``. ``velocities`` / ``signals`` cover every step of the group."""
+        corrected = [k for k in group.steps[1:-1] if k in self._to_correct]
+        if self.cache_tolerance is not None:
+            sensitivity = self.agree(
+                signal_sensitivity(
+                    lambda k, v: upstream_signal(self.probe_loss_fn, k, v)[1],
+                    group.steps,
+                    group.signal_weights,
+                    [v.detach() for v in velocities],
+                    {k: self.cached_velocities[k] for k in corrected},
+                    signals=signals,
+                )
             )
-        )
-        result.cache_sensitivity = max(result.cache_sensitivity, sensitivity)
-        return sensitivity <= self.cache_tolerance
+            result.cache_sensitivity = max(result.cache_sensitivity, sensitivity)
+            if sensitivity > self.cache_tolerance:
+                with torch.no_grad():
+                    recomputed = dict(zip(corrected, self.no_grad_velocities_fn(corrected)))
+                for j, k in enumerate(group.steps[1:-1], start=1):
+                    if k in recomputed:
+                        signals[j] = self._step_signal(k, recomputed[k], losses)
+                result.num_cached -= len(corrected)
+                result.num_no_grad_forwards += len(corrected)
+                result.num_rejected += len(corrected)
+                return
+        result.num_corrected += len(corrected)
 
     def _forward(self, step: int, result: EngineResult) -> torch.Tensor:
         result.num_graph_forwards += 1
@@ -394,10 +400,16 @@ class JaggEngine:
         result.num_backward += 1
 
     def _signals(
-        self, group: StepGroup, velocities: Sequence[torch.Tensor], losses: dict[int, torch.Tensor]
+        self,
+        group: StepGroup,
+        velocities: Sequence[torch.Tensor],
+        losses: dict[int, torch.Tensor],
+        result: EngineResult,
+        v_last: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(s_base, s_corr)`` of a joint group from the velocities of its first ``len(velocities)`` steps (all of
-        them, or all but the last endpoint for a sequential group's first unit); records the step losses."""
+        them, or all but the last endpoint for a sequential group's first unit, whose current velocity is then
+        ``v_last``); records the step losses. Corrected intermediates go through :meth:`_check_correction`."""
         first = group.steps[0]
         for step, velocity in zip(group.steps, velocities):
             if velocity.shape != velocities[0].shape:
@@ -405,34 +417,28 @@ class JaggEngine:
                     f"`velocity_fn` returned shape {tuple(velocity.shape)} for step {step} but "
                     f"{tuple(velocities[0].shape)} for step {first}: a joint group needs one latent shape."
                 )
+        signals = [self._step_signal(step, v, losses) for step, v in zip(group.steps, velocities)]
+        if any(k in self._to_correct for k in group.steps[1:-1]):
+            if len(velocities) < len(group.steps):  # the check needs every step: the last endpoint's, unrecorded
+                last_signal = upstream_signal(self.probe_loss_fn, group.steps[-1], v_last)[1]
+                everything = [*signals, last_signal]
+                self._check_correction(group, [*velocities, v_last], everything, losses, result)
+                signals = everything[:-1]
+            else:
+                self._check_correction(group, list(velocities), signals, losses, result)
         # Aggregate in at least float32 (bf16 models) but never below the model's precision (float64 models).
         dtype = torch.promote_types(velocities[0].dtype, torch.float32)
         s_base = torch.zeros_like(velocities[0], dtype=dtype)
         s_corr = torch.zeros_like(velocities[0], dtype=dtype)
-        for j, velocity in enumerate(velocities):
-            self._add_signal(group, j, velocity, losses, s_base, s_corr)
+        for (w_base, w_corr), signal in zip(group.signal_weights, signals):
+            s_base += w_base * signal
+            s_corr += w_corr * signal
         return s_base, s_corr
 
-    def _add_signal(
-        self,
-        group: StepGroup,
-        j: int,
-        velocity: torch.Tensor,
-        losses: dict[int, torch.Tensor],
-        s_base: torch.Tensor | None,
-        s_corr: torch.Tensor,
-    ) -> None:
-        """Add step ``j``'s weighted signal to ``s_base`` and ``s_corr`` (``s_base=None``: the last endpoint, whose
-        ``s_base`` weight ``1 - alpha_{W-1}`` is zero) and record its loss."""
-        step = group.steps[j]
-        loss, signal = upstream_signal(self.loss_fn, step, velocity)
-        losses[step] = loss
-        weights = group.signal_weights[j]
-        if s_base is not None:
-            s_base += weights[0] * signal
-        elif weights[0] != 0:
-            raise AssertionError(f"step {step} has an s_base weight {weights[0]} but s_base was already used")
-        s_corr += weights[1] * signal
+    def _step_signal(self, step: int, velocity: torch.Tensor, losses: dict[int, torch.Tensor]) -> torch.Tensor:
+        """Step ``step``'s signal ``s_k`` at ``velocity``; records its loss."""
+        losses[step], signal = upstream_signal(self.loss_fn, step, velocity)
+        return signal
 
     def _joint_group(
         self, group: StepGroup, known: dict[int, torch.Tensor], losses: dict[int, torch.Tensor], result: EngineResult
@@ -440,12 +446,12 @@ class JaggEngine:
         first, last = group.steps[0], group.steps[-1]
         v_first = self._forward(first, result)
         if last == first:
-            s_base, _ = self._signals(group, [v_first], losses)
+            s_base, _ = self._signals(group, [v_first], losses, result)
             self._backward((v_first.to(s_base.dtype) * s_base).sum(), result)
             return
         v_last = self._forward(last, result)
         s_base, s_corr = self._signals(
-            group, [v_first, *self._intermediates(group, known, v_first, v_last, result), v_last], losses
+            group, [v_first, *self._intermediates(group, known, v_first, v_last), v_last], losses, result
         )
         # One joint backward through both endpoint graphs; a scalar surrogate so any backward_fn works.
         surrogate = (v_first.to(s_base.dtype) * s_base).sum() + (v_last.to(s_corr.dtype) * s_corr).sum()
@@ -458,8 +464,8 @@ class JaggEngine:
         endpoint); returns the partial ``s_corr`` for the second unit."""
         v_first = self._forward(group.steps[0], result)
         v_last = self._current.get(group.steps[-1])  # requested only when an intermediate is corrected
-        inner = self._intermediates(group, known, v_first, v_last, result)
-        s_base, s_corr = self._signals(group, [v_first, *inner], losses)
+        inner = self._intermediates(group, known, v_first, v_last)
+        s_base, s_corr = self._signals(group, [v_first, *inner], losses, result, v_last)
         self._backward((v_first.to(s_base.dtype) * s_base).sum(), result)
         return s_corr
 
@@ -469,7 +475,10 @@ class JaggEngine:
         """A sequential group's second unit: the last endpoint's graph forward, its signal added to ``s_corr``, and
         the backward of ``<v_{W-1}, s_corr>``."""
         v_last = self._forward(group.steps[-1], result)
-        self._add_signal(group, len(group.steps) - 1, v_last, losses, None, s_corr)
+        w_base, w_corr = group.signal_weights[-1]
+        if w_base != 0:  # alpha_{W-1} = 1 puts the last signal in s_corr only: s_base was back-propagated already
+            raise AssertionError(f"step {group.steps[-1]} has an s_base weight {w_base} but s_base was already used")
+        s_corr += w_corr * self._step_signal(group.steps[-1], v_last, losses)
         self._backward((v_last.to(s_corr.dtype) * s_corr).sum(), result)
 
 

@@ -55,6 +55,8 @@ def signal_sensitivity(
     weights: Sequence[tuple[float, float]],
     velocities: Sequence[torch.Tensor],
     rollout_velocities: Mapping[int, torch.Tensor],
+    *,
+    signals: Sequence[torch.Tensor] | None = None,
 ) -> float:
     """How much a joint group's aggregated signals move under a velocity error as large as the correction.
 
@@ -70,6 +72,7 @@ def signal_sensitivity(
         weights: ``(w^base, w^corr)`` of each step: ``(1 - alpha_j, alpha_j)`` for JAGG.
         velocities: the velocity of each step, as the group's signals use it.
         rollout_velocities: the recorded velocity of each corrected intermediate (by step).
+        signals: each step's signal at ``velocities`` when the caller has them (else computed here).
     """
 
     def aggregate(signals: Sequence[tuple[tuple[float, float], torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,7 +83,9 @@ def signal_sensitivity(
     def norm(pair: tuple[torch.Tensor, torch.Tensor]) -> float:
         return float(torch.sqrt(pair[0].square().sum() + pair[1].square().sum()))
 
-    signals = {k: signal_fn(k, v) for k, v in zip(steps, velocities)}
+    if signals is None:
+        signals = [signal_fn(k, v) for k, v in zip(steps, velocities)]
+    signals = dict(zip(steps, signals))
     total = norm(aggregate([(w, signals[k]) for k, w in zip(steps, weights)]))
     moved = [(k, w, v) for k, w, v in zip(steps, weights, velocities) if k in rollout_velocities]
     largest = 0.0

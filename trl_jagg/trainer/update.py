@@ -63,7 +63,9 @@ class StepFunctions:
     velocity_fn: Callable[[int], torch.Tensor]
     loss_fn: Callable[[int, torch.Tensor], torch.Tensor]
     no_grad_velocities_fn: Callable[[Sequence[int]], list[torch.Tensor]]
-    stats: dict[str, list[torch.Tensor]]
+    stats: dict[str, dict[int, torch.Tensor]]
+    """Per diagnostic, its value at each trained step (by index): a step's loss taken again (its velocity
+    recomputed after the velocity cache's check) replaces the first."""
     probe_loss_fn: Callable[[int, torch.Tensor], torch.Tensor] | None = None
     """``loss_fn`` without recording diagnostics (the velocity cache's check probes the loss at velocities no step
     trains with)."""
@@ -212,7 +214,7 @@ class UpdateStage:
         sigmas = batch["sigmas"]
         unwrapped = self.accelerator.unwrap_model(model)
         ref_means = self.kept_reference_means(unwrapped, batch, trained) if args.beta > 0 else {}
-        stats: dict[str, list[torch.Tensor]] = defaultdict(list)
+        stats: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
 
         def step_at(k: int, v: torch.Tensor):
             return sampler_step(
@@ -239,7 +241,7 @@ class UpdateStage:
             )  # fmt: skip
             if record:
                 for key in STEP_STATS:
-                    stats[key].append(getattr(out, key))
+                    stats[key][i] = getattr(out, key)
             return out.loss
 
         return StepFunctions(
@@ -391,7 +393,7 @@ class UpdateStage:
         # and diagnostics are per process: log every process's mean, averaged (as TRL's GRPOTrainer does).
         names = ["loss", *fns.stats]
         local = [torch.tensor(result.loss, device=self.accelerator.device, dtype=torch.float32)]
-        local += [torch.stack(fns.stats[n]).float().mean() for n in fns.stats]
+        local += [torch.stack(list(fns.stats[n].values())).float().mean() for n in fns.stats]
         means = self.accelerator.gather(torch.stack(local)[None]).mean(dim=0).tolist()
         for name, value in zip(names, means):
             self.metrics[name if name != "ratio_mean" else "ratio"].append(value)
