@@ -419,13 +419,14 @@ class JaggEngine:
                 )
         signals = [self._step_signal(step, v, losses) for step, v in zip(group.steps, velocities)]
         if any(k in self._to_correct for k in group.steps[1:-1]):
-            if len(velocities) < len(group.steps):  # the check needs every step: the last endpoint's, unrecorded
-                last_signal = upstream_signal(self.probe_loss_fn, group.steps[-1], v_last)[1]
-                everything = [*signals, last_signal]
-                self._check_correction(group, [*velocities, v_last], everything, losses, result)
-                signals = everything[:-1]
-            else:
-                self._check_correction(group, list(velocities), signals, losses, result)
+            # The check needs every step: a sequential first unit adds the last endpoint's, unrecorded.
+            missing = len(velocities) < len(group.steps)
+            every_velocity = [*velocities, v_last] if missing else list(velocities)
+            every_signal = (
+                [*signals, upstream_signal(self.probe_loss_fn, group.steps[-1], v_last)[1]] if missing else signals
+            )
+            self._check_correction(group, every_velocity, every_signal, losses, result)
+            signals = every_signal[: len(velocities)]
         # Aggregate in at least float32 (bf16 models) but never below the model's precision (float64 models).
         dtype = torch.promote_types(velocities[0].dtype, torch.float32)
         s_base = torch.zeros_like(velocities[0], dtype=dtype)

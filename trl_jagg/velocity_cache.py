@@ -75,9 +75,9 @@ def signal_sensitivity(
         signals: each step's signal at ``velocities`` when the caller has them (else computed here).
     """
 
-    def aggregate(signals: Sequence[tuple[tuple[float, float], torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-        base = sum(w[0] * s.double() for w, s in signals)
-        corr = sum(w[1] * s.double() for w, s in signals)
+    def aggregate(weighted: Sequence[tuple[tuple[float, float], torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        base = sum(w[0] * s.double() for w, s in weighted)
+        corr = sum(w[1] * s.double() for w, s in weighted)
         return torch.as_tensor(base), torch.as_tensor(corr)
 
     def norm(pair: tuple[torch.Tensor, torch.Tensor]) -> float:

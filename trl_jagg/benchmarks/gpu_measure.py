@@ -25,7 +25,7 @@ import torch
 from transformers import PrinterCallback, TrainerCallback
 
 from .flops import StepCosts, backbone_costs, step_flops
-from .measuring import benchmark_clock, collect_garbage, endless_batches, frozen_heap, spread, sync_device
+from .measuring import benchmark_clock, endless_batches, interleaved, spread, sync_device
 from .trainer import PROMPTS, _configured, time_update
 from .whole_step import WorkCounter
 
@@ -283,12 +283,8 @@ def cadence_steps(
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
     for name in variants:  # the warm-up
         _timed_rollout(variants[name].trainer)
-    with frozen_heap():  # no variant pays for a collection of another's objects
-        for repeat in range(1, repeats + 1):
-            order = list(variants) if repeat % 2 == 0 else list(variants)[::-1]
-            for name in order:
-                collect_garbage()
-                runs[name].append(_timed_rollout(variants[name].trainer))
+    for name in interleaved(list(variants), repeats):  # no variant pays for a collection of another's objects
+        runs[name].append(_timed_rollout(variants[name].trainer))
     report = {}
     for name, timed in runs.items():
         work, checkpointed = timed[0]["work"], variants[name].checkpointed

@@ -162,9 +162,9 @@ def frozen_heap() -> Iterator[None]:
     states. A full (generation-2) collection traverses all of them, about 0.3 s on the whole-step benchmark's CPU,
     and is charged to whichever rollout happens to trigger it: measured, it landed in 4 of 10 exact rollouts and
     moved single ratios by 10 %. Inside this context, the objects alive at entry (collected first) are frozen out
-    of the collector (``gc.freeze``), so a collection only visits what the timed work itself allocates; call
-    :func:`collect_garbage` before each timed unit so that none starts with another's garbage. ``timeit`` goes
-    further and turns the collector off."""
+    of the collector (``gc.freeze``), so a collection only visits what the timed work itself allocates; a
+    collection before each timed unit (:func:`interleaved`) keeps any from starting with another's garbage.
+    ``timeit`` goes further and turns the collector off."""
     gc.collect()
     gc.freeze()
     try:
@@ -173,6 +173,12 @@ def frozen_heap() -> Iterator[None]:
         gc.unfreeze()
 
 
-def collect_garbage() -> None:
-    """A full collection before a timed unit (outside its clock): it then pays only for the garbage it makes."""
-    gc.collect()
+def interleaved(names: Sequence[str], repeats: int) -> Iterator[str]:
+    """The timed runs after a warm-up: ``repeats`` repeats of every name in alternating order (ABBA, the first
+    repeat reversed), inside :func:`frozen_heap`, with a full collection before each run (outside its clock, which
+    starts when the caller runs it): each run pays only for the garbage it makes."""
+    with frozen_heap():
+        for repeat in range(1, repeats + 1):
+            for name in list(names) if repeat % 2 == 0 else list(names)[::-1]:
+                gc.collect()
+                yield name

@@ -55,7 +55,7 @@ from transformers import TrainerCallback
 from ..recipes import get_recipe
 from .engine import torch_threads
 from .flops import LORA_PRESET, StepCosts, flux_dev_costs, flux_dev_lora, preset_checkpointed_fraction, step_flops
-from .measuring import PeakMemory, benchmark_clock, collect_garbage, frozen_heap, spread, sync_device
+from .measuring import PeakMemory, benchmark_clock, interleaved, spread, sync_device
 from .trainer import PROMPTS
 
 JSON_NAME = "whole_step_benchmark.json"
@@ -274,12 +274,8 @@ def time_rollouts(trainers: dict[str, Any], *, repeats: int, timeout_s: float = 
             threads[name] = clocks[name].run(trainer)
         for name in trainers:  # the warm-up: every trainer's lasting state (optimizer, caches) exists after it
             clocks[name].run_rollout(threads[name])
-        with frozen_heap():
-            for repeat in range(1, repeats + 1):
-                order = list(trainers) if repeat % 2 == 0 else list(trainers)[::-1]
-                for name in order:
-                    collect_garbage()
-                    clocks[name].run_rollout(threads[name])
+        for name in interleaved(list(trainers), repeats):
+            clocks[name].run_rollout(threads[name])
         for name in trainers:  # the memory pass, after every timed rollout
             clocks[name].run_rollout(threads[name])
             threads[name].join(timeout_s)
