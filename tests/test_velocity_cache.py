@@ -21,8 +21,8 @@ from test_jagg import (
 )
 from test_trainer import make_trainer
 
-from trl_jagg.benchmarks.velocity_cache import mode_gradient
-from trl_jagg.demo.run import DEMO_ASSET_DIR, demo_trainer
+from trl_jagg.benchmarks.velocity_cache import compare, mode_gradient
+from trl_jagg.demo.run import DEMO_ASSET_DIR, LORA_RANK, LORA_TARGET_MODULES, demo_config, demo_prompts, demo_trainer
 from trl_jagg.jagg import plan_groups
 from trl_jagg.velocity_cache import corrected_velocity, signal_sensitivity
 
@@ -338,3 +338,111 @@ def test_correction_leaves_the_rollouts_velocities_alone(tiny_flux_path, tmp_pat
     _, result = mode_gradient(trainer, rollout, "corrected", global_step=1)
     assert result.num_corrected == 2
     assert torch.equal(rollout["velocities"], recorded)
+
+
+# ---------------------------------------------------------------- the default mode under any weight change
+GATE_COSINE, GATE_RELATIVE_ERROR = 0.999, 1e-3
+"""What the default mode must hold against ``recompute`` after optimizer steps (issue 37)."""
+
+
+def demo_cache_trainer(tmp_path, peft_config, **overrides):
+    """The demo's pipeline and reward with ``peft_config`` (``None``: full fine-tuning), 16 images (2 prompts x 8),
+    the demo's single JAGG group of W = 4 on the 4 SDE steps: intermediates 1 and 2, endpoints 0 and 3."""
+    from datasets import Dataset
+
+    from trl_jagg import DDPOJaggTrainer
+
+    torch.manual_seed(0)
+    args = demo_config(
+        str(tmp_path / "demo"), steps=1, seed=0, per_device_train_batch_size=16, reward_weights=[1.0], **overrides
+    )
+    return DDPOJaggTrainer(
+        model=DEMO_ASSET_DIR, reward_funcs=["prompt_color"], args=args,
+        train_dataset=Dataset.from_dict({"prompt": demo_prompts()}), peft_config=peft_config,
+    )  # fmt: skip
+
+
+def endpoint_blind_direction(trainer, rollout, endpoints=(0, 3)):
+    """A unit input direction of the timestep embedder's first linear layer orthogonal to the sinusoidal features
+    of the group's endpoint timesteps (float64 Gram-Schmidt, written here): a weight change along it leaves both
+    endpoints' forwards unchanged while the intermediates' features have a component on it."""
+    embed = trainer.accelerator.unwrap_model(trainer.model).time_text_embed
+    features = embed.time_proj(rollout["timesteps"].float()).double()  # (steps, 256), the layer's inputs
+    basis, _ = torch.linalg.qr(features[list(endpoints)].T)
+    direction = torch.randn(features.shape[1], generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    direction -= basis @ (basis.T @ direction)
+    direction /= direction.norm()
+    assert (features[list(endpoints)] @ direction).abs().max() < 1e-12
+    assert (features[[1, 2]] @ direction).abs().min() > 0.1  # the intermediates do see it
+    return direction
+
+
+@pytest.mark.parametrize("adapter", ["full", "lora"])
+def test_default_cache_mode_holds_the_gradient_when_a_change_leaves_the_endpoints_unchanged(tmp_path, adapter):
+    """Issue 37's constructed case: a rank-1 change ``3 u v^T`` of ``time_text_embed.timestep_embedder.linear_1``
+    with ``v`` orthogonal to the endpoints' sinusoidal features: in its base weight (full fine-tuning trains that
+    layer) or as a LoRA update on it (a LoRA that targets it, as ``all-linear`` does). The endpoints' velocities do
+    not move, so the endpoint interpolation corrects nothing, while the intermediates' velocities and PPO ratios do.
+
+    The default mode must keep the gradient within the gate of ``recompute``'s (its intermediates run at the current
+    weights). ``checked`` is shown to miss it (this is why it is not the default, and what docs/jagg.md says): its
+    probes move along the correction only, which is zero here. Measured: ``checked`` off by 0.41 (full; cosine
+    0.933) and 0.54 (LoRA; cosine 0.866), 0 groups rejected, its sensitivity 5e-8; the default (``recompute``) 0."""
+    from peft import LoraConfig
+
+    peft_config = None
+    if adapter == "lora":
+        targets = [*LORA_TARGET_MODULES, "timestep_embedder.linear_1"]
+        peft_config = LoraConfig(
+            r=LORA_RANK, lora_alpha=LORA_RANK, init_lora_weights="gaussian", target_modules=targets
+        )
+    trainer = demo_cache_trainer(tmp_path, peft_config)
+    rollout = trainer._generate_and_score(next(iter(trainer.get_train_dataloader())))
+    direction = endpoint_blind_direction(trainer, rollout)
+    layer = trainer.accelerator.unwrap_model(trainer.model).time_text_embed.timestep_embedder.linear_1
+    out = torch.randn(layer.out_features, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    out /= out.norm()
+    with torch.no_grad():
+        if adapter == "full":
+            layer.weight.add_((3.0 * torch.outer(out, direction)).to(layer.weight.dtype))
+        else:  # lora_B starts at zero: one rank carries the whole change, B A = 3 u v^T (alpha / r = 1)
+            layer.lora_A["default"].weight[0] = direction.to(layer.weight.dtype)
+            layer.lora_B["default"].weight[:, 0] = (3.0 * out).to(layer.weight.dtype)
+    recomputed, _ = mode_gradient(trainer, rollout, "recompute", global_step=1)
+    default, _ = mode_gradient(trainer, rollout, trainer.args.jagg_cache_mode, global_step=1)
+    measured = compare(default, recomputed)
+    assert measured["cosine"] >= GATE_COSINE and measured["relative_error"] <= GATE_RELATIVE_ERROR, measured
+    checked, result = mode_gradient(trainer, rollout, "checked", global_step=1)
+    assert result.num_rejected == 0 and compare(checked, recomputed)["relative_error"] > 0.05
+
+
+@pytest.mark.parametrize(
+    ("adapter", "learning_rate"),
+    [("full", 1e-5), ("lora", 3e-4)],  # dancegrpo-flux's full fine-tuning; the Flow-GRPO LoRA presets
+)
+def test_default_cache_mode_holds_the_gradient_after_adam_steps_at_the_presets_learning_rates(
+    tmp_path, adapter, learning_rate
+):
+    """Real AdamW steps with the presets' own optimizer settings (weight decay 1e-4, gradient clipping at 1, beta 0,
+    clip range 1e-4), taken with the reference gradient as train() takes them: after 1, 2 and 3 optimizer steps
+    since the rollout, the default mode's gradient meets the gate against ``recompute``'s. Measured with the other
+    modes on this model: ``corrected`` off by up to 0.64 (full) and 0.51 (LoRA), ``checked`` rejecting every group
+    (so 0 off, at recompute's cost)."""
+    from trl_jagg.demo.run import demo_lora_config
+
+    trainer = demo_cache_trainer(
+        tmp_path, demo_lora_config() if adapter == "lora" else None, learning_rate=learning_rate,
+        weight_decay=1e-4, max_grad_norm=1.0, beta=0.0, clip_range=1e-4,
+    )  # fmt: skip
+    rollout = trainer._generate_and_score(next(iter(trainer.get_train_dataloader())))
+    trainer.create_optimizer()
+    measured = []
+    for step in range(4):
+        if step:
+            default, _ = mode_gradient(trainer, rollout, trainer.args.jagg_cache_mode, step)
+        recomputed, _ = mode_gradient(trainer, rollout, "recompute", step)  # last: its .grad takes the step
+        if step:
+            measured.append(compare(default, recomputed))
+        torch.nn.utils.clip_grad_norm_(trainer.model.parameters(), trainer.args.max_grad_norm)
+        trainer.optimizer.step()
+    assert all(m["cosine"] >= GATE_COSINE and m["relative_error"] <= GATE_RELATIVE_ERROR for m in measured), measured

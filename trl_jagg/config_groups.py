@@ -55,15 +55,18 @@ class JaggArguments:
         },
     )
     jagg_cache_mode: str = field(
-        default="checked",
+        default="recompute",
         metadata={
             "help": f"One of {VELOCITY_CACHE_MODES}: what the velocity cache does after an optimizer step since the "
-            "rollout (`steps_per_generation > gradient_accumulation_steps`, `num_iterations > 1`). `recompute`: the "
-            "intermediates run again without a graph (exact). `corrected`: each cached intermediate is moved by the "
-            "change of its group's two endpoints since the rollout, interpolated with JAGG's weights (no forward; "
-            "exact when that change is linear in time across the group). `checked`: corrected where the group's "
-            "loss signals move by at most `jagg_cache_tolerance` (relative) when every correction is undone or "
-            "doubled, recomputed elsewhere (a PPO ratio near its clip edge fails it). `stale`: the rollout's "
+            "rollout (`steps_per_generation > gradient_accumulation_steps`, `num_iterations > 1`). `recompute` (the "
+            "default): the intermediates run again without a graph, so the gradient is JAGG's at the current "
+            "weights whatever the step changed. The others skip those forwards and approximate, with no bound "
+            "under every weight change: `corrected` moves each cached intermediate by the change of its group's "
+            "two endpoints since the rollout, interpolated with JAGG's weights (exact only when that change is "
+            "linear in time across the group; a change that leaves the endpoints alone is missed entirely). "
+            "`checked`: a heuristic that keeps `corrected` where the group's loss signals move by at most "
+            "`jagg_cache_tolerance` when every correction is undone or doubled, recomputing elsewhere; it probes "
+            "only along the correction, so it passes any error the correction does not see. `stale`: the rollout's "
             "velocities as they are. Before the first optimizer step every mode uses the cache as is (exact). "
             "Logged as `jagg/corrected_velocities` (`checked`: also `jagg/cache_rejected` and "
             "`jagg/cache_sensitivity`, the largest relative move)."
@@ -74,8 +77,9 @@ class JaggArguments:
         metadata={
             "help": "With `jagg_cache_mode=checked`: the largest relative move of a JAGG group's aggregated loss "
             "signals, under a velocity error as large as the correction, for which the corrected intermediates are "
-            "kept. Measured, the corrected gradient's error was about half the sensitivity (docs/benchmarks.md), "
-            "so 1e-3 keeps it near 5e-4 of the gradient with recomputed intermediates."
+            "kept. A heuristic threshold, not an error bound: on ordinary Adam steps the gradient's error measured "
+            "below it, on a weight change that leaves the endpoints unchanged it measured 19-50% "
+            "(docs/jagg.md)."
         },
     )
     jagg_endpoint_backward: str = field(

@@ -264,12 +264,12 @@ def _timed_rollout(trainer: Any) -> dict[str, Any]:
         trainer.remove_callback(timer)
         work = counter.close()
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-    # The velocity cache's check after the rollout's first optimizer step (jagg_cache_mode="checked"): what it logged.
-    checks = [e for e in trainer.state.log_history if "jagg/cache_rejected" in e]
-    cache = {key: [e[f"jagg/cache_{key}"] for e in checks] for key in ("rejected", "sensitivity")} if checks else None
+    # The intermediates the velocity cache served and those recomputed, as logged (any jagg_cache_mode).
+    logged = [e for e in trainer.state.log_history if "jagg/cached_velocities" in e]
+    cache = {key: [e[f"jagg/{key}"] for e in logged] for key in ("cached_velocities", "no_grad_forwards")}
     return {
         "time_s": timer.elapsed, "optimizer_steps": timer.optimizer_steps, "work": work, "peak_gib": peak,
-        "cache_check": cache,
+        "cache": cache if logged else None,
     }  # fmt: skip
 
 
@@ -292,19 +292,26 @@ def cadence_steps(
         step = spread([r["time_s"] for r in timed])
         achieved = flops / step["median"] / 1e12
         peaks = [r["peak_gib"] for r in timed if r["peak_gib"] is not None]
-        checks = [r["cache_check"] for r in timed if r["cache_check"]]
+        caches = [r["cache"] for r in timed if r["cache"]]
         report[name] = {
             "step_s": step, "checkpointed": checkpointed, "optimizer_steps": timed[0]["optimizer_steps"],
             "counted": work,
             "work_per_rollout_equal": all(r["work"] == work for r in timed), "backbone_tflop": flops / 1e12,
             "achieved_tflops": achieved, "mfu": achieved / peak_tflops, "peak_gib": max(peaks) if peaks else None,
-            # Intermediates the check recomputed per micro-batch (mean) and its largest logged sensitivity: whether
-            # the cache served every optimizer step of the rollout at this size (None: not checked).
-            "cache_rejected": sum(sum(c["rejected"]) for c in checks) / sum(len(c["rejected"]) for c in checks)
-            if checks else None,
-            "cache_sensitivity": max(max(c["sensitivity"]) for c in checks) if checks else None,
+            # The share of JAGG intermediates the velocity cache served over the timed rollouts (None: no cache):
+            # with the default `recompute`, those of the micro-batches before the rollout's first optimizer step.
+            "cache_served": served_share(caches),
         }  # fmt: skip
     return report
+
+
+def served_share(caches: list[dict[str, list[float]]]) -> float | None:
+    """The velocity cache's served intermediates over all it was asked for (served + recomputed), summed over the
+    logged micro-batches of ``caches`` (each a rollout's ``jagg/cached_velocities`` and ``jagg/no_grad_forwards``);
+    ``None`` when there were no JAGG intermediates (an exact update)."""
+    served = sum(sum(c["cached_velocities"]) for c in caches)
+    recomputed = sum(sum(c["no_grad_forwards"]) for c in caches)
+    return served / (served + recomputed) if served + recomputed else None
 
 
 def backbone_step_costs(config: Mapping[str, Any], resolution: int, text_tokens: int) -> StepCosts:

@@ -2,7 +2,7 @@
 
 After an optimizer step since the rollout, the rollout's recorded velocities are the old policy's. The reference
 is the JAGG gradient with the intermediate velocities recomputed at the current weights (``"recompute"``); the
-benchmark measures the gradient of ``"checked"`` (the default: corrected where the group's signals hold, see
+benchmark measures the gradient of ``"checked"`` (a heuristic: corrected where the group's signals hold, see
 :mod:`trl_jagg.velocity_cache`), ``"corrected"`` (each cached intermediate moved by its group's endpoint change)
 and ``"stale"`` (the cache as it is) against it, on the CPU demo (:mod:`trl_jagg.demo.run`: the shipped tiny Flux
 pipeline, its LoRA and learning rate, 72 images, one JAGG group of W = 4 on the 4 SDE steps):
@@ -11,8 +11,8 @@ pipeline, its LoRA and learning rate, 72 images, one JAGG group of W = 4 on the 
 2. At 0, 1, ..., ``optimizer_steps`` optimizer steps since the rollout: the gradient of every mode on that rollout;
    then an optimizer step (the trainer's optimizer, gradient clipping as in training) with the reference gradient.
 3. Per mode and step: the cosine to the reference and the relative error ``|g - g_ref| / |g_ref|`` (and, for
-   ``checked``, the groups' largest sensitivity and the intermediates it recomputed). The gate for the default mode:
-   cosine >= 0.999 and relative error <= 1e-3 at 1, 2 and 3 steps.
+   ``checked``, the groups' largest sensitivity and the intermediates it recomputed). The gate a mode must pass to be
+   the default: cosine >= 0.999 and relative error <= 1e-3 at 1, 2 and 3 steps.
 
 It also trains one rollout at ``steps_per_generation = optimizer_steps`` (``dancegrpo-flux``'s 3 optimizer steps per
 rollout) in every mode and reports the cache's hits per micro-batch (``jagg/cached_velocities``,

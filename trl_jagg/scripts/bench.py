@@ -240,8 +240,8 @@ class RewardOverlapBenchmarkArguments:
 
 VELOCITY_CACHE_DESCRIPTION = (
     "On the CPU demo, the JAGG gradient with the rollout's cached velocities corrected where the check holds "
-    "(jagg_cache_mode=checked, the default), all corrected by the endpoints' change (corrected) and as they are "
-    "(stale) against recomputed intermediates (recompute), after 1 .. "
+    "(jagg_cache_mode=checked, a heuristic), all corrected by the endpoints' change (corrected) and as they are "
+    "(stale) against recomputed intermediates (recompute, the default), after 1 .. "
     "--optimizer_steps optimizer steps since the rollout (cosine, relative error, the default's gate), and the "
     "cache's hits per micro-batch at that many optimizer steps per rollout; write velocity_cache_benchmark.json "
     "and .png."
