@@ -32,31 +32,37 @@ from trl_jagg.demo.run import DEMO_NUM_INFERENCE_STEPS, demo_config
 from trl_jagg.sde_window import compressed_path, sde_window
 
 
-def test_variant_configs_are_valid_demo_configs_and_the_mix_window_visits_each_start_once(tmp_path):
+def test_variant_configs_are_valid_demo_configs_and_the_mix_window_moves_at_mixgrpos_cadence(tmp_path):
     configs = {v: demo_config(str(tmp_path), steps=100, seed=0, **variant_overrides(v, 100)) for v in QUALITY_VARIANTS}
     assert not configs["exact"].use_jagg
     assert configs["jagg_cache"].use_jagg and configs["jagg_cache"].jagg_cache_velocities
     mix = configs["mix_jagg_cache"]
     assert mix.use_jagg and mix.jagg_group_size == mix.sde_window_size == 4  # the window is one JAGG group
     assert mix.ode_solver_order == 2 and mix.same_group_noise
-    starts = [
+    assert mix.steps_per_generation == mix.gradient_accumulation_steps  # one optimizer step per rollout
+    windows = [
         sde_window(
             mix.sde_window_schedule, num_steps=mix.num_inference_steps, size=mix.sde_window_size,
-            max_start=mix.sde_window_max_start, step=step, stride=mix.sde_window_stride,
+            max_start=mix.sde_window_max_start, rollout=rollout, stride=mix.sde_window_stride,
             shift_interval=mix.sde_window_shift_interval,
-        )[0]
-        for step in range(100)
+        )
+        for rollout in range(100)
     ]  # fmt: skip
-    assert starts == [step // 20 for step in range(100)]  # starts 0, 1, 2, 3, 4 for 20 steps each
-    for start in range(5):  # 7 backbone calls a rollout (4 SDE + 3 ODE) instead of 9, wherever the window is
-        path = compressed_path(DEMO_NUM_INFERENCE_STEPS, list(range(start, start + 4)), mix.ode_step_ratio)
-        assert len(path) - 1 == 7, (start, path)
+    # MixGRPO-Flash's iters_per_group: a move every 20 rollouts; its end, 9 - 2 = 7, cuts the window at start 4.
+    expected = [list(range(r // 20, min(r // 20 + 4, 7))) for r in range(100)]
+    assert windows == expected and windows[-1] == [4, 5, 6]
+    # After the window, MixGRPO-Flash's int((9 - last) x 0.6) - 1 ODE steps (at least 1); round(0.6 n) before it.
+    for window in map(list, dict.fromkeys(map(tuple, windows))):
+        path = compressed_path(DEMO_NUM_INFERENCE_STEPS, window, mix.ode_step_ratio, mixgrpo_post=True)
+        before, after = path.index(window[0]), len(path) - 2 - path.index(window[-1])
+        assert before == (max(1, round(0.6 * window[0])) if window[0] else 0), window
+        assert after == max(1, int((9 - window[-1]) * 0.6) - 1), window
     fast = configs["fast_jagg_cache"]  # the jagg-fast-flux rollout: the window held on steps 0-3 of 9
     assert fast.use_jagg and fast.jagg_cache_velocities and fast.jagg_group_size == fast.sde_window_size == 4
     assert fast.ode_solver_order == 2 and fast.ode_step_ratio == 0.4 and fast.same_group_noise
     for step in range(100):
         window = sde_window(
-            fast.sde_window_schedule, num_steps=9, size=4, max_start=fast.sde_window_max_start, step=step,
+            fast.sde_window_schedule, num_steps=9, size=4, max_start=fast.sde_window_max_start, rollout=step,
             shift_interval=fast.sde_window_shift_interval,
         )  # fmt: skip
         assert window == [0, 1, 2, 3]

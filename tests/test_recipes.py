@@ -662,15 +662,16 @@ def test_fast_preset_trains_only_the_sde_window(tiny_flux_path, tmp_path, monkey
 
 
 def test_mix_preset_trains_its_sliding_window_on_a_compressed_ode_schedule(tiny_flux_path, tmp_path, monkeypatch):
-    """MixGRPO-Flash on 10 steps, the window moving every optimizer step: each update trains exactly the window
-    (steps 0-3, then 1-4 of the schedule) as one JAGG group, the only stochastic steps of a rollout whose ODE takes
-    round(0.4 n) steps on each side (the 6 steps after the first window: 2; 1 before and 5 after the second: 1, 2)."""
+    """MixGRPO-Flash on 10 steps, two optimizer steps a rollout, the window moving every rollout (as MixGRPO's
+    update_iteration, once per train_one_step): the two updates of the first rollout train steps 0-3, those of the
+    second steps 1-4, each as one JAGG group, the only stochastic steps of a rollout whose ODE after the window takes
+    MixGRPO-Flash's int((10 - last) x 0.4) - 1 steps (1 after either window; 1 before the second: round(0.4))."""
     recipe = get_recipe("mixgrpo-flux")
     pipeline = recipe.apply_scheduler(FluxPipeline.from_pretrained(tiny_flux_path))
     full_sigmas, _ = load_adapter(pipeline).schedule(10, 32, 32)
     trainer, recorded = recipe_trainer(
         "mixgrpo-flux", pipeline, tmp_path, monkeypatch, num_inference_steps=10, sde_window_max_start=None,
-        sde_window_shift_interval=1, max_steps=2,
+        sde_window_shift_interval=1, steps_per_generation=2, max_steps=4,
     )  # fmt: skip
     rollout_rows = []  # backbone rows in eval mode: the rollouts'
     trainer.adapter.transformer.register_forward_pre_hook(
@@ -680,15 +681,17 @@ def test_mix_preset_trains_its_sliding_window_on_a_compressed_ode_schedule(tiny_
         with_kwargs=True,
     )
     trainer.train()
-    # 4 rows (2 groups of G = 2) on 6 then 7 steps; the second window starts at step 1, whose ODE step runs once per
-    # group: (G - 1) x 1 step x 2 groups = 2 rows fewer.
-    assert sum(rollout_rows) == 4 * 6 + 4 * 7 - 2
-    assert len(recorded) == 2
-    for step, ((steps, batch), path) in enumerate(zip(recorded, ([0, 1, 2, 3, 4, 7, 10], [0, 1, 2, 3, 4, 5, 7, 10]))):
-        window = batch["stochastic_steps"]
+    # 8 rows (4 groups of G = 2) on 5 then 6 steps; the second window starts at step 1, whose ODE step runs once per
+    # group: (G - 1) x 1 step x 4 groups = 4 rows fewer.
+    assert sum(rollout_rows) == 8 * 5 + 8 * 6 - 4
+    assert len(recorded) == 4
+    paths = ([0, 1, 2, 3, 4, 10], [0, 1, 2, 3, 4, 5, 10])
+    for update_index, ((steps, batch)) in enumerate(recorded):
+        rollout = update_index // 2
+        path, window = paths[rollout], batch["stochastic_steps"]
         assert steps == window and len(window) == 4
         torch.testing.assert_close(batch["sigmas"], full_sigmas[path], atol=0, rtol=0)
-        torch.testing.assert_close(batch["sigmas"][window], full_sigmas[step : step + 4], atol=0, rtol=0)
+        torch.testing.assert_close(batch["sigmas"][window], full_sigmas[rollout : rollout + 4], atol=0, rtol=0)
         assert batch["latents"].shape[1] == len(path)
         stochastic = batch["log_probs"].abs().sum(dim=0) != 0
         assert stochastic.tolist() == [k in window for k in range(len(path) - 1)]

@@ -5,14 +5,18 @@ the ODE outside it on fewer steps with a higher-order solver, checked against th
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 from diffusers import FluxPipeline
 
+from trl_jagg import DDPOJaggTrainer
 from trl_jagg.models import Conditioning, load_adapter
+from trl_jagg.recipes import get_recipe
 from trl_jagg.rollout import sample_trajectories
 from trl_jagg.sde_window import compressed_path, path_schedule, sde_window
+from trl_jagg.trainer.generation import rollout_window
 
 GROUP_SIZE, NUM_STEPS = 3, 5
 PROMPTS = ["a red circle", "a blue square"]
@@ -84,46 +88,135 @@ def test_noise_groups_must_share_noise_and_conditioning(flux):
 
 
 # ---------------------------------------------------------------- mixed ODE-SDE rollout (MixGRPO)
-@pytest.mark.parametrize(("stride", "shift_interval"), [(1, 3), (2, 2), (3, 1)])
-def test_progressive_window_follows_mixgrpo_training_states(stride, shift_interval):
-    """The window of every optimizer step equals the one MixGRPO's GRPOTrainingStates (progressive, prog_overlap,
-    roll_back) holds at that step, its update rule written out here as a loop."""
-    num_steps, size = 10, 4
-    max_start = num_steps - 1 - size  # full windows that end before the never-trained last step
-    current, iteration = 0, 0
-    for step in range(40):
+class MixGRPOStates:
+    """MixGRPO's GRPOTrainingStates as MixGRPO-Flash runs it (grpo_states.py@e5cdd6a, read and written out here):
+    ``sample_strategy="progressive"`` with ``prog_overlap`` and ``roll_back``, ``cur_timestep`` starting at 0."""
+
+    def __init__(self, iters_per_group: int, group_size: int, max_timesteps: int, prog_overlap_step: int):
+        self.iters_per_group, self.group_size = iters_per_group, group_size
+        self.max_timesteps, self.prog_overlap_step = max_timesteps, prog_overlap_step
+        self.cur_timestep = self.cur_iter_in_group = 0
+
+    def get_current_timesteps(self) -> list[int]:
+        return list(range(self.cur_timestep, min(self.cur_timestep + self.group_size, self.max_timesteps)))
+
+    def update_iteration(self) -> None:
+        self.cur_iter_in_group += 1
+        if self.cur_iter_in_group >= self.iters_per_group:
+            self.cur_iter_in_group = 0
+            self.cur_timestep += self.prog_overlap_step
+        if self.cur_timestep > self.max_timesteps:  # roll_back_start
+            self.cur_timestep = self.cur_iter_in_group = 0
+
+
+def mixgrpo_windows(rollouts: int, *, sampling_steps: int, **states: int) -> list[list[int]]:
+    """The trained timesteps of each of MixGRPO's first ``rollouts`` rollouts: its training loop takes the current
+    ones, then calls ``update_iteration`` once, before each ``train_one_step`` (train_grpo_flux.py L916-951)."""
+    grpo_states = MixGRPOStates(max_timesteps=sampling_steps - 2, **states)
+    windows = []
+    for _ in range(rollouts):
+        windows.append(grpo_states.get_current_timesteps())
+        grpo_states.update_iteration()
+    return windows
+
+
+def test_mixgrpo_flux_window_is_mixgrpo_flashs_at_every_rollout():
+    """The mixgrpo-flux preset's window at each of MixGRPO-Flash's 300 rollouts (--max_train_steps 300, each one
+    train_one_step: 12 samples, 4 optimizer steps) is the one MixGRPO's counters hold at that rollout; and so on for
+    every non-empty window of MixGRPO's whole slide (its start 23 has an empty one, which the preset skips)."""
+    preset = get_recipe("mixgrpo-flux").config
+    optimizer_steps_per_rollout = preset["steps_per_generation"] // preset["gradient_accumulation_steps"]
+    assert optimizer_steps_per_rollout == 4
+    args = SimpleNamespace(objective="grpo", seed=0, **preset)
+    # finetune_flux_grpo_MixGRPO_Flash.sh: sampling_steps 25, iters_per_group 20, group_size 4, prog_overlap_step 1.
+    expected = mixgrpo_windows(480, sampling_steps=25, iters_per_group=20, group_size=4, prog_overlap_step=1)
+    windows = [rollout_window(args, optimizer_steps_per_rollout * r, r) for r in range(480)]
+    assert windows[:300] == expected[:300]
+    assert expected[299] == [14, 15, 16, 17] and expected[300] == [15, 16, 17, 18]  # never rolled back in 300
+    first_empty = expected.index([])
+    assert first_empty == 460 and expected[459] == [22]
+    assert windows[:first_empty] == expected[:first_empty]
+    assert windows[first_empty] == [0, 1, 2, 3]  # rolled back instead of the empty window
+    # The counter is the rollout, not the optimizer step: the old per-optimizer-step window moved at rollout 5.
+    assert windows[5] == [0, 1, 2, 3] != rollout_window(args, 5, 4 * 5)
+
+
+@pytest.mark.parametrize(("stride", "shift_interval", "num_steps"), [(1, 3, 10), (2, 2, 10), (3, 1, 11), (1, 1, 6)])
+def test_progressive_window_follows_mixgrpo_training_states(stride, shift_interval, num_steps):
+    """Every rollout's window equals the one MixGRPO's GRPOTrainingStates holds at that rollout, over whole
+    slides: windows cut at max_timesteps = num_steps - 2 included, up to MixGRPO's first empty window (when its
+    last start is max_timesteps itself), after which this slide has already rolled back."""
+    size, rollouts = 4, 60
+    expected = mixgrpo_windows(
+        rollouts, sampling_steps=num_steps, iters_per_group=shift_interval, group_size=size, prog_overlap_step=stride
+    )
+    stop = expected.index([]) if [] in expected else rollouts
+    for rollout in range(stop):
         window = sde_window(
-            "progressive", num_steps=num_steps, size=size, step=step, stride=stride, shift_interval=shift_interval
-        )
-        assert window == list(range(current, current + size)), step
-        iteration += 1
-        if iteration >= shift_interval:  # update_iteration: move by prog_overlap_step after iters_per_group
-            iteration, current = 0, current + stride
-        if current > max_start:  # roll_back_start
-            current = 0
+            "progressive", num_steps=num_steps, size=size, rollout=rollout, stride=stride,
+            shift_interval=shift_interval,
+        )  # fmt: skip
+        assert window == expected[rollout], rollout
+    assert any(len(w) < size for w in expected[:stop])  # the cut windows were compared
+
+
+def test_trainer_places_the_window_by_its_rollout_count():
+    """The trainer hands the rollout its number in the run: micro-batches consumed (restored from grpo_state.json
+    on resume) over the micro-batches of a rollout, not the optimizer step."""
+    seen = []
+    trainer = SimpleNamespace(
+        old_policy=None, _step=2 * 6 * 3, state=SimpleNamespace(global_step=2 * 6 * 3 // 2),
+        args=SimpleNamespace(steps_per_generation=6, num_iterations=3),
+        accelerator=SimpleNamespace(unwrap_model=lambda model: model), model=None, _stop_after_reward_failure=None,
+        generation=SimpleNamespace(generate=lambda inputs, transformer, **kwargs: seen.append(kwargs)),
+    )  # fmt: skip
+    DDPOJaggTrainer._generate_and_score(trainer, [])
+    assert seen[0]["rollout"] == 2 and seen[0]["global_step"] == 18
+
+
+def test_mixgrpo_flash_ode_steps_after_the_window():
+    """After each window of the 300 rollouts, as many ODE steps as MixGRPO-Flash's run_sample_step takes
+    (dpm_apply_strategy 'post', dpm_post_compress_ratio 0.4; sampling_utils.py L33-53: its sigma schedule of 26
+    points cut after the window's last step and continued by int(max(points left x 0.4, 1)) new points): 7 after a
+    window on steps 0-3, 11 backbone calls a rollout."""
+    num_steps, ratio = 25, get_recipe("mixgrpo-flux").config["ode_step_ratio"]
+    for window in map(list, dict.fromkeys(map(tuple, mixgrpo_windows(300, sampling_steps=25, iters_per_group=20,
+                                                                       group_size=4, prog_overlap_step=1)))):  # fmt: skip
+        schedule_points = num_steps + 1
+        last_false_index = window[-1]
+        num_post_steps = int(max((schedule_points - 1 - last_false_index) * ratio, 1))
+        path = compressed_path(num_steps, window, ratio, mixgrpo_post=True)
+        after = path[path.index(window[-1]) + 1 :]  # the window's end, then the ODE points, then the last sigma
+        assert len(after) - 1 == num_post_steps - 1, window
+        if window == [0, 1, 2, 3]:
+            assert len(path) - 1 == 11
+    # Without MixGRPO's count, the project's round(0.4 x 21) = 8 after steps 0-3 (jagg-fast-flux's fixed window).
+    assert len(compressed_path(num_steps, [0, 1, 2, 3], ratio)) - 1 == 12
 
 
 @pytest.mark.parametrize(
-    ("schedule", "max_start", "start_at"),
+    ("schedule", "max_start", "window_at"),
     [
-        # Held on the high-noise steps: the same start at every optimizer step, 0 unless set.
-        ("fixed", None, lambda step: 0),
-        ("fixed", 3, lambda step: 3),
-        # MixGRPO's full slide over 10 steps: starts 0..5 (windows of 4 that end before the last step), a move
-        # every 5 optimizer steps, then back to 0.
-        ("progressive", None, lambda step: (step // 5) % 6),
+        # Held on the high-noise steps: the same start at every rollout, 0 unless set.
+        ("fixed", None, lambda rollout: [0, 1, 2, 3]),
+        ("fixed", 3, lambda rollout: [3, 4, 5, 6]),
+        # MixGRPO's slide over 10 steps: starts 0..7 (the windows stop before step 8 = 10 - 2, the one at 7 is [7]),
+        # a move every 5 rollouts, then back to 0.
+        ("progressive", None, lambda rollout: list(range(rollout // 5 % 8, min(rollout // 5 % 8 + 4, 8)))),
         # The slide limited to the first 3 starts.
-        ("progressive", 2, lambda step: (step // 5) % 3),
+        ("progressive", 2, lambda rollout: list(range(rollout // 5 % 3, rollout // 5 % 3 + 4))),
     ],
 )
-def test_window_positions_over_optimizer_steps(schedule, max_start, start_at):
-    for step in range(60):
+def test_window_positions_over_rollouts(schedule, max_start, window_at):
+    for rollout in range(60):
         window = sde_window(
-            schedule, num_steps=10, size=4, max_start=max_start, step=step, shift_interval=5, seed=step
+            schedule, num_steps=10, size=4, max_start=max_start, rollout=rollout, shift_interval=5, seed=rollout
         )
-        assert window == list(range(start_at(step), start_at(step) + 4)), step
+        assert window == window_at(rollout), rollout
     with pytest.raises(ValueError, match="max_start"):
         sde_window("fixed", num_steps=10, size=4, max_start=7)
+    with pytest.raises(ValueError, match="max_start"):
+        sde_window("progressive", num_steps=10, size=4, max_start=8)  # an empty window
 
 
 def test_random_window_is_seeded_and_inside_its_range():
@@ -148,7 +241,7 @@ def test_first_order_full_count_mixed_rollout_is_todays_rollout(flux):
     """Euler outside the window on every step of the schedule: bit-identical to the rollout with that window (the
     same operations in the same order; exactness is the property)."""
     cond, noise, _ = group_batch(flux)
-    window = sde_window("progressive", num_steps=NUM_STEPS, size=2, step=1, shift_interval=1)
+    window = sde_window("progressive", num_steps=NUM_STEPS, size=2, rollout=1, shift_interval=1)
     sigmas, timesteps = flux.schedule(NUM_STEPS, 32, 32)
     path_sigmas, path_timesteps, stochastic = path_schedule(
         sigmas, timesteps, compressed_path(NUM_STEPS, window, 1.0), window

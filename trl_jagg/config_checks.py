@@ -21,7 +21,7 @@ from .nft import OLD_POLICY_DECAY_TYPES
 from .recipes import RECIPES
 from .redaction import redacted
 from .sampling import SAMPLERS
-from .sde_window import WINDOW_SCHEDULES
+from .sde_window import WINDOW_SCHEDULES, max_window_start
 from .velocity_cache import VELOCITY_CACHE_MODES
 
 if TYPE_CHECKING:
@@ -195,13 +195,12 @@ def check_fields(config: GRPOJaggConfig) -> None:
         )
     if not 0 <= config.sde_window_size < config.num_inference_steps:
         fail("sde_window_size", f"is {config.sde_window_size}", "Use 0 (off) or fewer than num_inference_steps.")
-    if config.sde_window_max_start is not None and not (
-        0 <= config.sde_window_max_start <= config.num_inference_steps - config.sde_window_size
-    ):
+    last_start = max_window_start(config.sde_window_schedule, config.num_inference_steps, config.sde_window_size)
+    if config.sde_window_max_start is not None and not 0 <= config.sde_window_max_start <= last_start:
         fail(
             "sde_window_max_start",
             f"is {config.sde_window_max_start}",
-            f"Use a value in [0, {config.num_inference_steps - config.sde_window_size}].",
+            f"Use a value in [0, {last_start}].",
         )
     if config.sde_window_schedule not in WINDOW_SCHEDULES:
         fail("sde_window_schedule", f"is {config.sde_window_schedule!r}", f"Use one of {WINDOW_SCHEDULES}.")

@@ -254,9 +254,12 @@ class DDPOJaggTrainer(_BaseTrainer):
         if self.old_policy is not None:
             self.old_policy.follow(self.state.global_step)
         with self.old_policy.swapped_in() if self.old_policy is not None else contextlib.nullcontext():
+            # The rollouts before this one: the micro-batch counter (saved in grpo_state.json, so it survives a
+            # resume) over the micro-batches each rollout feeds.
+            rollout = self._step // (self.args.steps_per_generation * self.args.num_iterations)
             return self.generation.generate(
                 inputs, self.accelerator.unwrap_model(self.model), global_step=self.state.global_step,
-                trainer_state=self.state, on_reward_failure=self._stop_after_reward_failure,
+                rollout=rollout, trainer_state=self.state, on_reward_failure=self._stop_after_reward_failure,
             )  # fmt: skip
 
     def _stop_after_reward_failure(self, failure: RewardFailure, during: str) -> NoReturn:

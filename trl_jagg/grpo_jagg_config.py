@@ -271,8 +271,9 @@ class GRPOJaggConfig(JaggArguments, ScalingArguments, EMAArguments, EvaluationAr
         default=None,
         metadata={
             "help": "Latest first step of the SDE window (for `fixed`, its only one). Defaults to the first half of "
-            "the schedule for the `random` schedule, to every full window that ends before the last step for "
-            "`progressive`, and to 0 for `fixed`."
+            "the schedule for the `random` schedule, to num_inference_steps - 3 for `progressive` (MixGRPO's last "
+            "start with a non-empty window: its windows stop before step num_inference_steps - 2, MixGRPO's "
+            "max_timesteps, and are cut short there), and to 0 for `fixed`."
         },
     )
     sde_window_schedule: str = field(
@@ -280,9 +281,10 @@ class GRPOJaggConfig(JaggArguments, ScalingArguments, EMAArguments, EvaluationAr
         metadata={
             "help": f"Where the SDE window sits, one of {WINDOW_SCHEDULES}: `random` (Flow-GRPO-Fast: its start "
             "drawn uniformly in [0, sde_window_max_start] at every rollout), `progressive` (MixGRPO: it starts at "
-            "step 0 and moves `sde_window_stride` steps later every `sde_window_shift_interval` optimizer steps, "
-            "back to step 0 after sde_window_max_start; the default max start is MixGRPO's full slide, a smaller "
-            "one limits the slide to the first starts) or `fixed` (held at start sde_window_max_start, default 0: "
+            "step 0 and moves `sde_window_stride` steps later every `sde_window_shift_interval` rollouts, back to "
+            "step 0 after sde_window_max_start; it never trains the last two steps, and the ODE after it takes "
+            "MixGRPO-Flash's count of steps, see ode_step_ratio; the default max start is MixGRPO's full slide, a "
+            "smaller one limits the slide to the first starts) or `fixed` (held at start sde_window_max_start, default 0: "
             "the high-noise steps, where the layout and colours are settled)."
         },
     )
@@ -293,7 +295,10 @@ class GRPOJaggConfig(JaggArguments, ScalingArguments, EMAArguments, EvaluationAr
     sde_window_shift_interval: int = field(
         default=25,
         metadata={
-            "help": "Optimizer steps between two shifts of the `progressive` window (MixGRPO's `iters_per_group`)."
+            "help": "Rollouts between two shifts of the `progressive` window (MixGRPO's `iters_per_group`: its "
+            "window moves once per rollout counter, whatever the optimizer steps a rollout feeds). Counted in "
+            "rollouts since issue 37; it was optimizer steps before, so with k optimizer steps a rollout divide an "
+            "older value by k to keep its window's pace."
         },
     )
     ode_solver_order: int = field(
@@ -309,7 +314,9 @@ class GRPOJaggConfig(JaggArguments, ScalingArguments, EMAArguments, EvaluationAr
         metadata={
             "help": "Fraction of the ODE steps kept on each side of the SDE window (at least one a side), on points "
             "of the schedule spread evenly over the side: each dropped step is a backbone call saved (MixGRPO-Flash's "
-            "`dpm_post_compress_ratio`, which it applies after the window only). 1 keeps every step."
+            "`dpm_post_compress_ratio`, which it applies after the window only). Before the window, and after a "
+            "`random` or `fixed` one, round(ratio x n) of the side's n steps; after a `progressive` window, "
+            "MixGRPO-Flash's count: int((n + 1) x ratio) - 1 (7 of 21 at 0.4). 1 keeps every step."
         },
     )
     clip_range: float = field(

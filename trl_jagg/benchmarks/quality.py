@@ -5,9 +5,9 @@ prompts x 8 images per step, the ``prompt_color`` reward) from the same LoRA ini
 
 - ``exact``: one backward per trained step (``use_jagg=False``); the demo's fixed SDE window on steps 0-3.
 - ``jagg_cache``: the demo as shipped, the window one JAGG group (W = 4) with the on-policy velocity cache.
-- ``mix_jagg_cache``: MixGRPO-Flash scaled to the demo (see :func:`variant_overrides`): the 4-step SDE window
-  slides over the schedule, ODE elsewhere with DPM-Solver++ (order 2) on fewer steps, same-noise groups sharing
-  the ODE before the window; the window is the JAGG group, with the cache.
+- ``mix_jagg_cache``: MixGRPO-Flash on the demo at MixGRPO's cadence (see :func:`variant_overrides`): the 4-step
+  SDE window moves one step every 20 rollouts, ODE elsewhere with DPM-Solver++ (order 2) on fewer steps,
+  same-noise groups sharing the ODE before the window; the window is the JAGG group, with the cache.
 - ``fast_jagg_cache``: the ``jagg-fast-flux`` preset's rollout on the demo: the same, with the window held on the
   first 4 (high-noise) steps and DPM-Solver++ on 40% of the 5 ODE steps after it (6 backbone calls instead of 9).
 - ``nft``: DiffusionNFT (``objective="nft"``, :data:`~trl_jagg.benchmarks.nft.NFT_DEMO_OVERRIDES`): deterministic
@@ -45,9 +45,8 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from ..demo.run import DEMO_ASSET_DIR, DEMO_NUM_INFERENCE_STEPS, demo_prompts, demo_trainer
+from ..demo.run import DEMO_ASSET_DIR, demo_prompts, demo_trainer
 from ..recipes import get_recipe
-from ..sde_window import default_max_start
 from .engine import torch_threads
 from .nft import NFT_DEMO_OVERRIDES
 
@@ -62,19 +61,22 @@ FAST_ROLLOUT_FIELDS = ("sde_window_schedule", "sde_window_max_start", "ode_solve
 """The fields of the fast preset's rollout that ``fast_jagg_cache`` takes as they are."""
 MIX_WINDOW_SIZE = 4
 """The demo's window size (one JAGG group of W = 4), kept for the mixed rollout."""
+MIX_SHIFT_INTERVAL = 20
+"""Rollouts between two moves of the mixed rollout's window: MixGRPO-Flash's ``iters_per_group`` (the demo takes
+one optimizer step per rollout, so also its optimizer steps)."""
 
 
 def variant_overrides(variant: str, steps: int) -> dict[str, Any]:
     """The :func:`~trl_jagg.demo.run.demo_config` fields of ``variant`` for a run of ``steps`` optimizer steps.
 
-    The mixed rollout scales the ``mixgrpo-flux`` preset (25 steps, window 4 moving 1 step every 20 optimizer steps
-    up to start 19, DPM-Solver++ 2 on 40% of the ODE steps) to the demo's 9 steps: the window keeps its 4 steps and
-    its stride 1; its last start is MixGRPO's (the last full window before the final step: 4), and it moves every
-    ``steps // 5`` steps, so one run visits each of the 5 positions once (at 100 steps: every 20, the preset's
-    interval). ``ode_step_ratio`` is 0.6, not 0.4: the demo's sides of the window have 1-5 ODE steps, and 0.4
-    would leave a single (first-order) DPM step on sides of 2-3 steps; 0.6 keeps 2-3 a side, i.e. 7 backbone
-    calls per rollout instead of 9 at every window position. ``same_group_noise`` as in the preset (it lets a group
-    share the ODE before the window).
+    The mixed rollout is the ``mixgrpo-flux`` preset's (window 4, stride 1, a move every 20 rollouts, MixGRPO's end
+    at ``num_steps - 2`` and roll-back, MixGRPO-Flash's count of DPM-Solver++ 2 steps after the window) on the
+    demo's 9 steps, whatever ``steps``: 100 rollouts start it at steps 0-4 for 20 rollouts each (the last window,
+    4-6, cut at MixGRPO's end), as MixGRPO-Flash's 300 rollouts cover starts 0-14 of 0-23 and never roll back.
+    ``ode_step_ratio`` is 0.6, not 0.4: the demo's sides of the window have 1-5 ODE steps, and 0.4 would leave a
+    single (first-order) DPM step after every window; 0.6 keeps 1-2 after it and 1-2 before it (6-7 backbone calls
+    a rollout instead of 9). ``same_group_noise`` as in the preset (it lets a group share the ODE before the
+    window).
 
     The fast variant takes :data:`FAST_ROLLOUT_FIELDS` from the ``jagg-fast-flux`` preset (window held at start 0,
     DPM-Solver++ 2 on 40% of the ODE steps: 2 for the demo's 5 after the window) and keeps the demo's window of 4.
@@ -91,7 +93,6 @@ def variant_overrides(variant: str, steps: int) -> dict[str, Any]:
         preset = get_recipe(FAST_PRESET).config
         return {"use_jagg": True, "jagg_cache_velocities": True, "sde_window_size": MIX_WINDOW_SIZE,
                 **{name: preset[name] for name in FAST_ROLLOUT_FIELDS}}  # fmt: skip
-    positions = default_max_start("progressive", DEMO_NUM_INFERENCE_STEPS, MIX_WINDOW_SIZE) + 1
     return {
         "use_jagg": True,
         "jagg_cache_velocities": True,
@@ -99,7 +100,7 @@ def variant_overrides(variant: str, steps: int) -> dict[str, Any]:
         "sde_window_schedule": "progressive",
         "sde_window_max_start": None,
         "sde_window_stride": 1,
-        "sde_window_shift_interval": max(1, steps // positions),
+        "sde_window_shift_interval": MIX_SHIFT_INTERVAL,
         "ode_solver_order": 2,
         "ode_step_ratio": 0.6,
         "same_group_noise": True,
@@ -409,6 +410,7 @@ def run_quality_benchmark(
     model: str = DEMO_ASSET_DIR,
     num_threads: int = 1,
     price_flux: bool = True,
+    beta: float | None = None,
 ) -> dict[str, Any]:
     """Train the demo with every variant and seed (see the module docstring); returns and writes the report.
 
@@ -424,6 +426,7 @@ def run_quality_benchmark(
         model: the pipeline (the shipped demo model by default).
         num_threads: torch CPU threads while training; restored afterwards.
         price_flux: also price the time to reward in FLOPs at FLUX.1-dev's size (:func:`flux_dev_pricing`).
+        beta: the KL coefficient of every variant (``None``: the demo's 0.15; the Flux presets train with 0).
     """
     import torch
     from datasets import Dataset
@@ -443,6 +446,7 @@ def run_quality_benchmark(
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     at_steps = milestones(steps)
+    kl = {} if beta is None else {"beta": beta}
     prompts = demo_prompts()
     eval_dataset = Dataset.from_dict({"prompt": prompts * eval_repeats})
     report: dict[str, Any] = {
@@ -451,7 +455,8 @@ def run_quality_benchmark(
             "evaluated_steps": evaluation_steps(steps, every), "seeds": list(seeds), "eval_steps": at_steps,
             "eval_images": len(prompts) * eval_repeats, "torch_threads": num_threads, "torch": torch.__version__,
             "timer": "process CPU time of training (process_time), evaluation excluded",
-            "variants": {v: variant_overrides(v, steps) for v in variants},
+            "beta": beta,
+            "variants": {v: {**variant_overrides(v, steps), **kl} for v in variants},
             "order": run_order(seeds, list(variants)),
         },
         "runs": [],
@@ -462,7 +467,7 @@ def run_quality_benchmark(
             trainer = demo_trainer(
                 model, str(out / f"{variant}_seed{seed}"), steps=steps, seed=seed, eval_dataset=eval_dataset,
                 eval_strategy="steps", eval_steps=every, per_device_eval_batch_size=len(prompts),
-                reward=QUALITY_TASKS[task], **variant_overrides(variant, steps),
+                reward=QUALITY_TASKS[task], **variant_overrides(variant, steps), **kl,
             )  # fmt: skip
             clock, work = TrainingCPUClock(), TrainingWork(WorkCounter(trainer.adapter.pipeline))
             for callback in (EvaluateAt(report["config"]["evaluated_steps"]), clock, work):

@@ -200,8 +200,8 @@ _MIX = Recipe(
     name="mixgrpo-flux",
     model="black-forest-labs/FLUX.1-dev",
     description="MixGRPO-Flash on FLUX.1-dev: full fine-tuning, 25 steps with shift 3, SDE (a = 0.7) only "
-    "in a 4-step window that slides one step every 20 optimizer steps, DPM-Solver++ (order 2) on 40% of "
-    "the ODE steps around it; the window is trained, as one JAGG group.",
+    "in a 4-step window that slides one step every 20 rollouts (80 optimizer steps), DPM-Solver++ (order 2) on "
+    "MixGRPO-Flash's count of ODE steps after it (7 after steps 0-3); the window is trained, as one JAGG group.",
     source="MixGRPO (Li et al. 2025, arXiv 2507.21802), Tencent-Hunyuan/MixGRPO@e5cdd6a: "
     "scripts/finetune/finetune_flux_grpo_MixGRPO_Flash.sh, fastvideo/train_grpo_flux.py, "
     "fastvideo/utils/grpo_states.py, fastvideo/utils/sampling_utils.py.",
@@ -221,15 +221,17 @@ _MIX = Recipe(
         "steps_per_generation": 12,
         "gradient_accumulation_steps": 3,
         # The sliding window: group_size 4 (L58), progressive (L59) with prog_overlap and roll_back
-        # (L164, L168), moving prog_overlap_step 1 (L60) every iters_per_group 20 (L57) steps;
-        # grpo_states.py L85-99 and L141-148, train_grpo_flux.py L916-928 and L946-947.
+        # (L164, L168), moving prog_overlap_step 1 (L60) every iters_per_group 20 (L57) rollouts: one
+        # update_iteration per train_one_step (train_grpo_flux.py L946-947), i.e. per rollout of 4 optimizer
+        # steps; it stops before max_timesteps = 25 - 2 (L919; grpo_states.py L85-99, L141-148).
         "train_timesteps": "sde_window",
         "sde_window_size": 4,
         "sde_window_schedule": "progressive",
         "sde_window_stride": 1,
         "sde_window_shift_interval": 20,
-        "sde_window_max_start": 19,  # its last full window: steps 19-22 (max_timesteps = 25 - 2)
-        # dpm_algorithm_type dpmsolver++, order 2, midpoint, post compress ratio 0.4 (L75-79).
+        "sde_window_max_start": None,  # its last non-empty window: step 22 (max_timesteps = 25 - 2)
+        # dpm_algorithm_type dpmsolver++, order 2, midpoint, post compress ratio 0.4 (L75-79): after the window,
+        # int((25 - last) * 0.4) points, one step fewer (sampling_utils.py L44-53).
         "ode_solver_order": 2,
         "ode_step_ratio": 0.4,
         "beta": 0.0,  # kl_coeff (L56)
@@ -257,11 +259,14 @@ _MIX = Recipe(
     reward_funcs=("hpsv2.1", "imagereward", "pickscore"),  # multi_reward (train_grpo_flux.py L710-727)
     mixed_precision="bf16",  # --mixed_precision bf16 (L136) over float32 weights
     notes=(
-        "MixGRPO truncates the windows that reach its max_timesteps (grpo_states.py L148) and includes "
-        "an empty one; here every window is full (sde_window_max_start=19: its last full window, "
-        "steps 19-22), so the trained steps are always one JAGG group of W = 4.",
-        "MixGRPO-Flash compresses only the ODE steps after the window (dpm_apply_strategy 'post') and "
-        "keeps its history across the window's SDE steps; ode_step_ratio thins both sides and each ODE "
+        "The window moves once every 20 rollouts, as MixGRPO's update_iteration (once per train_one_step); over "
+        "MixGRPO-Flash's 300 rollouts it starts at steps 0-14. From start 20 on (rollout 400) the windows are cut "
+        "short at MixGRPO's max_timesteps (steps 20-22, 21-22, 22); MixGRPO then spends 20 rollouts on an empty "
+        "window (start 23), which is skipped here: the slide rolls back after start 22.",
+        "MixGRPO-Flash compresses only the ODE steps after the window (dpm_apply_strategy 'post'), to "
+        "int((25 - last) * 0.4) - 1 steps (7 after steps 0-3: 11 backbone calls a rollout), on points of a new "
+        "schedule, and keeps its history across the window's SDE steps; here the same count after the window, on "
+        "points of the pipeline's schedule, ode_step_ratio also thins the ODE before the window, and each ODE "
         "run starts its DPM-Solver++ history afresh. Before the window, the shared rollout prefix "
         "already runs the ODE once per group.",
         "MixGRPO sums per-reward advantages (multi_reward_mix 'advantage_aggr', L62); trl_jagg sums the "
@@ -293,7 +298,10 @@ _FAST = replace(
         "(order 2) on 40% of their points: 8 backbone calls, 12 a rollout in all instead of 25.",
         "The window starts at step 0, so the shared prefix before it is empty: same_group_noise is kept "
         "only so that a user who moves the window (sde_window_max_start) keeps MixGRPO's shared prefix.",
-        *_MIX.notes[1:3],
+        "The ODE after the held window takes round(0.4 x 21) = 8 steps, the count trl_jagg uses for a fixed "
+        "window; MixGRPO-Flash's own count after steps 0-3 is 7 (int(22 x 0.4) - 1, mixgrpo-flux). Each ODE run "
+        "starts its DPM-Solver++ history afresh.",
+        _MIX.notes[2],
         "Shift 3 is a scheduler override, applied by the CLI for `--recipe jagg-fast-flux`; in Python, "
         "pass get_recipe('jagg-fast-flux').apply_scheduler(pipeline) to DDPOJaggTrainer.",
         _MIX.notes[4],

@@ -64,10 +64,11 @@ def advantages_per_group(args: GRPOJaggConfig) -> bool:
     )
 
 
-def rollout_window(args: GRPOJaggConfig, global_step: int) -> list[int] | None:
-    """The SDE window of the rollout at ``global_step`` in the schedule's steps (``None``: every step stochastic):
-    Flow-GRPO-Fast's random start or MixGRPO's sliding one (:func:`trl_jagg.sde_window.sde_window`). DiffusionNFT
-    (``objective="nft"``) samples every step with the deterministic ODE: an empty window."""
+def rollout_window(args: GRPOJaggConfig, global_step: int, rollout: int) -> list[int] | None:
+    """The SDE window, in the schedule's steps, of the run's rollout number ``rollout`` (0 for the first), taken at
+    optimizer step ``global_step`` (``None``: every step stochastic): Flow-GRPO-Fast's random start (drawn from
+    the step) or MixGRPO's sliding one, which moves with the rollouts (:func:`trl_jagg.sde_window.sde_window`).
+    DiffusionNFT (``objective="nft"``) samples every step with the deterministic ODE: an empty window."""
     if args.objective == "nft":
         return []
     if args.sde_window_size == 0:
@@ -77,7 +78,7 @@ def rollout_window(args: GRPOJaggConfig, global_step: int) -> list[int] | None:
         num_steps=args.num_inference_steps,
         size=args.sde_window_size,
         max_start=args.sde_window_max_start,
-        step=global_step,
+        rollout=rollout,
         stride=args.sde_window_stride,
         shift_interval=args.sde_window_shift_interval,
         seed=rng_seed(args.seed, global_step, -1),
@@ -147,11 +148,12 @@ class RolloutGenerator:
 
     @torch.no_grad()
     def generate(
-        self, inputs: list[dict[str, Any]], transformer: torch.nn.Module, *, global_step: int, trainer_state: Any,
-        on_reward_failure: Callable[[RewardFailure, str], NoReturn],
+        self, inputs: list[dict[str, Any]], transformer: torch.nn.Module, *, global_step: int, rollout: int,
+        trainer_state: Any, on_reward_failure: Callable[[RewardFailure, str], NoReturn],
     ) -> dict[str, Any]:  # fmt: skip
         """One scored rollout of ``inputs`` (a dataloader batch: one dict per sample) with ``transformer`` (the
-        unwrapped backbone) at optimizer step ``global_step``. Its ``advantages`` may be a
+        unwrapped backbone) at optimizer step ``global_step``, the run's rollout number ``rollout`` (it places a
+        ``progressive`` window). Its ``advantages`` may be a
         :class:`~trl_jagg.trainer.batch.PendingAdvantages` (``overlap_rewards``, every reward scored chunk by chunk).
         A reward failure, now or when they are resolved, calls ``on_reward_failure(failure, when)``, which saves the
         steps trained so far and raises."""
@@ -173,10 +175,14 @@ class RolloutGenerator:
             if args.quantize_timesteps:
                 # DanceGRPO feeds the backbone int(sigma * 1000) / 1000; the sampler keeps the exact sigmas.
                 timesteps = timesteps.floor()
-            stochastic_steps = rollout_window(args, global_step)
+            stochastic_steps = rollout_window(args, global_step, rollout)
             if stochastic_steps:
-                # The ODE outside the window on fewer steps (ode_step_ratio); the rollout's own schedule from here.
-                path = compressed_path(args.num_inference_steps, stochastic_steps, args.ode_step_ratio)
+                # The ODE outside the window on fewer steps (ode_step_ratio; after a MixGRPO window, as many as
+                # MixGRPO-Flash takes); the rollout's own schedule from here.
+                path = compressed_path(
+                    args.num_inference_steps, stochastic_steps, args.ode_step_ratio,
+                    mixgrpo_post=args.sde_window_schedule == "progressive",
+                )  # fmt: skip
                 sigmas, timesteps, stochastic_steps = path_schedule(sigmas, timesteps, path, stochastic_steps)
             if sources is not None:  # one conditioning per sample: the same text may edit different images
                 cond = self.conditioner(prompts, source_images=sources)
