@@ -99,6 +99,12 @@ def test_the_preset_trains_at_its_cadence_and_memory_is_probed_outside_the_timed
         assert fast["predicted_speedup_vs_dancegrpo-exact"][training] == pytest.approx(ratio)
     assert fast["speedup_vs_dancegrpo-exact"]["per_repeat"] == [1.0] and "speedup_vs_dancegrpo-exact" not in exact
     assert fast["quality"] is None  # bench quality's figure, not measured here
+    # The cache's served share under the default `recompute`: the intermediates of the micro-batches before each
+    # rollout's first optimizer step (4 of 12), recomputed in the others; an exact update has none.
+    assert exact["cache_served"] is None
+    assert fast["cache_served"] == pytest.approx(
+        config["gradient_accumulation_steps"] / (config["steps_per_generation"] * config.get("num_iterations", 1))
+    )
 
     # Repricing the saved report at other costs recomputes the predictions from its counted work, and nothing else.
     saved = tmp_path / "saved.json"
@@ -121,6 +127,13 @@ def test_mixgrpo_is_compared_with_mixgrpo_flash():
     assert get_recipe("mixgrpo-flux").config["ode_solver_order"] == 2
     assert whole_step.WHOLE_STEP_VARIANTS["mixgrpo-flux"].baselines == ("dancegrpo-exact", "mixgrpo-flash")
     assert whole_step.with_baselines(["mixgrpo-flux"]) == ("dancegrpo-exact", "mixgrpo-flash", "mixgrpo-flux")
+
+
+def test_jagg_fast_flux_is_compared_with_its_own_rollout_trained_exactly():
+    # What JAGG earns (vs the same rollout, exact update) apart from what the recipe changes (vs exact DanceGRPO).
+    same_rollout = whole_step.WHOLE_STEP_VARIANTS[whole_step.FAST_EXACT]
+    assert (same_rollout.preset, dict(same_rollout.fields)) == ("jagg-fast-flux", {"use_jagg": False})
+    assert whole_step.FAST_EXACT in whole_step.WHOLE_STEP_VARIANTS["jagg-fast-flux"].baselines
 
 
 def test_unknown_variant_raises(tmp_path):

@@ -25,7 +25,7 @@ import torch
 from transformers import PrinterCallback, TrainerCallback
 
 from .flops import StepCosts, backbone_costs, step_flops
-from .measuring import benchmark_clock, endless_batches, interleaved, spread, sync_device
+from .measuring import benchmark_clock, endless_batches, interleaved, served_share, spread, sync_device
 from .trainer import PROMPTS, _configured, time_update
 from .whole_step import WorkCounter
 
@@ -300,18 +300,11 @@ def cadence_steps(
             "achieved_tflops": achieved, "mfu": achieved / peak_tflops, "peak_gib": max(peaks) if peaks else None,
             # The share of JAGG intermediates the velocity cache served over the timed rollouts (None: no cache):
             # with the default `recompute`, those of the micro-batches before the rollout's first optimizer step.
-            "cache_served": served_share(caches),
+            "cache_served": served_share(
+                [n for c in caches for n in c["cached_velocities"]], [n for c in caches for n in c["no_grad_forwards"]]
+            ),
         }  # fmt: skip
     return report
-
-
-def served_share(caches: list[dict[str, list[float]]]) -> float | None:
-    """The velocity cache's served intermediates over all it was asked for (served + recomputed), summed over the
-    logged micro-batches of ``caches`` (each a rollout's ``jagg/cached_velocities`` and ``jagg/no_grad_forwards``);
-    ``None`` when there were no JAGG intermediates (an exact update)."""
-    served = sum(sum(c["cached_velocities"]) for c in caches)
-    recomputed = sum(sum(c["no_grad_forwards"]) for c in caches)
-    return served / (served + recomputed) if served + recomputed else None
 
 
 def backbone_step_costs(config: Mapping[str, Any], resolution: int, text_tokens: int) -> StepCosts:

@@ -135,6 +135,14 @@ def spread(values: Sequence[float]) -> dict[str, Any]:
     }
 
 
+def served_share(cached: Sequence[float], recomputed: Sequence[float]) -> float | None:
+    """The share of JAGG intermediates the velocity cache served: ``cached`` (``jagg/cached_velocities``) over
+    ``cached + recomputed`` (``jagg/no_grad_forwards``), each summed over the micro-batches logged; ``None`` when
+    there were no JAGG intermediates (an exact update)."""
+    total = sum(cached) + sum(recomputed)
+    return sum(cached) / total if total else None
+
+
 def benchmark_clock(device: torch.device) -> Callable[[], float]:
     """The clock the benchmarks time with: wall time on an accelerator (synchronised around each measurement); on
     a CPU the process's CPU time, which, with one torch thread, counts the work itself and not the time other

@@ -55,7 +55,7 @@ from transformers import TrainerCallback
 from ..recipes import get_recipe
 from .engine import torch_threads
 from .flops import LORA_PRESET, StepCosts, flux_dev_costs, flux_dev_lora, preset_checkpointed_fraction, step_flops
-from .measuring import PeakMemory, benchmark_clock, interleaved, spread, sync_device
+from .measuring import PeakMemory, benchmark_clock, interleaved, served_share, spread, sync_device
 from .trainer import PROMPTS
 
 JSON_NAME = "whole_step_benchmark.json"
@@ -64,6 +64,7 @@ PREDICTED_AT = (1024, 512)
 """The FLUX.1-dev setting the FLOP model prices the counted work at: pixels, text tokens."""
 EXACT = "dancegrpo-exact"
 FLASH = "mixgrpo-flash"
+FAST_EXACT = "jagg-fast-exact"
 
 
 @dataclass(frozen=True)
@@ -80,9 +81,13 @@ WHOLE_STEP_VARIANTS: dict[str, PresetVariant] = {
     "dancegrpo-flux": PresetVariant("dancegrpo-flux"),
     FLASH: PresetVariant("mixgrpo-flux", {"use_jagg": False}),
     "mixgrpo-flux": PresetVariant("mixgrpo-flux", baselines=(EXACT, FLASH)),
-    "jagg-fast-flux": PresetVariant("jagg-fast-flux", baselines=(EXACT, FLASH)),
+    FAST_EXACT: PresetVariant("jagg-fast-flux", {"use_jagg": False}),
+    "jagg-fast-flux": PresetVariant("jagg-fast-flux", baselines=(EXACT, FLASH, FAST_EXACT)),
 }
-"""The variants by name: a preset as shipped (JAGG + velocity cache) or with an exact update (the baselines)."""
+"""The variants by name: a preset as shipped (JAGG + velocity cache) or with an exact update (the baselines). Each
+preset is compared with its own rollout trained exactly (what JAGG earns) and with exact DanceGRPO (JAGG and what
+the recipe changes: fewer trained steps, fewer sampling calls, DPM-Solver++); the ratio of the two is the recipe's
+share."""
 TINY_FIELDS = ("height", "width", "max_sequence_length")
 """The only preset fields the benchmark changes (besides the run's own: output directory, steps, seed, device)."""
 
@@ -148,9 +153,16 @@ class RolloutClock(TrainerCallback):
     """
 
     def __init__(
-        self, optimizer_steps: int, device: torch.device, counter: WorkCounter, probe_from: int, timeout_s: float
+        self,
+        optimizer_steps: int,
+        device: torch.device,
+        counter: WorkCounter,
+        probe_from: int,
+        timeout_s: float,
+        metrics: Mapping[str, list[float]],
     ):
         self.optimizer_steps = optimizer_steps
+        self.metrics = metrics  # the trainer's, read at each rollout's end (train() clears them when it ends)
         self.device, self.clock, self.counter = device, benchmark_clock(device), counter
         self.probe_from, self.timeout_s = probe_from, timeout_s
         self.rollouts: list[dict[str, Any]] = []  # per rollout: time or peak memory, optimizer steps, work
@@ -191,6 +203,8 @@ class RolloutClock(TrainerCallback):
             sync_device(self.device)
             entry["time_s"] = self.clock() - self._start
         entry["work"] = {k: self.counter.counts[k] - entry["work"][k] for k in WORK}
+        # Summed over every micro-batch so far (never logged here: the benchmark's logging_steps).
+        entry["cache"] = {k: sum(self.metrics.get(f"jagg/{k}", ())) for k in ("cached_velocities", "no_grad_forwards")}
         self.rollouts.append(entry)
 
     def run(self, trainer: Any) -> threading.Thread:
@@ -269,7 +283,10 @@ def time_rollouts(trainers: dict[str, Any], *, repeats: int, timeout_s: float = 
         for name, trainer in trainers.items():  # set-up (optimizer, dataloader) one trainer at a time
             counters[name] = WorkCounter(trainer.adapter.pipeline)
             steps = rollout_optimizer_steps(trainer.args)
-            clocks[name] = RolloutClock(steps, device, counters[name], probe_from=repeats + 1, timeout_s=timeout_s)
+            clocks[name] = RolloutClock(
+                steps, device, counters[name], probe_from=repeats + 1, timeout_s=timeout_s,
+                metrics=trainer.update_stage.metrics,
+            )  # fmt: skip
             trainer.add_callback(clocks[name])
             threads[name] = clocks[name].run(trainer)
         for name in trainers:  # the warm-up: every trainer's lasting state (optimizer, caches) exists after it
@@ -286,6 +303,7 @@ def time_rollouts(trainers: dict[str, Any], *, repeats: int, timeout_s: float = 
     measured = {}
     for name, clock in clocks.items():
         timed = [r for r in clock.rollouts if "time_s" in r][1:]  # the first is the warm-up
+        cache = clock.rollouts[-1]["cache"]  # every rollout's, warm-up and memory pass included: a count
         measured[name] = {
             "times": [r["time_s"] for r in timed],
             "optimizer_steps": [r["optimizer_steps"] for r in timed],
@@ -293,6 +311,7 @@ def time_rollouts(trainers: dict[str, Any], *, repeats: int, timeout_s: float = 
             "work": {k: sum(r["work"][k] for r in timed) for k in WORK},
             "peak_memory_mb": next((r["peak_memory_mb"] for r in clock.rollouts if "peak_memory_mb" in r), None),
             "probed_steps": [r["first_step"] for r in clock.rollouts if "peak_memory_mb" in r],
+            "cache_served": served_share([cache["cached_velocities"]], [cache["no_grad_forwards"]]),
         }
     return measured
 
@@ -325,6 +344,7 @@ def summarize(
             "first_steps": m["first_steps"], "counted": m["work"], "predicted_flops": flops[name],
             "predicted_checkpointing": dict(checkpointing[name]), "peak_memory_mb": m["peak_memory_mb"],
             "probed_steps": m["probed_steps"], "baselines": list(baselines[name]), "quality": None,
+            "cache_served": m.get("cache_served"),
         }  # fmt: skip
         for baseline in baselines[name]:
             if baseline in measured:
@@ -361,7 +381,10 @@ def flop_model(
 def _measured(entry: Mapping[str, Any]) -> dict[str, Any]:
     """What :func:`summarize` reads, back from a report's result ``entry``."""
     keys = ("optimizer_steps", "first_steps", "peak_memory_mb", "probed_steps")
-    return {"times": entry["rollout_s"]["per_repeat"], "work": entry["counted"], **{k: entry[k] for k in keys}}
+    return {
+        "times": entry["rollout_s"]["per_repeat"], "work": entry["counted"], **{k: entry[k] for k in keys},
+        "cache_served": entry.get("cache_served"),
+    }  # fmt: skip
 
 
 def reprice(report: dict[str, Any]) -> dict[str, Any]:
@@ -388,8 +411,9 @@ def format_table(results: list[dict[str, Any]], predicted_for: str = "FLUX.1-dev
     """A markdown table, one row per variant: optimizer steps per rollout, median rollout time, each measured ratio
     median [min, max] with the one predicted for ``predicted_for`` (as the variant's preset trains), the quality."""
     lines = [
-        f"| variant | optimizer steps / rollout | rollout (s) | measured ratio | {predicted_for} predicted | quality |",
-        "|---|---|---|---|---|---|",
+        f"| variant | optimizer steps / rollout | rollout (s) | measured ratio | {predicted_for} predicted | "
+        "cache served | quality |",
+        "|---|---|---|---|---|---|---|",
     ]
     for entry in results:
         training = preset_training(entry["variant"]) if entry["variant"] in WHOLE_STEP_VARIANTS else "full"
@@ -401,9 +425,10 @@ def format_table(results: list[dict[str, Any]], predicted_for: str = "FLUX.1-dev
         predicted = "<br>".join(f"{entry['predicted_' + k][training]:.2f}x ({training})" for k in keys)
         steps = sorted(set(entry["optimizer_steps"]))
         quality = "-" if entry.get("quality") is None else entry["quality"]
+        served = "-" if entry.get("cache_served") is None else f"{entry['cache_served']:.0%}"
         lines.append(
             f"| {entry['variant']} | {', '.join(map(str, steps))} | {entry['rollout_s']['median']:.2f} | "
-            f"{measured or 'baseline'} | {predicted or '-'} | {quality} |"
+            f"{measured or 'baseline'} | {predicted or '-'} | {served} | {quality} |"
         )
     return "\n".join(lines)
 
