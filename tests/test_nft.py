@@ -260,7 +260,8 @@ def test_nft_trains_the_demo_to_a_rising_held_out_reward(tmp_path):
 
 
 def test_nft_jagg_benchmark_writes_its_report(tmp_path):
-    """`trl-jagg bench nft-jagg` on a tiny setting: one seed, a measurement before and after one step."""
+    """`trl-jagg bench nft-jagg` on a tiny setting: one seed, a measurement before and after one step, against
+    exact shared-noise NFT and DiffusionNFT's fresh-noise NFT."""
     import json
 
     from trl_jagg.benchmarks.nft import JSON_NAME, PNG_NAME, run_nft_jagg_benchmark
@@ -271,5 +272,12 @@ def test_nft_jagg_benchmark_writes_its_report(tmp_path):
         assert -1 <= row["cosine"] <= 1 and row["relative_error"] >= 0
         speedup = row["update_speedup"]
         assert speedup["min"] <= speedup["median"] <= speedup["max"]
+        # DiffusionNFT's fresh-noise update (use_jagg=False) is the baseline too: another noise draw, so another
+        # gradient than exact shared-noise NFT's, and JAGG is compared with it.
+        assert row["shared_fresh_cosine"] < 1 - 1e-6 and row["fresh_relative_error"] > 0
+        assert -1 <= row["fresh_cosine"] <= 1
+    for name, spread in report["summary"].items():
+        values = [row[name] for row in report["rows"]]
+        assert (spread["min"], spread["max"]) == (min(values), max(values)), name
     assert json.loads((tmp_path / JSON_NAME).read_text()) == json.loads(json.dumps(report))
     assert (tmp_path / PNG_NAME).stat().st_size > 0

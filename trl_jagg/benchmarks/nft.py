@@ -2,10 +2,18 @@
 
 For each seed the demo (:mod:`trl_jagg.demo.run`, ``objective="nft"``, 4 of the 9 rollout timesteps trained, one
 JAGG group of ``W = 4``) trains ``0, 20, ...`` optimizer steps with exact NFT; at each checkpoint of that run one
-rollout's update is taken twice on the same weights, noise and timesteps: the group exact (four backward calls) and
-through JAGG (one joint backward through the two endpoint timesteps). The report gives their gradient cosine and
-relative norm error, and the process CPU time of the two updates, interleaved (after a warm-up pair), median [min,
-max] of the per-repeat ratios.
+rollout's update is taken three times on the same weights and timesteps:
+
+- ``shared``: the group exact with the noise JAGG uses, one ``eps`` per image shared by the group's four timesteps
+  (four backward calls): the estimator JAGG approximates, so ``cosine`` / ``relative_error`` measure JAGG's own error;
+- ``jagg``: through JAGG (one joint backward through the two endpoint timesteps), the same noise;
+- ``fresh``: DiffusionNFT's own update (``use_jagg=False``), a fresh ``eps`` per timestep, the baseline a user runs
+  without JAGG. Its expected gradient is the shared-noise one, its draw is not: ``fresh_cosine`` /
+  ``fresh_relative_error`` compare JAGG with it, and ``shared_fresh_cosine`` exact shared-noise NFT with it (how far
+  apart two noise estimators of one gradient lie, JAGG aside).
+
+The report also gives the process CPU time of the shared-noise and JAGG updates, interleaved (after a warm-up pair),
+median [min, max] of the per-repeat ratios.
 
     trl-jagg bench nft-jagg --output_dir runs/bench [--seeds 0 1 2] [--checkpoints 0 20 40] [--repeats 5]
 
@@ -44,10 +52,14 @@ NFT_DEMO_OVERRIDES: dict[str, Any] = {
 reference code's KL 1e-4, the demo's own learning rate (the rest of :func:`~trl_jagg.demo.run.demo_config`)."""
 
 
-def _update(trainer: Any, rollout: dict[str, Any], jagg_mode: str) -> tuple[torch.Tensor, float]:
-    """The flat gradient of one NFT update of ``rollout`` with ``jagg_mode``, and its process CPU time."""
+def _update(
+    trainer: Any, rollout: dict[str, Any], jagg_mode: str, *, use_jagg: bool = True
+) -> tuple[torch.Tensor, float]:
+    """The flat gradient of one NFT update of ``rollout`` with ``jagg_mode`` (``use_jagg=False``: DiffusionNFT's
+    fresh noise per timestep), and its process CPU time."""
     model = trainer.model
     trainer.args.jagg_mode = jagg_mode
+    trainer.args.use_jagg = use_jagg
     model.zero_grad(set_to_none=True)
     model.train()
     start = time.process_time()
@@ -57,8 +69,10 @@ def _update(trainer: Any, rollout: dict[str, Any], jagg_mode: str) -> tuple[torc
 
 
 def measure_checkpoint(trainer: Any, repeats: int) -> dict[str, Any]:
-    """Cosine, relative error and CPU-time ratio (exact / JAGG) of one rollout's update at the current weights."""
+    """JAGG's gradient cosine and relative error against exact shared-noise NFT and against DiffusionNFT's
+    fresh-noise NFT, and the CPU-time ratio (exact / JAGG) of one rollout's update at the current weights."""
     rollout = trainer._generate_and_score(next(iter(trainer.get_train_dataloader())))
+    fresh, _ = _update(trainer, rollout, "exact", use_jagg=False)
     exact, _ = _update(trainer, rollout, "exact")
     jagg, _ = _update(trainer, rollout, "jagg")  # the warm-up pair
     ratios = []
@@ -66,10 +80,31 @@ def measure_checkpoint(trainer: Any, repeats: int) -> dict[str, Any]:
         _, exact_s = _update(trainer, rollout, "exact")
         _, jagg_s = _update(trainer, rollout, "jagg")
         ratios.append(exact_s / jagg_s)
+    trainer.args.use_jagg = True
     return {
-        "cosine": float(torch.nn.functional.cosine_similarity(exact, jagg, dim=0)),
+        "cosine": _cosine(jagg, exact),
         "relative_error": float((jagg - exact).norm() / exact.norm()),
+        "fresh_cosine": _cosine(jagg, fresh),
+        "fresh_relative_error": float((jagg - fresh).norm() / fresh.norm()),
+        "shared_fresh_cosine": _cosine(exact, fresh),
         "update_speedup": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)},
+    }
+
+
+def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.nn.functional.cosine_similarity(a, b, dim=0))
+
+
+def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Median [min, max] over the rows of each gradient figure (JAGG against shared and fresh noise)."""
+    names = ("cosine", "relative_error", "fresh_cosine", "fresh_relative_error", "shared_fresh_cosine")
+    return {
+        name: {
+            "median": statistics.median(r[name] for r in rows),
+            "min": min(r[name] for r in rows),
+            "max": max(r[name] for r in rows),
+        }
+        for name in names
     }
 
 
@@ -96,7 +131,11 @@ def run_nft_jagg_benchmark(
             )  # fmt: skip
             trainer.add_callback(_Probe(trainer, seed, checkpoints, repeats, rows))
             trainer.train()
-    report = {"setting": {**NFT_DEMO_OVERRIDES, "repeats": repeats, "torch_threads": num_threads}, "rows": rows}
+    report = {
+        "setting": {**NFT_DEMO_OVERRIDES, "repeats": repeats, "torch_threads": num_threads},
+        "rows": rows,
+        "summary": summarize(rows),
+    }
     (out / JSON_NAME).write_text(json.dumps(report, indent=2) + "\n")
     if plot:
         plot_nft_jagg(rows, str(out / PNG_NAME))
@@ -113,7 +152,7 @@ class _Probe(TrainerCallback):
     def _probe(self, step: int) -> None:
         if step in self.checkpoints:
             self.rows.append({"seed": self.seed, "step": step, **measure_checkpoint(self.trainer, self.repeats)})
-            self.trainer.args.jagg_mode = "exact"  # the run itself trains exact NFT
+            self.trainer.args.jagg_mode = "exact"  # the run itself trains exact (shared-noise) NFT
             self.trainer.model.zero_grad(set_to_none=True)
             print(json.dumps(self.rows[-1]), flush=True)
 
@@ -135,9 +174,15 @@ def plot_nft_jagg(rows: Sequence[dict[str, Any]], path: str) -> str:
     fig, (cos_ax, speed_ax) = plt.subplots(1, 2, figsize=(10, 4))
     for seed in sorted({r["seed"] for r in rows}):
         mine = [r for r in rows if r["seed"] == seed]
-        cos_ax.plot([r["step"] for r in mine], [r["cosine"] for r in mine], marker="o", label=f"seed {seed}")
+        line = cos_ax.plot([r["step"] for r in mine], [r["cosine"] for r in mine], marker="o", label=f"seed {seed}")
+        steps, fresh = [r["step"] for r in mine], [r["fresh_cosine"] for r in mine]
+        cos_ax.plot(steps, fresh, marker="x", linestyle="--", color=line[0].get_color())
         speed_ax.plot([r["step"] for r in mine], [r["update_speedup"]["median"] for r in mine], marker="o")
-    cos_ax.set(xlabel="optimizer step (exact NFT)", ylabel="cosine(JAGG, exact)", title="JAGG-NFT gradient, W = 4")
+    cos_ax.set(
+        xlabel="optimizer step (exact NFT)",
+        ylabel="cosine: JAGG vs shared noise (o), vs fresh noise (x)",
+        title="JAGG-NFT gradient, W = 4",
+    )
     speed_ax.set(xlabel="optimizer step", ylabel="exact / JAGG update CPU time", title="update speed-up")
     cos_ax.legend()
     fig.tight_layout()
