@@ -150,8 +150,10 @@ def test_nft_presets_table_matches_the_recipes():
     assert sorted(row[0] for row in rows) == sorted(
         n for n, r in RECIPES.items() if r.config.get("objective") == "nft"
     )
-    for name, model, reward, _, steps, _, size, g, fraction, lora, lr, kl, nft_beta, decay in rows:
+    for name, model, reward, _, steps, _, size, g, images, fraction, lora, lr, kl, nft_beta, decay in rows:
         recipe, config = RECIPES[name], RECIPES[name].config
+        per_step = config["per_device_train_batch_size"] * 8 * config["gradient_accumulation_steps"]
+        assert int(images.split()[0]) == per_step, name
         assert model == recipe.model and [r.strip("` ") for r in reward.split(",")] == list(recipe.reward_funcs), name
         assert (int(steps), int(size), int(g)) == (
             config["num_inference_steps"],
