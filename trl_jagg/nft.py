@@ -14,7 +14,10 @@ No log-probability and no SDE are involved, so rollouts may use any deterministi
 
 The formulas follow ``scripts/train_nft_sd3.py`` at NVlabs/DiffusionNFT@24af555 (lines 910-970: the optimality
 probability, the implicit policies, the adaptive weights, the loss and its KL term) and ``return_decay`` (lines
-169-189: how fast the sampling policy follows the trained one).
+169-189: how fast the sampling policy follows the trained one). ``global_step`` there and here counts optimizer
+steps, so the decay follows DiffusionNFT's per image only at its batch (1152 images a step; the presets'
+``diffusion_nft_batch``). The noise ``eps`` is the caller's: DiffusionNFT draws a fresh one per timestep; JAGG-NFT
+shares one per group of timesteps, and its exact limits hold against that shared-noise NFT.
 """
 
 from __future__ import annotations

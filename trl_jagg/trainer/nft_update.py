@@ -11,8 +11,9 @@ graph, and :func:`~trl_jagg.nft.nft_loss` combines them.
 ``jagg_group_size`` as the GRPO steps are, and a group shares one ``eps`` per sample, so its inputs ``x_t`` lie on
 one line in ``t``. The engine then forwards the group's two endpoint timesteps with graph, the others without, and
 takes one joint backward with the interpolated Jacobian (``docs/jagg.md``): exact at ``W = 2`` and for a velocity
-linear in ``(x, t)``. Without JAGG every timestep is its own group and draws its own ``eps`` (the reference code's
-``randn_like`` per timestep).
+linear in ``(x, t)``, against NFT with the same shared noise. Without JAGG every timestep is its own group and draws
+its own ``eps`` (the reference code's ``randn_like`` per timestep): the same expected gradient, another estimator, so
+JAGG is never exact against it (``trl-jagg bench nft-jagg`` reports both).
 """
 
 from __future__ import annotations
