@@ -280,7 +280,9 @@ def tiny_hub(tiny_hub_cache, tmp_path, monkeypatch):
 
     def load_dataset(path, *args, **kwargs):
         column = DATASET_PROMPT_COLUMNS.get(path, "prompt")
-        return datasets.Dataset.from_dict({column: ["a red circle", "a green square", "a blue circle", "a red cat"]})
+        # Four prompts twelve times: enough for any page's preset on one process (the NFT presets draw 6 a rollout).
+        prompts = ["a red circle", "a green square", "a blue circle", "a red cat"] * 12
+        return datasets.Dataset.from_dict({column: prompts})
 
     monkeypatch.setattr(datasets, "load_dataset", load_dataset)
 
