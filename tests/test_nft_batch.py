@@ -102,3 +102,42 @@ def test_old_policy_decay_and_ema_count_diffusionnfts_optimizer_steps(name, proc
     # The old batch (24 images a step per process) reached decay type 1's ceiling after 500 x 24 images on one
     # process; DiffusionNFT reaches it after 500 steps of 1152.
     assert return_decay(500, 1) == 0.5 and return_decay(499, 1) < 0.5
+
+
+def test_the_trainer_decays_the_old_policy_at_diffusionnfts_step_count(tiny_sd3_path, monkeypatch, tmp_path):
+    """Two rollouts of nft-sd35-ocr's split (two optimizer steps each): the old policy follows the trained weights
+    before the second rollout at optimizer step 2, where DiffusionNFT's return_decay(global_step) is taken after its
+    first epoch (global_step 2, train_nft_sd3.py L1021, L1035): not the rollout count (1) nor the micro-batches (4)."""
+    from datasets import Dataset
+    from diffusers import DiffusionPipeline
+
+    from trl_jagg import DDPOJaggTrainer
+    from trl_jagg.recipes import get_recipe
+    from trl_jagg.rewards import brightness
+    from trl_jagg.trainer.old_policy import OldPolicy
+
+    followed: list[int] = []
+    original = OldPolicy.follow
+
+    def spy(self, global_step: int) -> None:
+        followed.append(global_step)
+        original(self, global_step)
+
+    monkeypatch.setattr(OldPolicy, "follow", spy)
+    tiny = dict(
+        height=32, width=32, num_inference_steps=4, max_sequence_length=16, per_device_train_batch_size=2,
+        num_generations=4, steps_per_generation=4, gradient_accumulation_steps=2, max_steps=4, report_to="none",
+        save_strategy="no", disable_tqdm=True, seed=0, activation_checkpointing=False, offload_frozen_modules=False,
+    )  # fmt: skip
+    recipe = get_recipe("nft-sd35-ocr")
+    trainer = DDPOJaggTrainer(
+        model=DiffusionPipeline.from_pretrained(tiny_sd3_path),
+        reward_funcs=brightness(),
+        args=GRPOJaggConfig.from_recipe("nft-sd35-ocr", output_dir=str(tmp_path), **tiny),
+        train_dataset=Dataset.from_dict({"prompt": ["a red circle", "a green square", "a cat", "a dog"]}),
+        peft_config=recipe.lora_config(),
+    )
+    trainer.train()
+    assert trainer.state.global_step == 4
+    assert followed == [0, 2]  # before each rollout of 8 images: after 0, then 2 optimizer steps
+    assert trainer.old_policy.followed_step == 2  # DiffusionNFT's global_step after its first epoch
