@@ -274,8 +274,9 @@ class VelocityCacheBenchmarkArguments:
 
 NFT_JAGG_DESCRIPTION = (
     "On the CPU demo trained with DiffusionNFT (objective=nft), one rollout's update with JAGG across 4 timesteps "
-    "against the same update exact, at several optimizer steps of an exact-NFT run: gradient cosine, relative error "
-    "and the update's CPU-time ratio; write nft_jagg_benchmark.json and .png."
+    "against the same update exact with the same shared noise, and against DiffusionNFT's own fresh-noise update "
+    "(use_jagg=False), at several optimizer steps of an exact-NFT run: gradient cosines, relative errors and the "
+    "update's CPU-time ratio; write nft_jagg_benchmark.json and .png."
 )
 
 
