@@ -245,9 +245,10 @@ def test_bench_quality_command_writes_json_and_png(tmp_path):
 
     out = tmp_path / "quality"
     argv = ["quality", "--output_dir", str(out), "--steps", "1", "--seeds", "3", "--eval_repeats", "1"]
-    assert main([*argv, "--variants", "mix_jagg_cache"]) == 0
+    assert main([*argv, "--variants", "mix_jagg_cache", "--beta", "0"]) == 0
     report = json.loads((out / "quality.json").read_text())
     assert report["config"]["task"] == "color" and report["time_to_reward"] == {}  # no exact run to aim at
+    assert report["config"]["beta"] == 0 and report["config"]["variants"]["mix_jagg_cache"]["beta"] == 0
     assert [(r["seed"], r["variant"]) for r in report["runs"]] == [(3, "mix_jagg_cache")]
     (run,) = report["runs"]
     assert run["step"] == [1] and run["cpu_s"][0] > 0

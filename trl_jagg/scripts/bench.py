@@ -204,6 +204,13 @@ class QualityBenchmarkArguments:
             "of the runs at that size (counting FLUX.1-dev's modules takes a minute or two, once)."
         },
     )
+    beta: float | None = field(
+        default=None,
+        metadata={
+            "help": "The KL coefficient of every variant (default: the demo's 0.15); 0 is the Flux presets' own "
+            "(mixgrpo-flux, jagg-fast-flux)."
+        },
+    )
 
 
 REWARD_OVERLAP_DESCRIPTION = (
