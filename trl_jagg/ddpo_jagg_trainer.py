@@ -45,6 +45,7 @@ from .trainer.generation import RolloutGenerator
 from .trainer.guards import stop_if_non_finite
 from .trainer.image_logging import eval_images_key, log_completions, log_image_grid, save_images
 from .trainer.inputs import checked_inputs, checked_model_inputs
+from .trainer.interrupts import InterruptCallback, interrupted
 from .trainer.metrics import first_completions, logged_means
 from .trainer.nft_update import NFTUpdateStage
 from .trainer.old_policy import OldPolicy
@@ -182,6 +183,8 @@ class DDPOJaggTrainer(_BaseTrainer):
             self.add_callback(EMACallback(self.ema))
         if args.image_log_steps and args.eval_prompts:
             self.add_callback(SampleImagesCallback(self._log_samples))
+        self.interrupts = InterruptCallback(self.accelerator.device)
+        self.add_callback(self.interrupts)
 
     @property
     def is_lora(self) -> bool:
@@ -360,13 +363,23 @@ class DDPOJaggTrainer(_BaseTrainer):
 
     # ------------------------------------------------------------------ saving and resuming
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> Any:
-        """:meth:`transformers.Trainer.train` (``True`` / ``"latest"``: the last checkpoint), checking its files first."""
+        """:meth:`transformers.Trainer.train` (``True`` / ``"latest"``: the last checkpoint), checking its files first.
+
+        SIGINT (Ctrl-C) or SIGTERM (a scheduler's preemption) stops it after the optimizer step in progress with a
+        checkpoint of every trained step, then raises :class:`~trl_jagg.errors.TrainingInterrupted` naming it; a
+        second signal stops at once (:mod:`trl_jagg.trainer.interrupts`)."""
         resume_from_checkpoint = checkpointing.resume_path(resume_from_checkpoint, self.args.output_dir)
         if resume_from_checkpoint:
             transformer = self.accelerator.unwrap_model(self.model)
             plain = not (self.is_deepspeed_enabled or self.is_fsdp_enabled)  # resumes from optimizer.pt
             self.weights.check(resume_from_checkpoint, transformer, self.args, ema=self.ema, optimizer_files=plain)
-        return super().train(resume_from_checkpoint=resume_from_checkpoint or None, **kwargs)
+        try:
+            output = super().train(resume_from_checkpoint=resume_from_checkpoint or None, **kwargs)
+        finally:
+            self.interrupts.restore()  # also when training raised: Ctrl-C must work again after train()
+        if self.interrupts.signal_number is not None:
+            raise interrupted(self.interrupts.signal_number, self.args.output_dir, self.state.global_step)
+        return output
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """:meth:`transformers.Trainer.save_model`, refusing non-finite weights, and a model that has trained 0 steps

@@ -21,4 +21,14 @@ class CheckpointError(TrainingError):
     """A checkpoint to resume from is missing, truncated, or does not match the model being trained."""
 
 
-__all__ = ["CheckpointError", "NonFiniteError", "TrainingError"]
+class TrainingInterrupted(TrainingError):
+    """SIGINT or SIGTERM stopped the run after an optimizer step, whose checkpoint was saved; ``exit_code`` is the
+    shell's status for that signal (128 + its number: 130 for SIGINT, 143 for SIGTERM)."""
+
+    def __init__(self, message: str, signal_number: int, checkpoint: str):
+        super().__init__(message)
+        self.signal_number, self.checkpoint = signal_number, checkpoint
+        self.exit_code = 128 + signal_number
+
+
+__all__ = ["CheckpointError", "NonFiniteError", "TrainingError", "TrainingInterrupted"]

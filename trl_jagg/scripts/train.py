@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..errors import TrainingInterrupted
 from ..redaction import redacted_argv
 from .utils import CommandParser, UsageError, flag_value, one_line
 
@@ -427,7 +428,14 @@ def train_and_save(
     """Train (resuming when asked), save to ``output_dir``, push when ``push_to_hub`` (the model card names
     ``dataset_name``) and end; shared by ``trl-jagg train`` and the examples."""
     # "true" / "last" / "latest" (a flag's text) mean the latest checkpoint-N: the trainer reads them.
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    try:
+        trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    except TrainingInterrupted as stop:  # the checkpoint is saved: say where, end, exit with the signal's status
+        if trainer.is_world_process_zero():
+            print(stop, file=sys.stderr)
+        if hasattr(trainer, "end"):
+            trainer.end()
+        raise SystemExit(stop.exit_code) from None
     trainer.save_model(training_args.output_dir)
     if trainer.is_world_process_zero():
         print(f"Saved the trained weights to {training_args.output_dir}")

@@ -1,0 +1,93 @@
+"""Ctrl-C and preemption: SIGINT / SIGTERM stop the run after the optimizer step in progress, with a checkpoint.
+
+Schedulers send SIGTERM before they kill a job (Slurm's ``--signal``, Kubernetes' ``terminationGracePeriodSeconds``,
+spot-instance notices), and Ctrl-C sends SIGINT. Without a handler both lose every step since the last save. With
+:class:`InterruptCallback` the first signal is only recorded: the step in progress finishes (its rollout, rewards and
+optimizer step: the state is consistent only between optimizer steps), the trainer saves ``checkpoint-<step>`` and
+stops, and ``train()`` raises :class:`~trl_jagg.errors.TrainingInterrupted`, which names the checkpoint and the
+resume. A second signal gets the previous handler at once (SIGINT: ``KeyboardInterrupt``; SIGTERM: the process
+ends). Under several processes the processes agree after every optimizer step on whether any of them was signalled
+(one ``all_reduce`` of one number), so a signal to one process and a signal to all end alike: one checkpoint, saved
+by every rank.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from types import FrameType
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from ..errors import TrainingInterrupted
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class InterruptCallback(TrainerCallback):
+    """Records the first SIGINT / SIGTERM during ``train()`` and turns it into a save and a stop at the next
+    optimizer step's end; ``signal_number`` is the signal that stopped the run (``None``: none did).
+
+    Handlers are installed only from the main thread (Python delivers signals there; a ``train()`` run in another
+    thread keeps the process's own handlers) and restored when training ends.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.signal_number: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.signal_number is not None:  # the second signal: what would have happened without us
+            self.restore()
+            signal.raise_signal(signum)
+            return
+        self.signal_number = signum
+        print(
+            f"Received {signal.Signals(signum).name}: stopping after the optimizer step in progress and saving a "
+            "checkpoint (send it again to stop at once).",
+            flush=True,
+        )
+
+    def restore(self) -> None:
+        """Put back the handlers that were installed before ``train()`` (also when training raised)."""
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous.clear()
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.signal_number = None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS}
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        received = self.signal_number or 0
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            if torch.distributed.get_world_size() > 1:  # every process stops at the same step, and saves
+                flag = torch.tensor([received], device=self.device)
+                torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+                received = int(flag.item())
+        if received:
+            self.signal_number = received
+            control.should_save = True
+            control.should_training_stop = True
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.restore()
+
+
+def interrupted(signal_number: int, output_dir: str, global_step: int) -> TrainingInterrupted:
+    """The error ``train()`` raises after the checkpoint of a signalled run: the signal, the step, the checkpoint
+    and how to resume from it."""
+    checkpoint = f"{output_dir}/{PREFIX_CHECKPOINT_DIR}-{global_step}"
+    name = signal.Signals(signal_number).name
+    return TrainingInterrupted(
+        f"{name} stopped training after optimizer step {global_step}; every step is in {checkpoint}. Resume with "
+        "`trainer.train(resume_from_checkpoint=True)` (`trl-jagg train ... --resume_from_checkpoint true`), "
+        "the same config and output_dir.",
+        signal_number,
+        checkpoint,
+    )
