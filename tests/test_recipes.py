@@ -699,6 +699,24 @@ def test_mix_preset_trains_its_sliding_window_on_a_compressed_ode_schedule(tiny_
         assert entry["jagg/groups_jagg"] == 1 and entry["jagg/backward_calls"] == 1  # the window is one JAGG group
 
 
+def test_mix_preset_window_resumes_at_its_rollout(tiny_flux_path, tmp_path, monkeypatch):
+    """A run resumed after its first rollout (2 optimizer steps a rollout, a move every rollout) samples its second
+    rollout with the second window, steps 1-4, as the uninterrupted run did: the rollout counter comes back from
+    grpo_state.json with the checkpoint."""
+    recipe = get_recipe("mixgrpo-flux")
+    pipeline = recipe.apply_scheduler(FluxPipeline.from_pretrained(tiny_flux_path))
+    settings = dict(
+        num_inference_steps=10, sde_window_max_start=None, sde_window_shift_interval=1, steps_per_generation=2,
+        max_steps=4, save_strategy="steps", save_steps=2,
+    )  # fmt: skip
+    trainer, recorded = recipe_trainer("mixgrpo-flux", pipeline, tmp_path, monkeypatch, **settings)
+    trainer.train()
+    assert [steps for steps, _ in recorded] == [[0, 1, 2, 3]] * 2 + [[1, 2, 3, 4]] * 2
+    resumed, resumed_recorded = recipe_trainer("mixgrpo-flux", pipeline, tmp_path, monkeypatch, **settings)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+    assert [steps for steps, _ in resumed_recorded] == [[1, 2, 3, 4]] * 2
+
+
 def test_fast_jagg_preset_trains_its_window_held_on_the_high_noise_steps(tiny_flux_path, tmp_path, monkeypatch):
     """jagg-fast-flux on 10 steps for 3 optimizer steps: every update trains steps 0-3 of the schedule as one JAGG
     group, on a rollout whose ODE after the window takes round(0.4 x 6) = 2 steps (MixGRPO's, which slides, would
