@@ -1022,3 +1022,11 @@ def test_dance_preset_rewards_score_the_last_steps_predicted_x0(tiny_flux_path, 
     for got, want, final in zip(received, decoded(x0_hat), decoded(latents[:, -1])):
         np.testing.assert_allclose(got, want, atol=1.0)  # uint8 images: one level for float rounding
         assert np.abs(got - final).max() > 1.0  # the final latent decodes to another image
+
+
+def test_jagg_fast_flux_is_deprecated_for_mixgrpo_flux(tmp_path):
+    """Issue 37: at its own beta = 0 and MixGRPO's cadence, the held window did not beat MixGRPO's slide; the preset
+    warns and names the replacement, and only it is deprecated."""
+    with pytest.warns(FutureWarning, match="'jagg-fast-flux' is deprecated.*'mixgrpo-flux'"):
+        GRPOJaggConfig.from_recipe("jagg-fast-flux", output_dir=str(tmp_path))
+    assert [name for name in NAMES if get_recipe(name).deprecated] == ["jagg-fast-flux"]

@@ -507,6 +507,7 @@ class GRPOJaggConfig(JaggArguments, ScalingArguments, EMAArguments, EvaluationAr
         ``dancegrpo-flux`` (``trl_jagg.recipes.list_recipes()``).
         """
         recipe = get_recipe(name)
+        recipe.warn_if_deprecated()
         if not overrides.get("output_dir"):
             raise ValueError(
                 f"from_recipe({name!r}) needs output_dir=...: where checkpoints, logs and the trained weights go."

@@ -6,6 +6,7 @@ Like the presets, it imports nothing of trl_jagg: the config reads them, never t
 from __future__ import annotations
 
 import textwrap
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from types import MappingProxyType
@@ -36,6 +37,8 @@ class Recipe:
             ``--fp16 true`` to the CLI). With ``config["dtype"] == "float32"`` this is the peer's precision: float32
             weights, the backbone's forward under autocast.
         notes: what the preset does not express, or chose where the source is silent.
+        deprecated: why the preset is deprecated and what to use instead (``None``: it is not);
+            :meth:`GRPOJaggConfig.from_recipe` warns with it. A deprecated preset is removed in a later release.
     """
 
     name: str
@@ -48,6 +51,7 @@ class Recipe:
     reward_funcs: tuple[str, ...] = ()
     mixed_precision: str | None = None
     notes: tuple[str, ...] = ()
+    deprecated: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("config", "lora", "scheduler"):
@@ -56,6 +60,11 @@ class Recipe:
                 object.__setattr__(self, name, MappingProxyType(dict(value)))
         if self.mixed_precision not in (None, "fp16", "bf16"):
             raise ValueError(f"Recipe.mixed_precision is {self.mixed_precision!r}. Use 'fp16', 'bf16' or None.")
+
+    def warn_if_deprecated(self) -> None:
+        """A ``FutureWarning`` naming the replacement when the preset is :attr:`deprecated`."""
+        if self.deprecated:
+            warnings.warn(f"The preset {self.name!r} is deprecated: {self.deprecated}", FutureWarning, stacklevel=3)
 
     def variant(self, name: str, description: str, config: Mapping[str, Any], **fields: Any) -> Recipe:
         """This recipe under another ``name``, with ``config`` values on top and other attributes replaced by

@@ -166,7 +166,9 @@ def recipe_defaults(argv: Sequence[str], config: Mapping[str, Any]) -> dict[str,
     from trl_jagg.recipes import get_recipe
 
     try:
-        return get_recipe(name).cli_values()
+        recipe = get_recipe(name)
+        recipe.warn_if_deprecated()
+        return recipe.cli_values()
     except ValueError as error:
         raise UsageError(f"recipe: {error}") from None
 
