@@ -387,7 +387,7 @@ def test_recipes_page_commands_parse_with_the_train_parser(tmp_path, monkeypatch
     # The combinations the page promises.
     assert {
         "flow-grpo-flux", "dancegrpo-flux-8gpu", "flow-grpo-sd35-geneval", "flow-grpo-sd35-ocr", "nft-sd35",
-        "flow-grpo-qwenimage-edit", "flow-grpo-wan2.1", "flow-factory-wan2.2", "jagg-fast-flux",
+        "flow-grpo-qwenimage-edit", "flow-grpo-wan2.1", "flow-factory-wan2.2", "mixgrpo-flux",
     } <= presets  # fmt: skip
 
 
