@@ -471,6 +471,7 @@ def run_whole_step_benchmark(
     num_threads: int = 1,
     plot: bool = True,
     reprice_report: str | None = None,
+    model: str | None = None,
 ) -> dict[str, Any]:
     """Train every variant's preset one rollout at a time and time it (see the module docstring); returns and
     writes the report as JSON (and the PNG chart).
@@ -487,13 +488,16 @@ def run_whole_step_benchmark(
         plot: write the PNG chart.
         reprice_report: a report written before (a path): instead of timing, its predictions are recomputed from
             its counted work by today's FLOP model (:func:`reprice`) and the report written to ``output_dir``.
+        model: a local pipeline folder to train instead of a random-initialised tiny Flux (``"demo"``: the CPU
+            demo's pretrained pipeline, a model that has learnt its prompts); ``num_layers`` and
+            ``num_single_layers`` then do not apply.
     """
     out = Path(output_dir)
     if reprice_report is not None:
         report = reprice(json.loads(Path(reprice_report).read_text()))
     else:
         report = _timed_report(variants, resolution, max_sequence_length, num_layers, num_single_layers, repeats,
-                               seed, num_threads)  # fmt: skip
+                               seed, num_threads, model)  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     (out / JSON_NAME).write_text(json.dumps(report, indent=2))
     if plot:
@@ -514,9 +518,10 @@ def with_baselines(variants: Sequence[str]) -> tuple[str, ...]:
 
 def _timed_report(
     variants: tuple[str, ...], resolution: int, max_sequence_length: int, num_layers: int, num_single_layers: int,
-    repeats: int, seed: int, num_threads: int,
+    repeats: int, seed: int, num_threads: int, model: str | None,
 ) -> dict[str, Any]:  # fmt: skip
     """The whole-step report of :func:`run_whole_step_benchmark`'s timing (its arguments)."""
+    from ..demo.run import DEMO_ASSET_DIR
     from ..testing.tiny_models import save_tiny_pipeline
 
     if repeats < 1:
@@ -525,10 +530,13 @@ def _timed_report(
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tiny = {"height": resolution, "width": resolution, "max_sequence_length": max_sequence_length}
     with torch_threads(num_threads), tempfile.TemporaryDirectory() as tmp:
-        model_dir = save_tiny_pipeline(
-            "flux", str(Path(tmp) / "flux"), seed=seed,
-            transformer={"num_layers": num_layers, "num_single_layers": num_single_layers},
-        )  # fmt: skip
+        if model is not None:
+            model_dir = str(DEMO_ASSET_DIR) if model == "demo" else model
+        else:
+            model_dir = save_tiny_pipeline(
+                "flux", str(Path(tmp) / "flux"), seed=seed,
+                transformer={"num_layers": num_layers, "num_single_layers": num_single_layers},
+            )  # fmt: skip
         trainers = build_trainers(
             model_dir, names, tmp, rollouts=repeats + 2, **tiny, use_cpu=device.type == "cpu", seed=seed
         )
@@ -541,7 +549,8 @@ def _timed_report(
     baselines = {name: WHOLE_STEP_VARIANTS[name].baselines for name in names}
     return {
         "config": {
-            "resolution": resolution, "text_tokens": max_sequence_length, "num_layers": num_layers,
+            "model": model or "random-initialised tiny Flux", "resolution": resolution,
+            "text_tokens": max_sequence_length, "num_layers": num_layers,
             "num_single_layers": num_single_layers, "repeats": repeats, "torch_threads": num_threads,
             "device": device.type, "torch": torch.__version__,
             "timer": "wall time (perf_counter)" if device.type != "cpu" else "process CPU time (process_time)",

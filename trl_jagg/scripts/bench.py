@@ -150,6 +150,14 @@ class WholeStepBenchmarkArguments:
             "(full fine-tuning and LoRA) from its counted work and write it to --output_dir."
         },
     )
+    model: str | None = field(
+        default=None,
+        metadata={
+            "help": "A local pipeline folder to train instead of a random-initialised tiny Flux; `demo`: the CPU "
+            "demo's pretrained pipeline, a model that has learnt its prompts (with --resolution 32 "
+            "--max_sequence_length 16). --num_layers and --num_single_layers then do not apply."
+        },
+    )
 
 
 QUALITY_DESCRIPTION = (
