@@ -193,3 +193,51 @@ def test_command_line_secrets_are_redacted_once_parsed():
         json.dumps({"http://h/s": {"token": REDACTED}}), "--reward_funcs", f"http://{REDACTED}@h/s",
         "--learning_rate", "1e-4", "--config", REDACTED,
     ]  # fmt: skip
+
+
+def test_secrets_are_redacted_by_their_shape_as_well_as_by_name():
+    """Issue 42: a key in a URL's query string, after ``Bearer`` or an ``Authorization:`` header's scheme, with a
+    common token prefix, or under a user's own ``bearer`` / ``pat`` / ``access`` key; ordinary words stay."""
+    from trl_jagg.redaction import redact_text
+
+    value = {
+        "http://h/score": {
+            "headers": ["Authorization: Bearer B1-secret", "Accept: json"],
+            "url": "http://h/s?api_key=Q1",
+        },
+        "mine": {"bearer": "B2", "pat": "P1", "access": "A1", "note": "Authorization: Basic dXNlcjpwYXNz"},
+        "prefixed": ["sk-abcdef123456", "hf_abcdefgh1234", "ghp_abcdefgh1234", "AKIAABCDEFGHIJKLMNOP"],
+        "plain": "a basic red square, max_tokens 16, token ids",
+    }
+    assert redacted(value) == {
+        "http://h/score": {
+            "headers": [f"Authorization: Bearer {REDACTED}", "Accept: json"],
+            "url": f"http://h/s?api_key={REDACTED}",
+        },
+        "mine": {"bearer": REDACTED, "pat": REDACTED, "access": REDACTED, "note": f"Authorization: Basic {REDACTED}"},
+        "prefixed": [REDACTED] * 4,
+        "plain": "a basic red square, max_tokens 16, token ids",
+    }
+    assert redact_text("https://u:pw@h/v1?token=T1&q=cat#f") == f"https://{REDACTED}@h/v1?token={REDACTED}&q=cat#f"
+    # Both argv forms of a JSON value, and a URL flag's query.
+    assert redacted_argv(['--reward_kwargs={"h": {"token": "t"}}', "--reward_funcs=http://h/s?secret=S1"]) == [
+        "--reward_kwargs=" + json.dumps({"h": {"token": REDACTED}}), f"--reward_funcs=http://h/s?secret={REDACTED}",
+    ]  # fmt: skip
+
+
+def test_a_reward_url_with_a_key_in_its_query_keeps_it_out_of_repr_errors_and_saved_args(tmp_path):
+    """The key reaches the server (the URL is used as given) but not ``repr()``, the connection error, the config's
+    JSON (what trackers get) or ``training_args.bin``'s redacted copy."""
+    import pytest
+    from PIL import Image
+
+    from trl_jagg.rewards.remote import RemoteReward
+
+    url = "http://127.0.0.1:9/score?api_key=QUERYKEY-5e1"  # port 9 (discard): refused at once
+    reward = RemoteReward(url, timeout=5, retries=0)
+    assert reward.url == url and "QUERYKEY" not in repr(reward)
+    with pytest.raises(ConnectionError) as error:
+        reward(["a red square"], [Image.new("RGB", (8, 8))])
+    assert "QUERYKEY" not in str(error.value) and "127.0.0.1:9" in str(error.value)
+    args = GRPOJaggConfig(output_dir=str(tmp_path), reward_kwargs={url: {"timeout": 5}}, report_to="none")
+    assert "QUERYKEY" not in args.to_json_string() and "QUERYKEY" not in repr(redacted_fields(args))

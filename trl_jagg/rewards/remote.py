@@ -37,7 +37,7 @@ import httpx
 from PIL import Image
 
 from trl_jagg.field_types import has_kind
-from trl_jagg.redaction import check_url_without_credentials
+from trl_jagg.redaction import check_url_without_credentials, redact_url
 from trl_jagg.rewards.calling import REMOTE_REWARD_TIMEOUT, run_on_event_loop
 from trl_jagg.rewards.lazy import check_pairs, to_rgb
 
@@ -119,7 +119,7 @@ class RemoteReward:
         except httpx.InvalidURL:
             parsed = None
         if parsed is None or parsed.scheme not in ("http", "https") or not parsed.host:
-            raise ValueError(f"The reward server URL must be http(s)://host[:port]/path, got {url!r}.")
+            raise ValueError(f"The reward server URL must be http(s)://host[:port]/path, got {redact_url(url)!r}.")
         # Checked here, not at the first request: each would fail only after a whole rollout.
         for field_name, value, valid, fix in (
             ("timeout", timeout, has_kind(timeout, float) and 0 < timeout < math.inf, "a finite number of seconds > 0"),
@@ -131,8 +131,9 @@ class RemoteReward:
              "an integer >= 1"),
         ):  # fmt: skip
             if not valid:
-                raise ValueError(f"remote({url!r}): {field_name} is {value!r}. Use {fix}.")
+                raise ValueError(f"remote({redact_url(url)!r}): {field_name} is {value!r}. Use {fix}.")
         self.url = url
+        self.shown_url = redact_url(url)  # in messages and repr: a key in its query string stays out
         self.timeout = timeout
         self.retries = retries
         self.backoff = backoff
@@ -159,7 +160,7 @@ class RemoteReward:
                 data += chunk
                 if len(data) > self.max_response_bytes:
                     raise RuntimeError(
-                        f"Reward server {self.url} sent more than max_response_bytes={self.max_response_bytes} bytes: "
+                        f"Reward server {self.shown_url} sent more than max_response_bytes={self.max_response_bytes} bytes: "
                         "not a score list."
                     )
             return response.status_code, bytes(data), retry_after_seconds(response.headers.get("Retry-After"))
@@ -187,20 +188,20 @@ class RemoteReward:
                 try:
                     return json.loads(data.decode("utf-8"))
                 except ValueError:
-                    raise RuntimeError(f"Reward server {self.url} sent an answer that is not JSON.") from None
+                    raise RuntimeError(f"Reward server {self.shown_url} sent an answer that is not JSON.") from None
             if status not in RETRIED_STATUSES:
-                raise RuntimeError(f"Reward server {self.url} rejected the request (HTTP {status}): {detail}")
+                raise RuntimeError(f"Reward server {self.shown_url} rejected the request (HTTP {status}): {detail}")
             server_error, connection_error = f"HTTP {status}: {detail}", None
         attempts = f"{self.retries + 1} attempt(s)"
         if server_error is not None:
-            raise RuntimeError(f"Reward server {self.url} failed to score after {attempts}: {server_error}")
+            raise RuntimeError(f"Reward server {self.shown_url} failed to score after {attempts}: {server_error}")
         if isinstance(connection_error, (TimeoutError, asyncio.TimeoutError, httpx.TimeoutException)):
             raise TimeoutError(
-                f"Reward server {self.url} did not answer within timeout={self.timeout} s (the deadline of each "
+                f"Reward server {self.shown_url} did not answer within timeout={self.timeout} s (the deadline of each "
                 f"attempt: connect, send, score, read) after {attempts}. Raise timeout or lower batch_size."
             )
         raise ConnectionError(
-            f"Could not reach the reward server {self.url} after {attempts} ({type(connection_error).__name__}: "
+            f"Could not reach the reward server {self.shown_url} after {attempts} ({type(connection_error).__name__}: "
             f"{connection_error}). Is it running and reachable? {SERVER_HINT}"
         )
 
@@ -209,12 +210,12 @@ class RemoteReward:
         scores = answer.get("scores") if isinstance(answer, dict) else None
         if not isinstance(scores, list) or len(scores) != count:
             shown = repr(answer)[:200]
-            raise RuntimeError(f"Reward server {self.url} sent a malformed answer for {count} images: {shown}")
+            raise RuntimeError(f"Reward server {self.shown_url} sent a malformed answer for {count} images: {shown}")
         # A number or null (not applicable), never coerced: "0.5" or true is a server bug, not a score.
         bad = [i for i, score in enumerate(scores) if score is not None and not has_kind(score, float)]
         if bad:
             raise RuntimeError(
-                f"Reward server {self.url} sent scores that are not numbers at positions {bad[:10]}: "
+                f"Reward server {self.shown_url} sent scores that are not numbers at positions {bad[:10]}: "
                 f"{[scores[i] for i in bad[:3]]!r}. Scores must be JSON numbers (or null for not applicable)."
             )
         return [None if score is None else float(score) for score in scores]
@@ -250,7 +251,7 @@ class RemoteReward:
         return run_on_event_loop(self.acall(prompts, images, **kwargs))
 
     def __repr__(self) -> str:
-        return f"RemoteReward(url={self.url!r}, name={self.__name__!r})"
+        return f"RemoteReward(url={self.shown_url!r}, name={self.__name__!r})"
 
 
 def _error_detail(data: bytes) -> str:

@@ -370,7 +370,7 @@ class VLMJudgeReward(RemoteReward):
                 raise TypeError
         except (KeyError, IndexError, TypeError):
             raise RuntimeError(
-                f"VLM judge {self.__name__!r} at {self.url} sent a reply that is not a chat completion: "
+                f"VLM judge {self.__name__!r} at {self.shown_url} sent a reply that is not a chat completion: "
                 f"{repr(answer)[:200]}"
             ) from None
         return text, choice
@@ -397,7 +397,7 @@ class VLMJudgeReward(RemoteReward):
 
     def _reply_error(self, error: JudgeReplyError, text: str) -> JudgeReplyError:
         return JudgeReplyError(
-            f"VLM judge {self.__name__!r} ({self.judge}, model {self.model!r} at {self.url}) sent a reply that gives "
+            f"VLM judge {self.__name__!r} ({self.judge}, model {self.model!r} at {self.shown_url}) sent a reply that gives "
             f"no score: {error}. Reply: {text[:300]!r}. Is the served model the judge's ({self.spec.checkpoint})?"
         )
 
@@ -420,7 +420,7 @@ class VLMJudgeReward(RemoteReward):
         return [wins[i] / opponents[i] if opponents[i] else None for i in range(len(images))]
 
     def __repr__(self) -> str:
-        return f"VLMJudgeReward(url={self.url!r}, judge={self.judge!r}, model={self.model!r}, name={self.__name__!r})"
+        return f"VLMJudgeReward(url={self.shown_url!r}, judge={self.judge!r}, model={self.model!r}, name={self.__name__!r})"
 
 
 async def _all(calls: list[Awaitable[Any]]) -> list[Any]:
