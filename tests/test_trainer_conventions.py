@@ -369,3 +369,27 @@ def test_image_grid_tiles_rows_with_caption_strips_and_fills_the_last_row():
     assert grid.getpixel((0, 20)) == (0, 0, 255) and grid.getpixel((8, 20)) == (255, 0, 0)  # row 2: 4th, 5th
     assert grid.getpixel((4, 10)) == (255, 255, 255)  # empty caption strip
     assert grid.getpixel((20, 24)) == (255, 255, 255)  # the last row's missing 6th tile
+
+
+def test_the_config_is_data_two_trainers_from_one_config(tiny_flux_path, tmp_path):
+    """Issue 42: a notebook re-run builds a second trainer from the same config. The trainer settles the
+    checkpointing switches for transformers.Trainer on its own copy, so the config reads back as given and the
+    second trainer checkpoints its backbone as the first did."""
+    config = GRPOJaggConfig(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=2, num_inference_steps=4,
+        height=32, width=32, max_steps=1, max_sequence_length=16, report_to="none", save_strategy="no",
+        disable_tqdm=True, activation_checkpointing=True, activation_checkpointing_kwargs={"every_n_layers": 2},
+    )  # fmt: skip
+    before = config.to_dict()
+    trainers = [
+        DDPOJaggTrainer(
+            model=tiny_flux_path,
+            reward_funcs=redness,
+            args=config,
+            train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        )  # fmt: skip
+        for _ in range(2)
+    ]
+    assert config.to_dict() == before
+    for trainer in trainers:
+        assert trainer.accelerator.unwrap_model(trainer.model).gradient_checkpointing

@@ -10,6 +10,7 @@ scheduler, logging, ``report_to``, checkpoints, resume, ``push_to_hub``) is ``tr
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import time
 from collections import defaultdict
@@ -94,6 +95,9 @@ class DDPOJaggTrainer(_BaseTrainer):
         args = args if args is not None else GRPOJaggConfig("grpo-jagg")
         if not isinstance(args, GRPOJaggConfig):
             raise TypeError(f"`args` must be a GRPOJaggConfig, got {type(args).__name__}.")
+        # The config is the user's data: the trainer settles some fields for transformers.Trainer (the checkpointing
+        # switches it enables itself, DDP's unused parameters), on its own copy, so one config serves many trainers.
+        args = copy.copy(args)
         # A launch that silently runs fewer processes stops here, before anything is loaded.
         distributed.check_world_size(args.world_size)
         # Seed before the adapter is created: Trainer seeds only in its own __init__, after LoRA init.
