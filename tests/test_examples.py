@@ -236,3 +236,16 @@ def test_documented_commands_parse(name):
     example = load_example(name)
     for flags in commands:
         assert example.parse([*CPU, *flags.split()]) is not None, flags
+
+
+@pytest.mark.parametrize("flags", [["--model_name_or_path", "me/model"], ["--reward_funcs=pickscore"],
+                                   ["--dataset_name", "p.txt", "--reward_funcs", "clipscore"]])  # fmt: skip
+def test_tiny_refuses_the_flags_it_would_replace(tmp_path, flags):
+    """Issue 42: `--tiny` swaps in its model, reward and prompts; a flag naming one of them is refused by name
+    (before anything loads) instead of being silently replaced."""
+    from trl_jagg.scripts.utils import UsageError
+
+    example = load_example("train_flux_pickscore.py")
+    with pytest.raises(UsageError, match="--tiny replaces") as error:
+        example.parse(["--tiny", "--output_dir", str(tmp_path), *flags])
+    assert all(f"{flag.split('=')[0]}" in str(error.value) for flag in flags if flag.startswith("--"))

@@ -34,6 +34,10 @@ if TYPE_CHECKING:
     from trl_jagg.testing.tiny_models import TinyRun
 
 
+TINY_REPLACES = ("--model_name_or_path", "--reward_funcs", "--dataset_name")
+"""The flags whose values ``--tiny`` replaces (so it refuses them rather than ignore them)."""
+
+
 @dataclass
 class ExampleArguments:
     """An example's own flags, besides :class:`~trl_jagg.GRPOJaggConfig`'s: ``--tiny``, the model, the rewards and
@@ -218,6 +222,14 @@ class Example:
             rest = [token for token in argv if token not in ("-h", "--help")]
             parser.set_defaults(**self.defaults(self.own_arguments(rest, {})))
         parsed = parser.parse_command_line(argv, lambda argv, config: self.defaults(self.own_arguments(argv, config)))
+        if parsed is not None and parsed[0].tiny:
+            replaced = [flag for flag in TINY_REPLACES if any(t == flag or t.startswith(f"{flag}=") for t in argv)]
+            if replaced:
+                raise UsageError(
+                    f"--tiny replaces {', '.join(replaced)} with its tiny model, reward and prompts, so "
+                    f"{'they' if len(replaced) > 1 else 'it'} would be ignored: drop --tiny to use "
+                    f"{'them' if len(replaced) > 1 else 'it'}, or drop {'them' if len(replaced) > 1 else 'it'} to run tiny."
+                )
         return None if parsed is None else (parsed[0], parsed[1])
 
     def load_dataset(self, args: ExampleArguments) -> Dataset:
