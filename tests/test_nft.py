@@ -104,7 +104,7 @@ def test_old_policy_follows_swaps_and_round_trips(tmp_path):
     with policy.swapped_in():
         torch.testing.assert_close(weight.detach(), torch.tensor([2.8, 5.6]))
     torch.testing.assert_close(weight.detach(), torch.tensor([3.0, 6.0]))
-    policy.save(str(tmp_path))
+    policy.save(str(tmp_path), checkpoint_step=100)
     other = OldPolicy(lambda: [weight], decay_type=1)
     other.load(str(tmp_path))
     assert other.followed_step == 100
@@ -281,3 +281,46 @@ def test_nft_jagg_benchmark_writes_its_report(tmp_path):
         assert (spread["min"], spread["max"]) == (min(values), max(values)), name
     assert json.loads((tmp_path / JSON_NAME).read_text()) == json.loads(json.dumps(report))
     assert (tmp_path / PNG_NAME).stat().st_size > 0
+
+
+@pytest.fixture(scope="module")
+def nft_checkpoints(tiny_flux_path, tmp_path_factory):
+    """An NFT run saved at steps 1 and 2 (read-only: each test copies what it damages)."""
+    run = tmp_path_factory.mktemp("nft_saved")
+    trainer = nft_trainer(tiny_flux_path, run, max_steps=2, save_strategy="steps", save_steps=1)
+    trainer.train()
+    return run / "out"
+
+
+def _copied_run(nft_checkpoints, tmp_path):
+    import shutil
+
+    shutil.copytree(nft_checkpoints, tmp_path / "out")
+    return tmp_path / "out" / "checkpoint-2"
+
+
+@pytest.mark.parametrize("damage", ["other_objective", "copied_from_checkpoint_1", "truncated", "unstamped"])
+def test_resume_refuses_an_old_policy_that_is_not_the_runs_own(tiny_flux_path, nft_checkpoints, tmp_path, damage):
+    """Issue 42: the old policy carries its own stamp (safetensors metadata: the step it followed, the checkpoint
+    step it was saved with). A GRPO resume of an NFT checkpoint, an old policy copied from another save, a truncated
+    file and one without its stamp are each a named CheckpointError before anything is loaded."""
+    from safetensors.torch import load_file, save_file
+
+    from trl_jagg.errors import CheckpointError
+
+    checkpoint = _copied_run(nft_checkpoints, tmp_path)
+    file = checkpoint / OLD_POLICY_FILE
+    objective = "grpo" if damage == "other_objective" else "nft"
+    if damage == "copied_from_checkpoint_1":
+        file.write_bytes((checkpoint.parent / "checkpoint-1" / OLD_POLICY_FILE).read_bytes())
+    elif damage == "truncated":
+        file.write_bytes(file.read_bytes()[:100])
+    elif damage == "unstamped":
+        save_file(load_file(str(file)), str(file))
+    expected = {
+        "other_objective": "saved by a DiffusionNFT run", "copied_from_checkpoint_1": "from another save",
+        "truncated": "truncated or corrupt", "unstamped": "not written by this trainer",
+    }[damage]  # fmt: skip
+    resumed = nft_trainer(tiny_flux_path, tmp_path, max_steps=3, objective=objective)
+    with pytest.raises(CheckpointError, match=expected):
+        resumed.train(resume_from_checkpoint=str(checkpoint))

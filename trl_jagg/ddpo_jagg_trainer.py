@@ -452,7 +452,7 @@ class DDPOJaggTrainer(_BaseTrainer):
                 self._save_scaler(staging_dir)
                 self._save_rng_state(staging_dir)
             if self.old_policy is not None:  # every process: sharded weights are gathered
-                self.old_policy.save(staging_dir, write=args.should_save)
+                self.old_policy.save(staging_dir, checkpoint_step=self.state.global_step, write=args.should_save)
             if args.should_save:
                 stateful = [*self.callback_handler.callbacks, self.control]
                 checkpointing.save_run_state(

@@ -18,7 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ..errors import CheckpointError
-from .files import EMA_DIR, EMA_STATE_NAME, GRPO_STATE_NAME
+from .files import EMA_DIR, EMA_STATE_NAME, GRPO_STATE_NAME, OLD_POLICY_FILE
 
 # Files `torch.save` writes (zip archives) that Trainer reads back when resuming.
 RESUME_LATEST = ("true", "last", "latest")
@@ -200,6 +200,53 @@ def check_optimizer_file(path: str, parameter_shapes: Sequence[tuple[int, ...]])
                     f"{file}: the {name} of parameter {position} holds NaN or infinite values (the weights would "
                     "turn NaN at the first step). Resume from an earlier checkpoint."
                 )
+
+
+def old_policy_stamp(file: str) -> dict[str, str]:
+    """The stamp (safetensors metadata) of an old-policy file, which must be readable and carry the step it last
+    followed; a damaged or unstamped file is a named :class:`~trl_jagg.errors.CheckpointError`."""
+    try:
+        with safe_open(file, framework="pt") as reader:
+            stamp = reader.metadata() or {}
+    except (SafetensorError, OSError) as error:
+        raise damaged_file(file, error) from error
+    if not str(stamp.get("step", "")).isdigit():
+        raise damaged_file(file, "no step stamp", state="not written by this trainer")
+    return stamp
+
+
+def check_old_policy(path: str, *, nft: bool) -> None:
+    """DiffusionNFT's old policy belongs to the run resuming ``path``: an NFT checkpoint is not resumed by another
+    objective (its old policy would be ignored in silence), and with ``nft`` the file is readable and stamped
+    (safetensors metadata) with this checkpoint's step (a file copied from another save would resume another old
+    policy). A file saved before the checkpoint stamp existed cannot be checked: a warning says so."""
+    file = os.path.join(path, OLD_POLICY_FILE)
+    if not nft:
+        if os.path.isfile(file):
+            raise CheckpointError(
+                f"{path} was saved by a DiffusionNFT run ({OLD_POLICY_FILE}): resuming it with another objective "
+                "would drop its old policy. Resume with objective='nft', or start a new run in another output_dir."
+            )
+        return
+    if not os.path.isfile(file):
+        raise CheckpointError(
+            f"objective='nft' but {path} has no {OLD_POLICY_FILE}: it was not saved by a DiffusionNFT run. Resume it "
+            "with its own objective, or start a new run in another output_dir."
+        )
+    stamp = old_policy_stamp(file)
+    if "checkpoint_step" not in stamp:
+        warnings.warn(
+            f"{file} has no checkpoint_step stamp (saved by an older version): whether the old policy belongs to "
+            "this checkpoint's step cannot be checked.",
+            stacklevel=2,
+        )
+        return
+    step = _global_step(path)
+    if stamp["checkpoint_step"] != str(step):
+        raise CheckpointError(
+            f"{file} was saved with the checkpoint of step {stamp['checkpoint_step']}, {path} at step {step} "
+            f"({TRAINER_STATE_FILE}): an old policy from another save. Resume from a checkpoint saved whole."
+        )
 
 
 def check_ema_step(path: str) -> None:

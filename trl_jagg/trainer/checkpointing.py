@@ -42,6 +42,7 @@ from .checkpoint_checks import (
     check_checkpoint_dir,
     check_ema_step,
     check_finite_weights,
+    check_old_policy,
     check_optimizer_file,
     check_resume_files,
     check_run_settings,
@@ -130,6 +131,7 @@ class WeightsIO:
                 check_finite_weights(files)
         if ema is not None:
             check_ema_step(path)
+        check_old_policy(path, nft=args.objective == "nft")
         check_step_agreement(path, args.gradient_accumulation_steps)
         if optimizer_files:
             check_resume_files(path, save_only_model=args.save_only_model)

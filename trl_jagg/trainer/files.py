@@ -17,6 +17,9 @@ EMA_DIR = "ema"
 """Subfolder of every saved model and checkpoint holding the EMA weights, in the format of the trained ones."""
 EMA_STATE_NAME = "ema_state.json"
 """In ``ema/``: the optimizer step the average was saved at, which a resume compares with the checkpoint's."""
+OLD_POLICY_FILE = "nft_old_policy.safetensors"
+"""DiffusionNFT's old policy in a checkpoint: the whole weights, stamped (safetensors metadata) with the step it
+last followed and the checkpoint step it was saved at."""
 GRPO_STATE_NAME = "grpo_state.json"
 """The trainer's own run state in a checkpoint (the Trainer saves weights, optimizer, scheduler and RNG itself)."""
 MODEL_FILES = (

@@ -17,13 +17,13 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ..nft import old_policy_decay
+from .checkpoint_checks import damaged_file, old_policy_stamp
 from .ema import aligned_parts, local_parts, whole, whole_shape
-
-OLD_POLICY_FILE = "nft_old_policy.safetensors"
+from .files import OLD_POLICY_FILE
 
 
 class OldPolicy:
@@ -76,14 +76,16 @@ class OldPolicy:
                 for part, weight in zip(parts, trained):
                     part.copy_(weight)
 
-    def save(self, folder: str, *, write: bool = True) -> None:
-        """Write the whole weights and the step they last followed into ``folder`` (where ``write``: the main
-        process). Under sharding every process must call it: the weights are gathered one at a time."""
+    def save(self, folder: str, *, checkpoint_step: int, write: bool = True) -> None:
+        """Write the whole weights into ``folder``, stamped with the step they last followed and ``checkpoint_step``
+        (the checkpoint's optimizer step, which a resume compares with the checkpoint's own), where ``write``: the
+        main process. Under sharding every process must call it: the weights are gathered one at a time."""
         params = self.parameters()
         aligned_parts(self.weights, params)
         tensors = {str(i): whole(w, p).to("cpu").contiguous() for i, (w, p) in enumerate(zip(self.weights, params))}
         if write:
-            save_file(tensors, os.path.join(folder, OLD_POLICY_FILE), metadata={"step": str(self.followed_step)})
+            stamp = {"step": str(self.followed_step), "checkpoint_step": str(checkpoint_step), "objective": "nft"}
+            save_file(tensors, os.path.join(folder, OLD_POLICY_FILE), metadata=stamp)
 
     def load(self, folder: str) -> None:
         """Read what :meth:`save` wrote; refuses a file of another model or another set of trained weights."""
@@ -93,7 +95,11 @@ class OldPolicy:
                 f"objective='nft' but {path} is missing: the checkpoint was not saved by an NFT run. Resume it "
                 "with objective='grpo', or start a new run."
             )
-        tensors = load_file(path)
+        stamp = old_policy_stamp(path)
+        try:
+            tensors = load_file(path)
+        except (SafetensorError, OSError) as error:
+            raise damaged_file(path, error) from error
         shapes = [whole_shape(p) for p in self.parameters()]
         if (
             sorted(tensors, key=int) != [str(i) for i in range(len(shapes))]
@@ -103,5 +109,4 @@ class OldPolicy:
         device = self.weights[0].device if self.weights else "cpu"
         # Whole tensors: cut to this process's parts where the weights are sharded, at their next use.
         self.weights = [tensors[str(i)].to(device=device, dtype=torch.float32) for i in range(len(shapes))]
-        with safe_open(path, framework="pt") as reader:
-            self.followed_step = int(reader.metadata()["step"])
+        self.followed_step = int(stamp["step"])
