@@ -187,7 +187,7 @@ class DDPOJaggTrainer(_BaseTrainer):
             self.add_callback(EMACallback(self.ema))
         if args.image_log_steps and args.eval_prompts:
             self.add_callback(SampleImagesCallback(self._log_samples))
-        self.interrupts = InterruptCallback(self.accelerator.device)
+        self.interrupts = InterruptCallback(self.accelerator)
         self.add_callback(self.interrupts)
 
     @property

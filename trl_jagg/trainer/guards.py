@@ -29,6 +29,14 @@ def any_process(accelerator: Any, flag: bool) -> bool:
     return bool(accelerator.reduce(value, reduction="sum") > 0)
 
 
+def largest_over_processes(accelerator: Any, value: float) -> float:
+    """``value``'s largest over the processes (every process calls it at the same point; no collective on one)."""
+    if accelerator.num_processes == 1:
+        return value
+    local = torch.tensor([value], device=accelerator.device, dtype=torch.float64)
+    return float(accelerator.gather(local).max())
+
+
 def last_checkpoint_note(run_dir: str) -> str:
     """A sentence naming the latest ``checkpoint-N`` in ``run_dir``, or saying there is none. Not called "good": the
     run may have just resumed from it (its files passed the resume checks, yet the values led here)."""

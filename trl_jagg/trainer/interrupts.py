@@ -7,7 +7,7 @@ optimizer step: the state is consistent only between optimizer steps), the train
 stops, and ``train()`` raises :class:`~trl_jagg.errors.TrainingInterrupted`, which names the checkpoint and the
 resume. A second signal gets the previous handler at once (SIGINT: ``KeyboardInterrupt``; SIGTERM: the process
 ends). Under several processes the processes agree after every optimizer step on whether any of them was signalled
-(one ``all_reduce`` of one number), so a signal to one process and a signal to all end alike: one checkpoint, saved
+(one gather of one number, through accelerate), so a signal to one process and a signal to all end alike: one checkpoint, saved
 by every rank.
 """
 
@@ -18,11 +18,11 @@ import threading
 from types import FrameType
 from typing import Any
 
-import torch
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..errors import TrainingInterrupted
+from .guards import largest_over_processes
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -35,8 +35,8 @@ class InterruptCallback(TrainerCallback):
     thread keeps the process's own handlers) and restored when training ends.
     """
 
-    def __init__(self, device: torch.device):
-        self.device = device
+    def __init__(self, accelerator: Any):
+        self.accelerator = accelerator
         self.signal_number: int | None = None
         self._previous: dict[int, Any] = {}
 
@@ -64,12 +64,8 @@ class InterruptCallback(TrainerCallback):
             self._previous = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS}
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        received = self.signal_number or 0
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            if torch.distributed.get_world_size() > 1:  # every process stops at the same step, and saves
-                flag = torch.tensor([received], device=self.device)
-                torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-                received = int(flag.item())
+        # Every process stops at the same step, and saves: the largest signal number over them (0: none).
+        received = int(largest_over_processes(self.accelerator, self.signal_number or 0))
         if received:
             self.signal_number = received
             control.should_save = True

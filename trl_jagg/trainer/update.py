@@ -26,7 +26,7 @@ from ..models import FlowMatchingAdapter
 from ..sampling import sampler_step
 from .backward import backward, backward_unit
 from .batch import resolved, rng_seed, velocity_key
-from .guards import any_process
+from .guards import any_process, largest_over_processes
 from .placement import adapters_disabled, reshard
 
 STEP_STATS = ("policy_loss", "kl", "ratio_mean", "clip_fraction", "approx_kl")
@@ -349,8 +349,7 @@ class UpdateStage:
 
     def largest_over_processes(self, value: float) -> float:
         """``value``'s largest over the processes (every process calls it at the same point)."""
-        local = torch.tensor([value], device=self.accelerator.device, dtype=torch.float64)
-        return float(self.accelerator.gather(local).max())
+        return largest_over_processes(self.accelerator, value)
 
     # ------------------------------------------------------------------ one micro-batch
     def run(
