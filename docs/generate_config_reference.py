@@ -101,7 +101,7 @@ def render() -> str:
     """The whole of ``docs/config.md``."""
     from transformers import TrainingArguments
 
-    from trl_jagg.grpo_jagg_config import GRPOJaggConfig
+    from trl_jagg.config.grpo_jagg_config import GRPOJaggConfig
     from trl_jagg.scripts.train import ScriptArguments
     from trl_jagg.scripts.utils import own_fields
 

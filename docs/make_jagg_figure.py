@@ -3,7 +3,7 @@
 Left: how JAGG spreads each trained step's upstream signal ``s_j`` over the two endpoint Jacobians of its group,
 ``(1 - alpha_j)`` onto ``J_0`` and ``alpha_j`` onto ``J_{W-1}``, on a real schedule (SD3's 10 steps, shift 3, every
 step trained but the last, ``W = 4``, ``jagg_frac = 0.6``), with the weights and the routing computed by
-:func:`trl_jagg.jagg.plan_groups`. Right: the update-stage cost model, ``3W`` forward units for exact per-step
+:func:`trl_jagg.core.jagg.plan_groups`. Right: the update-stage cost model, ``3W`` forward units for exact per-step
 backward against ``W + 4`` for JAGG, and the resulting speedup.
 
     python docs/make_jagg_figure.py [--output docs/assets/jagg.png]
@@ -21,7 +21,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from diffusers import FlowMatchEulerDiscreteScheduler  # noqa: E402
 
-from trl_jagg.jagg import plan_groups  # noqa: E402
+from trl_jagg.core.jagg import plan_groups  # noqa: E402
 
 OUTPUT = Path(__file__).resolve().parent / "assets" / "jagg.png"
 

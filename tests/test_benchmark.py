@@ -17,7 +17,7 @@ from trl_jagg.benchmarks.engine import (
     run_engine_benchmark,
     theoretical_speedup,
 )
-from trl_jagg.jagg import plan_groups
+from trl_jagg.core.jagg import plan_groups
 
 TINY = {"num_steps": 5, "width": 16, "depth": 1, "batch": 2, "repeats": 1, "tokens": 6, "channels": 4, "heads": 2}
 REPO = Path(__file__).resolve().parents[1]

@@ -10,7 +10,6 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from trl_jagg.errors import CheckpointError
 from trl_jagg.trainer.checkpoint_checks import (
     check_ema_step,
     check_finite_weights,
@@ -21,6 +20,7 @@ from trl_jagg.trainer.checkpoint_checks import (
     check_weights,
     read_grpo_state,
 )
+from trl_jagg.utils.errors import CheckpointError
 
 
 def write_json(path, name, value) -> None:

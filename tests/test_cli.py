@@ -15,8 +15,7 @@ import yaml
 from PIL import Image
 from testing_utils import NAMES
 
-from trl_jagg import cli
-from trl_jagg.scripts import bench, calibrate, demo, train
+from trl_jagg.scripts import bench, calibrate, cli, demo, launch, train
 from trl_jagg.scripts.utils import UsageError, own_fields
 
 
@@ -83,9 +82,13 @@ def test_train_help_lists_every_field_with_its_help(capsys):
 
 
 def test_module_entry_point_for_accelerate_launch():
-    # `accelerate launch -m trl_jagg.cli train ...` runs the module as __main__.
+    # `accelerate launch -m trl_jagg.scripts.cli train ...` runs the module as __main__.
     result = subprocess.run(
-        [sys.executable, "-m", "trl_jagg.cli", "--help"], capture_output=True, text=True, timeout=120, check=False
+        [sys.executable, "-m", "trl_jagg.scripts.cli", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert result.returncode == 0, result.stderr
     assert "commands:" in result.stdout
@@ -491,30 +494,30 @@ def test_env_prints_the_versions_a_bug_report_needs(capsys):
 
 # ---------------------------------------------------------------- --accelerate_config
 def test_accelerate_config_relaunches_through_accelerate(tmp_path, monkeypatch, capsys):
-    import accelerate.commands.launch as launch
+    import accelerate.commands.launch as accelerate_launch
 
     launched = []
-    monkeypatch.setattr(launch, "launch_command", lambda args: launched.append(args))
-    monkeypatch.delenv(train.LAUNCHED_ENV, raising=False)
+    monkeypatch.setattr(accelerate_launch, "launch_command", lambda args: launched.append(args))
+    monkeypatch.delenv(launch.LAUNCHED_ENV, raising=False)
     custom = tmp_path / "two_cpus.yaml"
     custom.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_CPU\nnum_processes: 2\n")
     flags = ["--model_name_or_path", "x", "--reward_funcs", "prompt_color", "--prompts", "a red circle"]
     code, out, err = run(["train", *flags, "--accelerate_config", str(custom), "--learning_rate", "1e-3"], capsys)
     assert code == 0, err
     (args,) = launched
-    # `accelerate launch --config_file <file> -m trl_jagg.cli train <the other flags>`, parsed by accelerate itself.
-    assert args.config_file == str(custom) and args.module and args.training_script == "trl_jagg.cli"
+    # `accelerate launch --config_file <file> -m trl_jagg.scripts.cli train <the other flags>`, parsed by accelerate itself.
+    assert args.config_file == str(custom) and args.module and args.training_script == "trl_jagg.scripts.cli"
     assert args.training_script_args == ["train", *flags, "--learning_rate", "1e-3"]
-    assert os.environ.pop(train.LAUNCHED_ENV) == "1"  # the launched processes train instead of relaunching
+    assert os.environ.pop(launch.LAUNCHED_ENV) == "1"  # the launched processes train instead of relaunching
     assert f"--config_file {custom}" in out
 
 
 def test_accelerate_config_passes_the_process_and_machine_options(monkeypatch, capsys):
-    import accelerate.commands.launch as launch
+    import accelerate.commands.launch as accelerate_launch
 
     launched = []
-    monkeypatch.setattr(launch, "launch_command", lambda args: launched.append(args))
-    monkeypatch.delenv(train.LAUNCHED_ENV, raising=False)
+    monkeypatch.setattr(accelerate_launch, "launch_command", lambda args: launched.append(args))
+    monkeypatch.delenv(launch.LAUNCHED_ENV, raising=False)
     flags = ["--model_name_or_path", "x", "--reward_funcs", "prompt_color", "--prompts", "a red circle"]
     machine = ["--num_processes", "16", "--num_machines", "2", "--machine_rank", "1", "--main_process_ip", "10.0.0.1",
                "--main_process_port=29600", "--rdzv_backend", "c10d"]  # fmt: skip
@@ -524,14 +527,14 @@ def test_accelerate_config_passes_the_process_and_machine_options(monkeypatch, c
     assert (args.num_processes, args.num_machines, args.machine_rank) == (16, 2, 1)
     assert (args.main_process_ip, args.main_process_port, args.rdzv_backend) == ("10.0.0.1", 29600, "c10d")
     assert args.training_script_args == ["train", *flags]
-    os.environ.pop(train.LAUNCHED_ENV)
+    os.environ.pop(launch.LAUNCHED_ENV)
     code, _, err = run(["train", "--num_machines", "2", *flags], capsys)
     assert code == 2 and "--num_machines is an accelerate launch option: give it with --accelerate_config" in err
 
 
 @pytest.mark.parametrize("name", ["single_gpu", "multi_gpu", "fsdp2", "deepspeed_zero2", "deepspeed_zero3"])
 def test_accelerate_config_names_resolve_to_the_example_configs(name):
-    path = train.resolve_accelerate_config(name)
+    path = launch.resolve_accelerate_config(name)
     assert os.path.samefile(
         path, os.path.join(os.path.dirname(__file__), "..", "examples", "accelerate_configs", f"{name}.yaml")
     )
@@ -548,7 +551,7 @@ def test_trl_accelerate_config_names_are_taken():
     assert {"zero2", "zero3", "multi_gpu"} <= set(trl_names)
     for name in trl_names:
         try:
-            path = train.resolve_accelerate_config(name)
+            path = launch.resolve_accelerate_config(name)
         except UsageError as error:
             assert f"accelerate_config {name!r} (TRL's name)" in str(error) and "use " in str(error)
             continue
@@ -560,13 +563,13 @@ def test_trl_accelerate_config_names_are_taken():
 
 
 def test_accelerate_config_errors(tmp_path, monkeypatch, capsys):
-    monkeypatch.delenv(train.LAUNCHED_ENV, raising=False)
+    monkeypatch.delenv(launch.LAUNCHED_ENV, raising=False)
     code, _, err = run(["train", "--accelerate_config", "multi_gpus", "--prompts", "p"], capsys)
     assert code == 2 and "accelerate_config 'multi_gpus'" in err and "multi_gpu" in err
     code, _, err = run(["train", "--accelerate_config", "multi_gpu", "--jagg_fracc", "1"], capsys)
     assert code == 2 and "Did you mean 'jagg_frac'?" in err  # names are checked before launching
     config = write_yaml(tmp_path / "r.yaml", accelerate_config="multi_gpu", model_name_or_path="x")
-    monkeypatch.setenv(train.LAUNCHED_ENV, "1")  # inside the launched process: no relaunch, a normal parse
+    monkeypatch.setenv(launch.LAUNCHED_ENV, "1")  # inside the launched process: no relaunch, a normal parse
     script_args, _ = train.parse_train_args(["--config", config, "--reward_funcs", "prompt_color", "--prompts", "p"])
     assert script_args.accelerate_config == "multi_gpu"
 
@@ -735,7 +738,7 @@ def test_library_errors_are_one_line_with_the_traceback_under_debug(tiny_flux_pa
 )
 def test_bad_paths_and_values_are_one_line_exit_2_before_anything_loads(tmp_path, monkeypatch, capsys, case, message):
     monkeypatch.setattr(train, "run_train", lambda *args: pytest.fail("reached training"))
-    monkeypatch.delenv(train.LAUNCHED_ENV, raising=False)
+    monkeypatch.delenv(launch.LAUNCHED_ENV, raising=False)
     model = tmp_path / "pipe"
     model.mkdir()
     (model / "model_index.json").write_text("{}")

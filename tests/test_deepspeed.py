@@ -154,7 +154,7 @@ def test_zero3_without_gathered_weights_at_save_is_refused():
     """ZeRO-3 saving no gathered weights would leave checkpoints without diffusers weights: refused at start."""
     from types import SimpleNamespace
 
-    from trl_jagg.distributed import check_backend
+    from trl_jagg.utils.distributed import check_backend
 
     def plugin(stage: int, gather: bool) -> SimpleNamespace:
         zero = {"stage": stage, "stage3_gather_16bit_weights_on_model_save": gather}

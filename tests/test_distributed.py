@@ -16,9 +16,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
-from trl_jagg.grpo import ppo_step_loss
-from trl_jagg.jagg import JaggEngine, plan_groups
-from trl_jagg.sampling import sampler_step
+from trl_jagg.core.grpo import ppo_step_loss
+from trl_jagg.core.jagg import JaggEngine, plan_groups
+from trl_jagg.core.sampling import sampler_step
 
 BATCH, DIM, STEPS = 8, 6, 7
 
@@ -165,7 +165,7 @@ def test_trainer_under_two_process_ddp(tiny_flux_path, tmp_path):
     ],
 )
 def test_world_size_mismatch_is_refused(env, num_processes, cause):
-    from trl_jagg.distributed import check_world_size
+    from trl_jagg.utils.distributed import check_world_size
 
     with pytest.raises(RuntimeError, match=cause):
         check_world_size(num_processes, env)
@@ -181,13 +181,13 @@ def test_world_size_mismatch_is_refused(env, num_processes, cause):
     ],
 )
 def test_consistent_world_size_is_accepted(env):
-    from trl_jagg.distributed import check_world_size
+    from trl_jagg.utils.distributed import check_world_size
 
     check_world_size(int(env.get("WORLD_SIZE", 1)) if env.get("MASTER_ADDR") else 1, env)
 
 
 def test_fsdp_or_deepspeed_fallback_is_refused():
-    from trl_jagg.distributed import check_backend
+    from trl_jagg.utils.distributed import check_backend
 
     with pytest.raises(RuntimeError, match="ACCELERATE_USE_FSDP=true.*runs MULTI_CPU"):
         check_backend("MULTI_CPU", 2, fsdp_requested=False, env={"ACCELERATE_USE_FSDP": "true"})
@@ -211,7 +211,7 @@ def test_fsdp_plugin_sharded_state_dict_is_refused():
     trainer gathered weights to save: refused at start, naming the setting and its fix."""
     from accelerate.utils import FullyShardedDataParallelPlugin
 
-    from trl_jagg.distributed import check_backend
+    from trl_jagg.utils.distributed import check_backend
 
     def plugin(state_dict_type: str | None) -> FullyShardedDataParallelPlugin:
         return FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type=state_dict_type)
@@ -409,7 +409,7 @@ def test_trainer_gradients_on_two_processes(tiny_flux_path, tiny_wan22_path, tmp
     from safetensors.torch import load_file
 
     from trl_jagg.models import load_adapter
-    from trl_jagg.rollout import generate_images
+    from trl_jagg.models.rollout import generate_images
 
     worker = _load_script("fsdp_trainer")
     paths = dict(zip(worker.MODELS, (tiny_flux_path, tiny_wan22_path)))
@@ -670,7 +670,7 @@ def test_two_machine_launch_on_one_host_trains_identical_weights(tiny_flux_path,
     launches = []
     for rank in (0, 1):
         command = [
-            sys.executable, "-m", "trl_jagg.cli", "train", "--accelerate_config", "multi_gpu", "--num_processes", "2",
+            sys.executable, "-m", "trl_jagg.scripts.cli", "train", "--accelerate_config", "multi_gpu", "--num_processes", "2",
             "--num_machines", "2", "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1",
             "--main_process_port", port, "--model_name_or_path", tiny_flux_path, "--reward_funcs", "prompt_color",
             "--prompts", "a red circle", "a blue square", "--use_peft", "--lora_r", "4", "--lora_alpha", "8",

@@ -102,7 +102,7 @@ def test_yaml_recipes_are_valid_train_configs(tmp_path):
 
 
 def test_quickstart_error_messages_are_real(tmp_path, capsys):
-    from trl_jagg import cli
+    from trl_jagg.scripts import cli
 
     # The page's own recipe.yaml (it targets GPUs: bf16), so the messages are those a reader gets on any machine.
     (recipe,) = [block for page, block in code_blocks("yaml") if page == "quickstart" and "recipe:" in block]
@@ -350,19 +350,20 @@ def shell_commands(path: Path) -> list[list[str]]:
 
 
 def train_argv(tokens: list[str]) -> list[str] | None:
-    """The arguments after ``train`` of a ``trl-jagg train`` or ``accelerate launch ... -m trl_jagg.cli train``
+    """The arguments after ``train`` of a ``trl-jagg train`` or ``accelerate launch ... -m trl_jagg.scripts.cli train``
     command; ``None`` for any other command."""
     if tokens[:2] == ["trl-jagg", "train"]:
         return tokens[2:]
-    if tokens[:2] == ["accelerate", "launch"] and "trl_jagg.cli" in tokens:
-        rest = tokens[tokens.index("trl_jagg.cli") + 1 :]
+    if tokens[:2] == ["accelerate", "launch"] and "trl_jagg.scripts.cli" in tokens:
+        rest = tokens[tokens.index("trl_jagg.scripts.cli") + 1 :]
         assert rest[:1] == ["train"], tokens
         return rest[1:]
     return None
 
 
 def test_recipes_page_commands_parse_with_the_train_parser(tmp_path, monkeypatch):
-    from trl_jagg.scripts.train import DATASET_FILE_TYPES, parse_train_args, split_launch_options
+    from trl_jagg.scripts.launch import split_launch_options
+    from trl_jagg.scripts.train import DATASET_FILE_TYPES, parse_train_args
 
     commands = shell_commands(RECIPES_PAGE)
     trains = [(tokens, train_argv(tokens)) for tokens in commands]

@@ -22,7 +22,7 @@ from testing_utils import (
 
 from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
 from trl_jagg.models import MODEL_ADAPTERS, load_adapter
-from trl_jagg.rollout import generate_images, sample_trajectories
+from trl_jagg.models.rollout import generate_images, sample_trajectories
 
 # Per family: its pipeline class, guidance with CFG on and off, the negative prompt (FLUX.2 klein's pipeline always
 # uses ""; FLUX.2 dev has none: its "cfg" setting is embedded guidance) and how many backbone calls a guided velocity

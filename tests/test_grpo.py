@@ -1,4 +1,4 @@
-"""GRPO pieces (`trl_jagg.grpo`): advantages, the PPO-clipped step loss and the KL term, against hand computations."""
+"""GRPO pieces (`trl_jagg.core.grpo`): advantages, the PPO-clipped step loss and the KL term, against hand computations."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from testing_utils import gdpo_by_hand
 from torch.distributions import Normal, kl_divergence
 
-from trl_jagg.grpo import (
+from trl_jagg.core.grpo import (
     PerPromptStatTracker,
     group_advantages,
     guard_log_ratio,
@@ -19,8 +19,8 @@ from trl_jagg.grpo import (
     per_reward_group_normalize,
     ppo_step_loss,
 )
-from trl_jagg.jagg import upstream_signal
-from trl_jagg.sampling import sampler_step
+from trl_jagg.core.jagg import upstream_signal
+from trl_jagg.core.sampling import sampler_step
 
 
 @pytest.fixture(autouse=True, scope="module")

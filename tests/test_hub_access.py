@@ -11,10 +11,11 @@ import huggingface_hub.file_download
 import pytest
 from huggingface_hub import errors
 
-import trl_jagg.ddpo_jagg_trainer as trainer_module
-from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig, cli
+import trl_jagg.trainer.ddpo_jagg_trainer as trainer_module
+from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
 from trl_jagg.models import load_adapter
 from trl_jagg.rewards import hpsv2, load_reward_funcs, pickscore
+from trl_jagg.scripts import cli
 
 GATED = "black-forest-labs/FLUX.1-dev"
 
@@ -48,7 +49,7 @@ def hub_answers(empty_cache, monkeypatch):
         monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
         # Wherever the metadata request is made from: huggingface_hub's downloads and trl_jagg's check.
         monkeypatch.setattr(huggingface_hub.file_download, "get_hf_file_metadata", answer)
-        monkeypatch.setattr("trl_jagg.hub_access.get_hf_file_metadata", answer, raising=False)
+        monkeypatch.setattr("trl_jagg.utils.hub_access.get_hf_file_metadata", answer, raising=False)
 
     return install
 

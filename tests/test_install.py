@@ -73,7 +73,7 @@ def test_wheel_in_a_fresh_virtualenv_ships_the_configs_and_trains(tmp_path, tiny
     check = (
         "import sys, trl_jagg\n"
         "from accelerate.commands.config.config_args import load_config_from_file\n"
-        "from trl_jagg.scripts.train import resolve_accelerate_config\n"
+        "from trl_jagg.scripts.launch import resolve_accelerate_config\n"
         "for name in sys.argv[1:]:\n"
         "    path = resolve_accelerate_config(name)\n"
         "    load_config_from_file(path)\n"

@@ -1,4 +1,4 @@
-"""The JAGG engine (`trl_jagg.jagg`): Theorem 1, the exact limits, the diagnostic, routing and bookkeeping.
+"""The JAGG engine (`trl_jagg.core.jagg`): Theorem 1, the exact limits, the diagnostic, routing and bookkeeping.
 
 Every gradient is compared with one computed here without the engine: the exact gradient is the autograd gradient
 of ``sum_k L_k`` and the reference JAGG gradient is the spec's ``autograd.grad([v_0, v_{W-1}], [s_base, s_corr])``.
@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch import nn
 
-from trl_jagg.grpo import group_advantages, kl_to_reference, ppo_step_loss
-from trl_jagg.jagg import (
+from trl_jagg.core.grpo import group_advantages, kl_to_reference, ppo_step_loss
+from trl_jagg.core.jagg import (
     EngineResult,
     JaggEngine,
     StepGroup,
@@ -26,7 +26,7 @@ from trl_jagg.jagg import (
     plan_groups,
     upstream_signal,
 )
-from trl_jagg.sampling import sampler_step
+from trl_jagg.core.sampling import sampler_step
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -14,7 +14,7 @@ from testing_utils import PROMPTS, assert_two_lora_jagg_steps, assert_w2_jagg_eq
 
 from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
 from trl_jagg.models import MODEL_ADAPTERS, QwenImageAdapter, SD3Adapter, adapter_class, load_adapter
-from trl_jagg.rollout import sample_trajectories
+from trl_jagg.models.rollout import sample_trajectories
 
 NEGATIVE = "dark"
 # Each family with classifier-free guidance on: SD3's scale is guidance_scale, Qwen-Image's true_cfg_scale.

@@ -12,8 +12,8 @@ from peft import LoraConfig
 from testing_utils import PROMPTS, redness, update_gradient
 
 from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
-from trl_jagg.jagg import JaggEngine, plan_groups
-from trl_jagg.nft import forward_noised, nft_loss, old_policy_decay, optimality_probability
+from trl_jagg.core.jagg import JaggEngine, plan_groups
+from trl_jagg.core.nft import forward_noised, nft_loss, old_policy_decay, optimality_probability
 from trl_jagg.trainer.old_policy import OLD_POLICY_FILE, OldPolicy
 
 
@@ -306,7 +306,7 @@ def test_resume_refuses_an_old_policy_that_is_not_the_runs_own(tiny_flux_path, n
     file and one without its stamp are each a named CheckpointError before anything is loaded."""
     from safetensors.torch import load_file, save_file
 
-    from trl_jagg.errors import CheckpointError
+    from trl_jagg.utils.errors import CheckpointError
 
     checkpoint = _copied_run(nft_checkpoints, tmp_path)
     file = checkpoint / OLD_POLICY_FILE

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from trl_jagg import GRPOJaggConfig
-from trl_jagg.nft import old_policy_decay
+from trl_jagg.core.nft import old_policy_decay
 from trl_jagg.recipes.diffusion_nft import diffusion_nft_batch
 
 # config/nft.py: n_gpus=8 and gradient_step_per_epoch (1, or 2 for sd3_ocr: L75, L88, L103), 48 groups of 24.

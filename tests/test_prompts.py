@@ -12,11 +12,11 @@ from datasets import Image as HFImage
 from peft import LoraConfig
 from testing_utils import noise_image
 
-import trl_jagg.ddpo_jagg_trainer as trainer_module
+import trl_jagg.trainer.ddpo_jagg_trainer as trainer_module
 from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
 from trl_jagg.models import load_adapter
-from trl_jagg.prompts import check_source_images, prompt_dataset, prompt_text, source_image
 from trl_jagg.trainer.backbone import prepare_backbone
+from trl_jagg.utils.prompts import check_source_images, prompt_dataset, prompt_text, source_image
 
 
 def test_strings_pass_unchanged():

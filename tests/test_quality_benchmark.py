@@ -28,8 +28,8 @@ from trl_jagg.benchmarks.quality import (
     time_to_reward_table,
     variant_overrides,
 )
+from trl_jagg.core.sde_window import compressed_path, sde_window
 from trl_jagg.demo.run import DEMO_NUM_INFERENCE_STEPS, demo_config
-from trl_jagg.sde_window import compressed_path, sde_window
 
 
 def test_variant_configs_are_valid_demo_configs_and_the_mix_window_moves_at_mixgrpos_cadence(tmp_path):

@@ -11,7 +11,7 @@ from pathlib import Path
 from datasets import Dataset
 
 from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
-from trl_jagg.quiet import DEEPSPEED_CPU_NOTICE, DEEPSPEED_LOGGER, quiet_deepspeed_cpu_notice
+from trl_jagg.utils.quiet import DEEPSPEED_CPU_NOTICE, DEEPSPEED_LOGGER, quiet_deepspeed_cpu_notice
 
 
 class Recorder(logging.Handler):

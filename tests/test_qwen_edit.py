@@ -23,9 +23,9 @@ from testing_utils import (
 
 from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
 from trl_jagg.models import QwenImageEditAdapter, QwenImageEditPlusAdapter, load_adapter
-from trl_jagg.prompts import check_source_images
-from trl_jagg.rollout import generate_images, sample_trajectories
+from trl_jagg.models.rollout import generate_images, sample_trajectories
 from trl_jagg.trainer.data import EpochSeededRepeatSampler
+from trl_jagg.utils.prompts import check_source_images
 
 AREA = 64 * 32  # the source images' pixel area: 32 x 32 for a square image, 64 x 32 for a 2:1 one (not 1024^2)
 CFG = {"guidance_scale": 1.0, "true_cfg_scale": 4.0}

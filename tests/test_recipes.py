@@ -804,7 +804,7 @@ def test_recipes_import_nothing_of_trl_jagg():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     # the presets (one module per peer) and their record class
     assert out.strip() == str(
-        sorted(["trl_jagg.recipe", "trl_jagg.recipes", *(f"trl_jagg.recipes.{m}" for m in PEER_MODULES)])
+        sorted(["trl_jagg.recipes.recipe", "trl_jagg.recipes", *(f"trl_jagg.recipes.{m}" for m in PEER_MODULES)])
     )
 
 

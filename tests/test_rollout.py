@@ -1,4 +1,4 @@
-"""The shared sampling loop (`trl_jagg.rollout`) and the SDE window (`trl_jagg.sde_window`): a group's shared
+"""The shared sampling loop (`trl_jagg.models.rollout`) and the SDE window (`trl_jagg.core.sde_window`): a group's shared
 deterministic prefix runs once per group and gives the unshared rollout's trajectories; MixGRPO's sliding window;
 the ODE outside it on fewer steps with a higher-order solver, checked against the exact solution of a Gaussian flow."""
 
@@ -12,10 +12,10 @@ import torch
 from diffusers import FluxPipeline
 
 from trl_jagg import DDPOJaggTrainer
+from trl_jagg.core.sde_window import compressed_path, path_schedule, sde_window
 from trl_jagg.models import Conditioning, load_adapter
+from trl_jagg.models.rollout import sample_trajectories
 from trl_jagg.recipes import get_recipe
-from trl_jagg.rollout import sample_trajectories
-from trl_jagg.sde_window import compressed_path, path_schedule, sde_window
 from trl_jagg.trainer.generation import rollout_window
 
 GROUP_SIZE, NUM_STEPS = 3, 5

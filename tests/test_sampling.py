@@ -1,4 +1,4 @@
-"""Samplers with log-probs (`trl_jagg.sampling`), checked against independent float64 computations."""
+"""Samplers with log-probs (`trl_jagg.core.sampling`), checked against independent float64 computations."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.distributions import Normal
 
-from trl_jagg.sampling import SAMPLERS, StepOutput, gaussian_log_prob, sampler_step
+from trl_jagg.core.sampling import SAMPLERS, StepOutput, gaussian_log_prob, sampler_step
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -278,7 +278,7 @@ def test_bad_shapes_raise_value_error_naming_the_argument(gen):
 def test_noise_scale_is_flow_grpo_std_dev_t_and_its_kl_formula():
     """Flow-GRPO's sampler returns std_dev_t = a sqrt(sigma / (1 - sigma)) (sigma = 1 replaced by sigmas[1]), without
     the sqrt(|dt|) of the step std; its KL is mean((mu - mu_ref)^2) / (2 std_dev_t^2) (scripts/train_sd3.py)."""
-    from trl_jagg.grpo import kl_to_reference
+    from trl_jagg.core.grpo import kl_to_reference
 
     gen = torch.Generator().manual_seed(7)
     x, v, v_ref = (torch.randn(3, 4, 5, generator=gen, dtype=torch.float64) for _ in range(3))

@@ -21,8 +21,8 @@ from peft import LoraConfig
 from testing_utils import PROMPTS
 
 from trl_jagg import GRPOJaggConfig, GRPOJaggTrainer
-from trl_jagg.redaction import REDACTED, names_secret, redacted, redacted_argv, redacted_fields
 from trl_jagg.rewards import REWARD_REGISTRY
+from trl_jagg.utils.redaction import REDACTED, names_secret, redacted, redacted_argv, redacted_fields
 
 SECRETS = {
     "token": "tok-REWARD-7f3a9c",  # reward_kwargs={url: {"token": ...}}, the documented way
@@ -198,7 +198,7 @@ def test_command_line_secrets_are_redacted_once_parsed():
 def test_secrets_are_redacted_by_their_shape_as_well_as_by_name():
     """Issue 42: a key in a URL's query string, after ``Bearer`` or an ``Authorization:`` header's scheme, with a
     common token prefix, or under a user's own ``bearer`` / ``pat`` / ``access`` key; ordinary words stay."""
-    from trl_jagg.redaction import redact_text
+    from trl_jagg.utils.redaction import redact_text
 
     value = {
         "http://h/score": {

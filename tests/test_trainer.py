@@ -19,9 +19,9 @@ from transformers import TrainerCallback
 
 import trl_jagg.trainer.generation as generation
 from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
-from trl_jagg.grpo import group_advantages
+from trl_jagg.core.grpo import group_advantages
 from trl_jagg.models import Conditioning, load_adapter
-from trl_jagg.rollout import sample_trajectories
+from trl_jagg.models.rollout import sample_trajectories
 from trl_jagg.trainer.backbone import compile_blocks
 from trl_jagg.trainer.batch import PendingAdvantages, resolved, select_samples, split_rollout
 from trl_jagg.trainer.generation import advantages_per_group
@@ -233,7 +233,7 @@ def test_a_rollout_where_a_reward_applies_nowhere_is_left_out_of_the_logged_mean
 
 
 def test_rewards_log_metrics_and_extra_columns_as_in_trl(tiny_flux_path, tmp_path, monkeypatch):
-    import trl_jagg.ddpo_jagg_trainer as trainer_module
+    import trl_jagg.trainer.ddpo_jagg_trainer as trainer_module
 
     tables = []
     monkeypatch.setattr(trainer_module, "log_completions", lambda *args: tables.append(args[4]))

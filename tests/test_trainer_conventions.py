@@ -18,9 +18,9 @@ from testing_utils import PROMPTS, redness, step_functions_of
 from transformers import TrainerCallback
 
 from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
-from trl_jagg.errors import CheckpointError
-from trl_jagg.prompts import prompt_dataset
 from trl_jagg.trainer import evaluation
+from trl_jagg.utils.errors import CheckpointError
+from trl_jagg.utils.prompts import prompt_dataset
 
 
 def make_trainer(path, tmp_path, *, reward=redness, eval_dataset=None, **overrides) -> DDPOJaggTrainer:

@@ -22,8 +22,8 @@ from safetensors.torch import load_file, save_file
 from transformers import TrainerCallback
 
 from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
-from trl_jagg.errors import CheckpointError, NonFiniteError, TrainingError
 from trl_jagg.rewards.calling import RewardTimeout
+from trl_jagg.utils.errors import CheckpointError, NonFiniteError, TrainingError
 
 PROMPTS = ["a red circle", "a green square", "a blue circle", "a red square"]
 LORA_FILE = "pytorch_lora_weights.safetensors"

@@ -22,9 +22,9 @@ from test_jagg import (
 from test_trainer import make_trainer
 
 from trl_jagg.benchmarks.velocity_cache import compare, mode_gradient
+from trl_jagg.core.jagg import plan_groups
+from trl_jagg.core.velocity_cache import corrected_velocity, signal_sensitivity
 from trl_jagg.demo.run import DEMO_ASSET_DIR, LORA_RANK, LORA_TARGET_MODULES, demo_config, demo_prompts, demo_trainer
-from trl_jagg.jagg import plan_groups
-from trl_jagg.velocity_cache import corrected_velocity, signal_sensitivity
 
 
 class DriftingVelocity(TinyVelocity):

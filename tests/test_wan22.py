@@ -17,9 +17,9 @@ from test_families import assert_same_images, make_trainer, reference_run
 from testing_utils import assert_w2_jagg_equals_exact, redness, run_update, trained_steps_of, update_gradient
 
 from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
-from trl_jagg.errors import CheckpointError
 from trl_jagg.models import load_adapter
-from trl_jagg.rollout import sample_trajectories
+from trl_jagg.models.rollout import sample_trajectories
+from trl_jagg.utils.errors import CheckpointError
 
 # Flow-Factory's two scales (examples/grpo/lora/wan22/t2v.yaml:64-65): CFG 4 on the high-noise expert, 3 below.
 CFG = {"guidance_scale": 4.0, "true_cfg_scale": 1.0, "guidance_scale_2": 3.0}
@@ -257,7 +257,7 @@ def test_both_experts_on_several_processes_train_under_ddp_only(tiny_wan22_path,
 
 
 def test_train_experts_values_are_the_config_checks_ones():
-    from trl_jagg.config_checks import TRAIN_EXPERTS as CHECKED
+    from trl_jagg.config.checks import TRAIN_EXPERTS as CHECKED
     from trl_jagg.models.wan_experts import TRAIN_EXPERTS
 
     assert tuple(TRAIN_EXPERTS) == CHECKED

@@ -13,7 +13,7 @@ from test_families import assert_same_images, make_trainer, reference_run
 from testing_utils import assert_w2_jagg_equals_exact, noise_image
 
 from trl_jagg.models import load_adapter
-from trl_jagg.rollout import sample_trajectories
+from trl_jagg.models.rollout import sample_trajectories
 
 CFG = {"guidance_scale": 5.0, "true_cfg_scale": 1.0}
 PROMPTS = ["a red circle", "a big blue square on the left"]

@@ -166,7 +166,7 @@ def assert_two_lora_jagg_steps(trainer) -> None:
 def assert_w2_jagg_equals_exact(trainer) -> None:
     """Theorem 1's exact limit on ``trainer``'s adapter (4 trained steps): for W = 2 the joint backward through the
     two endpoints gives the sum of the per-step gradients, up to float rounding."""
-    from trl_jagg.jagg import JaggEngine, plan_groups
+    from trl_jagg.core.jagg import JaggEngine, plan_groups
 
     model = trainer.accelerator.unwrap_model(trainer.model)
     batch = trainer._generate_and_score(next(iter(trainer.get_train_dataloader())))
@@ -223,7 +223,7 @@ def check_sharded_nft_run(work_dir, *, resume_atol: float = 0.0) -> None:
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    from trl_jagg.nft import old_policy_decay
+    from trl_jagg.core.nft import old_policy_decay
     from trl_jagg.trainer.old_policy import OLD_POLICY_FILE
 
     reports = [json.loads((work_dir / f"nft{r}.json").read_text()) for r in range(2)]

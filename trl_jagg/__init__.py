@@ -1,6 +1,6 @@
 """trl_jagg: GRPO for text-to-image flow models on the TRL trainer API, with JAGG group gradients.
 
-The trainer and its config are imported lazily, so ``import trl_jagg.jagg`` (the pure-torch engine) and the CLI's
+The trainer and its config are imported lazily, so ``import trl_jagg.core.jagg`` (the pure-torch engine) and the CLI's
 ``--help`` do not pay for importing diffusers and transformers.
 """
 
@@ -21,15 +21,15 @@ MODEL_FAMILIES = (
 _LAZY = {
     # One class: DDPOJaggTrainer is its name; GRPOJaggTrainer is its documented alias, pairing with GRPOJaggConfig as
     # TRL's GRPOTrainer with GRPOConfig.
-    "GRPOJaggTrainer": ("trl_jagg.ddpo_jagg_trainer", "DDPOJaggTrainer"),
-    "DDPOJaggTrainer": ("trl_jagg.ddpo_jagg_trainer", "DDPOJaggTrainer"),
-    "GRPOJaggConfig": ("trl_jagg.grpo_jagg_config", "GRPOJaggConfig"),
+    "GRPOJaggTrainer": ("trl_jagg.trainer.ddpo_jagg_trainer", "DDPOJaggTrainer"),
+    "DDPOJaggTrainer": ("trl_jagg.trainer.ddpo_jagg_trainer", "DDPOJaggTrainer"),
+    "GRPOJaggConfig": ("trl_jagg.config.grpo_jagg_config", "GRPOJaggConfig"),
 }
 
 if TYPE_CHECKING:
-    from .ddpo_jagg_trainer import DDPOJaggTrainer
-    from .ddpo_jagg_trainer import DDPOJaggTrainer as GRPOJaggTrainer
-    from .grpo_jagg_config import GRPOJaggConfig
+    from trl_jagg.config.grpo_jagg_config import GRPOJaggConfig
+    from trl_jagg.trainer.ddpo_jagg_trainer import DDPOJaggTrainer
+    from trl_jagg.trainer.ddpo_jagg_trainer import DDPOJaggTrainer as GRPOJaggTrainer
 
 
 def __getattr__(name: str) -> Any:

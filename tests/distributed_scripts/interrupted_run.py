@@ -19,8 +19,8 @@ from peft import LoraConfig
 from transformers import TrainerCallback
 
 from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
-from trl_jagg.errors import TrainingInterrupted
 from trl_jagg.rewards import prompt_color
+from trl_jagg.utils.errors import TrainingInterrupted
 
 PROMPTS = ["a red circle", "a blue square", "a green circle", "a red square"]
 

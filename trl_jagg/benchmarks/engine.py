@@ -5,7 +5,7 @@ backward dominates, small enough to run in seconds on a laptop CPU). One synthet
 Flow-GRPO SDE sampler (latents, next latents, old log-probs, group advantages); then, for every group size ``W``, the
 same update is timed with the engine in ``exact`` mode and in ``jagg`` mode (``jagg_frac=1``), interleaved over
 several repeats, and compared with the theoretical cost ratio ``3W / (W + 4)``. The per-group gradient cosine and
-norm ratio come from :func:`trl_jagg.jagg.gradient_diagnostic`.
+norm ratio come from :func:`trl_jagg.core.jagg.gradient_diagnostic`.
 
 Run it with ``trl-jagg bench``; it writes ``engine_benchmark.json`` and
 ``engine_benchmark.png`` into the output directory.
@@ -28,9 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..grpo import group_advantages, ppo_step_loss
-from ..jagg import JaggEngine, StepGroup, gradient_diagnostic, plan_groups
-from ..sampling import sampler_step
+from trl_jagg.core.grpo import group_advantages, ppo_step_loss
+from trl_jagg.core.jagg import JaggEngine, StepGroup, gradient_diagnostic, plan_groups
+from trl_jagg.core.sampling import sampler_step
 
 JSON_NAME = "engine_benchmark.json"
 PNG_NAME = "engine_benchmark.png"

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from ..recipes import get_recipe
+from trl_jagg.recipes import get_recipe
 
 FLUX_DEV_TRANSFORMER = {  # black-forest-labs/FLUX.1-dev, transformer/config.json
     "patch_size": 1,

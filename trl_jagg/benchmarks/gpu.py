@@ -41,8 +41,15 @@ from typing import Any
 
 import torch
 
-from .flops import FLUX_DEV_TRANSFORMER, TRAINING, StepCosts, backbone_costs, flux_dev_costs, flux_dev_lora
-from .whole_step import (
+from trl_jagg.benchmarks.flops import (
+    FLUX_DEV_TRANSFORMER,
+    TRAINING,
+    StepCosts,
+    backbone_costs,
+    flux_dev_costs,
+    flux_dev_lora,
+)
+from trl_jagg.benchmarks.whole_step import (
     WHOLE_STEP_VARIANTS,
     build_trainers,
     flop_model,

@@ -98,8 +98,8 @@ class Session:
     """What the parts share: the sizes, the device and the models, built by the first part that needs them."""
 
     def __init__(self, ns: argparse.Namespace, workdir: str):
-        from .flops import FLUX_DEV_TRANSFORMER
-        from .gpu import TINY_TRANSFORMER
+        from trl_jagg.benchmarks.flops import FLUX_DEV_TRANSFORMER
+        from trl_jagg.benchmarks.gpu import TINY_TRANSFORMER
 
         self.tiny, self.workdir = ns.tiny, workdir
         self.cuda = torch.cuda.is_available() and not ns.tiny
@@ -120,11 +120,11 @@ class Session:
             from datasets import Dataset
             from peft import LoraConfig
 
-            from ..ddpo_jagg_trainer import DDPOJaggTrainer
-            from ..grpo_jagg_config import GRPOJaggConfig
-            from ..recipes import get_recipe
-            from .gpu import build_pipeline
-            from .trainer import PROMPTS
+            from trl_jagg.benchmarks.gpu import build_pipeline
+            from trl_jagg.benchmarks.trainer import PROMPTS
+            from trl_jagg.config.grpo_jagg_config import GRPOJaggConfig
+            from trl_jagg.recipes import get_recipe
+            from trl_jagg.trainer.ddpo_jagg_trainer import DDPOJaggTrainer
 
             pipe = build_pipeline(self.full_config, self.device, self.dtype)
             lora = get_recipe("flow-grpo-flux").lora | {"r": self.lora_rank, "lora_alpha": 2 * self.lora_rank}
@@ -144,8 +144,8 @@ class Session:
     def cadence_trainers(self, names: Sequence[str]) -> dict[str, Any]:
         """A :class:`~.gpu_measure.CadenceRun` per variant of ``names`` on the shared cadence transformer (built
         once, priced once)."""
-        from .gpu import build_pipeline
-        from .gpu_measure import backbone_step_costs, build_cadence_trainer
+        from trl_jagg.benchmarks.gpu import build_pipeline
+        from trl_jagg.benchmarks.gpu_measure import backbone_step_costs, build_cadence_trainer
 
         if self._cadence_pipe is None:
             self._cadence_pipe = build_pipeline(self.cadence_config, self.device, self.dtype)
@@ -161,15 +161,15 @@ class Session:
 
 # ---------------------------------------------------------------------------------------------- the parts
 def _numerics(session: Session) -> dict[str, Any]:
-    from .gpu_measure import numerics
+    from trl_jagg.benchmarks.gpu_measure import numerics
 
     return numerics(session.lora_trainer())
 
 
 def _cadence(names: Sequence[str]) -> Callable[[Session], dict[str, Any]]:
     def run(session: Session) -> dict[str, Any]:
-        from ..recipes import RECIPES
-        from .gpu_measure import cadence_steps
+        from trl_jagg.benchmarks.gpu_measure import cadence_steps
+        from trl_jagg.recipes import RECIPES
 
         missing = {n: f"preset {CADENCE_VARIANTS[n][0]!r} is not registered" for n in names
                    if CADENCE_VARIANTS[n][0] not in RECIPES}  # fmt: skip
@@ -188,7 +188,7 @@ def _cadence(names: Sequence[str]) -> Callable[[Session], dict[str, Any]]:
 
 
 def _update_stage(session: Session) -> dict[str, Any]:
-    from .trainer import time_variants
+    from trl_jagg.benchmarks.trainer import time_variants
 
     results, rollout_s = time_variants(
         session.lora_trainer(), group_sizes=(4, 8), jagg_fracs=(1.0,), repeats=session.repeats, memory=session.cuda

@@ -24,10 +24,17 @@ from typing import Any
 import torch
 from transformers import PrinterCallback, TrainerCallback
 
-from .flops import StepCosts, backbone_costs, step_flops
-from .measuring import benchmark_clock, endless_batches, interleaved, served_share, spread, sync_device
-from .trainer import PROMPTS, _configured, time_update
-from .whole_step import WorkCounter
+from trl_jagg.benchmarks.flops import StepCosts, backbone_costs, step_flops
+from trl_jagg.benchmarks.measuring import (
+    benchmark_clock,
+    endless_batches,
+    interleaved,
+    served_share,
+    spread,
+    sync_device,
+)
+from trl_jagg.benchmarks.trainer import PROMPTS, _configured, time_update
+from trl_jagg.benchmarks.whole_step import WorkCounter
 
 H200_BF16_TFLOPS = 790.0
 """The bf16 matrix-product rate MFU is taken against: 8192^3 GEMMs through PyTorch on the H200 (the platform notes)."""
@@ -92,7 +99,7 @@ def velocity_checks(trainer: Any, micro_batch: dict[str, Any]) -> dict[str, Any]
     now (no optimizer step since): one step per call without a graph (the cache's claim: bitwise equal), all steps
     in one call (another batch shape), one step per call with a graph (what exact's update runs); and the
     log-probabilities of the rollout's next latents under each against the rollout's (the first PPO log-ratio)."""
-    from ..sampling import sampler_step
+    from trl_jagg.core.sampling import sampler_step
 
     args, stage, model = trainer.args, trainer.update_stage, trainer.model
     trained = stage.steps_to_train(micro_batch, micro_step=trainer._step, global_step=trainer.state.global_step)
@@ -140,7 +147,7 @@ def velocity_checks(trainer: Any, micro_batch: dict[str, Any]) -> dict[str, Any]
 
 def numerics(trainer: Any) -> dict[str, Any]:
     """The numerical checks (see the module docstring) on one fresh rollout of ``trainer``."""
-    from ..trainer.batch import split_rollout
+    from trl_jagg.trainer.batch import split_rollout
 
     batches = endless_batches(trainer)
     rollout = sample_rollout(trainer, batches)
@@ -207,7 +214,7 @@ def preset_values(preset: str, known: Collection[str], **values: Any) -> dict[st
     fields are ``known``: where the installed transformers predates ``TrainingArguments.activation_checkpointing``
     (the GPU machine's 5.17), the preset's switch is passed as ``gradient_checkpointing``, which the trainer treats
     alike (``trl_jagg/trainer/backbone.py``)."""
-    from ..recipes import get_recipe
+    from trl_jagg.recipes import get_recipe
 
     config = {**get_recipe(preset).config, **values}
     if "activation_checkpointing" not in known and "activation_checkpointing" in config:
@@ -219,7 +226,7 @@ def preset_values(preset: str, known: Collection[str], **values: Any) -> dict[st
 
 def preset_config(preset: str, **values: Any) -> Any:
     """The ``GRPOJaggConfig`` of :func:`preset_values` for the installed transformers."""
-    from ..grpo_jagg_config import GRPOJaggConfig
+    from trl_jagg.config.grpo_jagg_config import GRPOJaggConfig
 
     return GRPOJaggConfig(**preset_values(preset, {f.name for f in fields(GRPOJaggConfig) if f.init}, **values))
 
@@ -233,8 +240,8 @@ def build_cadence_trainer(
     ``train()`` call."""
     from datasets import Dataset
 
-    from ..ddpo_jagg_trainer import DDPOJaggTrainer
-    from ..recipes import get_recipe
+    from trl_jagg.recipes import get_recipe
+    from trl_jagg.trainer.ddpo_jagg_trainer import DDPOJaggTrainer
 
     run = {"output_dir": str(Path(workdir) / preset), "report_to": "none", "disable_tqdm": True,
            "save_strategy": "no", "logging_steps": 10**6, "optim": "sgd"}  # fmt: skip

@@ -33,8 +33,8 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from ..demo.run import DEMO_ASSET_DIR, demo_trainer
-from .engine import torch_threads
+from trl_jagg.benchmarks.engine import torch_threads
+from trl_jagg.demo.run import DEMO_ASSET_DIR, demo_trainer
 
 JSON_NAME = "nft_jagg_benchmark.json"
 PNG_NAME = "nft_jagg_benchmark.png"

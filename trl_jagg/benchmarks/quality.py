@@ -45,10 +45,10 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from ..demo.run import DEMO_ASSET_DIR, demo_prompts, demo_trainer
-from ..recipes import get_recipe
-from .engine import torch_threads
-from .nft import NFT_DEMO_OVERRIDES
+from trl_jagg.benchmarks.engine import torch_threads
+from trl_jagg.benchmarks.nft import NFT_DEMO_OVERRIDES
+from trl_jagg.demo.run import DEMO_ASSET_DIR, demo_prompts, demo_trainer
+from trl_jagg.recipes import get_recipe
 
 JSON_NAME = "quality.json"
 PNG_NAME = "quality.png"
@@ -288,7 +288,7 @@ def flux_dev_pricing(work: dict[str, int]) -> float:
     """FLOPs of ``work`` (counts of :class:`TrainingWork`) at FLUX.1-dev's size, 1024 px with LoRA
     (:func:`~trl_jagg.benchmarks.flops.flux_dev_costs`, no checkpointing, as the demo trains): the compute the same
     schedule of rows, backwards, decodes and prompt encodings would take there."""
-    from .flops import flux_dev_costs, step_flops
+    from trl_jagg.benchmarks.flops import flux_dev_costs, step_flops
 
     return step_flops(flux_dev_costs()["lora"], work, checkpointing=False)
 
@@ -431,7 +431,7 @@ def run_quality_benchmark(
     import torch
     from datasets import Dataset
 
-    from .whole_step import WorkCounter
+    from trl_jagg.benchmarks.whole_step import WorkCounter
 
     unknown = sorted(set(variants) - set(QUALITY_VARIANTS))
     if unknown:

@@ -258,7 +258,7 @@ def run_reward_overlap_benchmark(
         seed: seed of the weights and the rollouts.
         plot: write the PNG.
     """
-    from .engine import torch_threads
+    from trl_jagg.benchmarks.engine import torch_threads
 
     settings = dict(latency=latency, chunk=chunk, chunks=chunks, pairs=pairs, num_inference_steps=num_inference_steps,
                     resolution=resolution, num_layers=num_layers, num_single_layers=num_single_layers,

@@ -38,8 +38,8 @@ from typing import Any
 import torch
 from datasets import Dataset
 
-from .engine import torch_threads
-from .measuring import (
+from trl_jagg.benchmarks.engine import torch_threads
+from trl_jagg.benchmarks.measuring import (
     BackboneCallCounter,
     benchmark_clock,
     endless_batches,
@@ -80,7 +80,7 @@ TARGETS = (
 def theory(variant: str, group_size: int, num_trained: int, jagg_frac: float) -> float:
     """The cost model's exact/variant ratio over the whole plan, in forward units (a backward = 2 forwards; KL
     reference forwards left out): exact ``3`` per step; JAGG ``W + 4`` per group, with the cache ``6``."""
-    from ..jagg import plan_groups
+    from trl_jagg.core.jagg import plan_groups
 
     if variant.startswith("exact"):
         return 1.0
@@ -145,9 +145,9 @@ def run_trainer_benchmark(
     """
     from peft import LoraConfig
 
-    from ..ddpo_jagg_trainer import DDPOJaggTrainer
-    from ..grpo_jagg_config import GRPOJaggConfig
-    from ..testing.tiny_models import save_tiny_pipeline
+    from trl_jagg.config.grpo_jagg_config import GRPOJaggConfig
+    from trl_jagg.testing.tiny_models import save_tiny_pipeline
+    from trl_jagg.trainer.ddpo_jagg_trainer import DDPOJaggTrainer
 
     if not group_sizes or any(not isinstance(w, int) or w < 1 for w in group_sizes):
         raise ValueError(f"`group_sizes` must be integers >= 1, got {group_sizes!r}.")
@@ -293,7 +293,7 @@ def time_update(
     """Seconds of the update of ``rollout`` (the trainer's update stage on each of its ``steps_per_generation``
     micro-batches, as in training) with the settings of ``variant`` (see :data:`VARIANTS`), and ``group_size`` /
     ``jagg_frac`` for the JAGG ones; gradients are zeroed first and the config restored."""
-    from ..trainer.batch import split_rollout
+    from trl_jagg.trainer.batch import split_rollout
 
     model = trainer.model
     device = trainer.accelerator.device
@@ -323,7 +323,7 @@ def time_variants(
     Returns the per-variant results (as in :func:`run_trainer_benchmark`'s report) and the rollout seconds of every
     timed repeat.
     """
-    from ..trainer.update import trained_steps
+    from trl_jagg.trainer.update import trained_steps
 
     model = trainer.model
     device = trainer.accelerator.device

@@ -3,7 +3,7 @@
 After an optimizer step since the rollout, the rollout's recorded velocities are the old policy's. The reference
 is the JAGG gradient with the intermediate velocities recomputed at the current weights (``"recompute"``); the
 benchmark measures the gradient of ``"checked"`` (a heuristic: corrected where the group's signals hold, see
-:mod:`trl_jagg.velocity_cache`), ``"corrected"`` (each cached intermediate moved by its group's endpoint change)
+:mod:`trl_jagg.core.velocity_cache`), ``"corrected"`` (each cached intermediate moved by its group's endpoint change)
 and ``"stale"`` (the cache as it is) against it, on the CPU demo (:mod:`trl_jagg.demo.run`: the shipped tiny Flux
 pipeline, its LoRA and learning rate, 72 images, one JAGG group of W = 4 on the 4 SDE steps):
 
@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
-from ..demo.run import DEMO_ASSET_DIR, NUM_GENERATIONS, demo_prompts, demo_trainer
-from ..velocity_cache import VELOCITY_CACHE_MODES
-from .engine import torch_threads
+from trl_jagg.benchmarks.engine import torch_threads
+from trl_jagg.core.velocity_cache import VELOCITY_CACHE_MODES
+from trl_jagg.demo.run import DEMO_ASSET_DIR, NUM_GENERATIONS, demo_prompts, demo_trainer
 
 JSON_NAME = "velocity_cache_benchmark.json"
 PNG_NAME = "velocity_cache_benchmark.png"

@@ -52,11 +52,18 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from ..recipes import get_recipe
-from .engine import torch_threads
-from .flops import LORA_PRESET, StepCosts, flux_dev_costs, flux_dev_lora, preset_checkpointed_fraction, step_flops
-from .measuring import PeakMemory, benchmark_clock, interleaved, served_share, spread, sync_device
-from .trainer import PROMPTS
+from trl_jagg.benchmarks.engine import torch_threads
+from trl_jagg.benchmarks.flops import (
+    LORA_PRESET,
+    StepCosts,
+    flux_dev_costs,
+    flux_dev_lora,
+    preset_checkpointed_fraction,
+    step_flops,
+)
+from trl_jagg.benchmarks.measuring import PeakMemory, benchmark_clock, interleaved, served_share, spread, sync_device
+from trl_jagg.benchmarks.trainer import PROMPTS
+from trl_jagg.recipes import get_recipe
 
 JSON_NAME = "whole_step_benchmark.json"
 PNG_NAME = "whole_step_benchmark.png"
@@ -246,8 +253,8 @@ def build_trainers(
     from datasets import Dataset
     from diffusers import DiffusionPipeline
 
-    from ..ddpo_jagg_trainer import DDPOJaggTrainer
-    from ..grpo_jagg_config import GRPOJaggConfig
+    from trl_jagg.config.grpo_jagg_config import GRPOJaggConfig
+    from trl_jagg.trainer.ddpo_jagg_trainer import DDPOJaggTrainer
 
     unknown = sorted(set(variants) - set(WHOLE_STEP_VARIANTS))
     if unknown:
@@ -521,8 +528,8 @@ def _timed_report(
     repeats: int, seed: int, num_threads: int, model: str | None,
 ) -> dict[str, Any]:  # fmt: skip
     """The whole-step report of :func:`run_whole_step_benchmark`'s timing (its arguments)."""
-    from ..demo.run import DEMO_ASSET_DIR
-    from ..testing.tiny_models import save_tiny_pipeline
+    from trl_jagg.demo.run import DEMO_ASSET_DIR
+    from trl_jagg.testing.tiny_models import save_tiny_pipeline
 
     if repeats < 1:
         raise ValueError(f"`repeats` must be >= 1, got {repeats}.")

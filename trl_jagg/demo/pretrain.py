@@ -325,8 +325,8 @@ def evaluate(pipe: Any, references: np.ndarray, reference_shapes: Sequence[str],
     """Sample every colour x shape prompt with ``seeds`` seeds (deterministic ODE, the demo's settings) and measure
     what the demo relies on: the shape follows the prompt, the colour does not (so GRPO has something to learn)."""
     from trl_jagg.models import load_adapter
+    from trl_jagg.models.rollout import generate_images
     from trl_jagg.rewards.programmatic import color_margin
-    from trl_jagg.rollout import generate_images
 
     adapter = load_adapter(pipe)
     prompts = [f"a {color} {shape}" for color in DEMO_COLORS for shape in DEMO_SHAPES]

@@ -73,7 +73,7 @@ def color_accuracy(prompts: Sequence[str], images: Sequence[Any], **kwargs: Any)
 
     A diagnostic, trained with weight 0: the trainer logs its mean as ``rewards/color_accuracy/mean``.
     """
-    from ..rewards.programmatic import named_color
+    from trl_jagg.rewards.programmatic import named_color
 
     return [float(_dominant_color(image) == named_color(prompt)) for prompt, image in zip(prompts, images)]
 
@@ -101,7 +101,7 @@ class GroupRewardStd:
     __name__ = "group_reward_std"
 
     def __init__(self, num_generations: int, reward: str = "prompt_color"):
-        from ..rewards import load_reward_funcs
+        from trl_jagg.rewards import load_reward_funcs
 
         self.num_generations = num_generations
         self.reward = load_reward_funcs(reward)[0]
@@ -146,7 +146,7 @@ def demo_config(output_dir: str, *, steps: int, seed: int, use_jagg: bool = True
     backward instead of four). The KL to the base model (``beta``) holds back reward gaming: with a weaker one (0.04)
     the shapes swell into blobs that cover more pixels of the named colour.
     """
-    from .. import GRPOJaggConfig
+    from trl_jagg import GRPOJaggConfig
 
     config: dict[str, Any] = dict(
         output_dir=output_dir,
@@ -202,7 +202,7 @@ def demo_trainer(
     from datasets import Dataset
     from transformers.trainer_callback import ProgressCallback
 
-    from .. import DDPOJaggTrainer
+    from trl_jagg import DDPOJaggTrainer
 
     torch.manual_seed(seed)  # the LoRA's random init
     trainer = DDPOJaggTrainer(
@@ -237,7 +237,7 @@ def interleaved_update_speedup(trainer: Any, repeats: int) -> dict[str, Any]:
     """The demo's update-stage speedup of JAGG (with the velocity cache, as trained) over exact backward, timed the
     way a ratio is meaningful on a busy machine: one fresh rollout, then both updates on it in alternating order
     (one warm-up pair, then ``repeats`` pairs); per-pair ratios, median/min/max."""
-    from ..benchmarks.trainer import time_update
+    from trl_jagg.benchmarks.trainer import time_update
 
     rollout = trainer._generate_and_score(next(iter(trainer.get_train_dataloader())))
     args = trainer.args

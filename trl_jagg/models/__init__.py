@@ -8,16 +8,16 @@ from __future__ import annotations
 import torch
 from diffusers import DiffusionPipeline
 
-from ..hub_access import check_hub_file
-from .base import Conditioning, FlowMatchingAdapter, classifier_free_guidance
-from .flux import FluxAdapter
-from .flux2 import Flux2Adapter, Flux2KleinAdapter
-from .flux_kontext import FluxKontextAdapter
-from .qwenimage import QwenImageAdapter
-from .qwenimage_edit import QwenImageEditAdapter, QwenImageEditPlusAdapter
-from .sd3 import SD3Adapter
-from .wan import WanAdapter
-from .zimage import ZImageAdapter
+from trl_jagg.models.base import Conditioning, FlowMatchingAdapter, classifier_free_guidance
+from trl_jagg.models.flux import FluxAdapter
+from trl_jagg.models.flux2 import Flux2Adapter, Flux2KleinAdapter
+from trl_jagg.models.flux_kontext import FluxKontextAdapter
+from trl_jagg.models.qwenimage import QwenImageAdapter
+from trl_jagg.models.qwenimage_edit import QwenImageEditAdapter, QwenImageEditPlusAdapter
+from trl_jagg.models.sd3 import SD3Adapter
+from trl_jagg.models.wan import WanAdapter
+from trl_jagg.models.zimage import ZImageAdapter
+from trl_jagg.utils.hub_access import check_hub_file
 
 MODEL_ADAPTERS: dict[str, type[FlowMatchingAdapter]] = {
     "FluxPipeline": FluxAdapter,
@@ -51,7 +51,7 @@ def load_adapter(
 
     The pipeline class is read from ``model_index.json`` first, so an unsupported model fails before any
     weights are downloaded or loaded; before that, a gated, unknown or (offline) uncached id raises a
-    :class:`~trl_jagg.hub_access.HubAccessError` that says what to do.
+    :class:`~trl_jagg.utils.hub_access.HubAccessError` that says what to do.
     """
     if isinstance(model, DiffusionPipeline):
         return adapter_class(type(model).__name__)(model)

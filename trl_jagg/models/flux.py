@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from diffusers import FluxPipeline
 
-from .base import Conditioning, FlowMatchingAdapter
+from trl_jagg.models.base import Conditioning, FlowMatchingAdapter
 
 
 class FluxAdapter(FlowMatchingAdapter):

@@ -10,7 +10,7 @@ import torch
 from diffusers import Flux2KleinPipeline, Flux2Pipeline
 from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
 
-from .base import Conditioning, FlowMatchingAdapter
+from trl_jagg.models.base import Conditioning, FlowMatchingAdapter
 
 
 class Flux2Adapter(FlowMatchingAdapter):

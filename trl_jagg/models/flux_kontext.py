@@ -10,8 +10,8 @@ import torch
 from diffusers import FluxKontextPipeline
 from PIL import Image
 
-from .base import Conditioning
-from .flux import FluxAdapter
+from trl_jagg.models.base import Conditioning
+from trl_jagg.models.flux import FluxAdapter
 
 
 class FluxKontextAdapter(FluxAdapter):

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from diffusers import QwenImagePipeline
 
-from .base import Conditioning, FlowMatchingAdapter, padded_prompt_batch, unpadded_prompt_rows
+from trl_jagg.models.base import Conditioning, FlowMatchingAdapter, padded_prompt_batch, unpadded_prompt_rows
 
 
 class QwenImageAdapter(FlowMatchingAdapter):

@@ -12,8 +12,8 @@ from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline
 from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus
 from PIL import Image
 
-from .base import Conditioning, padded_prompt_batch, unpadded_prompt_rows
-from .qwenimage import QwenImageAdapter
+from trl_jagg.models.base import Conditioning, padded_prompt_batch, unpadded_prompt_rows
+from trl_jagg.models.qwenimage import QwenImageAdapter
 
 
 def resized_size(area: int, image: Image.Image) -> tuple[int, int]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from diffusers import StableDiffusion3Pipeline
 
-from .base import Conditioning, FlowMatchingAdapter
+from trl_jagg.models.base import Conditioning, FlowMatchingAdapter
 
 
 class SD3Adapter(FlowMatchingAdapter):

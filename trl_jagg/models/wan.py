@@ -11,8 +11,8 @@ import torch
 from diffusers import WanPipeline
 from PIL import Image
 
-from .base import Conditioning, FlowMatchingAdapter
-from .wan_experts import EXPERTS, TRAIN_EXPERTS, WanExperts
+from trl_jagg.models.base import Conditioning, FlowMatchingAdapter
+from trl_jagg.models.wan_experts import EXPERTS, TRAIN_EXPERTS, WanExperts
 
 DEFAULT_NUM_FRAMES = 81
 """``WanPipeline``'s default ``num_frames``."""

@@ -37,12 +37,12 @@ import sys
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 
-from ..recipe import Recipe
-from ._shared import ATTENTION_PROJECTIONS, PAPER_JAGG
-from .dancegrpo import DANCEGRPO_RECIPES
-from .diffusion_nft import DIFFUSION_NFT_RECIPES
-from .flow_factory import FLOW_FACTORY_RECIPES
-from .flow_grpo import FLOW_GRPO_RECIPES
+from trl_jagg.recipes._shared import ATTENTION_PROJECTIONS, PAPER_JAGG
+from trl_jagg.recipes.dancegrpo import DANCEGRPO_RECIPES
+from trl_jagg.recipes.diffusion_nft import DIFFUSION_NFT_RECIPES
+from trl_jagg.recipes.flow_factory import FLOW_FACTORY_RECIPES
+from trl_jagg.recipes.flow_grpo import FLOW_GRPO_RECIPES
+from trl_jagg.recipes.recipe import Recipe
 
 __all__ = [
     "ATTENTION_PROJECTIONS", "PAPER_JAGG", "RECIPES", "Recipe", "get_recipe", "list_recipes", "write_recipe_yamls",

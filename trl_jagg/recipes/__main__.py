@@ -1,5 +1,5 @@
 """``python -m trl_jagg.recipes [DIRECTORY]``: regenerate the presets' YAML files."""
 
-from . import main
+from trl_jagg.recipes import main
 
 main()

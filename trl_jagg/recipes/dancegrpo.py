@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..recipe import Recipe
-from ._shared import PAPER_JAGG
+from trl_jagg.recipes._shared import PAPER_JAGG
+from trl_jagg.recipes.recipe import Recipe
 
 _DANCE = Recipe(
     name="dancegrpo-flux",

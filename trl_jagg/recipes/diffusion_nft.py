@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from ..recipe import Recipe
-from ._shared import _FLOW_GRPO_ADVANTAGES, _FLOW_GRPO_ATTENTION, _lora
+from trl_jagg.recipes._shared import _FLOW_GRPO_ADVANTAGES, _FLOW_GRPO_ATTENTION, _lora
+from trl_jagg.recipes.recipe import Recipe
 
 _NFT_SOURCE = (
     "DiffusionNFT (Zheng et al. 2025, arXiv 2509.16117): config/nft.py {config} (L{lines}) and config/base.py, "

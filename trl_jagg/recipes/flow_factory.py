@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..recipe import Recipe
-from ._shared import _FLOW_GRPO_ATTENTION, PAPER_JAGG, _lora
+from trl_jagg.recipes._shared import _FLOW_GRPO_ATTENTION, PAPER_JAGG, _lora
+from trl_jagg.recipes.recipe import Recipe
 
 # Flow-Factory's default LoRA targets, as its adapters list them at a0b2bc5 (default_target_modules in
 # src/flow_factory/models/z_image/z_image.py:70-75, and the same list for FLUX.2 klein and dev in

@@ -3,8 +3,7 @@ Wan2.1, as Flow-GRPO's ``config/grpo.py`` and ``scripts/train_*.py`` set them.""
 
 from __future__ import annotations
 
-from ..recipe import Recipe
-from ._shared import (
+from trl_jagg.recipes._shared import (
     _FLOW_GRPO_ADVANTAGES,
     _FLOW_GRPO_ATTENTION,
     _FLOW_GRPO_EMA,
@@ -17,6 +16,7 @@ from ._shared import (
     _lora,
     _two_updates_per_rollout,
 )
+from trl_jagg.recipes.recipe import Recipe
 
 _SD35 = Recipe(
     name="flow-grpo-sd35",

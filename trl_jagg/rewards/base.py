@@ -22,9 +22,9 @@ from typing import Any, TypeVar
 import torch
 from PIL import Image
 
-from ..redaction import redacted
-from .calling import call_with_retries, coroutine_function, is_async_reward, reward_deadline
-from .video import frame_kwargs, is_video_batch, takes_videos, video_means
+from trl_jagg.rewards.calling import call_with_retries, coroutine_function, is_async_reward, reward_deadline
+from trl_jagg.rewards.video import frame_kwargs, is_video_batch, takes_videos, video_means
+from trl_jagg.utils.redaction import redacted
 
 RewardFunc = Callable[..., Sequence[float | None]]
 """``(*, prompts: list[str], images: list[PIL.Image.Image], completions, trainer_state, **columns) -> list[float |

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from PIL import Image
 
-from ..hub_access import check_hub_file
+from trl_jagg.utils.hub_access import check_hub_file
 
 # The image statistics of OpenAI's CLIP, which CLIP-derived reward models (HPSv2, ImageReward) normalise with.
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -99,7 +99,7 @@ class LazyModelReward:
         return []
 
     def check_weights(self) -> None:
-        """Raise :class:`~trl_jagg.hub_access.HubAccessError`, naming this reward and the repo, unless every file of
+        """Raise :class:`~trl_jagg.utils.hub_access.HubAccessError`, naming this reward and the repo, unless every file of
         :meth:`hub_files` is cached, local or downloadable (gated, unknown and offline-uncached repos fail).
         Cheap: nothing is downloaded; the trainer calls it before loading the pipeline."""
         if self._loaded:

@@ -11,9 +11,9 @@ from typing import Any
 
 from PIL import Image
 
-from trl_jagg.prompts import prompt_text
 from trl_jagg.rewards.base import register_reward
 from trl_jagg.rewards.lazy import LazyModelReward, to_rgb
+from trl_jagg.utils.prompts import prompt_text
 
 # Straight or curly double quotes; Flow-GRPO prompts look like: a sign that says "OPEN 24 HOURS".
 _QUOTED = re.compile(r"[\"“”](.+?)[\"“”]")

@@ -36,10 +36,10 @@ from typing import Any
 import httpx
 from PIL import Image
 
-from trl_jagg.field_types import has_kind
-from trl_jagg.redaction import check_url_without_credentials, redact_url
+from trl_jagg.config.field_types import has_kind
 from trl_jagg.rewards.calling import REMOTE_REWARD_TIMEOUT, run_on_event_loop
 from trl_jagg.rewards.lazy import check_pairs, to_rgb
+from trl_jagg.utils.redaction import check_url_without_credentials, redact_url
 
 SERVER_HINT = "Start one with: python examples/reward_server.py --rewards pickscore --port 8000"
 TOKEN_ENV = "TRL_JAGG_REWARD_TOKEN"

@@ -39,10 +39,10 @@ from typing import Any
 import httpx
 from PIL import Image
 
-from trl_jagg.redaction import check_env_name, check_url_without_credentials
 from trl_jagg.rewards.base import register_reward
 from trl_jagg.rewards.lazy import check_pairs
 from trl_jagg.rewards.remote import MAX_RESPONSE_BYTES, RemoteReward, encode_image
+from trl_jagg.utils.redaction import check_env_name, check_url_without_credentials
 
 URL_ENV = "TRL_JAGG_JUDGE_URL"
 """Default judge URL (e.g. ``http://localhost:8080/v1``) when none is passed."""

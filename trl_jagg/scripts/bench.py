@@ -27,8 +27,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 from trl_jagg.demo.run import DEMO_ASSET_DIR
-
-from .utils import CommandParser
+from trl_jagg.scripts.utils import CommandParser
 
 ENGINE_DESCRIPTION = (
     "Time the update stage (forward + backward over the trained steps) with JAGG and with exact per-step backward "

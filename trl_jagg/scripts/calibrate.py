@@ -16,9 +16,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .train import ScriptArguments, build_trainer, check_script_args, recipe_defaults
-from .train import make_parser as make_train_parser
-from .utils import CommandParser
+from trl_jagg.scripts.train import ScriptArguments, build_trainer, check_script_args, recipe_defaults
+from trl_jagg.scripts.train import make_parser as make_train_parser
+from trl_jagg.scripts.utils import CommandParser
 
 if TYPE_CHECKING:
     from trl_jagg import GRPOJaggConfig

@@ -13,8 +13,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 from trl_jagg.demo.run import DEFAULT_STEPS, DEMO_ASSET_DIR
-
-from .utils import CommandParser
+from trl_jagg.scripts.utils import CommandParser
 
 DESCRIPTION = (
     "Fine-tune a tiny Flux-architecture pipeline on CPU with GRPO + JAGG and a prompt-colour reward; writes the "

@@ -7,7 +7,7 @@ import platform
 from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
 
-from .utils import CommandParser
+from trl_jagg.scripts.utils import CommandParser
 
 DESCRIPTION = "Print the platform, the accelerators and the versions of the libraries trl_jagg runs on."
 

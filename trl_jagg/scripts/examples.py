@@ -22,15 +22,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
-from ..redaction import redacted_argv
-from .train import check_local_paths, checked_reward_funcs, new_trainer, read_prompts, train_and_save
-from .utils import CommandParser, UsageError
+from trl_jagg.scripts.train import check_local_paths, checked_reward_funcs, new_trainer, read_prompts, train_and_save
+from trl_jagg.scripts.utils import CommandParser, UsageError
+from trl_jagg.utils.redaction import redacted_argv
 
 if TYPE_CHECKING:
     from datasets import Dataset
 
     from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
-    from trl_jagg.recipe import Recipe
+    from trl_jagg.recipes.recipe import Recipe
     from trl_jagg.testing.tiny_models import TinyRun
 
 
@@ -131,7 +131,7 @@ class Example:
 
     @property
     def preset(self) -> Recipe:
-        """The :class:`~trl_jagg.recipe.Recipe` named by :attr:`recipe`."""
+        """The :class:`~trl_jagg.recipes.recipe.Recipe` named by :attr:`recipe`."""
         from trl_jagg.recipes import get_recipe
 
         return get_recipe(self.recipe)
@@ -183,7 +183,7 @@ class Example:
 
     def parser(self) -> CommandParser:
         """``trl-jagg train``'s parser over :attr:`arguments` and :class:`~trl_jagg.GRPOJaggConfig`."""
-        from trl_jagg.grpo_jagg_config import GRPOJaggConfig
+        from trl_jagg.config.grpo_jagg_config import GRPOJaggConfig
 
         script = self.command
         return CommandParser(

@@ -4,7 +4,7 @@
 
     trl-jagg train --config recipe.yaml [--any_field value ...]
     trl-jagg train --recipe flow-grpo-flux --dataset_name prompts.txt --output_dir flux-grpo
-    accelerate launch -m trl_jagg.cli train --config recipe.yaml      # DDP / FSDP, several processes
+    accelerate launch -m trl_jagg.scripts.cli train --config recipe.yaml      # DDP / FSDP, several processes
 
 Every field of :class:`ScriptArguments` (model, data, rewards, LoRA) and of :class:`~trl_jagg.GRPOJaggConfig`
 (GRPO, JAGG and all of ``transformers.TrainingArguments``) is a flag; ``--config`` sets any of them from a YAML
@@ -20,9 +20,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..errors import TrainingInterrupted
-from ..redaction import redacted_argv
-from .utils import CommandParser, UsageError, flag_value, one_line
+from trl_jagg.scripts.launch import LAUNCHED_ENV, launch_with_accelerate, split_launch_options
+from trl_jagg.scripts.utils import CommandParser, UsageError, flag_value
+from trl_jagg.utils.errors import TrainingInterrupted
+from trl_jagg.utils.redaction import redacted_argv
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -145,14 +146,14 @@ DESCRIPTION = (
 def make_parser(command: str = "train", extra: Sequence[type] = (), description: str = DESCRIPTION) -> CommandParser:
     """The parser of ``trl-jagg train`` over ``ScriptArguments`` and ``GRPOJaggConfig`` (and ``extra``
     dataclasses: ``calibrate`` adds its own)."""
-    from trl_jagg.grpo_jagg_config import GRPOJaggConfig
+    from trl_jagg.config.grpo_jagg_config import GRPOJaggConfig
 
     return CommandParser(
         (ScriptArguments, GRPOJaggConfig, *extra),
         command,
         description,
         usage=f"trl-jagg {command} [--config recipe.yaml] [--field value ...]\n"
-        f"       accelerate launch -m trl_jagg.cli {command} [--config recipe.yaml] [--field value ...]",
+        f"       accelerate launch -m trl_jagg.scripts.cli {command} [--config recipe.yaml] [--field value ...]",
         epilog="Docs: docs/quickstart.md and docs/config.md. Example: "
         f"trl-jagg {command} --config recipe.yaml --learning_rate 1e-4 --jagg_group_size 8",
     )
@@ -322,8 +323,8 @@ def build_lora_config(script_args: ScriptArguments, revision: str | None = None)
     if not targets:
         from diffusers import DiffusionPipeline
 
-        from trl_jagg.hub_access import check_hub_file
         from trl_jagg.models import adapter_class
+        from trl_jagg.utils.hub_access import check_hub_file
 
         check_hub_file(script_args.model_name_or_path, "model_index.json", what="model", revision=revision)
         class_name = DiffusionPipeline.load_config(script_args.model_name_or_path, revision=revision)["_class_name"]
@@ -449,106 +450,6 @@ def train_and_save(
     return trainer
 
 
-LAUNCHED_ENV = "TRL_JAGG_ACCELERATE_LAUNCHED"
-"""Set in the processes ``--accelerate_config`` starts, so that they train instead of relaunching."""
-
-
-TRL_ACCELERATE_NAMES = {"zero2": "deepspeed_zero2", "zero3": "deepspeed_zero3"}
-"""TRL's names of its shipped launch configs (``trl/accelerate_configs``) -> the shipped config here that does the
-same; ``single_gpu``, ``multi_gpu`` and ``fsdp2`` are spelt alike."""
-
-TRL_ACCELERATE_UNSHIPPED = {
-    "zero1": "no ZeRO-1 config is shipped (the tested DeepSpeed stages are 2 and 3): use zero2, or pass the path of "
-    "your own accelerate config file.",
-    "fsdp1": "FSDP here is FSDP2: use fsdp2, or pass the path of your own accelerate config file.",
-}
-"""TRL's launch configs without a counterpart here, with what to use."""
-
-
-def resolve_accelerate_config(name: str) -> str:
-    """The file ``--accelerate_config name`` names: a path, else a launch configuration shipped in the package
-    (``trl_jagg/configs/accelerate/<name>.yaml``, also ``examples/accelerate_configs/`` in a checkout)."""
-    if os.path.isfile(name):
-        return _checked_accelerate_config(name)
-    from trl_jagg.configs import config_dir, config_names
-
-    if name in TRL_ACCELERATE_UNSHIPPED:
-        raise UsageError(f"accelerate_config {name!r} (TRL's name): {TRL_ACCELERATE_UNSHIPPED[name]}")
-    name = TRL_ACCELERATE_NAMES.get(name, name)
-    path = config_dir("accelerate") / f"{name}.yaml"
-    if path.is_file():
-        return _checked_accelerate_config(str(path))
-    raise UsageError(
-        f"accelerate_config {name!r} is neither a file nor a shipped accelerate config "
-        f"({', '.join(config_names('accelerate'))}). Give a path to an accelerate config file or one of those names."
-    )
-
-
-def _checked_accelerate_config(path: str) -> str:
-    """``path``, once accelerate reads it as a launch config (before relaunching, whose error would be a
-    traceback in the launched processes)."""
-    from accelerate.commands.config.config_args import load_config_from_file
-
-    try:
-        load_config_from_file(path)
-    except Exception as error:  # YAML/JSON syntax, a non-mapping, unknown keys: accelerate raises each differently
-        raise UsageError(
-            f"accelerate_config {path} is not an accelerate config ({type(error).__name__}: {one_line(error)}). "
-            f"Write one with `accelerate config --config_file {path}`, or use a shipped config's name."
-        ) from None
-    return path
-
-
-LAUNCH_OPTIONS = (
-    "num_processes",
-    "num_machines",
-    "machine_rank",
-    "main_process_ip",
-    "main_process_port",
-    "rdzv_backend",
-)
-"""``accelerate launch`` options that ``trl-jagg train --accelerate_config`` passes on (they override the config
-file): the process count, and the machines of a multi-node job."""
-
-
-def split_launch_options(argv: Sequence[str]) -> tuple[list[str], list[str]]:
-    """``(launch, rest)``: the :data:`LAUNCH_OPTIONS` flags of ``argv`` (``--name value`` pairs) and the other
-    tokens, without ``--accelerate_config``."""
-    launch: list[str] = []
-    rest: list[str] = []
-    tokens = iter(argv)
-    for token in tokens:
-        name, eq, value = token[2:].partition("=") if token.startswith("--") else ("", "", "")
-        if name == "accelerate_config" or name in LAUNCH_OPTIONS:
-            value = value if eq else next(tokens, "")
-            if name in LAUNCH_OPTIONS:
-                launch += [f"--{name}", value]
-        else:
-            rest.append(token)
-    return launch, rest
-
-
-def accelerate_launch_args(argv: Sequence[str], config_file: str) -> list[str]:
-    """The ``accelerate launch`` arguments that run ``trl-jagg train argv`` (without ``--accelerate_config``) with
-    ``config_file``: ``--config_file <file> [launch options] -m trl_jagg.cli train ...``."""
-    launch, rest = split_launch_options(argv)
-    return ["--config_file", config_file, *launch, "-m", "trl_jagg.cli", "train", *rest]
-
-
-def launch_with_accelerate(argv: Sequence[str], accelerate_config: str) -> int:
-    """Run ``trl-jagg train argv`` under ``accelerate launch`` with the named config (in-process, as ``trl`` does)."""
-    from accelerate.commands.launch import launch_command, launch_command_parser
-
-    config_file = resolve_accelerate_config(accelerate_config)
-    launch_args = launch_command_parser().parse_args(accelerate_launch_args(argv, config_file))
-    print(
-        f"Launching with accelerate ({config_file}): accelerate launch {' '.join(accelerate_launch_args(argv, config_file))}"
-    )
-    os.environ[LAUNCHED_ENV] = "1"  # inherited by the launched processes
-    launch_command(launch_args)
-    return 0
-
-
 def main(argv: Sequence[str]) -> int:
     """``trl-jagg train ARGV``: parse, train, save (and push); returns the exit status.
 
@@ -563,7 +464,7 @@ def main(argv: Sequence[str]) -> int:
         if launch and not accelerate_config:
             raise UsageError(
                 f"{launch[0]} is an accelerate launch option: give it with --accelerate_config NAME (e.g. "
-                "multi_gpu), or run `accelerate launch ... -m trl_jagg.cli train` yourself."
+                "multi_gpu), or run `accelerate launch ... -m trl_jagg.scripts.cli train` yourself."
             )
         if accelerate_config:
             parser.check_names(rest, config, path)

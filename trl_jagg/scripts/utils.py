@@ -13,7 +13,7 @@ from typing import Any
 
 from trl import TrlParser
 
-from trl_jagg.field_types import type_problem
+from trl_jagg.config.field_types import type_problem
 from trl_jagg.scripts import PROG
 
 TRL_NAMES: Mapping[str, str] = {

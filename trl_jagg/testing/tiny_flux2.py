@@ -10,7 +10,7 @@ from diffusers import AutoencoderKLFlux2, Flux2KleinPipeline, Flux2Pipeline, Flu
 from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
 from transformers import Mistral3Config, Mistral3ForConditionalGeneration, MistralConfig, Qwen3ForCausalLM
 
-from .components import (
+from trl_jagg.testing.components import (
     ConfigOverrides,
     _check_rope_axes,
     _checked,
@@ -20,7 +20,7 @@ from .components import (
     _qwen3_text_encoder,
     _seeded,
 )
-from .tokenizers import build_mistral3_processor, build_qwen3_tokenizer
+from trl_jagg.testing.tokenizers import build_mistral3_processor, build_qwen3_tokenizer
 
 FLUX2_SCHEDULER_CONFIG: dict[str, Any] = {  # black-forest-labs/FLUX.2-klein: mu from the pipeline's empirical fit
     "num_train_timesteps": 1000,

@@ -47,8 +47,7 @@ from diffusers import (
 from PIL import Image
 from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
 
-from ..quiet import quiet_deepspeed_cpu_notice
-from .components import (
+from trl_jagg.testing.components import (
     ConfigOverrides,
     _autoencoder_kl,
     _autoencoder_qwenimage,
@@ -62,9 +61,13 @@ from .components import (
     _seeded,
     _t5_encoder,
 )
-from .tiny_flux2 import FLUX2_SCHEDULER_CONFIG, build_tiny_flux2_dev_pipeline, build_tiny_flux2_klein_pipeline
-from .tiny_wan import WAN_SCHEDULER_CONFIG, build_tiny_wan_pipeline
-from .tokenizers import (
+from trl_jagg.testing.tiny_flux2 import (
+    FLUX2_SCHEDULER_CONFIG,
+    build_tiny_flux2_dev_pipeline,
+    build_tiny_flux2_klein_pipeline,
+)
+from trl_jagg.testing.tiny_wan import WAN_SCHEDULER_CONFIG, build_tiny_wan_pipeline
+from trl_jagg.testing.tokenizers import (
     DEFAULT_VOCAB_WORDS,
     QWEN_EDIT_TEMPLATE_TEXTS,
     build_clip_tokenizer,
@@ -72,6 +75,7 @@ from .tokenizers import (
     build_qwen3_tokenizer,
     build_t5_tokenizer,
 )
+from trl_jagg.utils.quiet import quiet_deepspeed_cpu_notice
 
 __all__ = [
     "TINY_PROMPTS",

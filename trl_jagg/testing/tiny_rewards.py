@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from .components import mrope_section
-from .tokenizers import build_clip_tokenizer, build_qwen2_tokenizer
+from trl_jagg.testing.components import mrope_section
+from trl_jagg.testing.tokenizers import build_clip_tokenizer, build_qwen2_tokenizer
 
 TINY_HPSV3_PIXELS = 56 * 56
 """The tiny HPSv3 processor's pixel budget (HPSv3's is 256 x 28 x 28): 4 x 4 patches, 4 image tokens."""

@@ -8,8 +8,15 @@ from typing import Any
 import torch
 from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
 
-from .components import ConfigOverrides, _finalize, _flow_match_scheduler, _merged, _seeded, _t5_encoder
-from .tokenizers import build_t5_tokenizer
+from trl_jagg.testing.components import (
+    ConfigOverrides,
+    _finalize,
+    _flow_match_scheduler,
+    _merged,
+    _seeded,
+    _t5_encoder,
+)
+from trl_jagg.testing.tokenizers import build_t5_tokenizer
 
 # Wan2.1-T2V ships UniPC with flow_shift 3; the Euler one with shift 3 makes the pipeline's loop the rollout's ODE.
 WAN_SCHEDULER_CONFIG: dict[str, Any] = {"num_train_timesteps": 1000, "shift": 3.0}

@@ -16,9 +16,9 @@ from diffusers.training_utils import cast_training_params
 from peft import LoraConfig
 from peft.utils.constants import INCLUDE_LINEAR_LAYERS_SHORTHAND
 
-from ..grpo_jagg_config import GRPOJaggConfig
-from ..models import FlowMatchingAdapter
-from ..models.wan_experts import WanExperts, trained_parts
+from trl_jagg.config.grpo_jagg_config import GRPOJaggConfig
+from trl_jagg.models import FlowMatchingAdapter
+from trl_jagg.models.wan_experts import WanExperts, trained_parts
 
 
 class TrackableConfig(FrozenDict):

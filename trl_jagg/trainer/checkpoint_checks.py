@@ -1,6 +1,6 @@
 """Checks of a checkpoint folder before a run resumes from it: present, readable, and matching the model.
 
-Each problem is a :class:`~trl_jagg.errors.CheckpointError` naming the file and the mismatch, raised before any
+Each problem is a :class:`~trl_jagg.utils.errors.CheckpointError` naming the file and the mismatch, raised before any
 state is loaded (the loaders themselves fail later, without the path, or not at all for missing LoRA keys).
 """
 
@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ..errors import CheckpointError
-from .files import EMA_DIR, EMA_STATE_NAME, GRPO_STATE_NAME, OLD_POLICY_FILE
+from trl_jagg.trainer.files import EMA_DIR, EMA_STATE_NAME, GRPO_STATE_NAME, OLD_POLICY_FILE
+from trl_jagg.utils.errors import CheckpointError
 
 # Files `torch.save` writes (zip archives) that Trainer reads back when resuming.
 RESUME_LATEST = ("true", "last", "latest")
@@ -204,7 +204,7 @@ def check_optimizer_file(path: str, parameter_shapes: Sequence[tuple[int, ...]])
 
 def old_policy_stamp(file: str) -> dict[str, str]:
     """The stamp (safetensors metadata) of an old-policy file, which must be readable and carry the step it last
-    followed; a damaged or unstamped file is a named :class:`~trl_jagg.errors.CheckpointError`."""
+    followed; a damaged or unstamped file is a named :class:`~trl_jagg.utils.errors.CheckpointError`."""
     try:
         with safe_open(file, framework="pt") as reader:
             stamp = reader.metadata() or {}

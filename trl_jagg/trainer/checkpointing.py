@@ -30,13 +30,11 @@ from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_N
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, sort_checkpoints
 
-from ..distributed import is_fully_sharded
-from ..errors import CheckpointError, NonFiniteError, TrainingError
-from ..grpo import PerPromptStatTracker
-from ..grpo_jagg_config import GRPOJaggConfig
-from ..models import FlowMatchingAdapter
-from ..models.wan_experts import EXPERTS, TRAIN_EXPERTS, WanExperts, trained_parts
-from .checkpoint_checks import (
+from trl_jagg.config.grpo_jagg_config import GRPOJaggConfig
+from trl_jagg.core.grpo import PerPromptStatTracker
+from trl_jagg.models import FlowMatchingAdapter
+from trl_jagg.models.wan_experts import EXPERTS, TRAIN_EXPERTS, WanExperts, trained_parts
+from trl_jagg.trainer.checkpoint_checks import (
     RESUME_LATEST,
     RESUMED_AS_SAVED,
     check_checkpoint_dir,
@@ -52,8 +50,8 @@ from .checkpoint_checks import (
     damaged_file,
     weight_files,
 )
-from .ema import EMAWeights, local_parts, sharding_of
-from .files import (
+from trl_jagg.trainer.ema import EMAWeights
+from trl_jagg.trainer.files import (
     EMA_DIR,
     EMA_STATE_NAME,
     FULL_WEIGHTS_PATTERN,
@@ -62,7 +60,10 @@ from .files import (
     SCHEDULER_FOLDER,
     without_secrets,
 )
-from .guards import NON_FINITE_FIX, all_finite, any_process, last_checkpoint_note
+from trl_jagg.trainer.guards import NON_FINITE_FIX, all_finite, any_process, last_checkpoint_note
+from trl_jagg.trainer.sharding import local_parts, sharding_of
+from trl_jagg.utils.distributed import is_fully_sharded
+from trl_jagg.utils.errors import CheckpointError, NonFiniteError, TrainingError
 
 
 class WeightsIO:

@@ -6,10 +6,10 @@ from collections.abc import Sequence
 
 import torch
 
-from ..grpo_jagg_config import GRPOJaggConfig
-from ..models import FlowMatchingAdapter
-from ..models.base import Conditioning
-from .placement import FrozenModules
+from trl_jagg.config.grpo_jagg_config import GRPOJaggConfig
+from trl_jagg.models import FlowMatchingAdapter
+from trl_jagg.models.base import Conditioning
+from trl_jagg.trainer.placement import FrozenModules
 
 
 def negative_prompt(adapter: FlowMatchingAdapter, args: GRPOJaggConfig) -> str | None:

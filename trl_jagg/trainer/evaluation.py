@@ -12,9 +12,14 @@ import torch
 from accelerate.utils import gather_object
 from transformers import TrainerCallback
 
-from ..grpo_jagg_config import GRPOJaggConfig
-from ..models import FlowMatchingAdapter
-from ..prompts import (
+from trl_jagg.config.grpo_jagg_config import GRPOJaggConfig
+from trl_jagg.models import FlowMatchingAdapter
+from trl_jagg.models.rollout import generate_images
+from trl_jagg.trainer.conditioning import negative_prompt
+from trl_jagg.trainer.ema import EMAWeights, ema_swapped_in
+from trl_jagg.trainer.placement import FrozenModules, eval_mode
+from trl_jagg.trainer.scoring import scored_rewards
+from trl_jagg.utils.prompts import (
     SOURCE_IMAGE_COLUMN,
     check_source_images,
     prompt_dataset,
@@ -22,11 +27,6 @@ from ..prompts import (
     source_image,
     source_images_of,
 )
-from ..rollout import generate_images
-from .conditioning import negative_prompt
-from .ema import EMAWeights, ema_swapped_in
-from .placement import FrozenModules, eval_mode
-from .scoring import scored_rewards
 
 
 def render_batches(layouts: Sequence[Hashable], size: int) -> list[list[int]]:
@@ -48,7 +48,7 @@ class Evaluator:
         accelerator: the Trainer's accelerator (splits the prompts over processes, gathers the scores).
         frozen: where the text encoders and the VAE run.
         reward_funcs: the loaded reward functions.
-        eval_dataset: the held-out prompts the trainer already checked (:func:`~trl_jagg.prompts.prompt_dataset`),
+        eval_dataset: the held-out prompts the trainer already checked (:func:`~trl_jagg.utils.prompts.prompt_dataset`),
             which :meth:`evaluate` then renders without checking every row again.
     """
 

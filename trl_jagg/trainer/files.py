@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from ..grpo_jagg_config import GRPOJaggConfig
-from ..models.wan_experts import EXPERTS
-from ..redaction import redacted_fields
+from trl_jagg.config.grpo_jagg_config import GRPOJaggConfig
+from trl_jagg.models.wan_experts import EXPERTS
+from trl_jagg.utils.redaction import redacted_fields
 
 LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
 """LoRA weights in the diffusers format that ``pipe.load_lora_weights`` reads."""
@@ -39,6 +39,6 @@ HUB_IGNORE_PATTERNS = ["_*", f"{PREFIX_CHECKPOINT_DIR}-*", f"tmp-{PREFIX_CHECKPO
 
 
 def without_secrets(args: GRPOJaggConfig) -> GRPOJaggConfig:
-    """A copy of ``args`` for ``training_args.bin`` without secrets (:func:`~trl_jagg.redaction.redacted_fields`:
+    """A copy of ``args`` for ``training_args.bin`` without secrets (:func:`~trl_jagg.utils.redaction.redacted_fields`:
     the Hub token, keys anywhere in ``reward_kwargs``, URL userinfo), which a Hub push would upload in clear."""
     return redacted_fields(args)

@@ -18,18 +18,23 @@ from accelerate.utils import gather_object
 from PIL import Image
 from tqdm.auto import tqdm
 
-from ..grpo import PerPromptStatTracker, group_advantages, multi_reward_advantages, per_reward_group_normalize
-from ..grpo_jagg_config import GRPOJaggConfig
-from ..models import FlowMatchingAdapter
-from ..prompts import SOURCE_IMAGE_COLUMN, prompt_text, source_images_of
-from ..rollout import Trajectory, sample_trajectories
-from ..sde_window import compressed_path, path_schedule, sde_window
-from .batch import PendingAdvantages, rng_seed, velocity_key
-from .conditioning import PromptConditioner
-from .guards import stop_if_non_finite
-from .placement import FrozenModules, eval_mode
-from .reward_overlap import ChunkAdvantages, ChunkScorer
-from .scoring import RewardFailure, scored_rewards
+from trl_jagg.config.grpo_jagg_config import GRPOJaggConfig
+from trl_jagg.core.grpo import (
+    PerPromptStatTracker,
+    group_advantages,
+    multi_reward_advantages,
+    per_reward_group_normalize,
+)
+from trl_jagg.core.sde_window import compressed_path, path_schedule, sde_window
+from trl_jagg.models import FlowMatchingAdapter
+from trl_jagg.models.rollout import Trajectory, sample_trajectories
+from trl_jagg.trainer.batch import PendingAdvantages, rng_seed, velocity_key
+from trl_jagg.trainer.conditioning import PromptConditioner
+from trl_jagg.trainer.guards import stop_if_non_finite
+from trl_jagg.trainer.placement import FrozenModules, eval_mode
+from trl_jagg.trainer.reward_overlap import ChunkAdvantages, ChunkScorer
+from trl_jagg.trainer.scoring import RewardFailure, scored_rewards
+from trl_jagg.utils.prompts import SOURCE_IMAGE_COLUMN, prompt_text, source_images_of
 
 
 def group_keys(prompts: list[str], sources: list | None) -> list[str]:
@@ -67,7 +72,7 @@ def advantages_per_group(args: GRPOJaggConfig) -> bool:
 def rollout_window(args: GRPOJaggConfig, global_step: int, rollout: int) -> list[int] | None:
     """The SDE window, in the schedule's steps, of the run's rollout number ``rollout`` (0 for the first), taken at
     optimizer step ``global_step`` (``None``: every step stochastic): Flow-GRPO-Fast's random start (drawn from
-    the step) or MixGRPO's sliding one, which moves with the rollouts (:func:`trl_jagg.sde_window.sde_window`).
+    the step) or MixGRPO's sliding one, which moves with the rollouts (:func:`trl_jagg.core.sde_window.sde_window`).
     DiffusionNFT (``objective="nft"``) samples every step with the deterministic ODE: an empty window."""
     if args.objective == "nft":
         return []

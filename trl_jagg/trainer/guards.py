@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from transformers.trainer_utils import get_last_checkpoint
 
-from ..errors import NonFiniteError
+from trl_jagg.utils.errors import NonFiniteError
 
 NON_FINITE_FIX = (
     "Resume from it (from an earlier one if the run had just resumed from it) with max_grad_norm > 0, noise_level "

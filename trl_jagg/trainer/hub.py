@@ -14,11 +14,11 @@ from transformers import trainer as transformers_trainer
 from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.trainer_utils import HubStrategy, SaveStrategy
 
-from ..grpo_jagg_config import GRPOJaggConfig
-from ..models import FlowMatchingAdapter
-from ..models.wan_experts import WanExperts, trained_parts
-from .files import HUB_IGNORE_PATTERNS, MODEL_FILES, SCHEDULER_FOLDER, without_secrets
-from .model_card import write_model_card
+from trl_jagg.config.grpo_jagg_config import GRPOJaggConfig
+from trl_jagg.models import FlowMatchingAdapter
+from trl_jagg.models.wan_experts import WanExperts, trained_parts
+from trl_jagg.trainer.files import HUB_IGNORE_PATTERNS, MODEL_FILES, SCHEDULER_FOLDER, without_secrets
+from trl_jagg.trainer.model_card import write_model_card
 
 
 def copy_model_files(checkpoint_folder: str, output_dir: str, args: GRPOJaggConfig) -> None:

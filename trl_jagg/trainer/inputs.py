@@ -9,13 +9,13 @@ from typing import Any
 
 from datasets import Dataset
 
-from ..distributed import train_experts_data_parallel
-from ..grpo_jagg_config import GRPOJaggConfig
-from ..models import FlowMatchingAdapter
-from ..prompts import SOURCE_IMAGE_COLUMN, check_source_images, prompt_dataset, source_image
-from ..rewards import LazyModelReward, load_reward_funcs
-from ..sde_window import default_max_start
-from .checkpoint_checks import RESUME_LATEST, check_checkpoint_dir
+from trl_jagg.config.grpo_jagg_config import GRPOJaggConfig
+from trl_jagg.core.sde_window import default_max_start
+from trl_jagg.models import FlowMatchingAdapter
+from trl_jagg.rewards import LazyModelReward, load_reward_funcs
+from trl_jagg.trainer.checkpoint_checks import RESUME_LATEST, check_checkpoint_dir
+from trl_jagg.utils.distributed import train_experts_data_parallel
+from trl_jagg.utils.prompts import SOURCE_IMAGE_COLUMN, check_source_images, prompt_dataset, source_image
 
 
 def checked_inputs(
@@ -65,7 +65,7 @@ def checked_model_inputs(
     video model a ``source_image`` column (no image-to-video conditioning).
     For a video model: ``num_frames``, set on the adapter (refused by image models). For a two-expert model (Wan2.2
     A14B): ``train_experts`` and ``guidance_scale_2``, set on the adapter (refused by one-network models); both
-    experts on several processes train under DDP only (:func:`~trl_jagg.distributed.train_experts_data_parallel`). The
+    experts on several processes train under DDP only (:func:`~trl_jagg.utils.distributed.train_experts_data_parallel`). The
     guidance settings, which the adapter refuses where the pipeline has no such guidance (``true_cfg_scale`` for
     CFG-scale families and FLUX.2 dev). Each reward with a ``check_dataset(dataset, *, name, edits_images)`` method
     checks the datasets (columns it needs, prompts it can score, source images it compares with)."""

@@ -4,7 +4,7 @@ Schedulers send SIGTERM before they kill a job (Slurm's ``--signal``, Kubernetes
 spot-instance notices), and Ctrl-C sends SIGINT. Without a handler both lose every step since the last save. With
 :class:`InterruptCallback` the first signal is only recorded: the step in progress finishes (its rollout, rewards and
 optimizer step: the state is consistent only between optimizer steps), the trainer saves ``checkpoint-<step>`` and
-stops, and ``train()`` raises :class:`~trl_jagg.errors.TrainingInterrupted`, which names the checkpoint and the
+stops, and ``train()`` raises :class:`~trl_jagg.utils.errors.TrainingInterrupted`, which names the checkpoint and the
 resume. A second signal gets the previous handler at once (SIGINT: ``KeyboardInterrupt``; SIGTERM: the process
 ends). Under several processes the processes agree after every optimizer step on whether any of them was signalled
 (one gather of one number, through accelerate), so a signal to one process and a signal to all end alike: one checkpoint, saved
@@ -21,8 +21,8 @@ from typing import Any
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from ..errors import TrainingInterrupted
-from .guards import largest_over_processes
+from trl_jagg.trainer.guards import largest_over_processes
+from trl_jagg.utils.errors import TrainingInterrupted
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 

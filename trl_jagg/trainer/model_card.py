@@ -18,7 +18,7 @@ from typing import Any
 from diffusers.utils.hub_utils import populate_model_card
 from huggingface_hub import ModelCard, ModelCardData
 
-from .files import EMA_DIR, LORA_WEIGHTS_NAME
+from trl_jagg.trainer.files import EMA_DIR, LORA_WEIGHTS_NAME
 
 JAGG_CITATION = """@article{jagg2026,
   title   = {JAGG: Jacobian-Aggregated Group Gradient for Efficient GRPO Training of Diffusion Models},

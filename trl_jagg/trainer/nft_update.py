@@ -5,7 +5,7 @@ The rollout (deterministic ODE, sampled by the old policy) leaves its clean late
 trained timestep ``t`` (a random ``train_timestep_fraction`` of the rollout's schedule, as the reference code draws
 them) the sample is noised along the forward process, ``x_t = (1 - t) x0 + t eps``; the old policy's velocity (and
 the reference model's, for the KL term) come from no-grad backbone calls, the trained policy's from a call with
-graph, and :func:`~trl_jagg.nft.nft_loss` combines them.
+graph, and :func:`~trl_jagg.core.nft.nft_loss` combines them.
 
 **JAGG across timesteps** (``use_jagg``): the trained timesteps of a sample, high noise first, are grouped by
 ``jagg_group_size`` as the GRPO steps are, and a group shares one ``eps`` per sample, so its inputs ``x_t`` lie on
@@ -26,14 +26,14 @@ from typing import Any
 
 import torch
 
-from ..grpo_jagg_config import GRPOJaggConfig
-from ..jagg import EngineResult, JaggEngine, plan_groups
-from ..models import FlowMatchingAdapter
-from ..nft import forward_noised, nft_loss, optimality_probability
-from .backward import backward, backward_unit
-from .batch import resolved, rng_seed
-from .old_policy import OldPolicy
-from .placement import adapters_disabled
+from trl_jagg.config.grpo_jagg_config import GRPOJaggConfig
+from trl_jagg.core.jagg import EngineResult, JaggEngine, plan_groups
+from trl_jagg.core.nft import forward_noised, nft_loss, optimality_probability
+from trl_jagg.models import FlowMatchingAdapter
+from trl_jagg.trainer.backward import backward, backward_unit
+from trl_jagg.trainer.batch import resolved, rng_seed
+from trl_jagg.trainer.old_policy import OldPolicy
+from trl_jagg.trainer.placement import adapters_disabled
 
 NFT_STATS = ("policy_loss", "kl", "old_deviation")
 

@@ -1,10 +1,10 @@
 """DiffusionNFT's sampling ("old") policy: a copy of the trainable weights that samples the rollouts and gives the
 ``v_old`` of the loss, and follows the trained weights after each rollout's updates,
-``old <- decay * old + (1 - decay) * current`` with the decay of :func:`~trl_jagg.nft.old_policy_decay` (the
+``old <- decay * old + (1 - decay) * current`` with the decay of :func:`~trl_jagg.core.nft.old_policy_decay` (the
 reference code keeps it as a second LoRA adapter, ``"old"``, updated the same way after every epoch).
 
 Each process keeps its own part of every weight, in float32 so that a bf16 average does not lose the ``(1 - decay)``
-share: under FSDP2 or DeepSpeed ZeRO-3 its shard (:func:`~trl_jagg.trainer.ema.aligned_parts`, as the EMA does).
+share: under FSDP2 or DeepSpeed ZeRO-3 its shard (:func:`~trl_jagg.trainer.sharding.aligned_parts`, as the EMA does).
 Checkpoints hold the whole weights (``nft_old_policy.safetensors``, gathered) with the optimizer step it last
 followed, so a resumed run samples with the same policy as an uninterrupted one.
 """
@@ -20,10 +20,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from ..nft import old_policy_decay
-from .checkpoint_checks import damaged_file, old_policy_stamp
-from .ema import aligned_parts, local_parts, whole, whole_shape
-from .files import OLD_POLICY_FILE
+from trl_jagg.core.nft import old_policy_decay
+from trl_jagg.trainer.checkpoint_checks import damaged_file, old_policy_stamp
+from trl_jagg.trainer.files import OLD_POLICY_FILE
+from trl_jagg.trainer.sharding import aligned_parts, local_parts, whole, whole_shape
 
 
 class OldPolicy:

@@ -8,8 +8,8 @@ from collections.abc import Iterator
 
 import torch
 
-from ..distributed import is_fully_sharded
-from ..models import FlowMatchingAdapter
+from trl_jagg.models import FlowMatchingAdapter
+from trl_jagg.utils.distributed import is_fully_sharded
 
 
 class FrozenModules:

@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from ..rewards import reward_name
-from ..rewards.base import scores_each_sample
-from ..rewards.calling import call_within, reward_deadline
+from trl_jagg.rewards import reward_name
+from trl_jagg.rewards.base import scores_each_sample
+from trl_jagg.rewards.calling import call_within, reward_deadline
 
 MAX_CHUNKS_IN_FLIGHT = 8
 """Chunks scored at once: a server answers one chunk while the next ones are already sent."""

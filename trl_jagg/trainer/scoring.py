@@ -11,9 +11,9 @@ from typing import Any, NoReturn
 import torch
 from accelerate.utils import gather_object
 
-from ..errors import TrainingError
-from ..rewards import compute_rewards
-from .guards import any_process
+from trl_jagg.rewards import compute_rewards
+from trl_jagg.trainer.guards import any_process
+from trl_jagg.utils.errors import TrainingError
 
 logger = logging.getLogger(__name__)
 

@@ -19,15 +19,22 @@ from typing import Any
 
 import torch
 
-from ..grpo import guard_log_ratio, kl_to_reference, ppo_step_loss
-from ..grpo_jagg_config import GRPOJaggConfig
-from ..jagg import EngineResult, JaggEngine, StepGroup, gradient_diagnostic, leading_jagg_fraction, plan_groups
-from ..models import FlowMatchingAdapter
-from ..sampling import sampler_step
-from .backward import backward, backward_unit
-from .batch import resolved, rng_seed, velocity_key
-from .guards import any_process, largest_over_processes
-from .placement import adapters_disabled, reshard
+from trl_jagg.config.grpo_jagg_config import GRPOJaggConfig
+from trl_jagg.core.grpo import guard_log_ratio, kl_to_reference, ppo_step_loss
+from trl_jagg.core.jagg import (
+    EngineResult,
+    JaggEngine,
+    StepGroup,
+    gradient_diagnostic,
+    leading_jagg_fraction,
+    plan_groups,
+)
+from trl_jagg.core.sampling import sampler_step
+from trl_jagg.models import FlowMatchingAdapter
+from trl_jagg.trainer.backward import backward, backward_unit
+from trl_jagg.trainer.batch import resolved, rng_seed, velocity_key
+from trl_jagg.trainer.guards import any_process, largest_over_processes
+from trl_jagg.trainer.placement import adapters_disabled, reshard
 
 STEP_STATS = ("policy_loss", "kl", "ratio_mean", "clip_fraction", "approx_kl")
 

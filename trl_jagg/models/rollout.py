@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 from diffusers import DPMSolverMultistepScheduler
 
-from .models.base import Conditioning, FlowMatchingAdapter
-from .sampling import sampler_step
+from trl_jagg.core.sampling import sampler_step
+from trl_jagg.models.base import Conditioning, FlowMatchingAdapter
 
 
 @dataclass

@@ -14,18 +14,18 @@ import typing
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from .field_types import type_problem
-from .grpo import MULTI_OBJECTIVE_AGGREGATIONS
-from .jagg import ENDPOINT_BACKWARDS, JAGG_MODES
-from .nft import OLD_POLICY_DECAY_TYPES
-from .recipes import RECIPES
-from .redaction import redacted
-from .sampling import SAMPLERS
-from .sde_window import WINDOW_SCHEDULES, max_window_start
-from .velocity_cache import VELOCITY_CACHE_MODES
+from trl_jagg.config.field_types import type_problem
+from trl_jagg.core.grpo import MULTI_OBJECTIVE_AGGREGATIONS
+from trl_jagg.core.jagg import ENDPOINT_BACKWARDS, JAGG_MODES
+from trl_jagg.core.nft import OLD_POLICY_DECAY_TYPES
+from trl_jagg.core.sampling import SAMPLERS
+from trl_jagg.core.sde_window import WINDOW_SCHEDULES, max_window_start
+from trl_jagg.core.velocity_cache import VELOCITY_CACHE_MODES
+from trl_jagg.recipes import RECIPES
+from trl_jagg.utils.redaction import redacted
 
 if TYPE_CHECKING:
-    from .grpo_jagg_config import GRPOJaggConfig
+    from trl_jagg.config.grpo_jagg_config import GRPOJaggConfig
 
 TRAIN_SAMPLERS = tuple(s for s in SAMPLERS if s != "ode")
 GAUSSIAN_SAMPLERS = ("sde", "dance")  # log-probs are true Gaussian log-densities (CPS drops the constants)

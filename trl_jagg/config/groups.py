@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .config_checks import EMA_SCHEDULES
-from .jagg import ENDPOINT_BACKWARDS, JAGG_MODES
-from .velocity_cache import VELOCITY_CACHE_MODES
+from trl_jagg.config.checks import EMA_SCHEDULES
+from trl_jagg.core.jagg import ENDPOINT_BACKWARDS, JAGG_MODES
+from trl_jagg.core.velocity_cache import VELOCITY_CACHE_MODES
 
 
 @dataclass

@@ -27,32 +27,32 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, HubStrategy
 from transformers.utils.hub import PushInProgress
 from trl.trainer.base_trainer import _BaseTrainer
 
-from . import distributed
-from .grpo_jagg_config import GRPOJaggConfig
-from .hub_access import check_hub_file
-from .models import load_adapter
-from .prompts import prompt_text
-from .quiet import quiet_deepspeed_cpu_notice
-from .rewards import reward_name
-from .trainer import checkpointing, hub
-from .trainer.backbone import has_active_dropout, prepare_backbone
-from .trainer.batch import split_rollout, without_zero_advantages
-from .trainer.conditioning import PromptConditioner
-from .trainer.data import EpochSeededRepeatSampler, identity_collator
-from .trainer.ema import EMACallback, EMAWeights, ema_swapped_in
-from .trainer.evaluation import Evaluator, SampleImagesCallback
-from .trainer.files import EMA_DIR
-from .trainer.generation import RolloutGenerator
-from .trainer.guards import stop_if_non_finite
-from .trainer.image_logging import eval_images_key, log_completions, log_image_grid, save_images
-from .trainer.inputs import checked_inputs, checked_model_inputs
-from .trainer.interrupts import InterruptCallback, interrupted
-from .trainer.metrics import first_completions, logged_means
-from .trainer.nft_update import NFTUpdateStage
-from .trainer.old_policy import OldPolicy
-from .trainer.placement import FrozenModules
-from .trainer.scoring import RewardFailure
-from .trainer.update import UpdateStage
+from trl_jagg.config.grpo_jagg_config import GRPOJaggConfig
+from trl_jagg.models import load_adapter
+from trl_jagg.rewards import reward_name
+from trl_jagg.trainer import checkpointing, hub
+from trl_jagg.trainer.backbone import has_active_dropout, prepare_backbone
+from trl_jagg.trainer.batch import split_rollout, without_zero_advantages
+from trl_jagg.trainer.conditioning import PromptConditioner
+from trl_jagg.trainer.data import EpochSeededRepeatSampler, identity_collator
+from trl_jagg.trainer.ema import EMACallback, EMAWeights, ema_swapped_in
+from trl_jagg.trainer.evaluation import Evaluator, SampleImagesCallback
+from trl_jagg.trainer.files import EMA_DIR
+from trl_jagg.trainer.generation import RolloutGenerator
+from trl_jagg.trainer.guards import stop_if_non_finite
+from trl_jagg.trainer.image_logging import eval_images_key, log_completions, log_image_grid, save_images
+from trl_jagg.trainer.inputs import checked_inputs, checked_model_inputs
+from trl_jagg.trainer.interrupts import InterruptCallback, interrupted
+from trl_jagg.trainer.metrics import first_completions, logged_means
+from trl_jagg.trainer.nft_update import NFTUpdateStage
+from trl_jagg.trainer.old_policy import OldPolicy
+from trl_jagg.trainer.placement import FrozenModules
+from trl_jagg.trainer.scoring import RewardFailure
+from trl_jagg.trainer.update import UpdateStage
+from trl_jagg.utils import distributed
+from trl_jagg.utils.hub_access import check_hub_file
+from trl_jagg.utils.prompts import prompt_text
+from trl_jagg.utils.quiet import quiet_deepspeed_cpu_notice
 
 RewardFunc = Callable[..., list[float]]
 
@@ -370,7 +370,7 @@ class DDPOJaggTrainer(_BaseTrainer):
         """:meth:`transformers.Trainer.train` (``True`` / ``"latest"``: the last checkpoint), checking its files first.
 
         SIGINT (Ctrl-C) or SIGTERM (a scheduler's preemption) stops it after the optimizer step in progress with a
-        checkpoint of every trained step, then raises :class:`~trl_jagg.errors.TrainingInterrupted` naming it; a
+        checkpoint of every trained step, then raises :class:`~trl_jagg.utils.errors.TrainingInterrupted` naming it; a
         second signal stops at once (:mod:`trl_jagg.trainer.interrupts`)."""
         resume_from_checkpoint = checkpointing.resume_path(resume_from_checkpoint, self.args.output_dir)
         if resume_from_checkpoint:

@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 
 from transformers import TrainingArguments
 
-from .config_checks import (
+from trl_jagg.config.checks import (
     CFG_GRADIENTS,
     DTYPES,
     KL_STDS,
@@ -23,12 +23,12 @@ from .config_checks import (
     resolve_generation_batch,
     reward_kwargs_mapping,
 )
-from .config_groups import EMAArguments, EvaluationArguments, JaggArguments, ScalingArguments
-from .grpo import MULTI_OBJECTIVE_AGGREGATIONS
-from .prompts import check_prompts
-from .recipes import get_recipe
-from .redaction import redacted
-from .sde_window import WINDOW_SCHEDULES
+from trl_jagg.config.groups import EMAArguments, EvaluationArguments, JaggArguments, ScalingArguments
+from trl_jagg.core.grpo import MULTI_OBJECTIVE_AGGREGATIONS
+from trl_jagg.core.sde_window import WINDOW_SCHEDULES
+from trl_jagg.recipes import get_recipe
+from trl_jagg.utils.prompts import check_prompts
+from trl_jagg.utils.redaction import redacted
 
 
 @dataclass
@@ -549,7 +549,7 @@ class GRPOJaggConfig(JaggArguments, ScalingArguments, EMAArguments, EvaluationAr
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as ``TrainingArguments.to_dict`` gives them (what trackers record, through ``to_json_string``
-        and ``to_sanitized_dict`` too), with every secret redacted (:mod:`trl_jagg.redaction`): a key inside
+        and ``to_sanitized_dict`` too), with every secret redacted (:mod:`trl_jagg.utils.redaction`): a key inside
         ``reward_kwargs`` or a URL would otherwise reach TensorBoard, W&B and the Hub."""
         return redacted(super().to_dict())
 

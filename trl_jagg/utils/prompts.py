@@ -196,7 +196,7 @@ def prompt_dataset(dataset: Any, prompts_per_rollout: int, name: str = "train_da
             f"{name} has no 'prompt' column (columns: {dataset.column_names}). "
             "Rename the text column, e.g. `dataset.rename_column('text', 'prompt')`."
         )
-    from .rewards.base import REWARD_KEYWORDS
+    from trl_jagg.rewards.base import REWARD_KEYWORDS
 
     # Columns reach every reward as keywords beside these: a clash would fail at the first reward call, after a
     # whole rollout.

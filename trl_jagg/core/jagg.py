@@ -19,7 +19,7 @@ Two things make a JAGG group cheaper still (see ``docs/jagg.md``):
   optimizer step they are the rollout policy's; ``correct_cached`` moves each one by the change of the group's
   endpoints since the rollout, interpolated with JAGG's own weights (:func:`corrected_velocity`); with
   ``cache_tolerance`` a group keeps them only where :func:`signal_sensitivity` stays within it (else they are
-  recomputed: ``trl_jagg/velocity_cache.py``).
+  recomputed: ``trl_jagg/core/velocity_cache.py``).
 - **Batched no-grad forwards.** Velocities that must be recomputed without a graph (uncached intermediates) are
   requested all at once through ``no_grad_velocities_fn``, which can run them as a few large backbone calls.
 
@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .velocity_cache import corrected_velocity, signal_sensitivity
+from trl_jagg.core.velocity_cache import corrected_velocity, signal_sensitivity
 
 JAGG_MODES = ("exact", "jagg", "endpoints")
 ENDPOINT_BACKWARDS = ("joint", "sequential")

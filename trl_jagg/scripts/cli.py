@@ -4,7 +4,7 @@
 
     trl-jagg train --config recipe.yaml [--any_config_field value ...]
     trl-jagg train --accelerate_config multi_gpu --config recipe.yaml    # relaunched through `accelerate launch`
-    accelerate launch -m trl_jagg.cli train --config recipe.yaml       # the same, launched by hand
+    accelerate launch -m trl_jagg.scripts.cli train --config recipe.yaml       # the same, launched by hand
     trl-jagg demo --output_dir runs/demo [--compare]                     # the CPU demo that visibly learns
     trl-jagg bench [trainer] --output_dir runs/bench [...]               # JAGG vs exact update-stage timings
     trl-jagg calibrate --config recipe.yaml [--threshold 0.7]            # JAGG vs exact gradient cosine per group
@@ -39,7 +39,7 @@ COMMANDS: dict[str, str] = {
 """Command name -> one-line help; the command's code is ``trl_jagg.scripts.<name>.main``."""
 
 DEBUG_ENV = "TRL_JAGG_DEBUG"
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # trl_jagg/, this file being in scripts/
 
 
 def _top_help() -> str:

@@ -1,0 +1,1 @@
+"""The training config: ``GRPOJaggConfig``, its field groups and the checks each group owns."""

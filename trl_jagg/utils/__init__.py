@@ -1,0 +1,1 @@
+"""Utilities every layer may use: errors, redaction, quiet logging, Hub access, process groups and prompt sets."""
