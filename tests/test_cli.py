@@ -57,6 +57,18 @@ def test_top_level_help_lists_commands(capsys):
     assert code == 2 and "usage: trl-jagg" in err
 
 
+def test_help_points_to_the_published_docs_not_to_a_checkout_path(capsys):
+    """A wheel user has no docs/ folder: the help names the docs' URL, pyproject.toml's Documentation URL."""
+    import tomllib
+
+    with open(os.path.join(os.path.dirname(__file__), "..", "pyproject.toml"), "rb") as handle:
+        documentation = tomllib.load(handle)["project"]["urls"]["Documentation"]
+    for argv in (["--help"], ["train", "--help"]):
+        _, out, _ = run(argv, capsys)
+        assert documentation in out, argv
+        assert "docs/index.md" not in out and " docs/quickstart.md" not in out, argv
+
+
 def test_unknown_command_suggests(capsys):
     code, _, err = run(["trian"], capsys)
     assert code == 2

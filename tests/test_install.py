@@ -1,10 +1,12 @@
 """The package as users install it: a wheel built from this tree, installed into a fresh virtualenv, has its
-launch configurations and recipe files and trains through ``trl-jagg train --accelerate_config``."""
+launch configurations and recipe files, trains through ``trl-jagg train --accelerate_config``, and runs the
+quickstart's Python block as pasted (a tiny model swapped in) from a folder with no ``docs/`` or ``examples/``."""
 
 from __future__ import annotations
 
 import email
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -53,9 +55,17 @@ def fresh_virtualenv(path: Path, wheel: Path) -> Path:
     return python
 
 
-@pytest.mark.slow  # ~40 s alone on 2 cores (build, virtualenv, two interpreters importing torch), more when shared
-def test_wheel_in_a_fresh_virtualenv_ships_the_configs_and_trains(tmp_path, tiny_flux_path):
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> tuple[Path, Path]:
+    """``(wheel, python)``: the wheel of this tree and the interpreter of a fresh virtualenv it is installed in."""
+    tmp_path = tmp_path_factory.mktemp("install")
     wheel = build_wheel(tmp_path)
+    return wheel, fresh_virtualenv(tmp_path / "venv", wheel)
+
+
+@pytest.mark.slow  # ~40 s alone on 2 cores (build, virtualenv, two interpreters importing torch), more when shared
+def test_wheel_in_a_fresh_virtualenv_ships_the_configs_and_trains(tmp_path, tiny_flux_path, installed):
+    wheel, python = installed
     with zipfile.ZipFile(wheel) as archive:
         names = archive.namelist()
         metadata = email.message_from_bytes(archive.read(next(n for n in names if n.endswith("/METADATA"))))
@@ -68,7 +78,6 @@ def test_wheel_in_a_fresh_virtualenv_ships_the_configs_and_trains(tmp_path, tiny
     assert not [c for c in metadata.get_all("Classifier") if c.startswith("License ::")]  # SPDX replaces them
     assert any(url.startswith("Repository, https://") for url in metadata.get_all("Project-URL"))
 
-    python = fresh_virtualenv(tmp_path / "venv", wheel)
     # Every shipped name resolves inside the installed package and loads with accelerate's own reader.
     check = (
         "import sys, trl_jagg\n"
@@ -84,7 +93,7 @@ def test_wheel_in_a_fresh_virtualenv_ships_the_configs_and_trains(tmp_path, tiny
     proc = subprocess.run([python, "-c", check, *names], capture_output=True, text=True, env=CLEAN_ENV, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     paths = proc.stdout.split()
-    site = str(tmp_path / "venv")
+    site = str(python.parent.parent)
     assert all(p.startswith(site) for p in paths), paths  # the wheel's files, not the checkout's
     assert [Path(p).stem for p in paths[:-1]] == names
 
@@ -104,3 +113,50 @@ def test_wheel_in_a_fresh_virtualenv_ships_the_configs_and_trains(tmp_path, tiny
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"Launching with accelerate ({paths[0]})" in proc.stdout
     assert (out / "pytorch_lora_weights.safetensors").is_file()
+
+
+QUICKSTART_STAND_INS = """
+import datasets
+from trl_jagg import GRPOJaggConfig
+from trl_jagg.rewards import REWARD_REGISTRY
+
+# Offline stand-ins for what the block fetches: the prompts and PickScore's weights.
+datasets.load_dataset = lambda *args, **kwargs: datasets.Dataset.from_dict({"Prompt": ["a red circle", "a blue square"] * 12})
+REWARD_REGISTRY["pickscore"] = REWARD_REGISTRY["prompt_color"]
+original_post_init = GRPOJaggConfig.__post_init__
+
+
+def tiny_post_init(self):  # one optimizer step at 32x32 px on CPU; report_to stays what the block says
+    for key, value in dict(height=32, width=32, max_steps=1, max_sequence_length=16, bf16=False, dtype="float32",
+                           save_strategy="no", disable_tqdm=True, logging_steps=1).items():
+        setattr(self, key, value)
+    original_post_init(self)
+
+
+GRPOJaggConfig.__post_init__ = tiny_post_init
+"""
+
+
+@pytest.mark.slow  # one optimizer step of the quickstart's config on a tiny model, in the wheel's interpreter
+def test_quickstart_block_runs_from_the_wheel_and_logs_where_it_says(tmp_path, tiny_flux_path, installed):
+    wheel, python = installed
+    with zipfile.ZipFile(wheel) as archive:
+        metadata = email.message_from_bytes(
+            archive.read(next(n for n in archive.namelist() if n.endswith("/METADATA")))
+        )
+    # The tracker the quickstart logs to is a dependency of a plain install, not of an extra.
+    requirements = metadata.get_all("Requires-Dist")
+    assert [r for r in requirements if re.match(r"tensorboard\b", r) and "extra ==" not in r], requirements
+
+    text = (ROOT / "docs" / "quickstart.md").read_text()
+    (block,) = [b for b in re.findall(r"```python\n(.*?)```", text, flags=re.S) if "trainer.train()" in b]
+    assert 'report_to="tensorboard"' in block and "black-forest-labs/FLUX.1-dev" in block
+    script = tmp_path / "quickstart.py"
+    script.write_text(QUICKSTART_STAND_INS + block.replace("black-forest-labs/FLUX.1-dev", tiny_flux_path))
+    proc = subprocess.run(
+        [python, script], capture_output=True, text=True, env=CLEAN_ENV, cwd=tmp_path, timeout=600
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    output_dir = tmp_path / "flux-pickscore-grpo"
+    assert (output_dir / "pytorch_lora_weights.safetensors").is_file()
+    assert list(output_dir.rglob("events.out.tfevents.*")), sorted(p.name for p in output_dir.rglob("*"))

@@ -3,3 +3,5 @@
 dataclasses) and ``main(argv) -> int``; :mod:`trl_jagg.scripts.cli` only dispatches to them."""
 
 PROG = "trl-jagg"
+DOCS_URL = "https://github.com/huggingface/trl-jagg/tree/main/docs"
+"""Where the docs are published (``Documentation`` in pyproject.toml): a wheel user has no ``docs/`` folder."""

@@ -27,7 +27,7 @@ import traceback
 from collections.abc import Sequence
 
 from trl_jagg import MODEL_FAMILIES
-from trl_jagg.scripts import PROG
+from trl_jagg.scripts import DOCS_URL, PROG
 
 COMMANDS: dict[str, str] = {
     "train": "GRPO or DiffusionNFT fine-tuning with JAGG, from a YAML config and flags (accelerate launch-able)",
@@ -52,7 +52,7 @@ def _top_help() -> str:
             "commands:",
             *(f"  {name:<10} {text}" for name, text in COMMANDS.items()),
             "",
-            f"Run `{PROG} <command> --help` for the options of a command. Docs: docs/index.md",
+            f"Run `{PROG} <command> --help` for the options of a command. Docs: {DOCS_URL}",
         ]
     )
 

@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
+from trl_jagg.scripts import DOCS_URL
 from trl_jagg.scripts.train import check_local_paths, checked_reward_funcs, new_trainer, read_prompts, train_and_save
 from trl_jagg.scripts.utils import CommandParser, UsageError
 from trl_jagg.utils.redaction import redacted_argv
@@ -195,7 +196,7 @@ class Example:
             usage=f"python {script} [--tiny] [--config x.yaml] [--field value ...]\n"
             f"       accelerate launch {script} [--field value ...]",
             epilog=f"Example: python {script} --tiny --output_dir /tmp/tiny --learning_rate 3e-5. Docs: "
-            "docs/quickstart.md (Examples) and docs/config.md.",
+            f"{DOCS_URL}/quickstart.md#8-examples and {DOCS_URL}/config.md.",
         )
 
     @property

@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from trl_jagg.scripts import DOCS_URL
 from trl_jagg.scripts.launch import LAUNCHED_ENV, launch_with_accelerate, split_launch_options
 from trl_jagg.scripts.utils import CommandParser, UsageError, flag_value
 from trl_jagg.utils.errors import TrainingInterrupted
@@ -154,7 +155,7 @@ def make_parser(command: str = "train", extra: Sequence[type] = (), description:
         description,
         usage=f"trl-jagg {command} [--config recipe.yaml] [--field value ...]\n"
         f"       accelerate launch -m trl_jagg.scripts.cli {command} [--config recipe.yaml] [--field value ...]",
-        epilog="Docs: docs/quickstart.md and docs/config.md. Example: "
+        epilog=f"Docs: {DOCS_URL}/quickstart.md and {DOCS_URL}/config.md. Example: "
         f"trl-jagg {command} --config recipe.yaml --learning_rate 1e-4 --jagg_group_size 8",
     )
 
