@@ -10,6 +10,7 @@ training's numbers: ``python tests/test_layout_pin.py`` (and say why in the comm
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -101,11 +102,13 @@ if __name__ == "__main__":  # regenerate the fixtures (see the module docstring)
 
 # ---------------------------------------------------------------- the module map (CONTRIBUTING.md, "Where code lives")
 PACKAGE = Path(__file__).resolve().parents[1] / "trl_jagg"
-STAGES = {"generation", "update", "evaluation", "checkpointing", "hub"}
+CONTRIBUTING = PACKAGE.parent / "CONTRIBUTING.md"
+TRAINER = "trl_jagg.trainer.ddpo_jagg_trainer"
 
 
 def _imports(path: Path) -> set[str]:
-    """The trl_jagg modules ``path`` imports (absolute names), from its syntax tree."""
+    """Every module ``path`` imports (absolute names, relative imports resolved; ``from m import n`` gives ``m`` and
+    ``m.n``), from its syntax tree: also the imports inside functions and under ``TYPE_CHECKING``."""
     import ast
 
     module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
@@ -121,26 +124,100 @@ def _imports(path: Path) -> set[str]:
             found.update(f"{name}.{alias.name}" for alias in node.names)
         elif isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
-    return {name for name in found if name.startswith("trl_jagg")}
+    return found
+
+
+def _package_imports(path: Path) -> set[str]:
+    return {name for name in _imports(path) if name.split(".")[0] == "trl_jagg"}
+
+
+def _map_text() -> str:
+    text = CONTRIBUTING.read_text()
+    return text[text.index("## Where code lives") : text.index("\n## ", text.index("## Where code lives") + 1)]
+
+
+def _mapped_paths(text: str) -> set[str]:
+    """The module paths (relative to the repository) a map text names: ``trl_jagg/x/y.py`` in a table row or a
+    brace group ``trl_jagg/trainer/{a,b}.py``; a package folder ``trl_jagg/x/`` names its ``__init__.py``."""
+    paths = set()
+    for prefix, group, suffix in re.findall(r"`(trl_jagg/[\w/]*?)(?:\{([\w, ]+)\})?(\.py|/)?`", text):
+        names = [n.strip() for n in group.split(",")] if group else [""]
+        for name in names:
+            if suffix == "/" or (not suffix and not group):
+                paths.add(f"{prefix}{name}".rstrip("/") + "/__init__.py")
+            else:
+                paths.add(f"{prefix}{name}{suffix or '.py'}")
+    return paths
+
+
+def _stages() -> set[str]:
+    """The trainer's stages as CONTRIBUTING's table marks them (a job starting with "stage:")."""
+    rows = re.findall(r"^\| `trl_jagg/trainer/(\w+)\.py` \| stage:", _map_text(), flags=re.MULTILINE)
+    return set(rows)
+
+
+def test_every_module_is_in_contributings_map():
+    """A module added without its row in "Where code lives" fails here: the map is the house's floor plan."""
+    modules = {p.relative_to(PACKAGE.parent).as_posix() for p in PACKAGE.rglob("*.py")}
+    mapped = _mapped_paths(_map_text())
+    missing = modules - mapped
+    assert missing == set(), f"add these modules, with their job, to CONTRIBUTING.md's map: {sorted(missing)}"
+    # A package's row names its folder, which may have no __init__.py (a namespace package).
+    gone = {
+        path
+        for path in mapped - modules
+        if not (path.endswith("/__init__.py") and (PACKAGE.parent / path).parent.is_dir())
+    }
+    assert gone == set(), f"CONTRIBUTING.md's map names modules that are gone: {sorted(gone)}"
+
+
+def test_the_map_reader_finds_paths_and_brace_groups():
+    # The reader above must be able to miss a module, or the test before it could not fail.
+    text = "| `trl_jagg/a/b.py` | x | `trl_jagg/t/{c, d}.py` | `trl_jagg/p/` | `trl_jagg/q/r.yaml`"
+    assert _mapped_paths(text) == {"trl_jagg/a/b.py", "trl_jagg/t/c.py", "trl_jagg/t/d.py", "trl_jagg/p/__init__.py"}
 
 
 def test_stages_never_import_the_trainer_or_each_other():
-    for path in (PACKAGE / "trainer").glob("*.py"):
-        if path.stem == "ddpo_jagg_trainer":  # the trainer composes the stages
-            continue
-        imported = _imports(path)
-        assert "trl_jagg.trainer.ddpo_jagg_trainer" not in imported, path.name
-        others = {f"trl_jagg.trainer.{stage}" for stage in STAGES} - {f"trl_jagg.trainer.{path.stem}"}
-        assert not imported & others, f"{path.name} imports the stage(s) {sorted(imported & others)}"
+    stages = _stages()
+    # Each module whose docstring calls itself a stage is marked one in the map, so a new stage is covered.
+    declared = {
+        p.stem for p in (PACKAGE / "trainer").glob("*.py") if re.match(r'"""The [\w -]*\bstage\b', p.read_text())
+    }
+    assert declared and declared <= stages, f"mark {sorted(declared - stages)} as 'stage:' in CONTRIBUTING's map"
+    assert stages, "CONTRIBUTING's map marks no stage"
+    for stage in stages:
+        imported = _package_imports(PACKAGE / "trainer" / f"{stage}.py")
+        others = {f"trl_jagg.trainer.{other}" for other in stages - {stage}}
+        assert not imported & others, f"{stage}.py imports the stage(s) {sorted(imported & others)}"
+    # Nothing under trainer/ (but the trainer module itself) or objectives/ imports the trainer class.
+    for path in [*(PACKAGE / "trainer").glob("*.py"), *(PACKAGE / "objectives").rglob("*.py")]:
+        if path.stem != "ddpo_jagg_trainer":
+            imported = _package_imports(path)
+            assert TRAINER not in imported and "trl_jagg.DDPOJaggTrainer" not in imported, path.name
 
 
-def test_the_engine_imports_torch_only():
-    """The engine's modules import torch and each other, nothing else of the package (no diffusers, no trainer)."""
-    engine = ("jagg", "velocity_cache", "grpo", "nft", "sampling", "sde_window")
-    allowed = {f"trl_jagg.core.{name}" for name in engine}
-    for name in engine:
-        imported = {m for m in _imports(PACKAGE / "core" / f"{name}.py") if m.rsplit(".", 1)[0] not in allowed}
-        assert imported - allowed == set(), name
+def test_the_library_never_imports_the_tools():
+    tools = {f"trl_jagg.{name}" for name in ("scripts", "benchmarks", "demo", "testing", "planning")}
+    library = ("core", "config", "utils", "trainer", "objectives", "models", "rewards", "recipes")
+    for path in [p for layer in library for p in (PACKAGE / layer).rglob("*.py")]:
+        reached = {name for name in _package_imports(path) if ".".join(name.split(".")[:2]) in tools}
+        assert reached == set(), f"{path.relative_to(PACKAGE)} imports the tool(s) {sorted(reached)}"
+
+
+def test_the_core_imports_torch_the_standard_library_and_itself_only():
+    """Every module of ``trl_jagg/core`` imports torch, the standard library and other core modules: no diffusers,
+    numpy, transformers, nor the rest of the package (the full import list, not only the package's names)."""
+    allowed = set(sys.stdlib_module_names) | {"__future__", "torch"}
+    modules = sorted((PACKAGE / "core").glob("*.py"))
+    assert {p.stem for p in modules} >= {"jagg", "sampling", "grpo", "nft", "velocity_cache", "sde_window"}
+    for path in modules:
+        outside = {
+            name
+            for name in _imports(path)
+            if name.split(".")[0] not in allowed and not (name == "trl_jagg.core" or name.startswith("trl_jagg.core."))
+        }
+        # `from torch import nn` gives `torch` and `torch.nn`: both start with an allowed top-level name.
+        assert outside == set(), f"core/{path.name} imports {sorted(outside)}"
 
 
 def test_modules_stay_small_and_tools_stay_out_of_the_root():

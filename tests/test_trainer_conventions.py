@@ -326,7 +326,7 @@ def test_best_checkpoint_by_eval_reward_is_kept_and_loaded_at_the_end(tiny_flux_
 
 def test_shuffle_dataset_false_keeps_the_dataset_order(tiny_flux_path, tmp_path):
     def order(**overrides) -> list[int]:
-        return list(make_trainer(tiny_flux_path, tmp_path, **overrides)._get_train_sampler())
+        return list(make_trainer(tiny_flux_path, tmp_path, **overrides)._rollout_sampler())
 
     # generation_batch_size 4 = 2 prompts x G = 2 per rollout: each index twice in a row.
     assert order(shuffle_dataset=False) == [0, 0, 1, 1, 2, 2, 3, 3]

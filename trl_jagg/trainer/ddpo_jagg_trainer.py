@@ -210,11 +210,11 @@ class DDPOJaggTrainer(_BaseTrainer):
             dataset=self.train_dataset,
             description="Training",
             batch_size=self._train_batch_size * self.args.steps_per_generation,
-            sampler_fn=self._get_train_sampler,
+            sampler_fn=self._rollout_sampler,  # passed here: Trainer's private `_get_train_sampler` is not overridden
             is_training=True,
         )
 
-    def _get_train_sampler(self, dataset: Dataset | None = None) -> Sampler:
+    def _rollout_sampler(self, dataset: Dataset | None = None) -> Sampler:
         # Each prompt appears num_generations times in a row; the batch is repeated for every micro-batch and
         # inner iteration it feeds, so the dataloader stays aligned with the rollout buffer.
         return EpochSeededRepeatSampler(
