@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
 from trl_jagg.core.grpo import ppo_step_loss
-from trl_jagg.core.jagg import JaggEngine, plan_groups
+from trl_jagg.core.jagg import JaggEngine, StepFunctions, plan_groups
 from trl_jagg.core.sampling import sampler_step
 
 BATCH, DIM, STEPS = 8, 6, 7
@@ -54,11 +54,8 @@ def _gradients(model: torch.nn.Module, rows: slice, sync) -> list[torch.Tensor]:
 
     groups = plan_groups([float(sigmas[k]) for k in trained], 4, 0.5)  # one JAGG group, then exact steps
     assert [g.method for g in groups] == ["jagg", "exact"]
-    engine = JaggEngine(
-        lambda i: model(latents[:, trained[i]], sigmas[trained[i]].view(1, 1)), loss_fn, sync_context=sync,
-        loss_weight=1 / len(trained),
-    )  # fmt: skip
-    engine.run(groups)
+    functions = StepFunctions(lambda i: model(latents[:, trained[i]], sigmas[trained[i]].view(1, 1)), loss_fn)
+    JaggEngine().run(groups, functions, sync_context=sync, loss_weight=1 / len(trained))
     return [p.grad.detach().clone() for p in model.parameters()]
 
 
@@ -618,7 +615,7 @@ def one_step(overlap):
     return [p.detach().clone() for p in trained.model.parameters()], logs
 (weights, logs), (expected_weights, expected_logs) = one_step(True), one_step(False)
 json.dump({"world": trainer.accelerator.num_processes, "prompts": [x["prompt"] for x in inputs],
-           "noise": rollout["latents"][:, 0].tolist(), "overlap_logs": [logs, expected_logs],
+           "noise": rollout.latents[:, 0].tolist(), "overlap_logs": [logs, expected_logs],
            "overlap_weights_equal": all(torch.equal(a, b) for a, b in zip(weights, expected_weights))},
           open(f"{out}/noise{rank}.json", "w"))
 """

@@ -19,6 +19,7 @@ from trl_jagg.core.grpo import group_advantages, kl_to_reference, ppo_step_loss
 from trl_jagg.core.jagg import (
     EngineResult,
     JaggEngine,
+    StepFunctions,
     StepGroup,
     gradient_diagnostic,
     interpolation_weights,
@@ -198,12 +199,26 @@ def reference_jagg_gradient(rollout: Rollout, steps: Sequence[int], *, endpoints
     return flat(grads, params)
 
 
+ENGINE_SETTINGS = ("backward_fn", "endpoint_backward", "cache_tolerance", "agree")
+FUNCTIONS = ("no_grad_velocities_fn", "probe_loss_fn")
+
+
+def run_engine(rollout: Rollout, groups: Sequence[StepGroup], **kwargs) -> EngineResult:
+    """One engine pass over ``rollout``, each keyword routed to where the engine takes it: the run's settings,
+    the micro-batch's functions, or the pass itself."""
+    settings = {k: kwargs.pop(k) for k in ENGINE_SETTINGS if k in kwargs}
+    functions = StepFunctions(
+        rollout.velocity_fn, rollout.loss_fn, **{k: kwargs.pop(k) for k in FUNCTIONS if k in kwargs}
+    )
+    return JaggEngine(**settings).run(groups, functions, **kwargs)
+
+
 def engine_gradient(
     rollout: Rollout, groups: Sequence[StepGroup], **engine_kwargs
 ) -> tuple[torch.Tensor, EngineResult]:
     model = rollout.model
     model.zero_grad(set_to_none=True)
-    result = JaggEngine(rollout.velocity_fn, rollout.loss_fn, **engine_kwargs).run(groups)
+    result = run_engine(rollout, groups, **engine_kwargs)
     grad = flat([p.grad for p in model.parameters()], params_of(model))
     model.zero_grad(set_to_none=True)
     return grad, result
@@ -395,10 +410,10 @@ def test_loss_weight_scales_the_gradient_and_gradients_accumulate():
     torch.testing.assert_close(weighted, 0.25 * plain, rtol=1e-12, atol=1e-15)
     assert weighted_result.step_losses == plain_result.step_losses  # reported losses are unweighted
     # Two passes without zeroing add up (gradient accumulation).
-    engine = JaggEngine(rollout.velocity_fn, rollout.loss_fn)
+    engine, functions = JaggEngine(), StepFunctions(rollout.velocity_fn, rollout.loss_fn)
     rollout.model.zero_grad(set_to_none=True)
-    engine.run(groups)
-    engine.run(groups)
+    engine.run(groups, functions)
+    engine.run(groups, functions)
     twice = flat([p.grad for p in rollout.model.parameters()], params_of(rollout.model))
     torch.testing.assert_close(twice, 2 * plain, rtol=1e-12, atol=1e-15)
 
@@ -537,7 +552,7 @@ def test_mismatched_velocity_shapes_in_a_joint_group_raise():
         return (v**2).sum()
 
     with pytest.raises(ValueError, match="`velocity_fn`"):
-        JaggEngine(velocity_fn, loss_fn).run(plan_groups([0.9, 0.6, 0.3], 3, 1.0))
+        JaggEngine().run(plan_groups([0.9, 0.6, 0.3], 3, 1.0), StepFunctions(velocity_fn, loss_fn))
 
 
 def test_upstream_signal_is_the_loss_gradient_at_the_velocity():
@@ -674,7 +689,7 @@ def test_sequential_endpoints_are_two_sync_units_and_only_the_last_backward_sync
 
 def test_bad_endpoint_backward_raises():
     with pytest.raises(ValueError, match="endpoint_backward"):
-        JaggEngine(lambda k: torch.zeros(1), lambda k, v: v.sum(), endpoint_backward="parallel")
+        JaggEngine(endpoint_backward="parallel")
 
 
 # --- automatic routing -------------------------------------------------------------------------------------------

@@ -232,7 +232,7 @@ def test_precomputed_prompt_embeds_give_the_same_rollout(tiny_flux_path, tiny_qw
     if family == "qwenimage":  # a new prompt is encoded once, then batched with the others
         got = trainer._generate_and_score(inputs)
         assert encoder_calls and "a very small green square" in trainer.conditioner.table
-        assert "prompt_embeds_mask" in got["cond"].per_sample  # the two lengths differ: padded with a mask
+        assert "prompt_embeds_mask" in got.cond.per_sample  # the two lengths differ: padded with a mask
     else:
         got = trainer._generate_and_score(inputs)
     for key in ("latents", "log_probs", "advantages"):

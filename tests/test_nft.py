@@ -12,7 +12,7 @@ from peft import LoraConfig
 from testing_utils import PROMPTS, redness, update_gradient
 
 from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
-from trl_jagg.core.jagg import JaggEngine, plan_groups
+from trl_jagg.core.jagg import JaggEngine, StepFunctions, plan_groups
 from trl_jagg.core.nft import forward_noised, nft_loss, old_policy_decay, optimality_probability
 from trl_jagg.trainer.old_policy import OLD_POLICY_FILE, OldPolicy
 
@@ -155,7 +155,7 @@ def jagg_nft_gradients(model, times, group_size, jagg_frac, mode="jagg"):
     params = list(model.parameters())
     for p in params:
         p.grad = None
-    JaggEngine(lambda i: model(x_t[i], t_of[i]), loss_fn).run(groups)
+    JaggEngine().run(groups, StepFunctions(lambda i: model(x_t[i], t_of[i]), loss_fn))
     jagg = torch.cat([p.grad.flatten() for p in params])
     exact = sum(
         torch.cat([g.flatten() for g in torch.autograd.grad(loss_fn(i, model(x_t[i], t_of[i])), params)])
@@ -209,7 +209,7 @@ def test_nft_update_w2_jagg_equals_exact_on_flux(tiny_flux_path, tmp_path):
     groups taken exactly (the same eps per group), up to float32 rounding."""
     trainer = nft_trainer(tiny_flux_path, tmp_path)
     rollout = trainer._generate_and_score(next(iter(trainer.get_train_dataloader())))
-    assert rollout["stochastic_steps"] == []  # the deterministic ODE rollout
+    assert rollout.stochastic_steps == []  # the deterministic ODE rollout
     exact = update_gradient(trainer, rollout, jagg_mode="exact")
     jagg = update_gradient(trainer, rollout, jagg_mode="jagg")
     assert exact.abs().max() > 1e-4
@@ -233,8 +233,8 @@ def test_nft_resume_samples_with_the_saved_old_policy(tiny_flux_path, tmp_path):
     assert os.path.isfile(os.path.join(checkpoint, OLD_POLICY_FILE))
     resumed = nft_trainer(tiny_flux_path, tmp_path / "cut", max_steps=3, **common)
     resumed.train(resume_from_checkpoint=checkpoint)
-    assert resumed.old_policy.followed_step == whole.old_policy.followed_step == 2
-    for a, b in zip(whole.old_policy.weights, resumed.old_policy.weights):
+    assert resumed.update_stage.old_policy.followed_step == whole.update_stage.old_policy.followed_step == 2
+    for a, b in zip(whole.update_stage.old_policy.weights, resumed.update_stage.old_policy.weights):
         torch.testing.assert_close(a, b, rtol=0, atol=0)  # bit-exact resume is the property under test
     for a, b in zip(whole.model.parameters(), resumed.model.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -140,4 +140,4 @@ def test_the_trainer_decays_the_old_policy_at_diffusionnfts_step_count(tiny_sd3_
     trainer.train()
     assert trainer.state.global_step == 4
     assert followed == [0, 2]  # before each rollout of 8 images: after 0, then 2 optimizer steps
-    assert trainer.old_policy.followed_step == 2  # DiffusionNFT's global_step after its first epoch
+    assert trainer.update_stage.old_policy.followed_step == 2  # DiffusionNFT's global_step after its first epoch

@@ -16,8 +16,8 @@ from testing_utils import DIFFUSION_NFT, FLOW_FACTORY, NAMES, noise_image
 
 from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
 from trl_jagg.models import load_adapter
+from trl_jagg.objectives import grpo as update
 from trl_jagg.recipes import RECIPES, get_recipe, list_recipes
-from trl_jagg.trainer import update
 
 YAML_DIR = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "recipes")
 PEER_MODULES = ("_shared", "dancegrpo", "diffusion_nft", "flow_factory", "flow_grpo")
@@ -652,10 +652,10 @@ def test_fast_preset_trains_only_the_sde_window(tiny_flux_path, tmp_path, monkey
     args = trainer.args
     assert recorded
     for steps, batch in recorded:
-        window = batch["stochastic_steps"]
+        window = batch.stochastic_steps
         assert steps == window and len(window) == args.sde_window_size == 3
         assert max(window) < args.num_inference_steps // 2  # the first half of the schedule
-        stochastic = batch["log_probs"].abs().sum(dim=0) != 0
+        stochastic = batch.log_probs.abs().sum(dim=0) != 0
         assert stochastic.tolist() == [k in window for k in range(args.num_inference_steps)]
     entry = next(e for e in trainer.state.log_history if "jagg/backward_calls" in e)
     assert entry["jagg/groups_jagg"] == 1 and entry["jagg/backward_calls"] == 1  # the window is one JAGG group
@@ -688,12 +688,12 @@ def test_mix_preset_trains_its_sliding_window_on_a_compressed_ode_schedule(tiny_
     paths = ([0, 1, 2, 3, 4, 10], [0, 1, 2, 3, 4, 5, 10])
     for update_index, ((steps, batch)) in enumerate(recorded):
         rollout = update_index // 2
-        path, window = paths[rollout], batch["stochastic_steps"]
+        path, window = paths[rollout], batch.stochastic_steps
         assert steps == window and len(window) == 4
-        torch.testing.assert_close(batch["sigmas"], full_sigmas[path], atol=0, rtol=0)
-        torch.testing.assert_close(batch["sigmas"][window], full_sigmas[rollout : rollout + 4], atol=0, rtol=0)
-        assert batch["latents"].shape[1] == len(path)
-        stochastic = batch["log_probs"].abs().sum(dim=0) != 0
+        torch.testing.assert_close(batch.sigmas, full_sigmas[path], atol=0, rtol=0)
+        torch.testing.assert_close(batch.sigmas[window], full_sigmas[rollout : rollout + 4], atol=0, rtol=0)
+        assert batch.latents.shape[1] == len(path)
+        stochastic = batch.log_probs.abs().sum(dim=0) != 0
         assert stochastic.tolist() == [k in window for k in range(len(path) - 1)]
     for entry in (e for e in trainer.state.log_history if "jagg/backward_calls" in e):
         assert entry["jagg/groups_jagg"] == 1 and entry["jagg/backward_calls"] == 1  # the window is one JAGG group
@@ -731,8 +731,8 @@ def test_fast_jagg_preset_trains_its_window_held_on_the_high_noise_steps(tiny_fl
     trainer.train()
     assert len(recorded) == 3
     for steps, batch in recorded:
-        assert steps == batch["stochastic_steps"] == [0, 1, 2, 3]
-        torch.testing.assert_close(batch["sigmas"], full_sigmas[[0, 1, 2, 3, 4, 7, 10]], atol=0, rtol=0)
+        assert steps == batch.stochastic_steps == [0, 1, 2, 3]
+        torch.testing.assert_close(batch.sigmas, full_sigmas[[0, 1, 2, 3, 4, 7, 10]], atol=0, rtol=0)
     for entry in (e for e in trainer.state.log_history if "jagg/backward_calls" in e):
         assert entry["jagg/groups_jagg"] == 1 and entry["jagg/backward_calls"] == 1  # the window is one JAGG group
 
@@ -1011,7 +1011,7 @@ def test_dance_preset_rewards_score_the_last_steps_predicted_x0(tiny_flux_path, 
     trainer.generation.generate = spy
     trainer.train()
     (rollout,) = rollouts
-    sigmas, latents, velocities = rollout["sigmas"], rollout["latents"], rollout["velocities"]  # the JAGG cache
+    sigmas, latents, velocities = rollout.sigmas, rollout.latents, rollout.velocities  # the JAGG cache
     x0_hat = latents[:, -2] - sigmas[-2] * velocities[:, -1].float()  # the last step starts at z_{N-1}, sigma_{N-1}
     adapter = trainer.adapter
 

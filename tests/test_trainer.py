@@ -22,11 +22,11 @@ from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
 from trl_jagg.core.grpo import group_advantages
 from trl_jagg.models import Conditioning, load_adapter
 from trl_jagg.models.rollout import sample_trajectories
+from trl_jagg.objectives.grpo import GRPOUpdateStage as UpdateStage
 from trl_jagg.trainer.backbone import compile_blocks
-from trl_jagg.trainer.batch import PendingAdvantages, resolved, select_samples, split_rollout
+from trl_jagg.trainer.batch import PendingAdvantages, RolloutBatch, resolved
 from trl_jagg.trainer.generation import advantages_per_group
 from trl_jagg.trainer.reward_overlap import ChunkAdvantages
-from trl_jagg.trainer.update import UpdateStage
 
 
 def make_config(tmp_path, **overrides) -> GRPOJaggConfig:
@@ -312,7 +312,7 @@ def test_normalize_then_sum_gives_gdpo_advantages_of_the_scores_and_logs_each_sh
     )  # fmt: skip
     rollout = trainer._generate_and_score(next(iter(trainer.get_train_dataloader())))
     expected = gdpo_by_hand(scored, [1.0, 0.5], 2, trainer.args.advantage_eps, 0, trainer.args.adv_clip_max)
-    assert rollout["advantages"].tolist() == pytest.approx(expected, abs=1e-5)
+    assert rollout.advantages.tolist() == pytest.approx(expected, abs=1e-5)
     share = [
         abs(v - statistics.fmean(g)) / (statistics.pstdev(g) + 1e-4)
         for g in zip(scored[1][::2], scored[1][1::2])
@@ -479,7 +479,7 @@ def test_velocity_cache_gives_the_uncached_gradient_with_two_forwards_and_one_ba
     # 5 steps, 4 trained: one JAGG group of W = 4 with two intermediate steps.
     trainer = make_trainer(tiny_flux_path, tmp_path, num_inference_steps=5, jagg_group_size=4, beta=beta)
     rollout = trainer._generate_and_score(next(iter(trainer.get_train_dataloader())))
-    assert rollout["velocities"].shape == (*rollout["latents"][:, 1:].shape,)
+    assert rollout.velocities.shape == (*rollout.latents[:, 1:].shape,)
     calls = BackboneCalls(trainer)
     uncached = update_gradient(trainer, rollout, jagg_cache_velocities=False)
     # Batched: one no-grad call for both intermediates, one for the KL reference of the 4 trained steps.
@@ -492,7 +492,7 @@ def test_velocity_cache_gives_the_uncached_gradient_with_two_forwards_and_one_ba
     # testing_utils.assert_velocity_cache_equals_recomputation); a wrong velocity moves the gradient by its own order.
     torch.testing.assert_close(cached, uncached, rtol=0, atol=1e-5 * uncached.abs().max().item())
     # One call per step (no batching) gives the same gradient within float rounding.
-    rollout.pop("reference_means", None)
+    trainer.update_stage.reference_cache.pop(rollout, None)
     unbatched = update_gradient(trainer, rollout, jagg_cache_velocities=False, no_grad_batch_steps=1)
     assert calls.take() == (2, 2 + (4 if beta else 0), 1)
     torch.testing.assert_close(unbatched, uncached, rtol=0, atol=1e-5 * uncached.abs().max().item())
@@ -578,16 +578,29 @@ def test_reference_means_are_computed_once_per_micro_batch_and_reused(tiny_flux_
     stage.reference_means = reference_means
     model = trainer.accelerator.unwrap_model(trainer.model)
     for chunk in trainer._buffered_inputs:
-        kept = dict(chunk.pop("reference_means"))
+        kept = stage.reference_cache.pop(chunk)
         fresh = stage.reference_means(model, chunk, trained)
         assert all(torch.equal(kept[k], fresh[k]) for k in trained)  # the reference is frozen: exactly the same
 
 
-def test_selected_samples_keep_their_reference_means():
-    means = {2: torch.arange(8.0).view(4, 2)}
-    batch = {"latents": torch.zeros(4, 3), "cond": Conditioning({"x": torch.arange(4)}), "reference_means": means}
-    selected = select_samples(batch, torch.tensor([3, 1]))
-    assert torch.equal(selected["reference_means"][2], means[2][[3, 1]])
+def test_selected_samples_index_the_per_sample_fields_and_keep_the_shared_ones():
+    batch = RolloutBatch(
+        latents=torch.arange(12.0).view(4, 3), advantages=torch.arange(4.0), cond=Conditioning({"x": torch.arange(4)}),
+        sigmas=torch.tensor([1.0, 0.5, 0.0]), sigma_values=[1.0, 0.5, 0.0], timesteps=torch.tensor([1000.0, 500.0]),
+        stochastic_steps=[0], log_probs=torch.arange(8.0).view(4, 2), velocities=torch.arange(8.0).view(4, 2, 1),
+        velocity_keys=["k0", "k1"], velocity_step=3,
+    )  # fmt: skip
+    rows = torch.tensor([3, 1])
+    selected = batch.select(rows)
+    for name in ("latents", "advantages", "log_probs", "velocities"):
+        assert torch.equal(getattr(selected, name), getattr(batch, name)[rows]), name
+    assert torch.equal(selected.cond.per_sample["x"], torch.tensor([3, 1]))
+    for name in ("sigmas", "timesteps"):
+        assert getattr(selected, name) is getattr(batch, name), name
+    assert (selected.sigma_values, selected.stochastic_steps) == ([1.0, 0.5, 0.0], [0])
+    assert (selected.velocity_keys, selected.velocity_step, selected.size) == (["k0", "k1"], 3, 2)
+    halves = batch.split(2)
+    assert [h.advantages.tolist() for h in halves] == [[0.0, 1.0], [2.0, 3.0]]
 
 
 @pytest.mark.parametrize(
@@ -617,7 +630,7 @@ def test_velocity_cache_is_not_used_at_another_batch_shape(tiny_flux_path, tmp_p
     calls = BackboneCalls(trainer)
     run_update(trainer, model, rollout)
     assert calls.take() == (2, 0, 1)  # the rollout's shape: two endpoints, no intermediate forward, one backward
-    run_update(trainer, model, select_samples(rollout, slice(0, 2)))
+    run_update(trainer, model, rollout.select(slice(0, 2)))
     assert calls.take() == (2, 1, 1)  # another shape: the intermediate velocity is recomputed
     assert trainer._metrics["jagg/cached_velocities"][-2:] == [1, 0]
     calls.handle.remove()
@@ -765,8 +778,8 @@ def test_chunks_are_scored_while_the_next_chunk_samples_with_the_sequential_resu
     expected, _, _, _ = overlap_rollout(tiny_flux_path, tmp_path / "b", monkeypatch, sequential, overlap=False)
     assert sequential.calls == [prompts]  # one call on the whole rollout
     # Bit-equal is the property: the same scores in the same order give the same advantages.
-    assert torch.equal(result["advantages"], expected["advantages"])
-    assert torch.equal(result["latents"], expected["latents"])
+    assert torch.equal(result.advantages, expected.advantages)
+    assert torch.equal(result.latents, expected.latents)
 
 
 def test_the_last_chunk_is_scored_while_the_update_computes_the_kl_reference(tiny_flux_path, tmp_path, monkeypatch):
@@ -791,12 +804,12 @@ def test_the_last_chunk_is_scored_while_the_update_computes_the_kl_reference(tin
         )  # fmt: skip
         batch = next(iter(trainer.get_train_dataloader()))
         rollout = trainer._generate_and_score(batch)
-        assert isinstance(rollout["advantages"], PendingAdvantages) == overlap
+        assert isinstance(rollout.advantages, PendingAdvantages) == overlap
         assert not reference_done.is_set()
         result = run_update(trainer, trainer.model, rollout)
         assert reward.last_timed_out is (False if overlap else None)
         grads = [p.grad.clone() for p in trainer.model.parameters() if p.requires_grad]
-        results[overlap] = (rollout["advantages"], result.step_losses, grads)
+        results[overlap] = (rollout.advantages, result.step_losses, grads)
     (pending, losses, grads), (advantages, expected_losses, expected_grads) = results[True], results[False]
     # Bit-equal is the property: the same scores and the same computations, only in another order.
     assert torch.equal(pending.resolve(), advantages)
@@ -829,14 +842,14 @@ def test_the_first_micro_batches_train_while_the_last_chunk_is_scored(tiny_flux_
             overlap_rewards=overlap, beta=0.0,
         )  # fmt: skip
         rollout = trainer._generate_and_score(next(iter(trainer.get_train_dataloader())))
-        losses = [run_update(trainer, trainer.model, micro).step_losses for micro in split_rollout(rollout, 4)]
+        losses = [run_update(trainer, trainer.model, micro).step_losses for micro in rollout.split(4)]
         if overlap:
             assert reward.last_timed_out is False
             assert events.index("last chunk requested") < events.index("micro-batch updated")
             assert events.index("micro-batch updated") < events.index("last chunk answered")
         grads = [p.grad.clone() for p in trainer.model.parameters() if p.requires_grad]
         metrics = {k: trainer._metrics[k] for k in ("reward", "reward_std", "advantages/abs_mean")}
-        results[overlap] = (resolved(rollout["advantages"]), losses, grads, metrics)
+        results[overlap] = (resolved(rollout.advantages), losses, grads, metrics)
     (advantages, losses, grads, metrics), expected = results[True], results[False]
     # Bit-equal is the property: the same scores and the same computations, only in another order.
     assert torch.equal(advantages, expected[0])
@@ -908,7 +921,7 @@ def test_a_failed_chunk_is_scored_again_on_the_whole_batch_under_reward_retries(
     assert flaky.calls[-1] == prompts and len(flaky.calls) == OVERLAP_CHUNKS + 1
     reliable = PerSampleReward()
     expected, _, _, _ = overlap_rollout(tiny_flux_path, tmp_path / "b", monkeypatch, reliable, overlap=False)
-    assert torch.equal(result["advantages"], expected["advantages"])
+    assert torch.equal(result.advantages, expected.advantages)
 
 
 def test_a_chunk_still_scoring_at_its_deadline_is_abandoned_and_an_async_one_cancelled():

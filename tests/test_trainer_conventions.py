@@ -69,7 +69,7 @@ def test_flow_grpo_kl_is_the_exact_step_kl_times_dt_at_every_step(tiny_flux_path
             for i in range(len(trained)):
                 fns.loss_fn(i, fns.velocity_fn(i))
         kls[kl_std] = [float(kl) for kl in fns.stats["kl"].values()]
-    sigmas = batch["sigmas"].double()
+    sigmas = batch.sigmas.double()
     dt = [(sigmas[k] - sigmas[k + 1]).item() for k in trained]
     assert min(kls["step"]) > 0
     np.testing.assert_allclose(kls["flow_grpo"], np.array(kls["step"]) * np.array(dt), rtol=1e-4)
@@ -86,7 +86,7 @@ def test_quantized_timesteps_feed_int_sigma_times_1000_over_1000(tiny_flux_path,
     )
     batch = first_rollout(trainer)
     hook.remove()
-    sigmas = batch["sigmas"]
+    sigmas = batch.sigmas
     # DanceGRPO: timestep_value = int(sigma * 1000) with a float32 sigma; the model gets timestep_value / 1000.
     expected = [int(sigmas[k] * 1000) / 1000 for k in range(len(sigmas) - 1)]
     assert seen == pytest.approx(expected, abs=1e-6)
@@ -98,10 +98,10 @@ def test_quantized_timesteps_feed_int_sigma_times_1000_over_1000(tiny_flux_path,
 # ---------------------------------------------------------------- same initial noise per group
 def test_same_group_noise_shares_the_initial_latent_within_each_group_only(tiny_flux_path, tmp_path):
     trainer = make_trainer(tiny_flux_path, tmp_path, same_group_noise=True)
-    noise = first_rollout(trainer)["latents"][:, 0]
+    noise = first_rollout(trainer).latents[:, 0]
     assert torch.equal(noise[0], noise[1]) and torch.equal(noise[2], noise[3])
     assert not torch.allclose(noise[0], noise[2])
-    other = first_rollout(make_trainer(tiny_flux_path, tmp_path / "b"))["latents"][:, 0]
+    other = first_rollout(make_trainer(tiny_flux_path, tmp_path / "b")).latents[:, 0]
     assert not torch.allclose(other[0], other[1])  # off by default: independent noise per image
 
 
@@ -118,7 +118,7 @@ def test_zero_advantage_samples_are_dropped_and_counted(tiny_flux_path, tmp_path
 
     def spy(inputs):
         rollout = generate(inputs)
-        advantages.append(rollout["advantages"].clone())
+        advantages.append(rollout.advantages.clone())
         return rollout
 
     trainer._generate_and_score = spy

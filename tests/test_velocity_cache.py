@@ -328,16 +328,16 @@ def test_checked_cache_needs_a_tolerance_of_at_least_zero(tmp_path):
 
 
 def test_correction_leaves_the_rollouts_velocities_alone(tiny_flux_path, tmp_path):
-    """GRPO-Guard's old mean (ratio_normalization) reads ``batch["velocities"]``: the correction must not move them."""
+    """GRPO-Guard's old mean (ratio_normalization) reads ``batch.velocities``: the correction must not move them."""
     trainer = make_trainer(
         tiny_flux_path, tmp_path, num_inference_steps=5, jagg_group_size=4, jagg_cache_mode="corrected",
         ratio_normalization=True,
     )  # fmt: skip
     rollout = trainer._generate_and_score(next(iter(trainer.get_train_dataloader())))
-    recorded = rollout["velocities"].clone()
+    recorded = rollout.velocities.clone()
     _, result = mode_gradient(trainer, rollout, "corrected", global_step=1)
     assert result.num_corrected == 2
-    assert torch.equal(rollout["velocities"], recorded)
+    assert torch.equal(rollout.velocities, recorded)
 
 
 # ---------------------------------------------------------------- the default mode under any weight change
@@ -367,7 +367,7 @@ def endpoint_blind_direction(trainer, rollout, endpoints=(0, 3)):
     of the group's endpoint timesteps (float64 Gram-Schmidt, written here): a weight change along it leaves both
     endpoints' forwards unchanged while the intermediates' features have a component on it."""
     embed = trainer.accelerator.unwrap_model(trainer.model).time_text_embed
-    features = embed.time_proj(rollout["timesteps"].float()).double()  # (steps, 256), the layer's inputs
+    features = embed.time_proj(rollout.timesteps.float()).double()  # (steps, 256), the layer's inputs
     basis, _ = torch.linalg.qr(features[list(endpoints)].T)
     direction = torch.randn(features.shape[1], generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     direction -= basis @ (basis.T @ direction)

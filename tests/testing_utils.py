@@ -65,7 +65,7 @@ def noise_image(seed: int = 0, size: int = 64) -> Image.Image:
 
 def trained_steps_of(trainer, batch):
     """The steps the trainer's next update of ``batch`` trains (its own counters)."""
-    from trl_jagg.trainer.update import trained_steps
+    from trl_jagg.objectives.grpo import trained_steps
 
     return trained_steps(trainer.args, batch, micro_step=trainer._step, global_step=trainer.state.global_step)
 
@@ -166,18 +166,18 @@ def assert_two_lora_jagg_steps(trainer) -> None:
 def assert_w2_jagg_equals_exact(trainer) -> None:
     """Theorem 1's exact limit on ``trainer``'s adapter (4 trained steps): for W = 2 the joint backward through the
     two endpoints gives the sum of the per-step gradients, up to float rounding."""
-    from trl_jagg.core.jagg import JaggEngine, plan_groups
+    from trl_jagg.core.jagg import JaggEngine, StepFunctions, plan_groups
 
     model = trainer.accelerator.unwrap_model(trainer.model)
     batch = trainer._generate_and_score(next(iter(trainer.get_train_dataloader())))
     fns = step_functions_of(trainer, model, batch)
-    times = [float(batch["sigmas"][k]) for k in fns.trained]
+    times = [float(batch.sigmas[k]) for k in fns.trained]
     params = [p for p in model.parameters() if p.requires_grad]
 
     def gradient(plan) -> list[torch.Tensor]:
         for p in params:
             p.grad = None
-        JaggEngine(fns.velocity_fn, fns.loss_fn).run(plan)
+        JaggEngine().run(plan, StepFunctions(fns.velocity_fn, fns.loss_fn))
         return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params]
 
     joint_plan = plan_groups(times, 2, 1.0)
@@ -193,7 +193,7 @@ def assert_velocity_cache_equals_recomputation(trainer, calls_per_velocity: int)
     forward of the two intermediate steps; the gradient is the one recomputing them, and both make two graph
     forwards (the endpoints) and one backward. ``calls_per_velocity``: backbone calls per guided velocity."""
     rollout = trainer._generate_and_score(next(iter(trainer.get_train_dataloader())))
-    assert rollout["velocities"].shape == rollout["latents"][:, 1:].shape
+    assert rollout.velocities.shape == rollout.latents[:, 1:].shape
     calls = BackboneCalls(trainer)
     recomputed = update_gradient(trainer, rollout, jagg_cache_velocities=False)
     per = calls_per_velocity

@@ -28,7 +28,7 @@ class RecordingTrainer(DDPOJaggTrainer):
 
     def _generate_and_score(self, inputs):
         rollout = super()._generate_and_score(inputs)
-        self.records[-1]["advantages"] = rollout["advantages"].tolist()
+        self.records[-1]["advantages"] = rollout.advantages.tolist()
         return rollout
 
 

@@ -101,8 +101,6 @@ def main(model_path: str, work_dir: str) -> None:
     from accelerate.state import AcceleratorState, PartialState
     from deepspeed.utils import safe_get_full_grad
 
-    from trl_jagg.trainer.batch import split_rollout
-
     report: dict = {}
     # The degraded launch: accelerate's own backend detection finds no accelerator and counts 1 process per rank.
     try:
@@ -130,7 +128,7 @@ def main(model_path: str, work_dir: str) -> None:
         # The gradients reaching the optimizer, at the straight run's final weights, without moving them.
         for group in engine.optimizer.param_groups:
             group["lr"] = 0.0
-        local = split_rollout(torch.load(f"{work_dir}/{kind}_batch.pt", weights_only=False), world)[rank]
+        local = torch.load(f"{work_dir}/{kind}_batch.pt", weights_only=False).split(world)[rank]
         named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
         seen: list[dict[str, torch.Tensor]] = []
         record = lambda seen=seen, named=named: seen.append({n: safe_get_full_grad(p).clone() for n, p in named})  # noqa: E731

@@ -26,8 +26,6 @@ from accelerate.state import PartialState
 from accelerate.utils import DistributedType
 from torch.distributed.fsdp import FSDPModule
 
-from trl_jagg.trainer.batch import split_rollout
-
 EMA = {"ema_decay": 0.9, "ema_warmup": False, "fully_shard_backbone": False}
 # Plain SGD for the full fine-tuning comparison: AdamW's first steps, about lr * sign(g), would turn the float32
 # rounding differences of near-zero gradients into weight differences above the tolerance.
@@ -77,7 +75,7 @@ def main(model_path: str, work_dir: str) -> None:
     trainer = build_trainer(model_path, f"{work_dir}/full", "full", world_size=2, **FULL, **CONFIGURED)
     model, _ = trainer._prepare_for_training(2, trainer.get_train_dataloader(), None)
     report["full_sharded"] = isinstance(model, FSDPModule) and trainer.ref_transformer is not None
-    local = split_rollout(torch.load(f"{work_dir}/full_batch.pt", weights_only=False), 2)[rank]
+    local = torch.load(f"{work_dir}/full_batch.pt", weights_only=False).split(2)[rank]
     for step in range(2):
         trainer.update_stage.run(model, local, micro_step=step, global_step=step, accumulation_steps=1)
         trainer.optimizer.step()

@@ -88,8 +88,6 @@ def main(work_dir: str, *model_paths: str) -> None:
     torch.set_num_threads(1)
     from torch.distributed.tensor import DTensor
 
-    from trl_jagg.trainer.batch import split_rollout
-
     report = {}
     for kind in KINDS:
         steps = {"max_steps": 2, "save_strategy": "steps", "save_steps": 1} if KINDS[kind]["shard"] else {}
@@ -98,7 +96,7 @@ def main(work_dir: str, *model_paths: str) -> None:
         rank, world = trainer.accelerator.process_index, trainer.accelerator.num_processes
         trainable = [p for p in trainer.model.parameters() if p.requires_grad]
         batch = torch.load(f"{work_dir}/{kind}_batch.pt", weights_only=False)
-        local = split_rollout(batch, world)[rank]
+        local = batch.split(world)[rank]
         # DDP: the wrapper the Trainer's accelerator.prepare would build; FSDP2: the sharded module itself.
         model = trainer.model if KINDS[kind]["shard"] else trainer.accelerator.prepare_model(trainer.model)
         assert KINDS[kind]["shard"] or isinstance(model, torch.nn.parallel.DistributedDataParallel)

@@ -91,12 +91,19 @@ def main(work_dir: str, model_path: str, backend: str) -> None:
     whole.add_callback(WholeWeights(whole, work_dir))
     whole.train()
     rank = whole.accelerator.process_index
-    parts = [tuple(w.shape) for w in whole.old_policy.weights]
+    parts = [tuple(w.shape) for w in whole.update_stage.old_policy.weights]
     shapes = [list(getattr(p, "ds_shape", p.shape)) for p in whole._trainable_parameters()]
     resumed = build(f"{work_dir}/resumed", model_path, backend)
     resumed.train(resume_from_checkpoint=f"{work_dir}/whole/checkpoint-2")
     with open(f"{work_dir}/nft{rank}.json", "w") as f:
-        json.dump({"old_policy_parts": parts, "whole_shapes": shapes, "followed": resumed.old_policy.followed_step}, f)
+        json.dump(
+            {
+                "old_policy_parts": parts,
+                "whole_shapes": shapes,
+                "followed": resumed.update_stage.old_policy.followed_step,
+            },
+            f,
+        )
 
 
 if __name__ == "__main__":

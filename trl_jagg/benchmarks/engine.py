@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trl_jagg.core.grpo import group_advantages, ppo_step_loss
-from trl_jagg.core.jagg import JaggEngine, StepGroup, gradient_diagnostic, plan_groups
+from trl_jagg.core.jagg import JaggEngine, StepFunctions, StepGroup, gradient_diagnostic, plan_groups
 from trl_jagg.core.sampling import sampler_step
 
 JSON_NAME = "engine_benchmark.json"
@@ -220,9 +220,9 @@ def torch_threads(num_threads: int | None) -> Iterator[None]:
 def _timed_update(rollout: SyntheticRollout, groups: Sequence[StepGroup]) -> tuple[float, int, float]:
     """One update stage (forwards, losses, backwards) with fresh gradients: ``(seconds, backward calls, loss)``."""
     rollout.model.zero_grad(set_to_none=True)
-    engine = JaggEngine(rollout.velocity_fn, rollout.loss_fn)
+    engine, functions = JaggEngine(), StepFunctions(rollout.velocity_fn, rollout.loss_fn)
     start = time.perf_counter()
-    result = engine.run(groups)
+    result = engine.run(groups, functions)
     elapsed = time.perf_counter() - start
     rollout.model.zero_grad(set_to_none=True)
     return elapsed, result.num_backward, result.loss

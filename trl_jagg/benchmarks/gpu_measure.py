@@ -72,13 +72,13 @@ GRADIENT_CHECKS: dict[str, tuple[str, int | None, float | None]] = {
 """Each gradient compared with exact's: (variant of :data:`~trl_jagg.benchmarks.trainer.VARIANTS`, W, jagg_frac)."""
 
 
-def sample_rollout(trainer: Any, batches: Any) -> dict[str, Any]:
+def sample_rollout(trainer: Any, batches: Any) -> Any:
     """One scored rollout of the trainer's next batch, its velocities recorded for the cache."""
     with _configured(trainer, "jagg_cache", None, None):
         return trainer._generate_and_score(next(batches))
 
 
-def update_gradient(trainer: Any, rollout: dict[str, Any], variant: str, w: int | None, frac: float | None) -> dict:
+def update_gradient(trainer: Any, rollout: Any, variant: str, w: int | None, frac: float | None) -> dict:
     """The update's gradient of ``rollout`` (all its micro-batches) with ``variant``'s settings, and the mean PPO
     ratio and clip fraction it logged (before any optimizer step: the first ratio)."""
     trainer._metrics.clear()
@@ -94,7 +94,7 @@ LOGGED = ("ratio", "clip_fraction", "jagg/cached_velocities", "jagg/no_grad_forw
 """The update's logged metrics each gradient check records."""
 
 
-def velocity_checks(trainer: Any, micro_batch: dict[str, Any]) -> dict[str, Any]:
+def velocity_checks(trainer: Any, micro_batch: Any) -> dict[str, Any]:
     """The rollout's recorded velocities of ``micro_batch``'s trained steps against the same velocities recomputed
     now (no optimizer step since): one step per call without a graph (the cache's claim: bitwise equal), all steps
     in one call (another batch shape), one step per call with a graph (what exact's update runs); and the
@@ -103,8 +103,8 @@ def velocity_checks(trainer: Any, micro_batch: dict[str, Any]) -> dict[str, Any]
 
     args, stage, model = trainer.args, trainer.update_stage, trainer.model
     trained = stage.steps_to_train(micro_batch, micro_step=trainer._step, global_step=trainer.state.global_step)
-    latents, sigmas, old = micro_batch["latents"], micro_batch["sigmas"], micro_batch["log_probs"]
-    cached = [micro_batch["velocities"][:, k] for k in trained]
+    latents, sigmas, old = micro_batch.latents, micro_batch.sigmas, micro_batch.log_probs
+    cached = [micro_batch.velocities[:, k] for k in trained]
     model.train()
     with torch.no_grad():
         per_step = [stage.velocities(model, micro_batch, [k])[0] for k in trained]
@@ -147,11 +147,10 @@ def velocity_checks(trainer: Any, micro_batch: dict[str, Any]) -> dict[str, Any]
 
 def numerics(trainer: Any) -> dict[str, Any]:
     """The numerical checks (see the module docstring) on one fresh rollout of ``trainer``."""
-    from trl_jagg.trainer.batch import split_rollout
 
     batches = endless_batches(trainer)
     rollout = sample_rollout(trainer, batches)
-    report = velocity_checks(trainer, split_rollout(rollout, trainer.args.steps_per_generation)[0])
+    report = velocity_checks(trainer, rollout.split(trainer.args.steps_per_generation)[0])
     exact = update_gradient(trainer, rollout, "exact", None, None)
     report["exact_logged"] = exact["logged"]
     report["gradients"] = {}

@@ -293,11 +293,10 @@ def time_update(
     """Seconds of the update of ``rollout`` (the trainer's update stage on each of its ``steps_per_generation``
     micro-batches, as in training) with the settings of ``variant`` (see :data:`VARIANTS`), and ``group_size`` /
     ``jagg_frac`` for the JAGG ones; gradients are zeroed first and the config restored."""
-    from trl_jagg.trainer.batch import split_rollout
 
     model = trainer.model
     device = trainer.accelerator.device
-    micro_batches = split_rollout(rollout, trainer.args.steps_per_generation)
+    micro_batches = rollout.split(trainer.args.steps_per_generation)
     model.zero_grad(set_to_none=True)
     model.train()
     clock = benchmark_clock(device)
@@ -323,7 +322,7 @@ def time_variants(
     Returns the per-variant results (as in :func:`run_trainer_benchmark`'s report) and the rollout seconds of every
     timed repeat.
     """
-    from trl_jagg.trainer.update import trained_steps
+    from trl_jagg.objectives.grpo import trained_steps
 
     model = trainer.model
     device = trainer.accelerator.device

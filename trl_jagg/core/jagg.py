@@ -194,55 +194,47 @@ def upstream_signal(loss_fn: LossFn, step: int, velocity: torch.Tensor) -> tuple
     return loss.detach(), signal
 
 
+@dataclass(frozen=True)
+class StepFunctions:
+    """What the engine calls for one micro-batch, by trained-step index ``i`` (into the plan's times).
+
+    Attributes:
+        velocity_fn: the backbone call of step ``i`` with an autograd graph (see :data:`VelocityFn`).
+        loss_fn: step ``i``'s loss as a function of its velocity (see :data:`LossFn`).
+        no_grad_velocities_fn: see :data:`NoGradVelocitiesFn`; defaults to one ``velocity_fn`` call per step. The
+            engine asks once per pass for every velocity it needs without a graph.
+        probe_loss_fn: ``loss_fn`` without side effects (the diagnostics it records), for the velocity cache's
+            probes; defaults to ``loss_fn``.
+    """
+
+    velocity_fn: VelocityFn
+    loss_fn: LossFn
+    no_grad_velocities_fn: NoGradVelocitiesFn | None = None
+    probe_loss_fn: LossFn | None = None
+
+
 class JaggEngine:
-    """Runs the update's forward/backward over the planned groups.
+    """Runs the update's forward/backward over the planned groups: the run's settings here, once; the micro-batch's
+    functions and cache in :meth:`run`.
 
     Args:
-        velocity_fn: backbone call for a trained step (see :data:`VelocityFn`).
-        loss_fn: per-step loss as a function of the velocity (see :data:`LossFn`).
         backward_fn: how to backpropagate a scalar, e.g. ``accelerator.backward``.
-        sync_context: see :data:`SyncContextFn`; defaults to no context.
-        loss_weight: multiplies every step's loss in the backward (e.g. ``1 / (num_steps * grad_accum)``);
-            reported losses are unweighted.
-        cached_velocities: the velocity of trained steps (index into the plan's times), as the rollout computed
-            them, on the forward path ``velocity_fn`` takes (no active dropout, same dtype and batch shape); joint
-            groups then take their intermediate velocities from them. Without ``correct_cached``, only pass them
-            while they are exactly what ``velocity_fn`` would return (no optimizer step since the rollout), or
-            knowingly stale.
-        correct_cached: the parameters changed since the rollout: each cached intermediate of a joint group is
-            corrected by its endpoints' change (:func:`corrected_velocity`), the endpoints' current velocities being
-            their graph forwards, detached. An intermediate is taken from the cache only if both endpoints are
-            cached too (else it is recomputed). A ``sequential`` group needs its last endpoint's current velocity
-            before that endpoint's graph forward: it is requested with the no-grad velocities (one more no-grad
-            forward per such group).
-        cache_tolerance: with ``correct_cached``, the largest :func:`signal_sensitivity` a group's corrected
-            intermediates may have; a group above it has its intermediates recomputed without a graph. ``None``
-            keeps every correction unchecked.
-        probe_loss_fn: ``loss_fn`` without side effects (the diagnostics it records), for the check's probes;
-            defaults to ``loss_fn``.
+        endpoint_backward: ``"joint"`` (one backward through both endpoint graphs) or ``"sequential"`` (one
+            backward per endpoint, so only one graph is alive; two units for the sync context).
+        cache_tolerance: with ``correct_cached`` (:meth:`run`), the largest :func:`signal_sensitivity` a group's
+            corrected intermediates may have; a group above it has its intermediates recomputed without a graph.
+            ``None`` keeps every correction unchecked.
         agree: turns a group's sensitivity into the one every process uses (the largest over processes), so that
             all of them make the same backbone calls: a sharded backbone (FSDP, ZeRO-3) gathers its weights in every
             call, so a recompute on one process only would leave the others waiting. Defaults to the identity.
-        no_grad_velocities_fn: see :data:`NoGradVelocitiesFn`; defaults to one ``velocity_fn`` call per step. The
-            engine asks once per pass for every velocity it needs without a graph.
-        endpoint_backward: ``"joint"`` (one backward through both endpoint graphs) or ``"sequential"`` (one
-            backward per endpoint, so only one graph is alive; two units for the sync context).
     """
 
     def __init__(
         self,
-        velocity_fn: VelocityFn,
-        loss_fn: LossFn,
         backward_fn: BackwardFn = torch.Tensor.backward,
         *,
-        sync_context: SyncContextFn | None = None,
-        loss_weight: float = 1.0,
-        cached_velocities: Mapping[int, torch.Tensor] | None = None,
-        no_grad_velocities_fn: NoGradVelocitiesFn | None = None,
         endpoint_backward: str = "joint",
-        correct_cached: bool = False,
         cache_tolerance: float | None = None,
-        probe_loss_fn: LossFn | None = None,
         agree: Callable[[float], float] | None = None,
     ):
         if endpoint_backward not in ENDPOINT_BACKWARDS:
@@ -250,25 +242,77 @@ class JaggEngine:
                 f"`endpoint_backward` (jagg_endpoint_backward) must be one of {ENDPOINT_BACKWARDS}, "
                 f"got {endpoint_backward!r}."
             )
-        self.velocity_fn = velocity_fn
-        self.loss_fn = loss_fn
         self.backward_fn = backward_fn
+        self.endpoint_backward = endpoint_backward
+        self.cache_tolerance = cache_tolerance
+        self.agree = agree or (lambda value: value)
+
+    def run(
+        self,
+        groups: Sequence[StepGroup],
+        functions: StepFunctions,
+        *,
+        loss_weight: float = 1.0,
+        sync_context: SyncContextFn | None = None,
+        cached_velocities: Mapping[int, torch.Tensor] | None = None,
+        correct_cached: bool = False,
+    ) -> EngineResult:
+        """Forward and backward every group of one micro-batch; gradients accumulate wherever ``backward_fn`` puts
+        them.
+
+        Args:
+            groups: the plan (:func:`plan_groups`).
+            functions: the micro-batch's backbone calls and losses.
+            loss_weight: multiplies every step's loss in the backward (e.g. ``1 / (num_steps * grad_accum)``);
+                reported losses are unweighted.
+            sync_context: see :data:`SyncContextFn`; defaults to no context.
+            cached_velocities: the velocity of trained steps (index into the plan's times), as the rollout computed
+                them, on the forward path ``velocity_fn`` takes (no active dropout, same dtype and batch shape);
+                joint groups then take their intermediate velocities from them. Without ``correct_cached``, only
+                pass them while they are exactly what ``velocity_fn`` would return (no optimizer step since the
+                rollout), or knowingly stale.
+            correct_cached: the parameters changed since the rollout: each cached intermediate of a joint group is
+                corrected by its endpoints' change (:func:`corrected_velocity`), the endpoints' current velocities
+                being their graph forwards, detached. An intermediate is taken from the cache only if both
+                endpoints are cached too (else it is recomputed). A ``sequential`` group needs its last endpoint's
+                current velocity before that endpoint's graph forward: it is requested with the no-grad velocities
+                (one more no-grad forward per such group).
+        """
+        return _EnginePass(self, functions, loss_weight, sync_context, cached_velocities or {}, correct_cached).run(
+            groups
+        )
+
+
+class _EnginePass:
+    """One :meth:`JaggEngine.run`: the engine's settings, the micro-batch's functions, and the pass's own state (the
+    intermediates to correct, the current no-grad velocity of sequential groups' last endpoints)."""
+
+    def __init__(
+        self,
+        engine: JaggEngine,
+        functions: StepFunctions,
+        loss_weight: float,
+        sync_context: SyncContextFn | None,
+        cached_velocities: Mapping[int, torch.Tensor],
+        correct_cached: bool,
+    ):
+        velocity_fn = functions.velocity_fn
+        self.velocity_fn = velocity_fn
+        self.loss_fn = functions.loss_fn
+        self.no_grad_velocities_fn = functions.no_grad_velocities_fn or (lambda steps: [velocity_fn(k) for k in steps])
+        self.probe_loss_fn = functions.probe_loss_fn or functions.loss_fn
+        self.backward_fn = engine.backward_fn
+        self.endpoint_backward = engine.endpoint_backward
+        self.cache_tolerance = engine.cache_tolerance
+        self.agree = engine.agree
         self.sync_context = sync_context or (lambda is_last: contextlib.nullcontext())
         self.loss_weight = loss_weight
-        self.cached_velocities = cached_velocities or {}
-        self.no_grad_velocities_fn = no_grad_velocities_fn or (lambda steps: [velocity_fn(k) for k in steps])
-        self.endpoint_backward = endpoint_backward
+        self.cached_velocities = cached_velocities
         self.correct_cached = correct_cached
-        self.cache_tolerance = cache_tolerance
-        self.probe_loss_fn = probe_loss_fn or loss_fn
-        self.agree = agree or (lambda value: value)
-        # Per pass: the intermediates to correct, and the current no-grad velocity of sequential groups' last
-        # endpoints (needed for the correction before their graph forward).
         self._to_correct: set[int] = set()
         self._current: dict[int, torch.Tensor] = {}
 
     def run(self, groups: Sequence[StepGroup]) -> EngineResult:
-        """Forward and backward every group; gradients accumulate wherever ``backward_fn`` puts them."""
         sequential = self.endpoint_backward == "sequential"
         # A unit is one backward call: an exact step, a joint group, or one endpoint of a sequential group.
         units: list[tuple[StepGroup, int]] = []
@@ -545,7 +589,7 @@ def gradient_diagnostic(
         def accumulate(loss: torch.Tensor, _buffer: torch.Tensor = jagg) -> None:
             _buffer += flat_grad(loss, params).double()
 
-        JaggEngine(velocity_fn, loss_fn, accumulate).run([StepGroup(group.steps, mode, group.alphas)])
+        JaggEngine(accumulate).run([StepGroup(group.steps, mode, group.alphas)], StepFunctions(velocity_fn, loss_fn))
         denom = exact.norm() * jagg.norm()
         cosine = (exact @ jagg / denom).item() if denom > 0 else 1.0
         norm_ratio = (jagg.norm() / exact.norm()).item() if exact.norm() > 0 else float("nan")

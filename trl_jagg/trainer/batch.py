@@ -1,21 +1,16 @@
-"""The rollout batch: what the generation stage returns and the update stage consumes, and the seeds both derive
-from the run seed and the optimizer step.
-
-A rollout is a dict: per-sample entries (``latents`` ``(B, N + 1, ...)``, ``log_probs`` ``(B, N)``, ``advantages``
-``(B,)`` (or :class:`PendingAdvantages`), ``velocities`` ``(B, N, ...)`` when recorded, ``cond``) and shared ones
-(``sigmas``, ``sigma_values`` (the same on the host), ``timesteps``, ``stochastic_steps``, ``velocity_keys`` (one per
-step) and ``velocity_step`` (the optimizer step the velocities were recorded at)). The update stage adds
-``reference_means`` (step -> ``(B, ...)``), the KL reference's means kept for the micro-batch's later updates.
-"""
+"""The rollout batch: what the generation stage returns and the update stage consumes
+(:class:`RolloutBatch`), and the seeds both derive from the run seed and the optimizer step."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-PER_SAMPLE_KEYS = ("latents", "log_probs", "advantages", "velocities")
+from trl_jagg.models.base import Conditioning
 
 
 def rng_seed(seed: int, global_step: int, *parts: int) -> int:
@@ -42,7 +37,7 @@ class PendingAdvantages:
     (:class:`~trl_jagg.trainer.reward_overlap.ChunkAdvantages`). Indexing selects rows without waiting, so the
     rollout splits into micro-batches as usual; the update stage calls :func:`resolved` where it first needs the
     values, after the work that does not depend on them. Every process must resolve the same rows in the same order
-    (the resolution may gather across processes), as the micro-batches of :func:`split_rollout` do."""
+    (the resolution may gather across processes), as the micro-batches of :meth:`RolloutBatch.split` do."""
 
     def __init__(self, resolve_rows: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor):
         self._resolve_rows, self.rows = resolve_rows, rows
@@ -66,32 +61,71 @@ def resolved(advantages: torch.Tensor | PendingAdvantages) -> torch.Tensor:
     return advantages.resolve() if isinstance(advantages, PendingAdvantages) else advantages
 
 
-def select_samples(batch: dict[str, Any], index: slice | torch.Tensor) -> dict[str, Any]:
-    """The samples ``index`` of a rollout or micro-batch: its per-sample entries indexed, the shared ones kept."""
-    selected = dict(batch)
-    for key in PER_SAMPLE_KEYS:
-        if key in batch:
-            selected[key] = batch[key][index]
-    selected["cond"] = batch["cond"].select(index)
-    if "reference_means" in batch:
-        selected["reference_means"] = {k: mean[index] for k, mean in batch["reference_means"].items()}
-    return selected
+@dataclass(eq=False)  # compared and hashed by identity: a micro-batch keys the caches the update stage keeps for it
+class RolloutBatch:
+    """A scored rollout of ``B`` samples over an ``N``-step schedule, or a micro-batch of one.
+
+    Per-sample fields (indexed by :meth:`select`) are ``latents``, ``advantages``, ``cond``, ``log_probs`` and
+    ``velocities``; the others describe the schedule and the forward path, shared by every sample.
+    """
+
+    latents: torch.Tensor
+    """``(B, N + 1, ...)``: the trajectory, the initial noise first and the clean sample last."""
+    advantages: torch.Tensor | PendingAdvantages
+    """``(B,)``, or :class:`PendingAdvantages` while the last rewards are still scoring."""
+    cond: Conditioning
+    """The samples' prompt (and source-image) encodings."""
+    sigmas: torch.Tensor
+    """``(N + 1,)``: the schedule's flow times, on the device."""
+    sigma_values: list[float]
+    """``sigmas`` on the host: the group planner reads them without a device transfer per step."""
+    timesteps: torch.Tensor
+    """``(N,)``: the backbone's timestep of each step."""
+    stochastic_steps: list[int] | None = None
+    """The SDE window's steps (``None``: every step stochastic; empty: a deterministic ODE rollout)."""
+    log_probs: torch.Tensor | None = None
+    """``(B, N)``: each step's log-probability under the sampling policy (``None`` where the objective keeps
+    none)."""
+    velocities: torch.Tensor | None = None
+    """``(B, N, ...)``: the guided velocities the sampler computed, when recorded for the velocity cache."""
+    velocity_keys: list[tuple[Any, ...] | None] | None = None
+    """Per step, the forward path its recorded velocities were computed on (:func:`velocity_key`; ``None``: the
+    step ran on several batch shapes, never reused)."""
+    velocity_step: int | None = None
+    """The optimizer step whose parameters computed ``velocities``."""
+    dropped_frac: float | None = None
+    """The share of the micro-batch's samples :func:`without_zero_advantages` dropped (``None``: none dropped)."""
+
+    @property
+    def size(self) -> int:
+        """``B``, the number of samples."""
+        return self.latents.shape[0]
+
+    def select(self, index: slice | torch.Tensor) -> RolloutBatch:
+        """The samples ``index``: the per-sample fields indexed, the shared ones kept."""
+        return dataclasses.replace(
+            self,
+            latents=self.latents[index],
+            advantages=self.advantages[index],
+            cond=self.cond.select(index),
+            log_probs=None if self.log_probs is None else self.log_probs[index],
+            velocities=None if self.velocities is None else self.velocities[index],
+        )
+
+    def split(self, num_chunks: int) -> list[RolloutBatch]:
+        """``num_chunks`` micro-batches of consecutive samples (``B`` divides evenly)."""
+        size = self.size // num_chunks
+        return [self.select(slice(c * size, (c + 1) * size)) for c in range(num_chunks)]
 
 
-def split_rollout(rollout: dict[str, Any], num_chunks: int) -> list[dict[str, Any]]:
-    """Split a rollout along the batch into ``num_chunks`` micro-batches (shared entries are kept as is)."""
-    size = rollout["latents"].shape[0] // num_chunks
-    return [select_samples(rollout, slice(c * size, (c + 1) * size)) for c in range(num_chunks)]
-
-
-def without_zero_advantages(chunk: dict[str, Any], num_processes: int) -> dict[str, Any]:
+def without_zero_advantages(chunk: RolloutBatch, num_processes: int) -> RolloutBatch:
     """The micro-batch without its zero-advantage samples (Flow-GRPO drops them before the update): their policy
     gradient is zero, so they would only cost a backward. ``dropped_frac`` records the share dropped."""
-    keep = resolved(chunk["advantages"]) != 0
+    keep = resolved(chunk.advantages) != 0
     if not keep.any() and num_processes > 1:
         # Every process must run the same backward calls (DDP/FSDP collectives): keep one sample, whose zero
         # advantage adds no policy gradient.
         keep[0] = True
-    kept = select_samples(chunk, keep.nonzero().flatten())
-    kept["dropped_frac"] = 1.0 - kept["latents"].shape[0] / keep.numel()
+    kept = chunk.select(keep.nonzero().flatten())
+    kept.dropped_frac = 1.0 - kept.size / keep.numel()
     return kept

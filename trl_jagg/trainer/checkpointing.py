@@ -33,6 +33,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from trl_jagg.config.grpo_jagg_config import GRPOJaggConfig
 from trl_jagg.core.grpo import PerPromptStatTracker
 from trl_jagg.models import FlowMatchingAdapter
+from trl_jagg.objectives import get_objective
 from trl_jagg.models.wan_experts import EXPERTS, TRAIN_EXPERTS, WanExperts, trained_parts
 from trl_jagg.trainer.checkpoint_checks import (
     RESUME_LATEST,
@@ -132,7 +133,7 @@ class WeightsIO:
                 check_finite_weights(files)
         if ema is not None:
             check_ema_step(path)
-        check_old_policy(path, nft=args.objective == "nft")
+        check_old_policy(path, keeps_old_policy=get_objective(args.objective).keeps_old_policy)
         check_step_agreement(path, args.gradient_accumulation_steps)
         if optimizer_files:
             check_resume_files(path, save_only_model=args.save_only_model)

@@ -2,7 +2,7 @@
 
 The GRPO loop in TRL's terms: prepare inputs (a rollout every ``steps_per_generation x num_iterations``
 micro-batches) -> generate and score (:mod:`trl_jagg.trainer.generation`) -> update each micro-batch
-(:mod:`trl_jagg.trainer.update`) -> log, evaluate (:mod:`~trl_jagg.trainer.evaluation`), save
+(the objective's update stage, :mod:`trl_jagg.objectives`) -> log, evaluate (:mod:`~trl_jagg.trainer.evaluation`), save
 (:mod:`~trl_jagg.trainer.checkpointing`), push (:mod:`~trl_jagg.trainer.hub`). Everything else (optimizer,
 scheduler, logging, ``report_to``, checkpoints, resume, ``push_to_hub``) is ``transformers.Trainer``.
 """
@@ -29,10 +29,12 @@ from trl.trainer.base_trainer import _BaseTrainer
 
 from trl_jagg.config.grpo_jagg_config import GRPOJaggConfig
 from trl_jagg.models import load_adapter
+from trl_jagg.objectives import get_objective
+from trl_jagg.objectives.update import StageInputs
 from trl_jagg.rewards import reward_name
 from trl_jagg.trainer import checkpointing, hub
 from trl_jagg.trainer.backbone import has_active_dropout, prepare_backbone
-from trl_jagg.trainer.batch import split_rollout, without_zero_advantages
+from trl_jagg.trainer.batch import RolloutBatch, without_zero_advantages
 from trl_jagg.trainer.conditioning import PromptConditioner
 from trl_jagg.trainer.data import EpochSeededRepeatSampler, identity_collator
 from trl_jagg.trainer.ema import EMACallback, EMAWeights, ema_swapped_in
@@ -44,11 +46,8 @@ from trl_jagg.trainer.image_logging import eval_images_key, log_completions, log
 from trl_jagg.trainer.inputs import checked_inputs, checked_model_inputs
 from trl_jagg.trainer.interrupts import InterruptCallback, interrupted
 from trl_jagg.trainer.metrics import first_completions, logged_means
-from trl_jagg.trainer.nft_update import NFTUpdateStage
-from trl_jagg.trainer.old_policy import OldPolicy
 from trl_jagg.trainer.placement import FrozenModules
 from trl_jagg.trainer.scoring import RewardFailure
-from trl_jagg.trainer.update import UpdateStage
 from trl_jagg.utils import distributed
 from trl_jagg.utils.hub_access import check_hub_file
 from trl_jagg.utils.prompts import prompt_text
@@ -164,22 +163,12 @@ class DDPOJaggTrainer(_BaseTrainer):
         self.generation = RolloutGenerator(
             self.adapter, args, self.accelerator, self.reward_funcs, self.conditioner, self.frozen, self._metrics
         )
-        # DiffusionNFT samples with an old policy that follows the trained weights after each rollout's updates.
-        self.old_policy = (
-            OldPolicy(self._trainable_parameters, args.nft_decay_type, accelerator=self.accelerator)
-            if args.objective == "nft"
-            else None
-        )
-        if self.old_policy is not None:
-            self.update_stage = NFTUpdateStage(
-                self.adapter, args, self.accelerator, self._metrics,
-                old_policy=self.old_policy, ref_transformer=self.ref_transformer,
-            )  # fmt: skip
-        else:
-            self.update_stage = UpdateStage(
-                self.adapter, args, self.accelerator, self._metrics,
-                ref_transformer=self.ref_transformer, has_dropout=has_active_dropout(transformer),
-            )  # fmt: skip
+        # The objective's update stage, which also keeps its state (DiffusionNFT's old policy).
+        stage_class = get_objective(args.objective).update_stage_class()
+        self.update_stage = stage_class(
+            self.adapter, args, self.accelerator, self._metrics,
+            StageInputs(self.ref_transformer, has_active_dropout(transformer), self._trainable_parameters),
+        )  # fmt: skip
         self.evaluator = Evaluator(self.adapter, args, self.accelerator, self.frozen, self.reward_funcs, eval_dataset)
         self.ema: EMAWeights | None = None
         if args.ema_decay > 0:
@@ -243,11 +232,11 @@ class DDPOJaggTrainer(_BaseTrainer):
         self._metrics["time/update_s"].append(time.perf_counter() - start)
         return torch.tensor(result.loss / self.current_gradient_accumulation_steps, device=self.accelerator.device)
 
-    def _prepare_inputs(self, generation_batch: list[dict[str, Any]]) -> dict[str, Any]:
+    def _prepare_inputs(self, generation_batch: list[dict[str, Any]]) -> RolloutBatch:
         generate_every = self.args.steps_per_generation * self.args.num_iterations
         if self._step % generate_every == 0 or self._buffered_inputs is None:
             rollout = self._generate_and_score(generation_batch)
-            self._buffered_inputs = split_rollout(rollout, self.args.steps_per_generation)
+            self._buffered_inputs = rollout.split(self.args.steps_per_generation)
             if self.args.drop_zero_advantages:
                 world = self.accelerator.num_processes
                 self._buffered_inputs = [without_zero_advantages(c, world) for c in self._buffered_inputs]
@@ -255,12 +244,11 @@ class DDPOJaggTrainer(_BaseTrainer):
         self._step += 1
         return inputs
 
-    def _generate_and_score(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+    def _generate_and_score(self, inputs: list[dict[str, Any]]) -> RolloutBatch:
         """One scored rollout of a dataloader batch; when a reward fails on any process (in the rollout, or in the
         update that awaits the last rewards), every process saves a checkpoint before the error stops the run."""
-        if self.old_policy is not None:
-            self.old_policy.follow(self.state.global_step)
-        with self.old_policy.swapped_in() if self.old_policy is not None else contextlib.nullcontext():
+        self.update_stage.before_rollout(self.state.global_step)
+        with self.update_stage.sampling_weights():
             # The rollouts before this one: the micro-batch counter (saved in grpo_state.json, so it survives a
             # resume) over the micro-batches each rollout feeds.
             rollout = self._step // (self.args.steps_per_generation * self.args.num_iterations)
@@ -413,8 +401,7 @@ class DDPOJaggTrainer(_BaseTrainer):
         self._buffered_inputs = None
         transformer = self.accelerator.unwrap_model(model if model is not None else self.model)
         self.weights.load_resumed(transformer, resume_from_checkpoint, self.ema, trained=not self.is_deepspeed_enabled)
-        if self.old_policy is not None:
-            self.old_policy.load(resume_from_checkpoint)
+        self.update_stage.load_state(resume_from_checkpoint)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if not distributed.is_fully_sharded(self.model):  # FSDP2 writes the full state, not the plugin's files
@@ -451,8 +438,8 @@ class DDPOJaggTrainer(_BaseTrainer):
                 self._save_optimizer_and_scheduler(staging_dir)
                 self._save_scaler(staging_dir)
                 self._save_rng_state(staging_dir)
-            if self.old_policy is not None:  # every process: sharded weights are gathered
-                self.old_policy.save(staging_dir, checkpoint_step=self.state.global_step, write=args.should_save)
+            # The objective's state (every process: sharded weights are gathered).
+            self.update_stage.save_state(staging_dir, checkpoint_step=self.state.global_step, write=args.should_save)
             if args.should_save:
                 stateful = [*self.callback_handler.callbacks, self.control]
                 checkpointing.save_run_state(

@@ -28,7 +28,8 @@ from trl_jagg.core.grpo import (
 from trl_jagg.core.sde_window import compressed_path, path_schedule, sde_window
 from trl_jagg.models import FlowMatchingAdapter
 from trl_jagg.models.rollout import Trajectory, sample_trajectories
-from trl_jagg.trainer.batch import PendingAdvantages, rng_seed, velocity_key
+from trl_jagg.objectives import get_objective
+from trl_jagg.trainer.batch import PendingAdvantages, RolloutBatch, rng_seed, velocity_key
 from trl_jagg.trainer.conditioning import PromptConditioner
 from trl_jagg.trainer.guards import stop_if_non_finite
 from trl_jagg.trainer.placement import FrozenModules, eval_mode
@@ -73,8 +74,8 @@ def rollout_window(args: GRPOJaggConfig, global_step: int, rollout: int) -> list
     """The SDE window, in the schedule's steps, of the run's rollout number ``rollout`` (0 for the first), taken at
     optimizer step ``global_step`` (``None``: every step stochastic): Flow-GRPO-Fast's random start (drawn from
     the step) or MixGRPO's sliding one, which moves with the rollouts (:func:`trl_jagg.core.sde_window.sde_window`).
-    DiffusionNFT (``objective="nft"``) samples every step with the deterministic ODE: an empty window."""
-    if args.objective == "nft":
+    An objective whose rollout is a deterministic ODE (DiffusionNFT) samples every step with it: an empty window."""
+    if get_objective(args.objective).deterministic_rollout:
         return []
     if args.sde_window_size == 0:
         return None
@@ -155,7 +156,7 @@ class RolloutGenerator:
     def generate(
         self, inputs: list[dict[str, Any]], transformer: torch.nn.Module, *, global_step: int, rollout: int,
         trainer_state: Any, on_reward_failure: Callable[[RewardFailure, str], NoReturn],
-    ) -> dict[str, Any]:  # fmt: skip
+    ) -> RolloutBatch:  # fmt: skip
         """One scored rollout of ``inputs`` (a dataloader batch: one dict per sample) with ``transformer`` (the
         unwrapped backbone) at optimizer step ``global_step``, the run's rollout number ``rollout`` (it places a
         ``progressive`` window). Its ``advantages`` may be a
@@ -274,27 +275,27 @@ class RolloutGenerator:
         else:
             whole = functools.cache(advantages)
             pending = PendingAdvantages(lambda rows: whole()[rows.to(device)], rows)
-        rollout = {
-            "latents": latents,
-            "log_probs": torch.cat([t.log_probs for t in trajectories]),
-            "advantages": pending,
-            "cond": cond,
-            "sigmas": sigmas,
+        rollout = RolloutBatch(
+            latents=latents,
+            advantages=pending,
+            cond=cond,
+            sigmas=sigmas,
             # The group planner reads the flow times on the host: one transfer per rollout, not one per step.
-            "sigma_values": sigmas.tolist(),
-            "timesteps": timesteps,
-            "stochastic_steps": stochastic_steps,
-        }
+            sigma_values=sigmas.tolist(),
+            timesteps=timesteps,
+            stochastic_steps=stochastic_steps,
+            log_probs=torch.cat([t.log_probs for t in trajectories]),
+        )
         if record_velocities:
-            rollout["velocities"] = torch.cat([t.velocities for t in trajectories])
+            rollout.velocities = torch.cat([t.velocities for t in trajectories])
             # What each step's cached velocities are exact for: these parameters (`velocity_step`), this forward
             # path and the batch shape its backbone call ran on, if every chunk ran that step on one shape (else
             # never reused).
             shapes = [set(step) for step in zip(*(t.call_shapes for t in trajectories))]
-            rollout["velocity_keys"] = [
+            rollout.velocity_keys = [
                 velocity_key(adapter.dtype, device.type, *shape) if len(shape) == 1 else None for shape in shapes
             ]
-            rollout["velocity_step"] = global_step
+            rollout.velocity_step = global_step
         return rollout
 
     def _score(

@@ -18,28 +18,13 @@ from typing import Any
 from diffusers.utils.hub_utils import populate_model_card
 from huggingface_hub import ModelCard, ModelCardData
 
+from trl_jagg.objectives import get_objective
 from trl_jagg.trainer.files import EMA_DIR, LORA_WEIGHTS_NAME
 
 JAGG_CITATION = """@article{jagg2026,
   title   = {JAGG: Jacobian-Aggregated Group Gradient for Efficient GRPO Training of Diffusion Models},
   journal = {arXiv preprint arXiv:2607.17572},
   year    = {2026}
-}"""
-
-GRPO_CITATION = """@article{shao2024deepseekmath,
-  title   = {DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models},
-  author  = {Shao, Zhihong and Wang, Peiyi and Zhu, Qihao and Xu, Runxin and Song, Junxiao and Zhang, Mingchuan and
-             Li, Y. K. and Wu, Y. and Guo, Daya},
-  journal = {arXiv preprint arXiv:2402.03300},
-  year    = {2024}
-}"""
-
-NFT_CITATION = """@article{zheng2025diffusionnft,
-  title   = {DiffusionNFT: Online Diffusion Reinforcement with Forward Process},
-  author  = {Zheng, Kaiwen and Chen, Huayu and Ye, Haotian and Wang, Haoxiang and Zhang, Qinsheng and Jiang, Kai and
-             Su, Hang and Ermon, Stefano and Zhu, Jun and Liu, Ming-Yu},
-  journal = {arXiv preprint arXiv:2509.16117},
-  year    = {2025}
 }"""
 
 TRL_CITATION = """@software{vonwerra2020trl,
@@ -357,25 +342,15 @@ def write_model_card(
         **base_model_license(base_id),
     )
     kind = "LoRA adapter" if is_lora else "fully fine-tuned transformer"
-    nft = args.objective == "nft"
-    objective_name = "DiffusionNFT" if nft else "GRPO"
-    training_summary = (
-        "DiffusionNFT, the negative-aware flow-matching objective on forward-noised clean samples of deterministic "
-        "rollouts" + (", with JAGG group gradients across each sample's timesteps." if args.use_jagg else ".")
-        if nft
-        else "GRPO on the denoising trajectory of a flow-matching model"
-        + (", with JAGG group gradients in the update stage." if args.use_jagg else ".")
-    )
+    objective = get_objective(args.objective)
+    objective_name = objective.title
+    training_summary = objective.card_training_summary(args.use_jagg)
     base_text = f"[{base_id}](https://huggingface.co/{base_id})" if base_id else f"a local `{pipeline_class}`"
     settings = {
         "base model": base_id or f"local {pipeline_class}",
         "method": f"{objective_name} + JAGG" if args.use_jagg else f"{objective_name} (exact per-step gradients)",
         "JAGG group size / frac / mode": f"{args.jagg_group_size} / {args.jagg_frac} / {args.jagg_mode}",
-        **(
-            {"rollout / NFT beta / old-policy decay type": f"ODE / {args.nft_beta} / {args.nft_decay_type}"}
-            if nft
-            else {"sampler / noise level": f"{args.sampler} / {args.noise_level}"}
-        ),
+        **objective.card_rows(args),
         "steps / resolution": f"{args.num_inference_steps} / {args.height}x{args.width}",
         "images per prompt (G)": args.num_generations,
         "trained steps": args.train_timesteps,
@@ -389,7 +364,7 @@ def write_model_card(
         + (", the scheduler" if scheduler_class else "")
         + (
             f"); training sampled them with the ODE (solver order {args.ode_solver_order}), as the pipeline does."
-            if nft
+            if objective.deterministic_rollout
             else f"); training sampled them with the `{args.sampler}` SDE sampler, the pipeline samples the ODE."
         )
     )
@@ -428,14 +403,13 @@ def write_model_card(
             jagg_citation=JAGG_CITATION,
             training_summary=training_summary,
             objective_name=objective_name,
-            objective_citation=NFT_CITATION if nft else GRPO_CITATION,
+            objective_citation=objective.citation,
             trl_citation=TRL_CITATION,
         )
     )
     # The Hub's LoRA page template (its widget) is for text-to-image adapters, as diffusers' scripts use it.
     lora_tags = (["lora", "template:sd-lora"] if task == "text-to-image" else ["lora"]) if is_lora else []
-    objective_tags = ["diffusion-nft"] if nft else []
-    tags = list(dict.fromkeys([*TRAINING_TAGS, *tags, task, *objective_tags, *family, *lora_tags]))
+    tags = list(dict.fromkeys([*TRAINING_TAGS, *tags, task, *objective.tags, *family, *lora_tags]))
     populate_model_card(card, tags=tags)
     path = os.path.join(output_dir, "README.md")
     os.makedirs(output_dir, exist_ok=True)
