@@ -217,9 +217,9 @@ def old_policy_stamp(file: str) -> dict[str, str]:
 
 def check_old_policy(path: str, *, keeps_old_policy: bool) -> None:
     """DiffusionNFT's old policy belongs to the run resuming ``path``: an NFT checkpoint is not resumed by another
-    objective (its old policy would be ignored in silence), and with ``keeps_old_policy`` the file is readable and stamped
-    (safetensors metadata) with this checkpoint's step (a file copied from another save would resume another old
-    policy). A file saved before the checkpoint stamp existed cannot be checked: a warning says so."""
+    objective (its old policy would be ignored in silence), and with ``keeps_old_policy`` the file is readable and
+    stamped (safetensors metadata) with this checkpoint's step (a file copied from another save would resume another
+    old policy). A file saved before the checkpoint stamp existed cannot be checked: a warning says so."""
     file = os.path.join(path, OLD_POLICY_FILE)
     if not keeps_old_policy:
         if os.path.isfile(file):
