@@ -5,8 +5,10 @@ Model-backed rewards are tested in test_rewards_models.py (tiny random models) a
 
 from __future__ import annotations
 
+import inspect
 import io
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +19,13 @@ from testing_utils import noise_image, solid
 
 import trl_jagg.rewards as rewards
 from trl_jagg.rewards import check_rewards, compute_rewards, load_reward_funcs
-from trl_jagg.rewards.calling import REMOTE_REWARD_TIMEOUT, RewardTimeout, reward_deadline
+from trl_jagg.rewards.calling import (
+    DEFAULT_REWARD_TIMEOUT,
+    RewardInterrupted,
+    RewardTimeout,
+    abandon_rewards_in_flight,
+    reward_deadline,
+)
 from trl_jagg.rewards.remote import RemoteReward
 
 REPO = Path(__file__).resolve().parents[1]
@@ -392,15 +400,77 @@ def test_an_async_reward_that_never_finishes_is_cancelled_at_its_deadline():
     assert cancelled.wait(10)  # the coroutine was cancelled, not left running
 
 
-def test_deadline_defaults_bound_remote_rewards_only():
+def test_every_reward_has_a_default_deadline_and_none_turns_it_off():
+    """The config's default and compute_rewards' agree, and apply to local callables as to the remote reward; a
+    synchronous reward under a deadline runs in a thread of its own (so that the caller can stop waiting), without
+    one in the caller's thread."""
+    import threading
+
+    from trl_jagg import GRPOJaggConfig
+
+    default = GRPOJaggConfig(output_dir="unused").reward_timeout
+    assert default == DEFAULT_REWARD_TIMEOUT == inspect.signature(compute_rewards).parameters["timeout"].default
+    assert 600 < default < 1800  # past the remote reward's own attempts, within the process group's timeout
+
     def local(prompts, images, **kwargs):
         return [0.0] * len(images)
 
     remote = rewards.remote("http://127.0.0.1:9/score/x")
-    judge = rewards.vlm_judge("http://127.0.0.1:9/v1")
-    assert reward_deadline(local, None) is None  # opt-in for local callables
-    assert reward_deadline(remote, None) == reward_deadline(judge, None) == REMOTE_REWARD_TIMEOUT
-    assert reward_deadline(local, 5) == reward_deadline(remote, 5) == 5.0  # the setting applies to every reward
+    assert reward_deadline(local, default) == reward_deadline(remote, default) == default
+    assert reward_deadline(local, None) is reward_deadline(remote, None) is None
+    threads = []
+
+    def where(prompts, images, **kwargs):
+        threads.append(threading.current_thread())
+        return [0.0] * len(images)
+
+    compute_rewards([where], ["a"], [solid("red")])
+    compute_rewards([where], ["a"], [solid("red")], timeout=None)
+    assert threads[0] is not threading.main_thread() and threads[1] is threading.main_thread()
+
+
+def _signal_soon(seconds: float = 0.3) -> None:
+    """What the trainer's SIGTERM handler does to the rewards in flight, from a timer thread."""
+    import signal
+    import threading
+
+    threading.Timer(seconds, abandon_rewards_in_flight, args=(signal.SIGTERM,)).start()
+
+
+def test_a_stop_signal_abandons_a_sync_reward_in_flight_and_is_not_retried(release):
+    calls = []
+
+    def hang(prompts, images, **kwargs):
+        calls.append(1)
+        release.wait(HANG_S)
+        return [0.0] * len(images)
+
+    _signal_soon()
+    with pytest.raises(RewardInterrupted, match=r"Reward 'hang' was abandoned: SIGTERM arrived while it was scoring"):
+        compute_rewards([hang], ["a"], [solid("red")], retries=2, timeout=HANG_S)
+    assert calls == [1]  # not retried: the abandoned call may still run
+    # A later call is not abandoned by the signal that came before it.
+    assert compute_rewards([lambda prompts, images, **kw: [1.0]], ["a"], [solid("red")])[0].tolist() == [1.0]
+
+
+def test_a_stop_signal_cancels_an_async_reward_in_flight():
+    import asyncio
+    import threading
+
+    cancelled = threading.Event()
+
+    async def never(prompts, images, **kwargs):
+        try:
+            await asyncio.sleep(HANG_S)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return [0.0] * len(images)
+
+    _signal_soon()
+    with pytest.raises(RewardInterrupted, match="Reward 'never' was abandoned: SIGTERM"):
+        compute_rewards([never], ["a"], [solid("red")], retries=1, timeout=HANG_S)
+    assert cancelled.wait(10)
 
 
 # ---------------------------------------------------------------- videos (lists of frames)
@@ -454,3 +524,53 @@ def test_per_frame_scores_are_checked_against_the_frame_count():
 
     with pytest.raises(ValueError, match="'one_per_video' returned .* expected a flat list of 3"):
         compute_rewards([one_per_video], ["a"], [[solid((1, 1, 1))] * 3])
+
+
+# ---------------------------------------------------------------- a reward server's unreadable answers
+@pytest.fixture
+def answering():
+    """A server on 127.0.0.1 answering every POST with HTTP 200 and the bytes ``set_answer`` gave it."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    answer = {"body": b""}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 (http.server's name)
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(answer["body"])))
+            self.end_headers()
+            self.wfile.write(answer["body"])
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/score/x?api_key=s3cret"
+
+    def set_answer(body: bytes) -> str:
+        answer["body"] = body
+        return url
+
+    yield set_answer
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.parametrize(
+    ("body", "problem"),
+    [
+        (b'{"scores": [1' + b"0" * 400 + b"]}", "integers too large for a float at positions [0]"),
+        (b'{"scores": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "JSON nested too deep to read"),
+        (b'{"scores": [1' + b"0" * 5000 + b"]}", "an answer that is not JSON"),  # past int's digit limit
+    ],
+    ids=["400-digit-integer", "nested-100000-deep", "5000-digit-integer"],
+)
+def test_an_unreadable_server_answer_is_a_named_error_naming_the_server(answering, body, problem):
+    url = answering(body)
+    with pytest.raises(RuntimeError, match=re.escape(problem)) as info:
+        rewards.remote(url, retries=0)(["a"], [solid("red")])
+    assert "127.0.0.1" in str(info.value) and "s3cret" not in str(info.value)  # the server, its key redacted

@@ -11,7 +11,9 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from datasets import Dataset
@@ -25,22 +27,26 @@ from trl_jagg.utils.errors import TrainingInterrupted
 PROMPTS = ["a red circle", "a blue square", "a green circle", "a red square"]
 
 
-def run_config(output_dir: str, max_steps: int) -> GRPOJaggConfig:
-    """The run both the worker and the test's uninterrupted reference train."""
+def run_config(output_dir: str, max_steps: int, **overrides: Any) -> GRPOJaggConfig:
+    """The run both the worker and the test's uninterrupted reference train (``overrides``: settings that do not
+    change what it trains, e.g. ``reward_timeout``)."""
     return GRPOJaggConfig(
         output_dir=output_dir, per_device_train_batch_size=4, num_generations=2, num_inference_steps=4, height=32,
         width=32, max_steps=max_steps, learning_rate=1e-2, clip_range=1e-1, noise_level=0.9, jagg_group_size=3,
         jagg_frac=1.0, max_sequence_length=16, report_to="none", save_strategy="steps", save_steps=100, seed=0,
-        disable_tqdm=True,
+        disable_tqdm=True, **overrides,
     )  # fmt: skip
 
 
-def run_trainer(model_path: str, output_dir: str, max_steps: int) -> DDPOJaggTrainer:
+def run_trainer(
+    model_path: str, output_dir: str, max_steps: int, reward: Callable[..., Any] | None = None, **overrides: Any
+) -> DDPOJaggTrainer:
+    """The run's trainer; ``reward`` (default: prompt_color's scores) must score as prompt_color does."""
     torch.manual_seed(0)
     score = prompt_color()
     return DDPOJaggTrainer(
-        model=model_path, reward_funcs=lambda prompts, images, **kw: score(prompts, images),
-        args=run_config(output_dir, max_steps), train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        model=model_path, reward_funcs=reward or (lambda prompts, images, **kw: score(prompts, images)),
+        args=run_config(output_dir, max_steps, **overrides), train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_k", "to_v"], init_lora_weights="gaussian"),
     )  # fmt: skip
 

@@ -486,14 +486,16 @@ class GRPOJaggConfig(JaggArguments, ScalingArguments, EMAArguments, EvaluationAr
         },
     )
     reward_timeout: float | None = field(
-        default=None,
+        default=900.0,
         metadata={
             "help": "Seconds each reward function may take to score one batch (a rollout, a rollout chunk scored "
             "during the rollout, an evaluation), retries included. When it expires, the call is abandoned (an "
             "`async def` reward is cancelled; a synchronous one is left running in a daemon thread, its result "
             "dropped), every process saves a checkpoint of the steps trained so far, and the run stops with an "
-            "error naming the reward and the step. None (default): 600 s for the remote reward and the VLM judges, "
-            "no deadline for local rewards (a number sets it for every reward). See docs/rewards.md."
+            "error naming the reward and the step; a stop signal (SIGINT, SIGTERM) abandons a reward the same way. "
+            "Default 900 s for every reward, local callables included (longer than the remote reward's own "
+            "attempts, shorter than the process group's 30-minute timeout). None (YAML `null`) turns it off: a "
+            "synchronous reward then runs in the trainer's thread. See docs/rewards.md."
         },
     )
 

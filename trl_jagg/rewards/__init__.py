@@ -18,7 +18,7 @@ from trl_jagg.rewards.base import (
     register_reward,
     reward_name,
 )
-from trl_jagg.rewards.calling import RewardTimeout
+from trl_jagg.rewards.calling import RewardInterrupted, RewardTimeout
 from trl_jagg.rewards.clip_based import clip_score, hpsv2, pickscore
 from trl_jagg.rewards.compression import jpeg_compressibility, jpeg_incompressibility
 from trl_jagg.rewards.edit import clip_edit, clip_image_similarity
@@ -37,6 +37,7 @@ __all__ = [
     "LazyModelReward",
     "RewardFunc",
     "RewardSpec",
+    "RewardInterrupted",
     "RewardTimeout",
     "aesthetic",
     "available_rewards",

@@ -22,7 +22,13 @@ from typing import Any, TypeVar
 import torch
 from PIL import Image
 
-from trl_jagg.rewards.calling import call_with_retries, coroutine_function, is_async_reward, reward_deadline
+from trl_jagg.rewards.calling import (
+    DEFAULT_REWARD_TIMEOUT,
+    call_with_retries,
+    coroutine_function,
+    is_async_reward,
+    reward_deadline,
+)
 from trl_jagg.rewards.video import frame_kwargs, is_video_batch, takes_videos, video_means
 from trl_jagg.utils.redaction import redacted
 
@@ -289,7 +295,7 @@ def compute_rewards(
     reward_weights: Sequence[float] | None = None,
     trainer_state: Any = None,
     retries: int = 0,
-    timeout: float | None = None,
+    timeout: float | None = DEFAULT_REWARD_TIMEOUT,
     first_sample: int = 0,
     **columns: Any,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -309,9 +315,9 @@ def compute_rewards(
         reward_weights: One weight per reward; ``None`` means all 1.0.
         trainer_state: The ``transformers.TrainerState`` of the run (``None`` outside training).
         retries: Extra calls of a reward that raises (each logged); its output checks are not retried.
-        timeout: Seconds each reward may take to score the batch, retries included (``reward_timeout``); ``None``
-            bounds only the rewards that declare ``default_reward_timeout`` (remote ones,
-            :data:`~trl_jagg.rewards.calling.REMOTE_REWARD_TIMEOUT`). See :mod:`~trl_jagg.rewards.calling`.
+        timeout: Seconds each reward may take to score the batch, retries included (``reward_timeout``, default
+            :data:`~trl_jagg.rewards.calling.DEFAULT_REWARD_TIMEOUT`); ``None``: no deadline. See
+            :mod:`~trl_jagg.rewards.calling`.
         first_sample: The rollout position of the first sample (a rollout chunk's), which errors count from.
         **columns: Extra dataset columns passed to every reward.
 

@@ -1,9 +1,8 @@
 """Calling one reward: ``async def`` rewards on one shared event loop, retries, and a deadline.
 
-A reward that never returns would otherwise hang the run forever and lose every step since the last checkpoint. With a
-deadline (``GRPOJaggConfig.reward_timeout``, or :data:`REMOTE_REWARD_TIMEOUT` for the rewards that declare
-``default_reward_timeout``), a call that is still running when it expires is abandoned and :class:`RewardTimeout`
-is raised instead:
+A reward that never returns would otherwise hang the run forever and lose every step since the last checkpoint. Every
+reward has a deadline (``GRPOJaggConfig.reward_timeout``, by default :data:`DEFAULT_REWARD_TIMEOUT`; ``None`` turns
+it off): a call that is still running when it expires is abandoned and :class:`RewardTimeout` is raised instead:
 
 - an async reward's coroutine (an ``async def`` reward's, or the ``acall`` of the remote reward and the VLM judges,
   whose request in flight is then closed) is cancelled (it stops at its next ``await``);
@@ -12,6 +11,11 @@ is raised instead:
   exits; a daemon thread does not hold the exit up.
 
 Without a deadline a synchronous reward runs in the caller's thread, as it always did.
+
+A stop signal (SIGINT / SIGTERM, :mod:`~trl_jagg.trainer.interrupts`) that arrives while a reward runs abandons it the
+same way, with :class:`RewardInterrupted`: the trainer then saves the steps trained so far, as after a deadline. A
+synchronous reward without a deadline (``reward_timeout=None``) runs in the caller's thread and cannot be abandoned:
+the run stops when it returns, or at a second signal.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import functools
 import inspect
 import logging
 import math
+import signal
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine
@@ -31,10 +36,11 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-REMOTE_REWARD_TIMEOUT = 600.0
-"""The deadline (seconds) of a reward that declares ``default_reward_timeout`` (the remote reward and the VLM judges)
-when ``reward_timeout`` is not set: longer than their own default attempts take in all (4 x 120 s plus backoffs), so
-their own, more precise error comes first."""
+DEFAULT_REWARD_TIMEOUT = 900.0
+"""The default deadline (seconds) of every reward's scoring of one batch (``reward_timeout``). Generous: longer than
+the remote reward's and the VLM judges' own default attempts take in all (4 x 120 s plus backoffs), so their own, more
+precise error comes first; shorter than the process group's 30-minute timeout, so that on several processes the
+others, waiting for the one whose reward hangs, stop at its deadline instead of at the collective's timeout."""
 
 TIMEOUT_FIX = (
     "Fix what the reward waits on (a server, a lock, a device), make it faster or score fewer images per call "
@@ -42,9 +48,17 @@ TIMEOUT_FIX = (
 )
 
 
-class RewardTimeout(TimeoutError):
-    """A reward did not return within its deadline. Not retried (``reward_retries``): the abandoned call may still
-    be running, and a retry would wait as long again."""
+SIGNAL_POLL_S = 0.1
+"""How often a wait on a reward looks for a stop signal (signal handlers may only set a flag, not wake a waiter)."""
+
+
+class RewardAbandoned(Exception):
+    """A reward's call was abandoned (its deadline passed, or a stop signal arrived while it ran). Not retried
+    (``reward_retries``): the abandoned call may still be running, and a retry would wait as long again."""
+
+
+class RewardTimeout(RewardAbandoned, TimeoutError):
+    """A reward did not return within its deadline (see :class:`RewardAbandoned`)."""
 
     def __init__(self, name: str, timeout: float):
         super().__init__(
@@ -54,13 +68,50 @@ class RewardTimeout(TimeoutError):
         self.name, self.timeout = name, timeout
 
 
+class RewardInterrupted(RewardAbandoned):
+    """A stop signal (``signal_number``) arrived while a reward ran: its call was abandoned as at a deadline."""
+
+    def __init__(self, name: str, signal_number: int):
+        super().__init__(
+            f"Reward {name!r} was abandoned: {signal.Signals(signal_number).name} arrived while it was scoring."
+        )
+        self.name, self.signal_number = name, signal_number
+
+
+_stop_signals = 0
+"""Stop signals received so far: a wait abandons its reward when this grows (only assigned in a signal handler)."""
+_last_stop_signal = 0
+
+
+def abandon_rewards_in_flight(signal_number: int) -> None:
+    """Abandon every reward call now in flight, with :class:`RewardInterrupted` naming ``signal_number``. Safe in a
+    signal handler: it only assigns two numbers, which the waits read."""
+    global _stop_signals, _last_stop_signal
+    _last_stop_signal = signal_number
+    _stop_signals += 1
+
+
+def _finished(future: Future, name: str, remaining: float | None, signals_before: int) -> bool:
+    """Whether ``future`` finished within ``remaining`` seconds (``None``: no limit); a stop signal received since
+    ``signals_before`` cancels it and raises :class:`RewardInterrupted`."""
+    deadline = None if remaining is None else time.monotonic() + remaining
+    poll = SIGNAL_POLL_S if remaining is None else min(SIGNAL_POLL_S, remaining)
+    # `wait`, not `result(timeout)`: a reward's own TimeoutError (a server's) must not read as the deadline.
+    while not wait([future], timeout=poll).done:
+        if _stop_signals != signals_before:
+            future.cancel()  # cancels an async reward's task; a thread's call runs on
+            raise RewardInterrupted(name, _last_stop_signal)
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            return False
+        poll = SIGNAL_POLL_S if left is None else min(SIGNAL_POLL_S, left)
+    return True
+
+
 def reward_deadline(func: Callable[..., Any], reward_timeout: float | None) -> float | None:
-    """The deadline of ``func`` in seconds: ``reward_timeout`` when set; otherwise the reward's own
-    ``default_reward_timeout`` (the remote reward and the VLM judges), else ``None`` (no deadline)."""
-    if reward_timeout is not None:
-        return float(reward_timeout)
-    default = getattr(func, "default_reward_timeout", None)
-    return None if default is None else float(default)
+    """The deadline of ``func`` in seconds: ``reward_timeout`` (the same for every reward, local callables included;
+    ``None``: no deadline)."""
+    return None if reward_timeout is None else float(reward_timeout)
 
 
 def coroutine_function(func: Callable[..., Any]) -> Callable[..., Awaitable[Any]] | None:
@@ -151,6 +202,7 @@ def call_within(
     :class:`RewardTimeout` naming ``name`` and ``timeout`` (default ``remaining``) when it has not returned after
     ``remaining`` seconds (``None``: no deadline); see the module docstring for what happens to the abandoned call."""
     timeout = remaining if timeout is None else timeout
+    signals_before = _stop_signals
     awaited = coroutine_function(func)
     if awaited is not None:
         future: Future = asyncio.run_coroutine_threadsafe(awaited(**kwargs), _event_loop())
@@ -158,8 +210,7 @@ def call_within(
         return func(**kwargs)
     else:
         future = _in_daemon_thread(func, name, kwargs)
-    # `wait`, not `result(timeout)`: a reward's own TimeoutError (a server's) must not read as the deadline.
-    if not wait([future], timeout=remaining).done:
+    if not _finished(future, name, remaining, signals_before):
         future.cancel()  # cancels an async reward's task; a thread's call runs on
         raise RewardTimeout(name, timeout if timeout is not None else math.inf)
     return future.result()
@@ -169,14 +220,15 @@ def call_with_retries(
     func: Callable[..., Any], name: str, retries: int, timeout: float | None, /, **kwargs: Any
 ) -> Any:
     """``func(**kwargs)``, called again up to ``retries`` times when it raises (each retry logged), all attempts
-    within ``timeout`` seconds from now (``None``: no deadline). A :class:`RewardTimeout` is not retried."""
+    within ``timeout`` seconds from now (``None``: no deadline). An abandoned call (:class:`RewardAbandoned`: a
+    deadline, a stop signal) is not retried."""
     deadline = None if timeout is None else time.monotonic() + timeout
     attempt = 0
     while True:
         remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
         try:
             return call_within(func, name, remaining, timeout, **kwargs)
-        except RewardTimeout:
+        except RewardAbandoned:
             raise
         except Exception as error:
             if attempt == retries:

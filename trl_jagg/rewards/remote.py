@@ -29,6 +29,7 @@ import json
 import math
 import os
 import ssl
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -37,7 +38,7 @@ import httpx
 from PIL import Image
 
 from trl_jagg.config.field_types import has_kind
-from trl_jagg.rewards.calling import REMOTE_REWARD_TIMEOUT, run_on_event_loop
+from trl_jagg.rewards.calling import run_on_event_loop
 from trl_jagg.rewards.lazy import check_pairs, to_rgb
 from trl_jagg.utils.redaction import check_url_without_credentials, redact_url
 
@@ -95,10 +96,6 @@ class RemoteReward:
 
     per_sample = True
     """Each image is scored on its own (the requests already split a batch), so a batch may be scored in parts."""
-
-    default_reward_timeout = REMOTE_REWARD_TIMEOUT
-    """The deadline of one call when ``reward_timeout`` is not set (:func:`~trl_jagg.rewards.calling.reward_deadline`):
-    a bound on waits the attempts' ``timeout`` does not cover (a name lookup, several batches), past their own."""
 
     def __init__(
         self,
@@ -185,10 +182,7 @@ class RemoteReward:
                 continue
             detail = _error_detail(data)
             if status == 200:
-                try:
-                    return json.loads(data.decode("utf-8"))
-                except ValueError:
-                    raise RuntimeError(f"Reward server {self.shown_url} sent an answer that is not JSON.") from None
+                return self._parse(data)
             if status not in RETRIED_STATUSES:
                 raise RuntimeError(f"Reward server {self.shown_url} rejected the request (HTTP {status}): {detail}")
             server_error, connection_error = f"HTTP {status}: {detail}", None
@@ -205,6 +199,19 @@ class RemoteReward:
             f"{connection_error}). Is it running and reachable? {SERVER_HINT}"
         )
 
+    def _parse(self, data: bytes) -> Any:
+        """The JSON of a 200 answer, or a named error: not JSON, or JSON Python cannot read (nested deeper than its
+        recursion limit, an integer of more digits than ``int`` parses)."""
+        try:
+            return json.loads(data.decode("utf-8"))
+        except RecursionError:
+            raise RuntimeError(
+                f"Reward server {self.shown_url} sent JSON nested too deep to read (past Python's recursion limit, "
+                f'{sys.getrecursionlimit()}): a server bug. Answer {{"scores": [...]}} with one number per image.'
+            ) from None
+        except ValueError as error:  # UnicodeDecodeError and JSONDecodeError too
+            raise RuntimeError(f"Reward server {self.shown_url} sent an answer that is not JSON ({error}).") from None
+
     def _scores(self, answer: Any, count: int) -> list[float | None]:
         """The ``count`` scores of a server's JSON ``answer``, checked."""
         scores = answer.get("scores") if isinstance(answer, dict) else None
@@ -217,6 +224,14 @@ class RemoteReward:
             raise RuntimeError(
                 f"Reward server {self.shown_url} sent scores that are not numbers at positions {bad[:10]}: "
                 f"{[scores[i] for i in bad[:3]]!r}. Scores must be JSON numbers (or null for not applicable)."
+            )
+        # An integer too large for a float (400 digits) is no score either (float() would raise a bare OverflowError).
+        bad = [i for i, score in enumerate(scores) if score is not None and not _fits_a_float(score)]
+        if bad:
+            shown = [f"{str(scores[i])[:20]}..." if len(str(scores[i])) > 20 else scores[i] for i in bad[:3]]
+            raise RuntimeError(
+                f"Reward server {self.shown_url} sent integers too large for a float at positions {bad[:10]}: "
+                f"{shown}. Scores must be JSON numbers within a float's range (or null for not applicable)."
             )
         return [None if score is None else float(score) for score in scores]
 
@@ -254,13 +269,22 @@ class RemoteReward:
         return f"RemoteReward(url={self.shown_url!r}, name={self.__name__!r})"
 
 
+def _fits_a_float(score: float) -> bool:
+    """Whether ``score`` (a JSON number) converts to a float (NaN and infinities do: the output checks name them)."""
+    try:
+        float(score)
+    except OverflowError:
+        return False
+    return True
+
+
 def _error_detail(data: bytes) -> str:
     """The server's ``{"error": ...}`` text, shortened; the raw start of the body otherwise."""
     text = data.decode("utf-8", "replace")
     try:
         answer = json.loads(text)
         text = answer["error"] if isinstance(answer, dict) and isinstance(answer.get("error"), str) else text
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or JSON too deep to read: its raw start
         pass
     return text[:500]
 

@@ -5,7 +5,9 @@ spot-instance notices), and Ctrl-C sends SIGINT. Without a handler both lose eve
 :class:`InterruptCallback` the first signal is only recorded: the step in progress finishes (its rollout, rewards and
 optimizer step: the state is consistent only between optimizer steps), the trainer saves ``checkpoint-<step>`` and
 stops, and ``train()`` raises :class:`~trl_jagg.utils.errors.TrainingInterrupted`, which names the checkpoint and the
-resume. A second signal gets the previous handler at once (SIGINT: ``KeyboardInterrupt``; SIGTERM: the process
+resume. A reward still scoring when the signal arrives is abandoned, as at its deadline
+(:func:`~trl_jagg.rewards.calling.abandon_rewards_in_flight`): the rollout it scores is dropped, the steps trained
+before it are saved, and ``train()`` raises the same error. A second signal gets the previous handler at once (SIGINT: ``KeyboardInterrupt``; SIGTERM: the process
 ends). Under several processes the processes agree after every optimizer step on whether any of them was signalled
 (one gather of one number, through accelerate), so a signal to one process and a signal to all end alike: one checkpoint, saved
 by every rank.
@@ -21,6 +23,7 @@ from typing import Any
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from trl_jagg.rewards.calling import abandon_rewards_in_flight
 from trl_jagg.trainer.guards import largest_over_processes
 from trl_jagg.utils.errors import TrainingInterrupted
 
@@ -46,9 +49,10 @@ class InterruptCallback(TrainerCallback):
             signal.raise_signal(signum)
             return
         self.signal_number = signum
+        abandon_rewards_in_flight(signum)
         print(
-            f"Received {signal.Signals(signum).name}: stopping after the optimizer step in progress and saving a "
-            "checkpoint (send it again to stop at once).",
+            f"Received {signal.Signals(signum).name}: stopping after the optimizer step in progress (a reward still "
+            "scoring is abandoned) and saving a checkpoint (send it again to stop at once).",
             flush=True,
         )
 
@@ -75,15 +79,23 @@ class InterruptCallback(TrainerCallback):
         self.restore()
 
 
-def interrupted(signal_number: int, output_dir: str, global_step: int) -> TrainingInterrupted:
+RESUME = (
+    "Resume with `trainer.train(resume_from_checkpoint=True)` (`trl-jagg train ... --resume_from_checkpoint true`), "
+    "the same config and output_dir."
+)
+
+
+def interrupted(signal_number: int, output_dir: str, global_step: int, during: str = "") -> TrainingInterrupted:
     """The error ``train()`` raises after the checkpoint of a signalled run: the signal, the step, the checkpoint
-    and how to resume from it."""
+    and how to resume from it; ``during`` says what the signal abandoned (e.g. a reward's scoring at a step)."""
     checkpoint = f"{output_dir}/{PREFIX_CHECKPOINT_DIR}-{global_step}"
     name = signal.Signals(signal_number).name
-    return TrainingInterrupted(
-        f"{name} stopped training after optimizer step {global_step}; every step is in {checkpoint}. Resume with "
-        "`trainer.train(resume_from_checkpoint=True)` (`trl-jagg train ... --resume_from_checkpoint true`), "
-        "the same config and output_dir.",
-        signal_number,
-        checkpoint,
-    )
+    if during:
+        where = f"{name} stopped training {during}, after optimizer step {global_step}"
+    else:
+        where = f"{name} stopped training after optimizer step {global_step}"
+    if not global_step:  # nothing was trained, nothing saved
+        return TrainingInterrupted(
+            f"{where}: no step had been trained, nothing was saved. Start the run again.", signal_number, ""
+        )
+    return TrainingInterrupted(f"{where}; every step is in {checkpoint}. {RESUME}", signal_number, checkpoint)

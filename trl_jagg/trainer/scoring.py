@@ -5,14 +5,16 @@ evaluation."""
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 import torch
 from accelerate.utils import gather_object
 
-from trl_jagg.rewards import compute_rewards
-from trl_jagg.trainer.guards import any_process
+from trl_jagg.rewards import RewardInterrupted, compute_rewards
+from trl_jagg.trainer.guards import any_process, largest_over_processes
+from trl_jagg.trainer.interrupts import interrupted
 from trl_jagg.utils.errors import TrainingError
 
 logger = logging.getLogger(__name__)
@@ -24,15 +26,23 @@ MAX_REPORTED_CHARS = 500
 class RewardFailure(Exception):
     """A reward function failed on some process (a rollout, an evaluation); raised on every process alike, so the
     trainer can save the steps trained so far (a collective) before stopping. ``error`` is this process's own failure,
-    ``None`` when another process failed; ``elsewhere`` says what failed on the other processes."""
+    ``None`` when another process failed; ``elsewhere`` says what failed on the other processes; ``signal_number``
+    is the stop signal that abandoned a reward on some process (0: none did)."""
 
-    def __init__(self, error: Exception | None, elsewhere: str = ""):
+    def __init__(self, error: Exception | None, elsewhere: str = "", signal_number: int = 0):
         super().__init__(str(error) if error is not None else "a reward function failed on another process")
-        self.error, self.elsewhere = error, elsewhere
+        self.error, self.elsewhere, self.signal_number = error, elsewhere, signal_number
 
     def raise_with_note(self, saved: str | None, trained_steps: int, during: str) -> NoReturn:
         """Raise the reward's own error (or, on the processes where it did not fail, a :class:`TrainingError`) with
-        a note naming ``saved``, the checkpoint of the ``trained_steps`` so far; ``during`` says when it failed."""
+        a note naming ``saved``, the checkpoint of the ``trained_steps`` so far; ``during`` says when it failed. A
+        stop signal that abandoned the reward raises :class:`~trl_jagg.utils.errors.TrainingInterrupted` on every
+        process instead, as a signal between steps does."""
+        if self.signal_number:
+            output_dir = os.path.dirname(saved) if saved else ""
+            raise interrupted(
+                self.signal_number, output_dir, trained_steps if saved else 0, f"while a reward was scoring {during}"
+            ) from self.error
         note = f"{saved} holds the {trained_steps} trained steps: resume from it." if saved else ""
         note = note or "No trained step was lost (none to save)."
         if self.error is None:
@@ -71,7 +81,9 @@ def scored_rewards(
     except Exception as error:  # raised below, once every process knows
         failure = error
     if any_process(accelerator, failure is not None):
-        raise RewardFailure(failure, _failures_elsewhere(accelerator, failure))
+        signalled = failure.signal_number if isinstance(failure, RewardInterrupted) else 0
+        signal_number = int(largest_over_processes(accelerator, signalled))  # every process stops alike
+        raise RewardFailure(failure, _failures_elsewhere(accelerator, failure), signal_number)
     return return_value
 
 
