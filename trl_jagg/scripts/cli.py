@@ -9,6 +9,7 @@
     trl-jagg bench [trainer] --output_dir runs/bench [...]               # JAGG vs exact update-stage timings
     trl-jagg calibrate --config recipe.yaml [--threshold 0.7]            # JAGG vs exact gradient cosine per group
     trl-jagg env                                                         # versions for a bug report
+    trl-jagg plan --recipe dancegrpo-flux --num_processes 8 --gpu_memory_gb 80   # memory and time, before a GPU
 
 Each command is a module ``trl_jagg.scripts.<command>`` with ``main(argv) -> int``, imported only when run, so
 ``trl-jagg --help`` is instant. A :class:`~trl_jagg.scripts.utils.UsageError` becomes
@@ -28,6 +29,7 @@ from collections.abc import Sequence
 
 from trl_jagg import MODEL_FAMILIES
 from trl_jagg.scripts import DOCS_URL, PROG
+from trl_jagg.scripts.usage import UsageError, suggest
 
 COMMANDS: dict[str, str] = {
     "train": "GRPO or DiffusionNFT fine-tuning with JAGG, from a YAML config and flags (accelerate launch-able)",
@@ -35,6 +37,7 @@ COMMANDS: dict[str, str] = {
     "bench": "time the update stage with JAGG vs exact backward (`bench trainer`: through the trainer)",
     "calibrate": "measure JAGG-vs-exact gradient cosines per group and suggest jagg_frac",
     "env": "print the versions and the machine, for a bug report",
+    "plan": "will the run fit? per-GPU memory by component, the fix, the time of a step (meta device, no GPU)",
 }
 """Command name -> one-line help; the command's code is ``trl_jagg.scripts.<name>.main``."""
 
@@ -70,9 +73,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         print(f"{PROG} {__version__}")
         return 0
-    # Imported past the help: it imports TRL's parser (and transformers).
-    from trl_jagg.scripts.utils import UsageError, suggest
-
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:
         print(f"{PROG}: error: unknown command '{command}'.{suggest(command, COMMANDS)}", file=sys.stderr)

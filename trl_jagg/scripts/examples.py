@@ -195,8 +195,8 @@ class Example:
             prog=f"python {script}",
             usage=f"python {script} [--tiny] [--config x.yaml] [--field value ...]\n"
             f"       accelerate launch {script} [--field value ...]",
-            epilog=f"Example: python {script} --tiny --output_dir /tmp/tiny --learning_rate 3e-5. Docs: "
-            f"{DOCS_URL}/quickstart.md#8-examples and {DOCS_URL}/config.md.",
+            epilog=f"Docs: {DOCS_URL} (quickstart.md#8-examples, config.md). Example: python {script} --tiny "
+            "--output_dir /tmp/tiny --learning_rate 3e-5.",
         )
 
     @property

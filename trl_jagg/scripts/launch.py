@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from trl_jagg.scripts.utils import UsageError, one_line
+from trl_jagg.scripts.usage import UsageError, one_line
 
 LAUNCHED_ENV = "TRL_JAGG_ACCELERATE_LAUNCHED"
 """Set in the processes ``--accelerate_config`` starts, so that they train instead of relaunching."""

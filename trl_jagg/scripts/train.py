@@ -20,9 +20,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+# Only light modules at the top: `main` answers typos, unknown fields, `--help` and an unreachable model before
+# trl, transformers, diffusers and peft are imported (see train_snapshot).
 from trl_jagg.scripts import DOCS_URL
 from trl_jagg.scripts.launch import LAUNCHED_ENV, launch_with_accelerate, split_launch_options
-from trl_jagg.scripts.utils import CommandParser, UsageError, flag_value
+from trl_jagg.scripts.train_snapshot import load_snapshot
+from trl_jagg.scripts.usage import UsageError, check_names, flag_value, read_config
 from trl_jagg.utils.errors import TrainingInterrupted
 from trl_jagg.utils.redaction import redacted_argv
 
@@ -31,6 +34,7 @@ if TYPE_CHECKING:
     from peft import LoraConfig
 
     from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
+    from trl_jagg.scripts.utils import CommandParser
 
 
 @dataclass
@@ -148,6 +152,7 @@ def make_parser(command: str = "train", extra: Sequence[type] = (), description:
     """The parser of ``trl-jagg train`` over ``ScriptArguments`` and ``GRPOJaggConfig`` (and ``extra``
     dataclasses: ``calibrate`` adds its own)."""
     from trl_jagg.config.grpo_jagg_config import GRPOJaggConfig
+    from trl_jagg.scripts.utils import CommandParser
 
     return CommandParser(
         (ScriptArguments, GRPOJaggConfig, *extra),
@@ -155,7 +160,7 @@ def make_parser(command: str = "train", extra: Sequence[type] = (), description:
         description,
         usage=f"trl-jagg {command} [--config recipe.yaml] [--field value ...]\n"
         f"       accelerate launch -m trl_jagg.scripts.cli {command} [--config recipe.yaml] [--field value ...]",
-        epilog=f"Docs: {DOCS_URL}/quickstart.md and {DOCS_URL}/config.md. Example: "
+        epilog=f"Docs: {DOCS_URL} (quickstart.md, config.md). Example: "
         f"trl-jagg {command} --config recipe.yaml --learning_rate 1e-4 --jagg_group_size 8",
     )
 
@@ -451,26 +456,60 @@ def train_and_save(
     return trainer
 
 
+def check_model_access(argv: Sequence[str], config: Mapping[str, Any]) -> None:
+    """The pipeline a Hub id names (flag, YAML or preset) can be had: cached, or downloadable with access (not gated,
+    not offline), checked without loading anything. Local paths are checked once parsed (:func:`check_local_paths`).
+
+    Raises:
+        HubAccessError: naming the model and the fix (accept the license, log in, download it once while online).
+    """
+    model = flag_value(argv, "--model_name_or_path") or config.get("model_name_or_path")
+    recipe = flag_value(argv, "--recipe") or config.get("recipe")
+    if not model and recipe:
+        from trl_jagg.recipes import get_recipe
+
+        try:
+            model = get_recipe(recipe).model
+        except ValueError:  # reported with the valid names when parsed
+            return
+    if not isinstance(model, str) or os.path.exists(model) or not _is_hub_id(model):
+        return
+    from trl_jagg.utils.hub_access import check_hub_file
+
+    revision = flag_value(argv, "--model_revision") or config.get("model_revision")
+    check_hub_file(model, "model_index.json", what="model", revision=revision)
+
+
 def main(argv: Sequence[str]) -> int:
     """``trl-jagg train ARGV``: parse, train, save (and push); returns the exit status.
 
     With ``accelerate_config`` (flag or YAML) the command relaunches itself through ``accelerate launch``; the
-    names are checked here, the values in the launched processes, which know the number of processes.
+    names are checked here, the values in the launched processes, which know the number of processes. Where the
+    parser's snapshot is current (:mod:`~trl_jagg.scripts.train_snapshot`), ``--help``, unknown names and the model's
+    access are answered before the heavy imports.
     """
-    parser = make_parser()
-    if not os.environ.get(LAUNCHED_ENV) and not {"-h", "--help"} & set(argv):
-        argv, config, path = parser.read_config(argv)
-        accelerate_config = flag_value(argv, "--accelerate_config") or config.get("accelerate_config")
-        launch, rest = split_launch_options(argv)
-        if launch and not accelerate_config:
-            raise UsageError(
-                f"{launch[0]} is an accelerate launch option: give it with --accelerate_config NAME (e.g. "
-                "multi_gpu), or run `accelerate launch ... -m trl_jagg.scripts.cli train` yourself."
-            )
-        if accelerate_config:
-            parser.check_names(rest, config, path)
-            return launch_with_accelerate(argv, accelerate_config)
-    parsed = parser.parse_command_line(argv, recipe_defaults)
+    if not os.environ.get(LAUNCHED_ENV):
+        snapshot = load_snapshot()
+        if snapshot is not None and {"-h", "--help"} & set(argv):
+            print(snapshot["help"], end="")
+            return 0
+        if not {"-h", "--help"} & set(argv):
+            argv, config, path = read_config(argv)
+            accelerate_config = flag_value(argv, "--accelerate_config") or config.get("accelerate_config")
+            launch, rest = split_launch_options(argv)
+            if launch and not accelerate_config:
+                raise UsageError(
+                    f"{launch[0]} is an accelerate launch option: give it with --accelerate_config NAME (e.g. "
+                    "multi_gpu), or run `accelerate launch ... -m trl_jagg.scripts.cli train` yourself."
+                )
+            if snapshot is not None:
+                check_names(snapshot["options"], rest, config, path)
+                check_model_access(rest, config)
+            if accelerate_config:
+                if snapshot is None:
+                    make_parser().check_names(rest, config, path)
+                return launch_with_accelerate(argv, accelerate_config)
+    parsed = make_parser().parse_command_line(argv, recipe_defaults)
     if parsed is None:
         return 0
     sys.argv[1:] = redacted_argv(sys.argv[1:])  # parsed: W&B records sys.argv, which may hold a key

@@ -1,123 +1,21 @@
 """What every ``trl-jagg`` command shares: one argument parser (a :class:`trl.TrlParser` over dataclasses), the
-``--config`` YAML file, and errors that name the field and the fix."""
+``--config`` YAML file, and errors that name the field and the fix. The names, hints and the ``--config`` reader it
+uses are in :mod:`trl_jagg.scripts.usage`, which imports nothing heavy; ``UsageError`` and ``flag_value`` are
+re-exported here for the commands."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import difflib
-import os
 import typing
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from trl import TrlParser
 
 from trl_jagg.config.field_types import type_problem
 from trl_jagg.scripts import PROG
-
-TRL_NAMES: Mapping[str, str] = {
-    "max_prompt_length": "max_sequence_length",
-    "generation_kwargs": "guidance_scale, true_cfg_scale, negative_prompt, num_inference_steps",
-    "temperature": "noise_level",
-    "model_init_kwargs": "dtype, model_revision",
-}
-"""Fields of TRL's ``GRPOConfig`` / ``trl grpo`` that trl_jagg spells differently, with the name to use instead.
-The names TRL and trl_jagg share (``epsilon``, ``epsilon_high``, ``beta``, ``num_generations``, ``scale_rewards``,
-``generation_batch_size``, ``steps_per_generation``, ``log_completions``, ``reward_weights``, ...) are fields."""
-
-
-OTHER_NAMES: Mapping[str, str] = {
-    # diffusers' training scripts (train_dreambooth_lora_flux.py and its siblings)
-    "mixed_precision": "use --bf16 true or --fp16 true (autocast over float32 trained weights); `dtype` sets the "
-    "frozen modules' dtype",
-    "checkpointing_steps": "use save_steps",
-    "checkpoints_total_limit": "use save_total_limit",
-    "rank": "use lora_r (with use_peft true)",
-    "lora_rank": "use lora_r (with use_peft true)",
-    "lora_layers": "use lora_target_modules",
-    "resolution": "use height and width",
-    "use_dora": "DoRA is not supported: trl-jagg train trains plain LoRA (lora_r, lora_alpha, lora_target_modules)",
-    "train_batch_size": "use per_device_train_batch_size (images per process per micro-batch; with "
-    "num_generations images per prompt)",
-    "max_train_steps": "use max_steps",
-    "pretrained_model_name_or_path": "use model_name_or_path",
-    "revision": "use model_revision",
-    "lr_scheduler": "use lr_scheduler_type",
-    "lr_warmup_steps": "use warmup_steps",
-    "adam_weight_decay": "use weight_decay",
-    "use_8bit_adam": "use --optim adamw_bnb_8bit",
-    "allow_tf32": "use tf32",
-    "use_ema": "use ema_decay (a decay > 0 keeps an EMA of the trained weights)",
-    "validation_prompt": "use eval_prompts (rendered every image_log_steps)",
-    "instance_prompt": "use prompts (a list of training prompts) or dataset_name",
-    # TRL's and peft's
-    "dataset": "use dataset_name (a Hub dataset id or a local file of prompts)",
-    "peft_config": "use use_peft true with lora_r, lora_alpha, lora_target_modules",
-    "lora_rank_pattern": "not supported on the command line: build a peft LoraConfig in Python",
-}
-"""Names of diffusers' training-script flags and other TRL / peft spellings that are no field here, with what to use;
-the "did you mean" hint of an unknown name (difflib's nearest name is often wrong for them: ``mixed_precision`` is
-not ``model_revision``)."""
-
-
-TRL_ALIASES: Mapping[str, str] = {"torch_dtype": "dtype", "dataset_split": "dataset_train_split"}
-"""Other names of a field: transformers' former ``torch_dtype`` (in ``trl grpo`` configs) and trl_jagg's former
-``dataset_split``; renamed to the field before parsing, in the YAML and on the command line."""
-
-
-def _attention(value: Any) -> str | None:
-    if value in (None, "sdpa"):
-        return None
-    return (
-        f"is {value!r}, a transformers attention implementation; diffusers backbones run PyTorch's "
-        "scaled_dot_product_attention ('sdpa', accepted) and choose other kernels with "
-        "`transformer.set_attention_backend(...)`, not from this config. Remove the key or set it to sdpa."
-    )
-
-
-def _token_level(name: str, meaning: str) -> Callable[[Any], str]:
-    return lambda value: (
-        f"is {value!r}: {meaning} has no meaning for images, whose step log-prob is a mean over latent dimensions "
-        f"and whose loss is the mean of the per-step PPO losses (Flow-GRPO's). Remove {name} from the config."
-    )
-
-
-TRL_ONLY: Mapping[str, Callable[[Any], str | None]] = {
-    "attn_implementation": _attention,
-    "loss_type": _token_level("loss_type", "a token-level loss aggregation (grpo, dr_grpo, dapo, bnpo, ...)"),
-    "importance_sampling_level": _token_level(
-        "importance_sampling_level", "choosing token- or sequence-level importance ratios"
-    ),
-}
-"""Keys of ``trl grpo`` configs that are no field here: each maps a value to why it is refused, or to ``None``
-when the value is what trl_jagg does anyway (then the key is dropped)."""
-
-TRL_VALUES: Mapping[str, Callable[[Any], str | None]] = {
-    "dtype": lambda value: (
-        "is 'auto', which transformers resolves from the checkpoint; diffusers pipelines have no 'auto' dtype. "
-        "Name it: bfloat16 (as the recipes), float16 or float32."
-        if value == "auto"
-        else None
-    ),
-}
-"""Values ``trl grpo`` accepts that a field here refuses, with the reason (checked before parsing)."""
-
-
-class UsageError(ValueError):
-    """A problem with the command line or the YAML config: reported as ``trl-jagg <command>: error: ...``."""
-
-
-def suggest(name: str, valid: Iterable[str]) -> str:
-    """`` Did you mean 'x'?`` for the closest valid name (difflib), TRL's or a diffusers script's equivalent, or an
-    empty string."""
-    name = name.replace("-", "_")
-    if name in TRL_NAMES:
-        return f" TRL's GRPOConfig calls it '{name}'; here use {TRL_NAMES[name]}."
-    if name in OTHER_NAMES:
-        return f" '{name}' is a diffusers-script / TRL name: {OTHER_NAMES[name]}."
-    close = difflib.get_close_matches(name, sorted(set(valid)), n=1, cutoff=0.6)
-    return f" Did you mean '{close[0]}'?" if close else ""
+from trl_jagg.scripts.usage import TRL_ALIASES, TRL_ONLY, UsageError, check_names, flag_value, read_config
 
 
 def own_fields(cls: type) -> set[str]:
@@ -127,40 +25,6 @@ def own_fields(cls: type) -> set[str]:
 
     own = [klass for klass in cls.__mro__ if not issubclass(TrainingArguments, klass)]
     return {name for klass in own for name in klass.__dict__.get("__annotations__", {})}
-
-
-def flag_value(argv: Sequence[str], flag: str) -> str | None:
-    """The value given to ``flag`` on the command line (last one wins), ``None`` when absent."""
-    value = None
-    for i, token in enumerate(argv):
-        if token == flag and i + 1 < len(argv):
-            value = argv[i + 1]
-        elif token.startswith(flag + "="):
-            value = token.split("=", 1)[1]
-    return value
-
-
-def one_line(error: BaseException) -> str:
-    """``error``'s message on one line (YAML and accelerate messages span several)."""
-    return " ".join(str(error).split())
-
-
-def read_yaml(path: str) -> dict[str, Any]:
-    """The mapping of a ``--config`` file (empty for an empty file)."""
-    import yaml
-
-    if not os.path.isfile(path):
-        raise UsageError(f"--config {path}: no such file.")
-    with open(path) as handle:
-        try:
-            config = yaml.safe_load(handle)
-        except yaml.YAMLError as error:
-            raise UsageError(f"--config {path} is not valid YAML: {one_line(error)}") from None
-    if config is None:
-        return {}
-    if not isinstance(config, dict):
-        raise UsageError(f"--config {path} must contain a YAML mapping of field names to values.")
-    return config
 
 
 class CommandParser(TrlParser):
@@ -218,33 +82,9 @@ class CommandParser(TrlParser):
         return {dest for option, dest in self.option_names().items() if option != "--config" and dest != "help"}
 
     def check_names(self, argv: Sequence[str], config: Mapping[str, Any], path: str | None) -> None:
-        """Unknown field names in the YAML config or on the command line are errors that suggest the nearest one.
-
-        Checked before anything is parsed, so a typo is reported as such rather than as the missing or invalid
-        value it causes.
-        """
-        valid = self.field_names()
-        for key, value in config.items():
-            self._check_trl_value(str(key), value, f" in {path}")
-            if key != "env" and TRL_ALIASES.get(key, key) not in valid and key not in TRL_ONLY:
-                raise UsageError(f"unknown field '{key}' in {path}.{suggest(str(key), valid)}")
-        options = self.option_names()
-        for i, token in enumerate(argv):
-            flag = token.split("=", 1)[0]
-            if not token.startswith("--") or flag == "--":
-                continue
-            name = flag[2:]
-            value = token.split("=", 1)[1] if "=" in token else (argv[i + 1] if i + 1 < len(argv) else None)
-            self._check_trl_value(name, value, f" ({flag})")
-            if f"--{TRL_ALIASES.get(name, name)}" not in options and name not in TRL_ONLY:
-                raise UsageError(f"unknown field '{name}' ({flag}).{suggest(name, valid)}")
-
-    @staticmethod
-    def _check_trl_value(name: str, value: Any, where: str) -> None:
-        check = TRL_ONLY.get(name) or TRL_VALUES.get(TRL_ALIASES.get(name, name))
-        reason = check(value) if check is not None else None
-        if reason is not None:
-            raise UsageError(f"{name}{where} {reason}")
+        """Unknown field names in the YAML config or on the command line are errors that suggest the nearest one
+        (:func:`~trl_jagg.scripts.usage.check_names` over this parser's options)."""
+        check_names(self.option_names(), argv, config, path)
 
     @staticmethod
     def trl_argv(argv: Sequence[str]) -> list[str]:
@@ -282,19 +122,10 @@ class CommandParser(TrlParser):
                         f"{path}: {item.name} is {value!r} ({type(value).__name__}); --{item.name} takes {problem}."
                     )
 
-    def read_config(self, argv: Sequence[str]) -> tuple[list[str], dict[str, Any], str | None]:
-        """``(argv, yaml, path)``: ``argv`` with ``--config=x`` split in two tokens, the ``--config`` file's mapping
-        (empty without one) and its path."""
-        argv = list(argv)
-        # TrlParser reads only the two-token form of --config.
-        for i, token in enumerate(argv):
-            if token.startswith("--config="):
-                argv[i : i + 1] = ["--config", token.split("=", 1)[1]]
-                break
-        path = flag_value(argv, "--config")
-        if "--config" in argv and path is None:
-            raise UsageError("--config needs the path of a YAML file.")
-        return argv, read_yaml(path) if path else {}, path
+    @staticmethod
+    def read_config(argv: Sequence[str]) -> tuple[list[str], dict[str, Any], str | None]:
+        """See :func:`~trl_jagg.scripts.usage.read_config`."""
+        return read_config(argv)
 
     def parse_command_line(
         self,
@@ -327,3 +158,6 @@ class CommandParser(TrlParser):
         if leftover:
             raise UsageError(f"unexpected arguments {leftover}: fields are given as `--name value`.")
         return tuple(parsed)
+
+
+__all__ = ["CommandParser", "UsageError", "flag_value", "own_fields"]
