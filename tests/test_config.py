@@ -19,7 +19,7 @@ def config(**overrides) -> GRPOJaggConfig:
 
 
 FLOAT_FIELDS = [
-    "noise_level", "guidance_scale", "true_cfg_scale", "clip_range", "learning_rate", "beta", "adv_clip_max",
+    "noise_level", "guidance_scale", "true_cfg_scale", "epsilon", "learning_rate", "beta", "adv_clip_max",
     "train_timestep_fraction", "jagg_frac", "weight_decay", "max_grad_norm", "ode_step_ratio",
 ]  # fmt: skip
 
@@ -45,7 +45,7 @@ def test_non_finite_reward_weight():
         (dict(noise_level=1.5, sampler="cps"), "noise_level", r"\(0, 1\]"),
         (dict(guidance_scale=-1.0), "guidance_scale", ">= 0"),
         (dict(true_cfg_scale=0.5), "true_cfg_scale", "1 \\(off\\)"),
-        (dict(clip_range=0.0), "clip_range", "positive"),
+        (dict(epsilon=0.0), "epsilon", "positive"),
         (dict(learning_rate=-1e-4), "learning_rate", ">= 0"),
         (dict(beta=-0.1), "beta", "positive"),
         (dict(adv_clip_max=0.0), "adv_clip_max", "positive"),
@@ -146,21 +146,21 @@ def test_group_that_fits_or_jagg_off_does_not_warn():
 
 
 @pytest.mark.parametrize(
-    ("overrides", "name"), [(dict(epsilon=0.2), "epsilon"), (dict(clip_range=1e-9), "clip_range")]
+    "value", [0.2, 1e-9]
 )
-def test_clip_range_far_from_the_recipes_warns_naming_their_values(overrides, name):
+def test_clip_range_far_from_the_recipes_warns_naming_their_values(value):
     # TRL's token default 0.2 is 2000x the Flow-GRPO recipes' 1e-4.
     with pytest.warns(
-        UserWarning, match=rf"{name} is {overrides[name]:g}.*flow-grpo-flux 0.0001.*flow-grpo-fast-flux 1e-05"
+        UserWarning, match=rf"epsilon is {value:g}.*flow-grpo-flux 0.0001.*flow-grpo-fast-flux 1e-05"
     ):
-        config(**overrides)
+        config(epsilon=value)
 
 
 def test_clip_ranges_of_the_diffusion_scale_do_not_warn():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for value in (1e-5, 1e-4, 2e-4, 1e-2):
-            config(clip_range=value)
+            config(epsilon=value)
 
 
 def test_valid_config_passes_and_counts_prompts_per_rollout():

@@ -1,15 +1,34 @@
-"""The field groups of :class:`~trl_jagg.GRPOJaggConfig` that configure one part of the run each: the JAGG engine,
-distributed training / memory / speed, the EMA of the trained weights and the evaluation images. Each is a dataclass
-mixed into ``GRPOJaggConfig`` (whose docstring and ``__post_init__`` document and check every field); none is used on
-its own."""
+"""The field groups of :class:`~trl_jagg.GRPOJaggConfig` that configure one part of the run each: model loading, the
+JAGG engine, distributed training / memory / speed, the EMA of the trained weights and the evaluation images. Each is
+a dataclass mixed into ``GRPOJaggConfig`` with its allowed values and its check (a ``_check_*_fields`` method that
+``GRPOJaggConfig.__post_init__`` calls); none is used on its own. The rollout's groups are in
+:mod:`trl_jagg.config.sampling`, the objective's, the policy loss's and the advantages' in their own modules."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from trl_jagg.config.checks import EMA_SCHEDULES
+from trl_jagg.config.reporting import fail, warn_user
 from trl_jagg.core.jagg import ENDPOINT_BACKWARDS, JAGG_MODES
 from trl_jagg.core.velocity_cache import VELOCITY_CACHE_MODES
+
+DTYPES = ("float32", "bfloat16", "float16")
+EMA_SCHEDULES = ("step", "flow_grpo")
+
+
+@dataclass
+class ModelArguments:
+    """How the pipeline is loaded when ``model`` is a Hub id or a path."""
+
+    dtype: str = field(
+        default="float32",
+        metadata={"help": f"dtype of the pipeline when `model` is a Hub id or a path, one of {DTYPES}."},
+    )
+    model_revision: str | None = field(default=None, metadata={"help": "Revision (branch, tag or commit) to load."})
+
+    def _check_model_fields(self) -> None:
+        if self.dtype not in DTYPES:
+            fail("dtype", f"is {self.dtype!r}", f"Use one of {DTYPES}.")
 
 
 @dataclass
@@ -99,6 +118,56 @@ class JaggArguments:
         },
     )
 
+    def _check_jagg_fields(self) -> None:
+        """Group size, routing, the velocity cache, the no-grad batching; a group that can never be full warns.
+        Reads the trained steps (``num_trained_steps``)."""
+        if not isinstance(self.jagg_group_size, int) or self.jagg_group_size < 1:
+            fail("jagg_group_size", f"is {self.jagg_group_size!r}", "Use an integer >= 1 (4 or 8 are typical).")
+        self._check_jagg_frac()
+        if not isinstance(self.jagg_probe_steps, int) or self.jagg_probe_steps < 1:
+            fail("jagg_probe_steps", f"is {self.jagg_probe_steps!r}", "Use an integer >= 1.")
+        if not -1 <= self.jagg_cos_threshold <= 1:
+            fail("jagg_cos_threshold", f"is {self.jagg_cos_threshold}", "Use a cosine in [-1, 1] (0.7 is typical).")
+        if self.jagg_endpoint_backward not in ENDPOINT_BACKWARDS:
+            fail("jagg_endpoint_backward", f"is {self.jagg_endpoint_backward!r}", f"Use one of {ENDPOINT_BACKWARDS}.")
+        if self.jagg_cache_mode not in VELOCITY_CACHE_MODES:
+            fail("jagg_cache_mode", f"is {self.jagg_cache_mode!r}", f"Use one of {VELOCITY_CACHE_MODES}.")
+        if not (isinstance(self.jagg_cache_tolerance, (int, float)) and self.jagg_cache_tolerance >= 0):
+            fail(
+                "jagg_cache_tolerance", f"is {self.jagg_cache_tolerance!r}", "Use a number >= 0 (the default is 1e-3)."
+            )
+        if self.no_grad_batch_steps is not None and (
+            not isinstance(self.no_grad_batch_steps, int) or self.no_grad_batch_steps < 1
+        ):
+            fail("no_grad_batch_steps", f"is {self.no_grad_batch_steps!r}", "Use an integer >= 1 or None.")
+        if self.jagg_mode not in JAGG_MODES:
+            fail("jagg_mode", f"is {self.jagg_mode!r}", f"Use one of {JAGG_MODES}.")
+        self._warn_idle_groups()
+
+    def _check_jagg_frac(self) -> None:
+        """A fraction in [0, 1] or ``"auto"``; a flag's text (``"0.6"``) becomes a float."""
+        if isinstance(self.jagg_frac, bool):
+            # bool is an int in Python: True would silently mean 1.0.
+            fail("jagg_frac", f"is {self.jagg_frac!r}, not a fraction", "Use a fraction in [0, 1] or 'auto'.")
+        if isinstance(self.jagg_frac, str) and self.jagg_frac != "auto":
+            try:
+                self.jagg_frac = float(self.jagg_frac)
+            except ValueError:
+                fail("jagg_frac", f"is {self.jagg_frac!r}", "Use a fraction in [0, 1] or 'auto'.")
+        if self.jagg_frac != "auto" and not (isinstance(self.jagg_frac, (int, float)) and 0 <= self.jagg_frac <= 1):
+            fail("jagg_frac", f"is {self.jagg_frac!r}", "Use a fraction in [0, 1] (0.6 in the paper) or 'auto'.")
+
+    def _warn_idle_groups(self) -> None:
+        trained = self.num_trained_steps
+        routed = self.jagg_frac == "auto" or self.jagg_frac > 0
+        if self.use_jagg and self.jagg_mode != "exact" and routed and self.jagg_group_size > trained:
+            warn_user(
+                f"GRPOJaggConfig.jagg_group_size ({self.jagg_group_size}) is larger than the {trained} trained "
+                f"step{'s' if trained != 1 else ''} (train_timesteps={self.train_timesteps!r}, num_inference_steps="
+                f"{self.num_inference_steps}): no group is full, so JAGG stays idle and every step takes an exact "
+                f"backward. Use jagg_group_size <= {trained}, or use_jagg=False."
+            )
+
 
 @dataclass
 class ScalingArguments:
@@ -151,6 +220,14 @@ class ScalingArguments:
         },
     )
 
+    def _check_scaling_fields(self) -> None:
+        if self.compile_repeated_blocks:
+            import torch._dynamo
+
+            backends = torch._dynamo.list_backends(exclude_tags=())
+            if self.compile_backend not in backends:
+                fail("compile_backend", f"is {self.compile_backend!r}", f"Use one of {sorted(backends)}.")
+
 
 @dataclass
 class EMAArguments:
@@ -195,6 +272,18 @@ class EMAArguments:
             "copy, at the cost of one device-to-host copy of the trained weights per EMA update."
         },
     )
+
+    def _check_ema_fields(self) -> None:
+        if not 0 <= self.ema_decay < 1:
+            fail(
+                "ema_decay",
+                f"is {self.ema_decay}",
+                "Use a value in [0, 1): 0 disables the EMA, 0.9-0.9999 are typical.",
+            )
+        if not isinstance(self.ema_update_interval, int) or self.ema_update_interval < 1:
+            fail("ema_update_interval", f"is {self.ema_update_interval!r}", "Use an integer >= 1.")
+        if self.ema_schedule not in EMA_SCHEDULES:
+            fail("ema_schedule", f"is {self.ema_schedule!r}", f"Use one of {EMA_SCHEDULES}.")
 
 
 @dataclass
@@ -241,3 +330,17 @@ class EvaluationArguments:
             "the dataset's order."
         },
     )
+
+    def _check_evaluation_fields(self) -> None:
+        for name in ("eval_num_inference_steps", "num_completions_to_print"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                fail(name, f"is {getattr(self, name)}", "Use a positive value, or None for the default.")
+        if self.image_log_steps < 0:
+            fail("image_log_steps", f"is {self.image_log_steps}", "Use 0 (off) or a positive interval.")
+        sources = self.eval_source_images
+        if sources is not None and len(sources) != len(self.eval_prompts or ()):
+            fail(
+                "eval_source_images",
+                f"has {len(sources)} images for {len(self.eval_prompts or ())} eval_prompts",
+                "Give one source image (a file path) per eval prompt.",
+            )

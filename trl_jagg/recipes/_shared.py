@@ -31,7 +31,7 @@ _FLOW_GRPO_OPTIM = {
     "max_grad_norm": 1.0,
     "lr_scheduler_type": "constant",
 }
-_FLOW_GRPO_LOSS = {"clip_range": 1e-4, "adv_clip_max": 5.0}
+_FLOW_GRPO_LOSS = {"epsilon": 1e-4, "adv_clip_max": 5.0}
 # Flow-GRPO's advantages (flow_grpo/stat_tracking.py): the prompt's mean over a tracker cleared every epoch, numpy's
 # population std + 1e-4; its KL divides by the sampler's std_dev_t (scripts/train_*.py).
 _FLOW_GRPO_ADVANTAGES = {

@@ -31,7 +31,7 @@ _DANCE = Recipe(
         "train_timesteps": "random_but_last",  # its samples drop the last step
         "train_timestep_fraction": 0.6,
         "beta": 0.0,
-        "clip_range": 1e-4,
+        "epsilon": 1e-4,
         "adv_clip_max": 5.0,
         # Per-group torch std (unbiased) + 1e-8, the model fed int(sigma * 1000) / 1000, one initial noise per
         # group, prompts at FluxPipeline's 512 tokens (fastvideo/train_grpo_flux.py).
@@ -78,7 +78,7 @@ _DANCE_SHARED = {
     "train_timesteps": "random_but_last",  # --ignore_last (WS:50, QS:51): WT:437-444, QT:537-547
     "train_timestep_fraction": 0.6,  # WS:51, QS:52; int(19 * 0.6) = 11 of 20 steps (WT:493, QT:596)
     "beta": 0.0,  # no KL term in the loss (WT:510-524, QT:619-633)
-    "clip_range": 1e-4,  # WS:53, QS:54
+    "epsilon": 1e-4,  # WS:53, QS:54
     "adv_clip_max": 5.0,  # WS:54, QS:55
     # --use_group (WS:49, QS:50): per-group torch std (unbiased) + 1e-8 (WT:456-468, QT:559-571).
     "scale_rewards": "group",
@@ -235,7 +235,7 @@ _MIX = Recipe(
         "ode_solver_order": 2,
         "ode_step_ratio": 0.4,
         "beta": 0.0,  # kl_coeff (L56)
-        "clip_range": 1e-4,  # L156
+        "epsilon": 1e-4,  # L156
         "adv_clip_max": 5.0,  # L157
         # Per group (--use_group L152), torch's unbiased std + 1e-8 (train_grpo_flux.py L428-448); int(sigma * 1000)
         # fed to the model (sampling_utils.py L64); --init_same_noise (L155).

@@ -64,7 +64,7 @@ def _flow_factory(
             "lr_scheduler_type": "constant",  # one AdamW, no scheduler (src/flow_factory/trainers/abc.py L198-207)
             "train_timesteps": "all_but_last",
             "beta": 0.0,  # kl_beta (L48)
-            "clip_range": 1e-4,  # L44
+            "epsilon": 1e-4,  # L44
             "adv_clip_max": 5.0,  # adv_clip_range (L45)
             "scale_rewards": "group",  # global_std: false (L59)
             # numpy's population std, per group and over the batch (src/flow_factory/advantage/

@@ -144,7 +144,7 @@ _FAST_FLUX = Recipe(
         **_FLUX.config,
         "sampler": "cps",
         "noise_level": 0.8,
-        "clip_range": 1e-5,  # CPS log-probs have no 1/std^2: a smaller clip range
+        "epsilon": 1e-5,  # CPS log-probs have no 1/std^2: a smaller clip range
         "train_timesteps": "sde_window",
         "sde_window_size": 3,
         "sde_window_max_start": 0,  # the window lies in the first half: steps 0-2 of 6
@@ -227,7 +227,7 @@ _WAN21 = Recipe(
         # train_batch_size 8, num_batches_per_epoch 2, GA = 2 // 2 = 1 (L43-49): two optimizer steps per rollout.
         **{"per_device_train_batch_size": 8, "steps_per_generation": 2, "gradient_accumulation_steps": 1},
         "train_timesteps": "all_but_last",  # timestep_fraction 0.99: int(20 * 0.99) = 19 of 20 (L51)
-        **{"beta": 0.004, "clip_range": 1e-3, "adv_clip_max": 5.0, **_FLOW_GRPO_ADVANTAGES},  # L53, L55; base.py:97
+        **{"beta": 0.004, "epsilon": 1e-3, "adv_clip_max": 5.0, **_FLOW_GRPO_ADVANTAGES},  # L53, L55; base.py:97
         "scale_rewards": "group",  # global_std = False (L62)
         "drop_zero_advantages": True,  # train_wan2_1.py masks zero-advantage samples, as train_sd3.py
         "max_sequence_length": 512,  # compute_text_embeddings(..., max_sequence_length=512)
@@ -289,7 +289,7 @@ FLOW_GRPO_RECIPES: tuple[Recipe, ...] = (
         {
             "ratio_normalization": True,  # config.rationorm = True
             "step_gradient_reweighting": True,  # the same switch divides each step's policy loss by |dt|
-            "clip_range": 4e-6,
+            "epsilon": 4e-6,
             "learning_rate": 1e-4,
             "beta": 0.0,
             "scale_rewards": "group",  # sample.global_std = False
