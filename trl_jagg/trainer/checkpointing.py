@@ -61,7 +61,7 @@ from trl_jagg.trainer.files import (
     SCHEDULER_FOLDER,
     without_secrets,
 )
-from trl_jagg.trainer.guards import NON_FINITE_FIX, all_finite, any_process, last_checkpoint_note
+from trl_jagg.trainer.guards import all_finite, any_process, non_finite_advice
 from trl_jagg.trainer.sharding import local_parts, sharding_of
 from trl_jagg.utils.distributed import is_fully_sharded
 from trl_jagg.utils.errors import CheckpointError, NonFiniteError, TrainingError
@@ -357,7 +357,7 @@ def check_saveable(
         if any_process(accelerator, not all_finite(tensors)):
             raise NonFiniteError(
                 f"The {name} hold NaN or infinite values at step {global_step}: not saved to {output_dir}. "
-                f"{last_checkpoint_note(run_dir)} {NON_FINITE_FIX}"
+                f"{non_finite_advice(run_dir, name)}"
             )
     existing = [f for f in (LORA_WEIGHTS_NAME, FULL_WEIGHTS_PATTERN) if glob.glob(os.path.join(output_dir, f))]
     if any_process(accelerator, global_step == 0 and bool(existing)):

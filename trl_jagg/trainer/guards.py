@@ -14,11 +14,46 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from trl_jagg.utils.errors import NonFiniteError
 
-NON_FINITE_FIX = (
-    "Resume from it (from an earlier one if the run had just resumed from it) with max_grad_norm > 0, noise_level "
-    "and guidance_scale in their usual ranges, or dtype float32; a lower learning_rate needs a fresh run (a resume "
-    "keeps the checkpoint's optimizer and schedule)."
-)
+LIKELY_CAUSES = (
+    # (what the quantity's name starts with, its likeliest cause, the settings that fix it)
+    ("latents", "the sampler diverged (noise_level or guidance_scale outside their usual ranges, or the transformer "
+     "overflowing in float16)", "noise_level and guidance_scale in their usual ranges, or dtype bfloat16 / float32"),
+    ("decoded", "the VAE overflowed in half precision (its latents were finite)",
+     "dtype bfloat16 or float32 (the VAE decodes in it)"),
+    ("loss", "the policy moved too far from the rollout's in one step (an exploding probability ratio)",
+     "a lower learning_rate, clip_range in its usual range, max_grad_norm > 0"),
+    ("gradient", "the backward overflowed (a loss too large for the dtype, or an exploding ratio)",
+     "max_grad_norm > 0, a lower learning_rate, or dtype float32"),
+    ("weights", "the optimizer step diverged", "a lower learning_rate and max_grad_norm > 0"),
+    ("EMA", "the weights it averages diverged", "a lower learning_rate and max_grad_norm > 0"),
+)  # fmt: skip
+
+
+def non_finite_advice(run_dir: str, quantity: str, value: torch.Tensor | float | None = None) -> str:
+    """What to do after a non-finite ``quantity`` (``value``: what was seen, to tell an overflow from a NaN): the
+    latest checkpoint in ``run_dir`` or that there is none, the likeliest cause, and the settings to resume (or start
+    again) with."""
+    cause, fix = next(
+        ((cause, fix) for start, cause, fix in LIKELY_CAUSES if quantity.startswith(start)),
+        ("", "max_grad_norm > 0, a lower learning_rate, or dtype float32"),
+    )
+    if value is not None:
+        seen = torch.as_tensor(value).detach().float()
+        if not bool(seen.isnan().any()):  # only infinities: an overflow
+            cause = f"{cause}; the values overflowed to infinity" if cause else "the values overflowed to infinity"
+    likely = f"Likeliest cause: {cause}. " if cause else ""
+    last = get_last_checkpoint(run_dir) if os.path.isdir(run_dir) else None
+    if last is None:
+        return f"{likely}{last_checkpoint_note(run_dir)} Start the run again with {fix}."
+    caveat = (
+        " (a resume keeps the checkpoint's optimizer and learning-rate schedule: a lower learning_rate needs a fresh run)"
+        if "learning_rate" in fix
+        else ""
+    )
+    return (
+        f"{likely}{last_checkpoint_note(run_dir)} Resume from it (from an earlier one if the run had just resumed from "
+        f"it) with {fix}{caveat}."
+    )
 
 
 def any_process(accelerator: Any, flag: bool) -> bool:
@@ -57,7 +92,7 @@ def stop_if_non_finite(
     if any_process(accelerator, bad):
         raise NonFiniteError(
             f"Non-finite {quantity} at step {step}: training stopped before the optimizer applied it. "
-            f"{last_checkpoint_note(run_dir)} {NON_FINITE_FIX}"
+            f"{non_finite_advice(run_dir, quantity, value)}"
         )
 
 
