@@ -107,11 +107,20 @@ def _from_record(model: str, record: Mapping[str, Any]) -> Architecture:
     return Architecture(model=model, pipeline=record["pipeline"], source=record["source"], components=components)
 
 
+def _is_module_class(library: str | None, class_name: str | None) -> bool:
+    if library not in ("diffusers", "transformers") or not class_name:
+        return False
+    import importlib
+
+    found = getattr(importlib.import_module(library), class_name, None)
+    return isinstance(found, type) and issubclass(found, torch.nn.Module)
+
+
 def _from_folder(folder: str) -> Architecture:
     index = json.loads(Path(folder, "model_index.json").read_text())
     components = {}
     for name, value in index.items():
-        if name.startswith("_") or not isinstance(value, list) or value[0] not in ("diffusers", "transformers"):
+        if name.startswith("_") or not isinstance(value, list) or not _is_module_class(*value):
             continue  # tokenizers, schedulers, processors: no weights
         config_path = Path(folder, name, "config.json")
         if not config_path.is_file():
