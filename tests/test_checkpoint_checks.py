@@ -4,11 +4,14 @@ here: each refusal names the file and the mismatch."""
 from __future__ import annotations
 
 import json
+import math
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from trl_jagg.trainer.checkpoint_checks import (
     check_ema_step,
@@ -20,6 +23,7 @@ from trl_jagg.trainer.checkpoint_checks import (
     check_weights,
     read_grpo_state,
 )
+from trl_jagg.trainer.ema import add_safetensors_metadata, ema_stamp
 from trl_jagg.utils.errors import CheckpointError
 
 
@@ -145,11 +149,89 @@ def test_ema_stamped_at_another_step_is_refused(tmp_path, ema_step, ok):
             check_ema_step(str(tmp_path))
 
 
-def test_unstamped_ema_is_accepted_with_a_warning(tmp_path):
+def test_an_ema_folder_with_neither_stamp_is_refused(tmp_path):
     write_json(tmp_path, "trainer_state.json", {"global_step": 3})
     (tmp_path / "ema").mkdir()
-    with pytest.warns(UserWarning, match="has no ema_state.json"):
+    file = tmp_path / "ema" / "pytorch_lora_weights.safetensors"
+    save_file({"a": torch.zeros(2)}, str(file))
+    with pytest.raises(CheckpointError, match=re.escape(f"{file} is not written by this trainer (no EMA stamp")):
         check_ema_step(str(tmp_path))
+
+
+def test_unstamped_ema_files_of_an_older_version_are_checked_by_their_record_with_a_warning(tmp_path):
+    write_json(tmp_path, "trainer_state.json", {"global_step": 3})
+    (tmp_path / "ema").mkdir()
+    write_json(tmp_path / "ema", "ema_state.json", {"step": 3})
+    save_file({"a": torch.zeros(2)}, str(tmp_path / "ema" / "pytorch_lora_weights.safetensors"))
+    with pytest.warns(UserWarning, match="carry no EMA stamp"):
+        check_ema_step(str(tmp_path))
+
+
+def ema_checkpoint(path, step: int, stamped_step: int, objective: str = "grpo"):
+    """A checkpoint folder at ``step`` whose EMA file (LoRA metadata of its own) is stamped at ``stamped_step``."""
+    write_json(path, "trainer_state.json", {"global_step": step})
+    (path / "ema").mkdir()
+    file = path / "ema" / "pytorch_lora_weights.safetensors"
+    tensors = {"transformer.a.lora_A.weight": torch.arange(12.0).view(3, 4), "b": torch.ones(5, dtype=torch.bfloat16)}
+    save_file(tensors, str(file), metadata={"format": "pt", "lora_adapter_metadata": '{"r": 4}'})
+    args = SimpleNamespace(run_name=None, output_dir="runs/a", objective=objective)
+    add_safetensors_metadata(str(file), ema_stamp(stamped_step, args))
+    return file, tensors
+
+
+def test_the_ema_stamp_lives_in_the_file_beside_its_own_metadata_and_tensors(tmp_path):
+    file, tensors = ema_checkpoint(tmp_path, 3, 3)
+    with safe_open(str(file), framework="pt") as reader:
+        metadata = reader.metadata()
+    assert metadata == {"format": "pt", "lora_adapter_metadata": '{"r": 4}', "ema_step": "3", "ema_run": "runs/a",
+                        "ema_objective": "grpo"}  # fmt: skip
+    loaded = load_file(str(file))
+    assert loaded.keys() == tensors.keys() and all(torch.equal(loaded[k], tensors[k]) for k in tensors)
+    check_ema_step(str(tmp_path), objective="grpo")
+
+
+def test_an_ema_file_swapped_in_from_another_save_is_refused(tmp_path):
+    file, _ = ema_checkpoint(tmp_path, 3, 2)
+    write_json(tmp_path / "ema", "ema_state.json", {"step": 3})  # the record was left: only the file was swapped
+    with pytest.raises(
+        CheckpointError, match=re.escape(f"{file} holds the EMA of step 2 of the run 'runs/a'")
+    ) as info:
+        check_ema_step(str(tmp_path), objective="grpo")
+    assert "start a new run" in str(info.value)
+
+
+def test_an_ema_file_of_another_objective_is_refused(tmp_path):
+    ema_checkpoint(tmp_path, 3, 3, objective="nft")
+    with pytest.raises(CheckpointError, match="resumed with objective 'grpo': an EMA from another save or run"):
+        check_ema_step(str(tmp_path), objective="grpo")
+
+
+def test_a_truncated_ema_file_is_a_named_checkpoint_error(tmp_path):
+    file, _ = ema_checkpoint(tmp_path, 3, 3)
+    file.write_bytes(file.read_bytes()[:40])
+    with pytest.raises(CheckpointError, match=re.escape(f"{file} is truncated or corrupt")):
+        check_ema_step(str(tmp_path), objective="grpo")
+
+
+@pytest.mark.parametrize(
+    ("name", "value"), [("lr", float("nan")), ("lr", float("inf")), ("betas", (0.9, float("nan"))), ("eps", -math.inf)]
+)
+def test_non_finite_optimizer_hyperparameters_are_refused(tmp_path, name, value):
+    save_optimizer(tmp_path, [(8, 32)])
+    state = torch.load(tmp_path / "optimizer.pt", weights_only=True)
+    state["param_groups"][0][name] = value
+    torch.save(state, tmp_path / "optimizer.pt")
+    with pytest.raises(CheckpointError, match=re.escape(f"optimizer.pt: parameter group 0 has {name}={value!r}")):
+        check_optimizer_file(str(tmp_path), [(8, 32)])
+
+
+def test_a_tensor_learning_rate_that_is_nan_is_refused(tmp_path):
+    save_optimizer(tmp_path, [(8, 32)])
+    state = torch.load(tmp_path / "optimizer.pt", weights_only=True)
+    state["param_groups"][0]["lr"] = torch.tensor(float("nan"))  # capturable / fused optimizers keep a tensor
+    torch.save(state, tmp_path / "optimizer.pt")
+    with pytest.raises(CheckpointError, match="parameter group 0 has lr=tensor"):
+        check_optimizer_file(str(tmp_path), [(8, 32)])
 
 
 SAVED_RUN = {"learning_rate": 1e-4, "lr_scheduler_type": "linear", "warmup_steps": 0, "train_experts": "both"}
@@ -185,3 +267,25 @@ def test_checkpoint_without_a_run_record_is_not_compared(tmp_path):
     write_json(tmp_path, "grpo_state.json", {"step": 1, "stat_tracker": None, "run": [1]})
     with pytest.raises(CheckpointError, match="has a run record that is not an object"):
         check_run_settings(str(tmp_path), SAVED_RUN)
+
+
+def test_a_trained_runs_ema_file_swapped_in_from_its_earlier_save_is_refused_at_resume(tiny_flux_path, tmp_path):
+    """End to end: the trainer stamps each EMA file it saves; checkpoint-1's EMA file copied over checkpoint-2's
+    (its ema_state.json left in place) is refused before anything loads."""
+    import shutil
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "distributed_scripts"))
+    from interrupted_run import run_trainer
+
+    out = tmp_path / "out"
+    run_trainer(tiny_flux_path, str(out), 2, ema_decay=0.9, save_steps=1).train()
+    name = "ema/pytorch_lora_weights.safetensors"
+    with safe_open(str(out / "checkpoint-2" / name), framework="pt") as reader:
+        assert reader.metadata()["ema_step"] == "2"
+    shutil.copy(out / "checkpoint-1" / name, out / "checkpoint-2" / name)
+    resumed = run_trainer(tiny_flux_path, str(out), 3, ema_decay=0.9)
+    with pytest.raises(CheckpointError, match=re.escape(f"{out / 'checkpoint-2' / name} holds the EMA of step 1")):
+        resumed.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    assert resumed.state.global_step == 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 import warnings
 import zipfile
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from trl_jagg.trainer.ema import ema_weight_files
 from trl_jagg.trainer.files import EMA_DIR, EMA_STATE_NAME, GRPO_STATE_NAME, OLD_POLICY_FILE
 from trl_jagg.utils.errors import CheckpointError
 
@@ -180,6 +182,7 @@ def check_optimizer_file(path: str, parameter_shapes: Sequence[tuple[int, ...]])
         saved = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
     except Exception as error:  # noqa: BLE001 (torch raises many types for a damaged archive)
         raise damaged_file(file, error) from error
+    check_optimizer_hyperparameters(file, saved.get("param_groups", []))
     indices = [index for group in saved.get("param_groups", []) for index in group.get("params", [])]
     if len(indices) != len(parameter_shapes):
         raise CheckpointError(
@@ -199,6 +202,27 @@ def check_optimizer_file(path: str, parameter_shapes: Sequence[tuple[int, ...]])
                 raise CheckpointError(
                     f"{file}: the {name} of parameter {position} holds NaN or infinite values (the weights would "
                     "turn NaN at the first step). Resume from an earlier checkpoint."
+                )
+
+
+def check_optimizer_hyperparameters(file: str, param_groups: Sequence[Mapping[str, Any]]) -> None:
+    """Every number of every parameter group of ``file`` (the learning rate, Adam's betas and eps, the weight decay,
+    ...) is finite: the optimizer and its schedule resume them as saved, so a NaN learning rate would turn the
+    weights NaN at the first step."""
+    for position, group in enumerate(param_groups):
+        for name, value in group.items():
+            if name == "params":
+                continue
+            values = value if isinstance(value, (list, tuple)) else [value]
+            finite = [
+                bool(torch.isfinite(v).all()) if isinstance(v, torch.Tensor) and v.is_floating_point()
+                else not isinstance(v, float) or math.isfinite(v)
+                for v in values
+            ]  # fmt: skip
+            if not all(finite):
+                raise CheckpointError(
+                    f"{file}: parameter group {position} has {name}={value!r}, not finite (the weights would turn NaN "
+                    "at the first step). Resume from an earlier checkpoint, or start a new run in another output_dir."
                 )
 
 
@@ -249,29 +273,55 @@ def check_old_policy(path: str, *, keeps_old_policy: bool) -> None:
         )
 
 
-def check_ema_step(path: str) -> None:
-    """``path/ema/`` was saved with the checkpoint: the step stamped in ``ema/ema_state.json`` is
-    ``trainer_state.json``'s (an ``ema/`` copied from another save would resume a stale average). A folder saved
-    before the stamp existed cannot be checked: a warning says so."""
-    stamp = os.path.join(path, EMA_DIR, EMA_STATE_NAME)
-    if not os.path.isfile(stamp):
-        warnings.warn(
-            f"{os.path.join(path, EMA_DIR)} has no {EMA_STATE_NAME} (saved by an older version): whether the EMA "
-            "belongs to this checkpoint's step cannot be checked.",
-            stacklevel=2,
-        )
-        return
-    saved = _read_json(stamp)
-    ema_step = saved.get("step") if isinstance(saved, dict) else None
-    if not isinstance(ema_step, int) or isinstance(ema_step, bool):
-        raise CheckpointError(f"{stamp} has step {ema_step!r}, not an integer: not written by this trainer. Resume "
-                              "from an earlier checkpoint.")  # fmt: skip
+def check_ema_step(path: str, *, objective: str | None = None) -> None:
+    """``path/ema/`` belongs to the checkpoint: each EMA weights file is readable and stamped (safetensors metadata,
+    :func:`~trl_jagg.trainer.ema.ema_stamp`) with ``trainer_state.json``'s step and the resuming run's ``objective``
+    (an EMA file copied from another save or run would resume another average), and ``ema/ema_state.json``, where
+    present, agrees. Files saved before the stamp existed are checked by ``ema_state.json`` alone, with a warning;
+    a folder with neither stamp is refused."""
+    folder = os.path.join(path, EMA_DIR)
     step = _global_step(path)
-    if ema_step != step:
-        raise CheckpointError(
-            f"{stamp}: the EMA in {os.path.join(path, EMA_DIR)} was saved at step {ema_step}, the checkpoint at step "
-            f"{step} ({TRAINER_STATE_FILE}): a stale average from another save, which would make the final EMA "
-            "differ from an uninterrupted run's. Resume from a checkpoint saved whole, or with ema_decay=0."
+    fresh = "Resume from a checkpoint saved whole, or start a new run in another output_dir (or with ema_decay=0)."
+    record = os.path.join(folder, EMA_STATE_NAME)
+    if os.path.isfile(record):
+        saved = _read_json(record)
+        ema_step = saved.get("step") if isinstance(saved, dict) else None
+        if not isinstance(ema_step, int) or isinstance(ema_step, bool):
+            raise CheckpointError(
+                f"{record} has step {ema_step!r}, not an integer: not written by this trainer. {fresh}"
+            )
+        if ema_step != step:
+            raise CheckpointError(
+                f"{record}: the EMA in {folder} was saved at step {ema_step}, the checkpoint at step {step} "
+                f"({TRAINER_STATE_FILE}): a stale average from another save, which would make the final EMA differ "
+                f"from an uninterrupted run's. {fresh}"
+            )
+    unstamped = []
+    for file in ema_weight_files(folder):
+        try:
+            with safe_open(file, framework="pt") as reader:
+                stamp = reader.metadata() or {}
+        except (SafetensorError, OSError) as error:
+            raise damaged_file(file, error) from error
+        if "ema_step" not in stamp:
+            unstamped.append(file)
+            continue
+        if stamp["ema_step"] != str(step) or (objective is not None and stamp.get("ema_objective") != objective):
+            raise CheckpointError(
+                f"{file} holds the EMA of step {stamp['ema_step']} of the run {stamp.get('ema_run')!r} "
+                f"(objective {stamp.get('ema_objective')!r}); {path} is at step {step} ({TRAINER_STATE_FILE})"
+                f"{'' if objective is None else f', resumed with objective {objective!r}'}: an EMA from another "
+                f"save or run, which would make the final EMA differ from an uninterrupted run's. {fresh}"
+            )
+    if unstamped and not os.path.isfile(record):
+        raise damaged_file(
+            unstamped[0], "no EMA stamp in its metadata, no ema_state.json", "not written by this trainer"
+        )
+    if unstamped:
+        warnings.warn(
+            f"{', '.join(unstamped)} carry no EMA stamp (saved by an older version): only {record} vouches for the "
+            "step of the average.",
+            stacklevel=2,
         )
 
 
@@ -354,6 +404,7 @@ __all__ = [
     "check_ema_step",
     "check_finite_weights",
     "check_optimizer_file",
+    "check_optimizer_hyperparameters",
     "check_resume_files",
     "check_run_settings",
     "check_state_files",

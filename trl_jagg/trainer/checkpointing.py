@@ -51,7 +51,7 @@ from trl_jagg.trainer.checkpoint_checks import (
     damaged_file,
     weight_files,
 )
-from trl_jagg.trainer.ema import EMAWeights
+from trl_jagg.trainer.ema import EMAWeights, stamp_ema_files
 from trl_jagg.trainer.files import (
     EMA_DIR,
     EMA_STATE_NAME,
@@ -132,7 +132,7 @@ class WeightsIO:
                 check_weights(files, {key: tuple(value.shape) for key, value in expected.items()}, prefix)
                 check_finite_weights(files)
         if ema is not None:
-            check_ema_step(path)
+            check_ema_step(path, objective=args.objective)
         check_old_policy(path, keeps_old_policy=get_objective(args.objective).keeps_old_policy)
         check_step_agreement(path, args.gradient_accumulation_steps)
         if optimizer_files:
@@ -223,8 +223,9 @@ class WeightsIO:
         ema: EMAWeights | None, args: GRPOJaggConfig, step: int,
     ) -> None:  # fmt: skip
         """A model folder: the weights, the EMA weights beside them in their format (``ema/``: loadable with
-        ``load_lora_weights(f"{output_dir}/ema")``, stamped with the optimizer step ``step`` in ``ema_state.json``,
-        which a resume compares with the checkpoint's), the schedule sampled in training (``scheduler/``: a recipe may
+        ``load_lora_weights(f"{output_dir}/ema")``, stamped with the optimizer step ``step``, the run and the
+        objective in each file's safetensors metadata and in ``ema_state.json``, which a resume compares with the
+        checkpoint's), the schedule sampled in training (``scheduler/``: a recipe may
         override the base model's, DanceGRPO's shift 3) and the training arguments without secrets.
         ``state_dicts``: the gathered weights and EMA weights (:meth:`gathered_state_dicts`), ``None`` where the
         model holds them whole."""
@@ -236,6 +237,7 @@ class WeightsIO:
             with ema.swapped_in():
                 self.save(os.path.join(output_dir, EMA_DIR), transformer, None)
         if ema is not None:
+            stamp_ema_files(os.path.join(output_dir, EMA_DIR), step, args)  # the stamp a resume checks, in each file
             stamp = os.path.join(output_dir, EMA_DIR, EMA_STATE_NAME)
             with failed_write_named(stamp), open(stamp, "w") as handle:
                 json.dump({"step": step}, handle)

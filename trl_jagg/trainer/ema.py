@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+import glob
+import json
+import os
+import shutil
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -95,6 +99,42 @@ def ema_swapped_in(ema: EMAWeights | None) -> Iterator[None]:
     """:meth:`EMAWeights.swapped_in`, a no-op without EMA."""
     with ema.swapped_in() if ema is not None else contextlib.nullcontext():
         yield
+
+
+def ema_weight_files(folder: str) -> list[str]:
+    """The safetensors files of an ``ema/`` folder (a two-expert backbone's in its component folders too)."""
+    return sorted(glob.glob(os.path.join(folder, "**", "*.safetensors"), recursive=True))
+
+
+def ema_stamp(step: int, args: GRPOJaggConfig) -> dict[str, str]:
+    """What each EMA weights file carries in its safetensors metadata: the optimizer step of the average, the run
+    (``run_name``, else ``output_dir``) and the objective, which a resume compares with its checkpoint's."""
+    return {"ema_step": str(step), "ema_run": str(args.run_name or args.output_dir), "ema_objective": args.objective}
+
+
+COPY_CHUNK_BYTES = 64 * 2**20
+
+
+def add_safetensors_metadata(file: str, metadata: Mapping[str, str]) -> None:
+    """Add ``metadata`` to the header of the safetensors ``file`` (which keeps its own, e.g. the LoRA config) without
+    loading its tensors: the header is rewritten, the data copied after it (its offsets are relative to the data),
+    and the new file replaces the old one at once."""
+    staged = f"{file}.stamping"
+    with open(file, "rb") as source:
+        header = json.loads(source.read(int.from_bytes(source.read(8), "little")))
+        header["__metadata__"] = {**header.get("__metadata__", {}), **metadata}
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        encoded += b" " * (-len(encoded) % 8)  # the data stays 8-byte aligned, as safetensors writes it
+        with open(staged, "wb") as target:
+            target.write(len(encoded).to_bytes(8, "little") + encoded)
+            shutil.copyfileobj(source, target, COPY_CHUNK_BYTES)
+    os.replace(staged, file)
+
+
+def stamp_ema_files(folder: str, step: int, args: GRPOJaggConfig) -> None:
+    """Stamp every EMA weights file in ``folder`` with :func:`ema_stamp` (the main process, after writing them)."""
+    for file in ema_weight_files(folder):
+        add_safetensors_metadata(file, ema_stamp(step, args))
 
 
 class EMACallback(TrainerCallback):
