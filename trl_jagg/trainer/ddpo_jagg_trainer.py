@@ -42,6 +42,7 @@ from trl_jagg.trainer.evaluation import Evaluator, SampleImagesCallback
 from trl_jagg.trainer.files import EMA_DIR
 from trl_jagg.trainer.generation import RolloutGenerator
 from trl_jagg.trainer.guards import stop_if_non_finite
+from trl_jagg.trainer.hacking_watch import RewardHackingWatch
 from trl_jagg.trainer.image_logging import eval_images_key, log_completions, log_image_grid, save_images
 from trl_jagg.trainer.inputs import checked_inputs, checked_model_inputs
 from trl_jagg.trainer.interrupts import InterruptCallback, interrupted
@@ -178,6 +179,7 @@ class DDPOJaggTrainer(_BaseTrainer):
             self.add_callback(SampleImagesCallback(self._log_samples))
         self.interrupts = InterruptCallback(self.accelerator)
         self.add_callback(self.interrupts)
+        self.add_callback(RewardHackingWatch(self._metrics, lambda: self.generation.completions))
 
     @property
     def is_lora(self) -> bool:
