@@ -362,15 +362,16 @@ def test_epsilon_high_reaches_the_loss_and_generation_batch_size_the_rollout(tin
         seen.append((bound.arguments["clip_range"], bound.arguments["clip_range_high"]))
         return real(*args, **kwargs)
 
-    # Replaced in every module that imported the loss, wherever the update code calls it from.
+    trainer = make_trainer(
+        tiny_flux_path, tmp_path, epsilon=0.05, epsilon_high=0.2, generation_batch_size=8, max_steps=1
+    )
+    # Replaced in every module that imported the loss, wherever the update code calls it from (after the trainer is
+    # built: it imports its objective's update code then).
     callers = [m for name, m in list(sys.modules.items()) if name.startswith("trl_jagg.") and m is not grpo]
     callers = [m for m in callers if getattr(m, "ppo_step_loss", None) is real]
     assert callers
     for caller in callers:
         monkeypatch.setattr(caller, "ppo_step_loss", recording)
-    trainer = make_trainer(
-        tiny_flux_path, tmp_path, epsilon=0.05, epsilon_high=0.2, generation_batch_size=8, max_steps=1
-    )
     trainer.train()
     assert seen and set(seen) == {(0.05, 0.2)}
     # One rollout of 8 images (4 prompts x 2) feeds the 2 micro-batches of one optimizer step.
