@@ -97,6 +97,25 @@ def _docstring_groups(cls: type, names: list[str]) -> list[tuple[str, list[str]]
     return [(title, fields) for title, fields in groups if fields]
 
 
+def _rules_section() -> list[str]:
+    """The rule table of :mod:`trl_jagg.config.rules`: each field that acts only under a condition."""
+    from trl_jagg.config.rules import RULES
+
+    lines = [
+        "### Settings without effect",
+        "",
+        "A field set to a value other than its default where it does nothing is refused (an error) or warned about, "
+        "naming the field, when it acts and the fix (`trl_jagg/config/rules.py`):",
+        "",
+        "| Field | Acts only | When it does not |",
+        "| --- | --- | --- |",
+    ]
+    for rule in RULES:
+        cells = [f"`{rule.field}`", rule.condition, "refused" if rule.refuse else "warns"]
+        lines.append("| " + " | ".join(_markdown_cell(cell) for cell in cells) + " |")
+    return [*lines, ""]
+
+
 def render() -> str:
     """The whole of ``docs/config.md``."""
     from transformers import TrainingArguments
@@ -127,6 +146,7 @@ def render() -> str:
             *_table(GRPOJaggConfig, overridden),
             "",
         ]
+    out += _rules_section()
     out += [
         "### Inherited from `TrainingArguments`",
         "",

@@ -18,7 +18,7 @@ PROMPTS = ["a red circle", "a green square"]
 def make_trainer(path: str, output_dir, *, lora: bool = True, **overrides) -> DDPOJaggTrainer:
     args = GRPOJaggConfig(
         output_dir=str(output_dir), per_device_train_batch_size=4, num_generations=2, num_inference_steps=4,
-        height=32, width=32, max_steps=1, learning_rate=1e-2, clip_range=0.1, jagg_group_size=2, jagg_frac=1.0,
+        height=32, width=32, max_steps=1, learning_rate=1e-2, epsilon=0.1, jagg_group_size=2, jagg_frac=1.0,
         max_sequence_length=16, report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True, seed=1,
         **overrides,
     )  # fmt: skip

@@ -58,7 +58,7 @@ PUBLISHED = {
     # FG config/grpo.py:29-79 (general_ocr_wan2_1): 240x416, 33 frames, 20 steps, CFG 4.5, lr 1e-4, clip 1e-3.
     "flow-grpo-wan2.1": dict(
         height=240, width=416, num_frames=33, num_inference_steps=20, guidance_scale=4.5, num_generations=4,
-        learning_rate=1e-4, beta=0.004, clip_range=1e-3, train_timesteps="all_but_last",
+        learning_rate=1e-4, beta=0.004, epsilon=1e-3, train_timesteps="all_but_last",
     ),
     "dancegrpo-flux": _DANCE_PUBLISHED,
     "dancegrpo-flux-8gpu": _DANCE_PUBLISHED,
@@ -87,32 +87,32 @@ PUBLISHED = {
     # Flow-Factory examples/grpo/lora/z_image{,_turbo}/default.yaml (L44-80)
     "flow-factory-z-image": dict(
         height=512, width=512, num_inference_steps=10, guidance_scale=4.0, sampler="sde", noise_level=0.7,
-        num_generations=16, learning_rate=3e-4, beta=0.0, clip_range=1e-4, adv_clip_max=5.0,
+        num_generations=16, learning_rate=3e-4, beta=0.0, epsilon=1e-4, adv_clip_max=5.0,
     ),
     "flow-factory-z-image-turbo": dict(
         height=512, width=512, num_inference_steps=6, guidance_scale=0.0, sampler="sde", noise_level=0.7,
-        num_generations=16, learning_rate=3e-4, beta=0.0, clip_range=1e-4, adv_clip_max=5.0,
+        num_generations=16, learning_rate=3e-4, beta=0.0, epsilon=1e-4, adv_clip_max=5.0,
     ),
     # Flow-Factory examples/grpo/lora/flux2_klein{_base,}/default.yaml (L43-90)
     "flow-factory-flux2-klein-base": dict(
         height=384, width=384, num_inference_steps=8, guidance_scale=4.0, sampler="sde", noise_level=0.7,
-        num_generations=16, learning_rate=3e-4, beta=0.0, clip_range=1e-4, adv_clip_max=5.0,
+        num_generations=16, learning_rate=3e-4, beta=0.0, epsilon=1e-4, adv_clip_max=5.0,
     ),
     "flow-factory-flux2-klein": dict(
         height=384, width=384, num_inference_steps=4, guidance_scale=1.0, sampler="sde", noise_level=0.5,
-        num_generations=16, learning_rate=3e-4, beta=0.0, clip_range=1e-4, adv_clip_max=5.0,
+        num_generations=16, learning_rate=3e-4, beta=0.0, epsilon=1e-4, adv_clip_max=5.0,
     ),
     # Flow-Factory examples/grpo/lora/flux2/t2i.yaml (L41-116): CLIP 1.0 + PickScore 0.5, GDPO
     "flow-factory-flux2-dev": dict(
         height=512, width=512, num_inference_steps=8, guidance_scale=4.0, sampler="sde", noise_level=1.0,
-        num_generations=16, learning_rate=3e-4, beta=0.0, clip_range=1e-4, adv_clip_max=5.0,
+        num_generations=16, learning_rate=3e-4, beta=0.0, epsilon=1e-4, adv_clip_max=5.0,
         reward_weights=[1.0, 0.5], multi_objective_aggregation="normalize_then_sum",
     ),
     # Flow-Factory examples/grpo/lora/wan22/t2v.yaml (L27, L53-98): both experts, CFG 4 then 3, lr 1e-4.
     "flow-factory-wan2.2": dict(
         height=480, width=480, num_frames=5, num_inference_steps=10, guidance_scale=4.0, guidance_scale_2=3.0,
         train_experts="both", sampler="sde", noise_level=0.9, num_generations=16, learning_rate=1e-4, beta=0.0,
-        clip_range=1e-4, adv_clip_max=5.0,
+        epsilon=1e-4, adv_clip_max=5.0,
     ),
     # DiffusionNFT config/nft.py:11-67 (_get_config) at NVlabs/DiffusionNFT@24af555: SD3.5-M, 512 px, 10 steps,
     # DPM-Solver 2 deterministic, CFG off, 24 images per prompt, timestep_fraction 0.99 (base.py), KL 1e-4.
@@ -180,11 +180,11 @@ PEER_CONVENTIONS = {
     ),
     "mixgrpo-flux": dict(
         per_prompt_stat_tracking=False, scale_rewards="group", advantage_std_ddof=1, advantage_eps=1e-8,
-        quantize_timesteps=True, same_group_noise=True, beta=0.0, clip_range=1e-4, adv_clip_max=5.0,
+        quantize_timesteps=True, same_group_noise=True, beta=0.0, epsilon=1e-4, adv_clip_max=5.0,
     ),
     "jagg-fast-flux": dict(  # MixGRPO-Flash's
         per_prompt_stat_tracking=False, scale_rewards="group", advantage_std_ddof=1, advantage_eps=1e-8,
-        quantize_timesteps=True, same_group_noise=True, beta=0.0, clip_range=1e-4, adv_clip_max=5.0,
+        quantize_timesteps=True, same_group_noise=True, beta=0.0, epsilon=1e-4, adv_clip_max=5.0,
     ),
     # Flow-Factory: global_std false (L59), numpy's std (src/flow_factory/advantage/advantage_processor.py:385, 463),
     # EMA 0.9 every 4 (L73-74), the pipeline's 512 prompt tokens.
@@ -252,7 +252,7 @@ PEER_TRAINING = {
         _FG_CONSTANT_LR,
         ("ratio_normalization", True, "FG config/grpo_guard.py:127, scripts/train_sd3_GRPO_Guard.py:915-919"),
         ("step_gradient_reweighting", True, "FG config/grpo_guard.py:127, scripts/train_sd3_GRPO_Guard.py:931-932"),
-        ("clip_range", 4e-6, "FG config/grpo_guard.py:124 (and train_sd3_GRPO_Guard.py:925-926: both sides)"),
+        ("epsilon", 4e-6, "FG config/grpo_guard.py:124 (and train_sd3_GRPO_Guard.py:925-926: both sides)"),
         ("learning_rate", 1e-4, "FG config/grpo_guard.py:126"),
         ("beta", 0.0, "FG config/grpo_guard.py:111"),
         ("scale_rewards", "group", "FG config/grpo_guard.py:112 (global_std = False)"),
@@ -354,7 +354,7 @@ PEER_TRAINING = {
         ("optimizer_steps_per_rollout", 1, "24 samples, a step every 24"),
         ("max_grad_norm", 1.0, "DG finetune_wan_2_1_grpo.sh:44"),
         ("weight_decay", 1e-4, "DG finetune_wan_2_1_grpo.sh:45"),
-        ("clip_range", 1e-4, "DG finetune_wan_2_1_grpo.sh:53"),
+        ("epsilon", 1e-4, "DG finetune_wan_2_1_grpo.sh:53"),
         ("adv_clip_max", 5.0, "DG finetune_wan_2_1_grpo.sh:54"),
         ("activation_checkpointing", True, "DG finetune_wan_2_1_grpo.sh:23, train_grpo_wan_2_1.py:620-623"),
         ("reward_funcs", ("hpsv2.1",), "DG finetune_wan_2_1_grpo.sh:46, train_grpo_wan_2_1.py:602 (HPS v2.1)"),
@@ -369,7 +369,7 @@ PEER_TRAINING = {
         ("optimizer_steps_per_rollout", 2, "16 samples, a step every 8"),
         ("max_grad_norm", 1.0, "DG finetune_qwenimage_edit_grpo.sh:45"),
         ("weight_decay", 1e-4, "DG finetune_qwenimage_edit_grpo.sh:46"),
-        ("clip_range", 1e-4, "DG finetune_qwenimage_edit_grpo.sh:54"),
+        ("epsilon", 1e-4, "DG finetune_qwenimage_edit_grpo.sh:54"),
         ("adv_clip_max", 5.0, "DG finetune_qwenimage_edit_grpo.sh:55"),
         ("dtype", "float32", "DG train_grpo_qwenimage_edit.py:736-740 (float32 master weights)"),
         ("activation_checkpointing", True, "DG train_grpo_qwenimage_edit.py:758-760"),

@@ -52,7 +52,7 @@ def test_every_image_reaches_tensorboard_wandb_and_trackio(tiny_flux_path, tmp_p
     project = f"trl-jagg-test-{os.getpid()}"
     args = GRPOJaggConfig(
         output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=2, num_inference_steps=3,
-        height=32, width=32, max_steps=2, clip_range=1e-4, jagg_group_size=2, max_sequence_length=16, seed=0,
+        height=32, width=32, max_steps=2, epsilon=1e-4, jagg_group_size=2, max_sequence_length=16, seed=0,
         save_strategy="no", disable_tqdm=True, logging_steps=1, report_to=["tensorboard", "wandb", "trackio"],
         project=project, run_name="images", eval_prompts=["a red circle"], image_log_steps=1, log_completions=True,
         eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=2,

@@ -38,7 +38,7 @@ def make_trainer(
 ) -> DDPOJaggTrainer:
     values = dict(
         output_dir=str(output_dir), per_device_train_batch_size=4, num_generations=2, num_inference_steps=3,
-        height=32, width=32, max_steps=2, learning_rate=1e-2, clip_range=1e-1, noise_level=0.9, jagg_group_size=2,
+        height=32, width=32, max_steps=2, learning_rate=1e-2, epsilon=1e-1, noise_level=0.9, jagg_group_size=2,
         max_sequence_length=16, report_to="none", save_strategy="no", seed=0, disable_tqdm=True,
     )  # fmt: skip
     values.update(overrides)
@@ -698,7 +698,7 @@ for mode in ("raises", "hangs"):  # one launch, two runs: torch's start-up is th
     out = f"{root}/{mode}"
     args = GRPOJaggConfig(
         output_dir=out, per_device_train_batch_size=2, num_generations=2, num_inference_steps=3, height=32, width=32,
-        max_steps=3, learning_rate=1e-2, clip_range=0.1, jagg_group_size=2, max_sequence_length=16,
+        max_steps=3, learning_rate=1e-2, epsilon=0.1, jagg_group_size=2, max_sequence_length=16,
         report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True,
         reward_timeout=3 if mode == "hangs" else None,
     )

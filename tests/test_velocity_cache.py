@@ -200,18 +200,18 @@ def test_checked_cache_decides_on_the_agreed_sensitivity():
     torch.testing.assert_close(checked, reference, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.filterwarnings("ignore:GRPOJaggConfig.clip_range is 1")  # on purpose, see the docstring
+@pytest.mark.filterwarnings("ignore:GRPOJaggConfig.epsilon is 1")  # on purpose, see the docstring
 def test_corrected_cache_gradient_stays_within_the_bound_after_optimizer_steps_and_stale_does_not(tmp_path):
     """The demo model (pretrained: its velocity changes smoothly across a group), 16 images, one JAGG group of W = 4
     with two intermediates, lr 3e-3, after 1, 2 and 3 optimizer steps (Adam, the reference gradient) since the
-    rollout. clip_range 1 keeps every ratio unclipped: with the demo's 1e-4, an intermediate's ratio crossing the
+    rollout. epsilon 1 keeps every ratio unclipped: with the demo's 1e-4, an intermediate's ratio crossing the
     clip edge flips its whole signal, and no approximate velocity holds a bound there (see docs/benchmarks.md).
 
     Bound: relative error ``|g - g_recompute| / |g_recompute| <= 2.5e-3 * n`` after n steps. Measured: corrected
     1.3e-3, 2.8e-3, 4.8e-3 (margin >= 1.5x under); stale 5.7e-3, 1.3e-2, 2.1e-2 (>= 2.3x over)."""
     torch.manual_seed(0)
     trainer = demo_trainer(
-        DEMO_ASSET_DIR, str(tmp_path / "demo"), steps=1, seed=0, learning_rate=3e-3, clip_range=1.0,
+        DEMO_ASSET_DIR, str(tmp_path / "demo"), steps=1, seed=0, learning_rate=3e-3, epsilon=1.0,
         per_device_train_batch_size=16,
     )  # fmt: skip
     rollout = trainer._generate_and_score(next(iter(trainer.get_train_dataloader())))
@@ -432,7 +432,7 @@ def test_default_cache_mode_holds_the_gradient_after_adam_steps_at_the_presets_l
 
     trainer = demo_cache_trainer(
         tmp_path, demo_lora_config() if adapter == "lora" else None, learning_rate=learning_rate,
-        weight_decay=1e-4, max_grad_norm=1.0, beta=0.0, clip_range=1e-4,
+        weight_decay=1e-4, max_grad_norm=1.0, beta=0.0, epsilon=1e-4,
     )  # fmt: skip
     rollout = trainer._generate_and_score(next(iter(trainer.get_train_dataloader())))
     trainer.create_optimizer()

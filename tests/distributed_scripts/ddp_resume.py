@@ -46,7 +46,7 @@ def main(model_path: str, work_dir: str) -> None:
         args = GRPOJaggConfig(
             output_dir=output_dir, per_device_train_batch_size=3, num_generations=2, num_inference_steps=4,
             height=32, width=32, max_steps=4, learning_rate=1e-2, lr_scheduler_type="linear", warmup_steps=2,
-            clip_range=0.1, jagg_group_size=2, jagg_frac=1.0, train_timesteps="random", train_timestep_fraction=0.75,
+            epsilon=0.1, jagg_group_size=2, jagg_frac=1.0, train_timesteps="random", train_timestep_fraction=0.75,
             per_prompt_stat_tracking=True, stat_tracking_buffer_size=4, max_sequence_length=16, report_to="none",
             use_cpu=True, disable_tqdm=True, seed=5, **overrides,
         )  # fmt: skip

@@ -42,7 +42,7 @@ def build_trainer(model_path: str, output_dir: str, kind: str, *, world_size: in
     settings = {"max_steps": 4, "save_strategy": "steps", "save_steps": 1} | overrides
     args = GRPOJaggConfig(
         output_dir=output_dir, per_device_train_batch_size=2 // world_size, gradient_accumulation_steps=2,
-        num_generations=2, num_inference_steps=5, height=32, width=32, learning_rate=1e-2, clip_range=0.5,
+        num_generations=2, num_inference_steps=5, height=32, width=32, learning_rate=1e-2, epsilon=0.5,
         jagg_group_size=3, jagg_frac=1.0, beta=0.05, ema_decay=EMA_DECAY, ema_update_interval=1,
         max_sequence_length=16, report_to="none", disable_tqdm=True, seed=3,
         ddp_backend="gloo" if world_size > 1 else None, use_cpu=world_size == 1, **settings,
@@ -94,6 +94,7 @@ def reference_layout(reference: torch.nn.Module | None) -> dict[str, list[int | 
 def set_mode(trainer: DDPOJaggTrainer, mode: str) -> None:
     for name, value in MODES[mode].items():
         setattr(trainer.args, name, value)
+    trainer.update_stage.engine = trainer.update_stage.build_engine()  # the engine takes the run's settings
 
 
 def main(model_path: str, work_dir: str) -> None:

@@ -54,7 +54,7 @@ def build_trainer(model_path: str, output_dir: str, kind: str, *, world_size: in
     settings = defaults | settings | overrides
     args = GRPOJaggConfig(
         output_dir=output_dir, per_device_train_batch_size=4 // world_size, num_generations=2,
-        height=32, width=32, clip_range=0.1, jagg_group_size=3, jagg_frac=1.0, beta=0.05,
+        height=32, width=32, epsilon=0.1, jagg_group_size=3, jagg_frac=1.0, beta=0.05,
         max_sequence_length=16, report_to="none", use_cpu=True, disable_tqdm=True,
         seed=3, **settings,
     )  # fmt: skip

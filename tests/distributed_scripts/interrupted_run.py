@@ -32,7 +32,7 @@ def run_config(output_dir: str, max_steps: int, **overrides: Any) -> GRPOJaggCon
     change what it trains, e.g. ``reward_timeout``, ``save_steps``)."""
     return GRPOJaggConfig(
         output_dir=output_dir, per_device_train_batch_size=4, num_generations=2, num_inference_steps=4, height=32,
-        width=32, max_steps=max_steps, learning_rate=1e-2, clip_range=1e-1, noise_level=0.9, jagg_group_size=3,
+        width=32, max_steps=max_steps, learning_rate=1e-2, epsilon=1e-1, noise_level=0.9, jagg_group_size=3,
         jagg_frac=1.0, max_sequence_length=16, report_to="none", seed=0, disable_tqdm=True,
         **{"save_strategy": "steps", "save_steps": 100, **overrides},
     )  # fmt: skip

@@ -142,7 +142,7 @@ def run(
         guidance_scale=recipe.config["guidance_scale"],
         noise_level=recipe.config["noise_level"],
         train_timesteps=recipe.config["train_timesteps"],
-        clip_range=recipe.config.get("clip_range", 1e-4),
+        epsilon=recipe.config.get("epsilon", 1e-4),
         jagg_group_size=4,
         jagg_frac=1.0,
         activation_checkpointing=gradient_checkpointing,

@@ -131,7 +131,7 @@ class Session:
             args = GRPOJaggConfig(
                 output_dir=os.path.join(self.workdir, "lora"), num_generations=4, per_device_train_batch_size=2,
                 gradient_accumulation_steps=2, height=self.resolution, width=self.resolution,
-                max_sequence_length=self.text_tokens, num_inference_steps=9, guidance_scale=3.5, clip_range=1e-4,
+                max_sequence_length=self.text_tokens, num_inference_steps=9, guidance_scale=3.5, epsilon=1e-4,
                 jagg_frac=1.0, use_cpu=not self.cuda, report_to="none", disable_tqdm=True, seed=0,
             )  # fmt: skip
             torch.manual_seed(0)

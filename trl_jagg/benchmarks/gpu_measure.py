@@ -124,14 +124,14 @@ def velocity_checks(trainer: Any, micro_batch: Any) -> dict[str, Any]:
         return {
             "mean_abs": gaps.abs().mean().item(),
             "max_abs": gaps.abs().max().item(),
-            "above_clip_range": int((gaps.abs() > args.clip_range).sum().item()),
+            "above_clip_range": int((gaps.abs() > args.epsilon).sum().item()),
             "ratio_mean": ratio.mean().item(),
             "ratio_max_dev": (ratio - 1).abs().max().item(),
         }
 
     return {
         "trained_steps": trained,
-        "clip_range": args.clip_range,
+        "clip_range": args.epsilon,
         "velocity": {
             "recomputed_per_step": compare(torch.stack(per_step), torch.stack(cached)),
             "recomputed_batched": compare(torch.stack(batched), torch.stack(cached)),

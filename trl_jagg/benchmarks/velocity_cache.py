@@ -183,7 +183,7 @@ def run_velocity_cache_benchmark(
         raise ValueError(f"`optimizer_steps` must be >= 1, got {optimizer_steps}.")
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    overrides = {k: v for k, v in {"learning_rate": learning_rate, "clip_range": clip_range}.items() if v is not None}
+    overrides = {k: v for k, v in {"learning_rate": learning_rate, "epsilon": clip_range}.items() if v is not None}
     with torch_threads(num_threads):
         trainer = demo_trainer(model, str(out / "velocity_cache_runs" / "gradients"), steps=1, seed=seed, **overrides)
         rollout = trainer._generate_and_score(next(iter(trainer.get_train_dataloader())))
@@ -202,7 +202,7 @@ def run_velocity_cache_benchmark(
     report = {
         "config": {
             "model": "trl_jagg/demo/assets/demo_flux" if model == DEMO_ASSET_DIR else model, "seed": seed, "optimizer_steps": optimizer_steps,
-            "learning_rate": trainer.args.learning_rate, "clip_range": trainer.args.clip_range,
+            "learning_rate": trainer.args.learning_rate, "clip_range": trainer.args.epsilon,
             "max_grad_norm": trainer.args.max_grad_norm,
             "jagg_group_size": trainer.args.jagg_group_size, "jagg_cache_tolerance": trainer.args.jagg_cache_tolerance, "images": len(demo_prompts()) * NUM_GENERATIONS,
             "torch_threads": num_threads, "torch": torch.__version__, "gate": GATE, "reference": REFERENCE_MODE,

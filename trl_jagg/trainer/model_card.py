@@ -355,7 +355,7 @@ def write_model_card(
         "images per prompt (G)": args.num_generations,
         "trained steps": args.train_timesteps,
         "learning rate": args.learning_rate,
-        "KL beta / clip range": f"{args.beta} / {args.clip_range}",
+        "KL beta / clip range": f"{args.beta} / {args.epsilon}",
     }
     call_kwargs = sampling_kwargs(args, guidance_is_cfg, embedded_guidance) | dict(source_call_kwargs or {})
     sampling_note = (
