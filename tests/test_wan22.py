@@ -257,7 +257,7 @@ def test_both_experts_on_several_processes_train_under_ddp_only(tiny_wan22_path,
 
 
 def test_train_experts_values_are_the_config_checks_ones():
-    from trl_jagg.config.checks import TRAIN_EXPERTS as CHECKED
+    from trl_jagg.config.sampling import TRAIN_EXPERTS as CHECKED
     from trl_jagg.models.wan_experts import TRAIN_EXPERTS
 
     assert tuple(TRAIN_EXPERTS) == CHECKED
