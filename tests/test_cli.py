@@ -591,7 +591,7 @@ def test_trl_config_names_on_the_command_line(capsys):
     _, args = train.parse_train_args(
         [*base, "--epsilon", "2e-4", "--epsilon_high", "3e-4", "--scale_rewards", "false"]
     )
-    assert (args.clip_range, args.epsilon_high, args.scale_rewards) == (2e-4, 3e-4, "none")
+    assert (args.epsilon, args.epsilon_high, args.scale_rewards) == (2e-4, 3e-4, "none")
     _, args = train.parse_train_args([*base, "--generation_batch_size", "16", "--num_generations", "2"])
     assert args.steps_per_generation == 2  # 16 images = 2 micro-batches of the default 8
     _, args = train.parse_train_args([*base, "--log_completions"])
@@ -635,7 +635,7 @@ def test_a_trl_grpo_yaml_runs_with_only_the_method_keys_changed(tmp_path, capsys
     config = write_yaml(tmp_path / "grpo.yaml", **trl_yaml)
     script_args, args = train.parse_train_args(["--config", config, "--reward_funcs", "prompt_color"])
     assert (script_args.dataset_train_split, script_args.dataset_test_split) == ("train", "eval")
-    assert (args.dtype, args.clip_range, script_args.lora_r) == ("bfloat16", 2e-4, 8)
+    assert (args.dtype, args.epsilon, script_args.lora_r) == ("bfloat16", 2e-4, 8)
     assert (args.shuffle_dataset, args.num_completions_to_print) == (False, 4)
     _, args = train.parse_train_args(
         ["--config", config, "--reward_funcs", "prompt_color", "--torch_dtype", "float16"]

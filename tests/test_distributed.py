@@ -112,7 +112,7 @@ from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
 model_path, out = sys.argv[1], sys.argv[2]
 args = GRPOJaggConfig(
     output_dir=out, per_device_train_batch_size=2, num_generations=2, num_inference_steps=4, height=32, width=32,
-    max_steps=2, learning_rate=1e-2, clip_range=0.1, jagg_group_size=3, jagg_frac=1.0, max_sequence_length=16,
+    max_steps=2, learning_rate=1e-2, epsilon=0.1, jagg_group_size=3, jagg_frac=1.0, max_sequence_length=16,
     report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True,
 )
 trainer = DDPOJaggTrainer(

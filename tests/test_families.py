@@ -181,7 +181,7 @@ def make_trainer(
     torch.manual_seed(0)
     config = dict(
         output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=2, num_inference_steps=4,
-        height=32, width=32, max_steps=2, learning_rate=1e-2, clip_range=1e-1, noise_level=0.9, jagg_group_size=3,
+        height=32, width=32, max_steps=2, learning_rate=1e-2, epsilon=1e-1, noise_level=0.9, jagg_group_size=3,
         jagg_frac=1.0, max_sequence_length=prompt_length(family), report_to="none", save_strategy="no",
         seed=0, disable_tqdm=True,
     )  # fmt: skip
@@ -324,7 +324,7 @@ def test_kontext_trains_on_source_images_and_rewards_receive_them(tiny_flux_kont
     torch.manual_seed(0)
     config = GRPOJaggConfig(
         output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=2, num_inference_steps=4,
-        height=32, width=32, max_steps=2, learning_rate=1e-2, clip_range=1e-1, noise_level=0.9, jagg_group_size=3,
+        height=32, width=32, max_steps=2, learning_rate=1e-2, epsilon=1e-1, noise_level=0.9, jagg_group_size=3,
         jagg_frac=1.0, max_sequence_length=16, per_prompt_stat_tracking=True, report_to="none", save_strategy="no",
         seed=0, disable_tqdm=True,
     )  # fmt: skip
@@ -446,7 +446,7 @@ def test_kontext_lora_reloads_into_the_diffusers_pipeline(tiny_flux_kontext_path
     source = noise_image(0, size=32)
     config = GRPOJaggConfig(
         output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, num_generations=2, num_inference_steps=4,
-        height=32, width=32, max_steps=1, learning_rate=1e-2, clip_range=1e-1, noise_level=0.9, jagg_group_size=3,
+        height=32, width=32, max_steps=1, learning_rate=1e-2, epsilon=1e-1, noise_level=0.9, jagg_group_size=3,
         jagg_frac=1.0, max_sequence_length=16, report_to="none", save_strategy="no", seed=0, disable_tqdm=True,
     )  # fmt: skip
     torch.manual_seed(0)

@@ -164,7 +164,7 @@ def make_trainer(path: str, tmp_path, guidance: dict, **overrides) -> DDPOJaggTr
     torch.manual_seed(0)
     config = dict(
         output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=2, num_inference_steps=4,
-        height=32, width=32, max_steps=2, learning_rate=1e-2, clip_range=1e-1, noise_level=0.9, jagg_group_size=3,
+        height=32, width=32, max_steps=2, learning_rate=1e-2, epsilon=1e-1, noise_level=0.9, jagg_group_size=3,
         jagg_frac=1.0, max_sequence_length=16, negative_prompt=NEGATIVE, report_to="none", save_strategy="no",
         seed=0, disable_tqdm=True,
     )  # fmt: skip

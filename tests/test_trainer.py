@@ -39,7 +39,7 @@ def make_config(tmp_path, **overrides) -> GRPOJaggConfig:
         width=32,
         max_steps=2,
         learning_rate=1e-2,
-        clip_range=1e-1,
+        epsilon=1e-1,
         noise_level=0.9,
         jagg_group_size=3,
         jagg_frac=1.0,
@@ -328,8 +328,8 @@ def test_normalize_then_sum_gives_gdpo_advantages_of_the_scores_and_logs_each_sh
 def test_trl_config_names(tmp_path):
     # epsilon is TRL's name of the clip range; epsilon_high its upper side.
     config = make_config(tmp_path, epsilon=0.3, epsilon_high=0.5)
-    assert (config.clip_range, config.epsilon_high) == (0.3, 0.5)
-    assert make_config(tmp_path).epsilon_high is None and make_config(tmp_path).clip_range == 1e-1
+    assert (config.epsilon, config.epsilon_high) == (0.3, 0.5)
+    assert make_config(tmp_path).epsilon_high is None and make_config(tmp_path).epsilon == 1e-1
     with pytest.raises(ValueError, match="epsilon_high"):
         make_config(tmp_path, epsilon_high=0.0)
     # Boolean scale_rewards, as TRL: True = "group", False = "none" (also as the strings a flag gives).
