@@ -522,6 +522,16 @@ def test_decompression_bomb_and_deep_json_and_content_type_and_reserved_metadata
     assert status == 400 and "'metadata' keys ['prompts'] are reward keywords" in answer["error"]
 
 
+@pytest.mark.parametrize("content_type", ["text/plain", "multipart/form-data; boundary=x", None])
+def test_a_body_of_another_content_type_is_refused_from_its_headers_before_any_body_byte(server_url, content_type):
+    """Headers announcing 60 MB of another type, then no body at all: the answer is 415 from the headers alone (a
+    server reading the body first would wait for it and answer 408 at its 0.5 s request deadline, or hold it)."""
+    announced = f"Content-Type: {content_type}\r\n" if content_type else ""
+    head = f"POST /score/prompt_color HTTP/1.1\r\nHost: x\r\n{announced}Content-Length: {60 * 2**20}\r\n\r\n"
+    status, answer = raw_request(server_url, head.encode())
+    assert status == 415 and "application/json" in answer["error"]
+
+
 def test_null_scores_travel_as_not_applicable(server_module):
     def partial(prompts, images, **kwargs):
         return [None if p == "skip" else 1.0 for p in prompts]
