@@ -1,9 +1,10 @@
-"""``trl-jagg train`` answers before its heavy imports: a typo, an unknown YAML key, ``--help`` and an unreachable
-model are reported before trl, transformers, diffusers or peft are imported (from the parser's snapshot), and the
-answers are those of the full parser."""
+"""``trl-jagg train`` answers before its heavy imports: a typo, an unknown YAML key and ``--help`` come before trl,
+transformers, diffusers or peft are imported (from the parser's snapshot), as the full parser would answer them; an
+unreachable model comes before diffusers. TRL's ``GRPOConfig`` keys each get an answer."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -50,7 +51,7 @@ def test_the_snapshot_is_current():
     assert saved["options"] == built["options"] and saved["help"] == built["help"]
 
 
-def test_typos_help_and_an_unreachable_model_come_before_the_heavy_imports(tmp_path):
+def test_typos_and_help_come_before_the_heavy_imports(tmp_path):
     config = tmp_path / "recipe.yaml"
     config.write_text("model_name_or_path: x/y\nlearnig_rate: 1.0\n")
     typo, yaml_typo, help_, model = probe(
@@ -73,8 +74,10 @@ def test_typos_help_and_an_unreachable_model_come_before_the_heavy_imports(tmp_p
     assert typo["code"] == 2 and "'learnig_rate'" in typo["err"] and "'learning_rate'" in typo["err"]
     assert yaml_typo["code"] == 2 and "'learnig_rate'" in yaml_typo["err"] and str(config) in yaml_typo["err"]
     assert help_["code"] == 0 and "--jagg_group_size" in help_["out"] and "--learning_rate" in help_["out"]
+    assert [run["imported"] for run in (typo, yaml_typo, help_)] == [[], [], []]
+    # The model's access is checked once the values are (transformers and trl parse them), before diffusers.
     assert model["code"] == 1 and "someone/not-cached" in model["err"]
-    assert model["imported"] == [], model  # every run above came first: nothing heavy was imported by any
+    assert "diffusers" not in model["imported"], model
 
 
 @pytest.mark.parametrize(
@@ -101,3 +104,52 @@ def test_a_stale_snapshot_is_not_used(tmp_path):
     stale.write_text(json.dumps({"sources": ["scripts/train.py"], "key": "0" * 64, "options": {}, "help": "old"}))
     assert train_snapshot.load_snapshot(str(stale)) is None
     assert train_snapshot.load_snapshot(str(tmp_path / "missing.json")) is None
+
+
+# ---------------------------------------------------------------- TRL's GRPOConfig keys
+def test_every_trl_grpo_field_is_accepted_mapped_or_refused_with_a_reason():
+    from trl import GRPOConfig
+
+    from trl_jagg.scripts.usage import TRL_ALIASES, TRL_NAMES, TRL_ONLY
+
+    fields = train.make_parser().field_names()
+    unlike_any_value = object()  # no "off" value equals it: the check must give its reason
+    unanswered = [
+        item.name
+        for item in dataclasses.fields(GRPOConfig)
+        if item.init
+        and item.name not in fields
+        and item.name not in TRL_NAMES
+        and item.name not in TRL_ALIASES
+        and not (item.name in TRL_ONLY and TRL_ONLY[item.name](unlike_any_value))
+    ]
+    assert unanswered == []
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--max_completion_length", "256"],
+        ["--use_vllm", "true"],
+        ["--vllm_mode", "server"],
+        ["--loss_type", "dr_grpo"],
+        ["--top_p", "0.9"],
+        ["--entropy_coef", "0.01"],
+    ],
+)
+def test_trl_only_keys_get_their_reason_not_a_near_name(flags, tmp_path, capsys):
+    name = flags[0][2:]
+    config = tmp_path / "trl.yaml"
+    config.write_text(f"{name}: {flags[1]}\n")
+    for argv in (flags, ["--config", str(config)]):
+        assert cli.main(["train", *argv]) == 2
+        err = capsys.readouterr().err
+        assert name in err and "unknown field" not in err and "Did you mean" not in err, err
+
+
+def test_trl_keys_at_their_off_value_are_dropped():
+    script_args, args = train.parse_train_args(
+        ["--model_name_or_path", "x/y", "--reward_funcs", "prompt_color", "--prompts", "a red circle"]
+        + ["--use_vllm", "false", "--top_p", "1.0", "--entropy_coef", "0", "--disable_dropout", "false"]
+    )
+    assert script_args.model_name_or_path == "x/y" and not hasattr(args, "use_vllm")

@@ -20,8 +20,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-# Only light modules at the top: `main` answers typos, unknown fields, `--help` and an unreachable model before
-# trl, transformers, diffusers and peft are imported (see train_snapshot).
+# Only light modules at the top: `main` answers typos, unknown fields and `--help` before trl, transformers, diffusers
+# and peft are imported (see train_snapshot).
 from trl_jagg.scripts import DOCS_URL
 from trl_jagg.scripts.launch import LAUNCHED_ENV, launch_with_accelerate, split_launch_options
 from trl_jagg.scripts.train_snapshot import load_snapshot
@@ -456,27 +456,17 @@ def train_and_save(
     return trainer
 
 
-def check_model_access(argv: Sequence[str], config: Mapping[str, Any]) -> None:
-    """The pipeline a Hub id names (flag, YAML or preset) can be had: cached, or downloadable with access (not gated,
-    not offline), checked without loading anything. Local paths are checked once parsed (:func:`check_local_paths`).
+def check_model_access(model: str, revision: str | None = None) -> None:
+    """The pipeline a Hub id names can be had: cached, or downloadable with access (not gated, not offline),
+    checked without loading anything or importing diffusers. Local paths are checked by :func:`check_local_paths`.
 
     Raises:
         HubAccessError: naming the model and the fix (accept the license, log in, download it once while online).
     """
-    model = flag_value(argv, "--model_name_or_path") or config.get("model_name_or_path")
-    recipe = flag_value(argv, "--recipe") or config.get("recipe")
-    if not model and recipe:
-        from trl_jagg.recipes import get_recipe
-
-        try:
-            model = get_recipe(recipe).model
-        except ValueError:  # reported with the valid names when parsed
-            return
-    if not isinstance(model, str) or os.path.exists(model) or not _is_hub_id(model):
+    if os.path.exists(model) or not _is_hub_id(model):
         return
     from trl_jagg.utils.hub_access import check_hub_file
 
-    revision = flag_value(argv, "--model_revision") or config.get("model_revision")
     check_hub_file(model, "model_index.json", what="model", revision=revision)
 
 
@@ -485,8 +475,8 @@ def main(argv: Sequence[str]) -> int:
 
     With ``accelerate_config`` (flag or YAML) the command relaunches itself through ``accelerate launch``; the
     names are checked here, the values in the launched processes, which know the number of processes. Where the
-    parser's snapshot is current (:mod:`~trl_jagg.scripts.train_snapshot`), ``--help``, unknown names and the model's
-    access are answered before the heavy imports.
+    parser's snapshot is current (:mod:`~trl_jagg.scripts.train_snapshot`), ``--help`` and unknown names are answered
+    before the heavy imports; the model's access is checked once the values are, before diffusers loads.
     """
     if not os.environ.get(LAUNCHED_ENV):
         snapshot = load_snapshot()
@@ -504,7 +494,6 @@ def main(argv: Sequence[str]) -> int:
                 )
             if snapshot is not None:
                 check_names(snapshot["options"], rest, config, path)
-                check_model_access(rest, config)
             if accelerate_config:
                 if snapshot is None:
                     make_parser().check_names(rest, config, path)
@@ -514,5 +503,7 @@ def main(argv: Sequence[str]) -> int:
         return 0
     sys.argv[1:] = redacted_argv(sys.argv[1:])  # parsed: W&B records sys.argv, which may hold a key
     check_script_args(parsed[0])
+    # After the values' checks (they come first whatever the machine's access to the Hub), before diffusers loads.
+    check_model_access(parsed[0].model_name_or_path, parsed[1].model_revision)
     run_train(*parsed)
     return 0

@@ -20,7 +20,7 @@ SNAPSHOT_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HELP_COLUMNS = 119
 """The width the saved help is wrapped to (argparse wraps to the terminal otherwise)."""
-PARSER_SOURCES = ("scripts/train.py", "scripts/utils.py", "scripts/usage.py")
+PARSER_SOURCES = ("scripts/train.py", "scripts/utils.py")
 """The parser's own code, relative to the package; the modules that declare the fields are found when it is built."""
 
 

@@ -77,15 +77,120 @@ def _token_level(name: str, meaning: str) -> Callable[[Any], str]:
     )
 
 
+def _refused(meaning: str, fix: str, *no_op: Any) -> Callable[[Any], str | None]:
+    """A check refusing any value but ``None`` and the ``no_op`` ones (TRL's "off" value: what trl_jagg does
+    anyway). A flag's text is read as YAML reads it (``false``, ``1.0``), so the flag and the YAML key agree."""
+
+    def check(value: Any) -> str | None:
+        if isinstance(value, str):
+            import yaml
+
+            try:
+                value = yaml.safe_load(value)
+            except yaml.YAMLError:
+                pass
+        if value is None or any(value == v and type(value) is not bool or value is v for v in no_op):
+            return None
+        return f"is {value!r}: {meaning}. {fix}"
+
+    return check
+
+
+_REMOVE = "Remove it from the config."
+_TEXT_SAMPLING = (
+    "a text-generation setting; images are sampled by the diffusers pipeline's scheduler, whose randomness is "
+    "noise_level, whose steps are num_inference_steps and whose guidance is guidance_scale"
+)
+_VLLM = _refused(
+    "vLLM generates text completions; trl_jagg samples images with the diffusers pipeline inside the training "
+    "processes, with no generation server to configure",
+    "Remove it from the config; a reward model served by vLLM is a reward: a VLM judge (docs/rewards.md) or the "
+    "http(s):// URL of a reward server in reward_funcs.",
+    False,
+)
+_TOKEN_LOSS = (
+    "a token-level variant of the policy loss; an image's step log-prob is one Gaussian density over its latent, "
+    "and the loss is the mean of the per-step PPO losses (Flow-GRPO's), clipped by epsilon / epsilon_high"
+)
+_ENTROPY = (
+    "a bonus on the entropy of a token distribution; a flow model's step is a Gaussian whose spread is set by "
+    "noise_level, not learnt, so its entropy is no training signal"
+)
+_REFERENCE = (
+    "TR-DPO's reference-model syncing; the reference of the KL term (beta) is the frozen base model, and "
+    "ema_decay keeps an EMA of the trained weights for sampling"
+)
+
+VLLM_KEYS = (
+    "use_vllm", "vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode", "vllm_structured_outputs_regex",
+    "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout", "vllm_group_port",
+    "vllm_gpu_memory_utilization", "vllm_max_model_length", "vllm_tensor_parallel_size",
+    "vllm_importance_sampling_correction", "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max",
+    "vllm_importance_sampling_clip_min", "vllm_importance_sampling_cap",
+)  # fmt: skip
+"""TRL's vLLM generation keys: refused but for ``use_vllm: false``."""
+# TRL keys by reason, each with its "off" value (what trl_jagg does anyway; None: no off value but unset).
+_TEXT_SAMPLING_KEYS = {
+    "top_p": 1.0, "top_k": 0, "min_p": None, "repetition_penalty": 1.0, "cache_implementation": None,
+    "chat_template_kwargs": None, "pad_to_multiple_of": None, "mask_truncated_completions": False,
+    "max_tool_calling_iterations": None, "use_transformers_continuous_batching": False,
+    "transformers_continuous_batching_config": None, "use_transformers_paged": False, "ds3_gather_for_generation": True,
+}  # fmt: skip
+_TOKEN_LOSS_KEYS = {
+    "delta": None, "sapo_temperature_neg": None, "sapo_temperature_pos": None, "vespo_k_pos": None,
+    "vespo_lambda_pos": None, "vespo_k_neg": None, "vespo_lambda_neg": None, "off_policy_mask_threshold": None,
+    "use_bias_correction_kl": False,
+}  # fmt: skip
+_ENTROPY_KEYS = {
+    "entropy_coef": 0.0, "top_entropy_quantile": 1.0, "use_adaptive_entropy": False, "entropy_coef_min": None,
+    "entropy_coef_max": None, "entropy_coef_delta": None, "entropy_target": None,
+}  # fmt: skip
+_REFERENCE_KEYS = {"sync_ref_model": False, "ref_model_mixup_alpha": None, "ref_model_sync_steps": None}
+
 TRL_ONLY: Mapping[str, Callable[[Any], str | None]] = {
     "attn_implementation": _attention,
     "loss_type": _token_level("loss_type", "a token-level loss aggregation (grpo, dr_grpo, dapo, bnpo, ...)"),
     "importance_sampling_level": _token_level(
         "importance_sampling_level", "choosing token- or sequence-level importance ratios"
     ),
+    "max_completion_length": _refused(
+        "the token limit of a generated text; a generated image's size is height and width (num_frames for a "
+        "video), and max_sequence_length is the prompt encoder's token limit, not a completion length",
+        "Remove it; set height and width for the image size.",
+    ),
+    **dict.fromkeys(VLLM_KEYS, _VLLM),
+    **{name: _refused(_TEXT_SAMPLING, _REMOVE, off) for name, off in _TEXT_SAMPLING_KEYS.items()},
+    **{name: _refused(_TOKEN_LOSS, _REMOVE, off) for name, off in _TOKEN_LOSS_KEYS.items()},
+    **{name: _refused(_ENTROPY, _REMOVE, off) for name, off in _ENTROPY_KEYS.items()},
+    **{name: _refused(_REFERENCE, _REMOVE, off) for name, off in _REFERENCE_KEYS.items()},
+    "trust_remote_code": _refused(
+        "diffusers pipelines are built from the classes their model_index.json names; no remote code is run",
+        _REMOVE,
+        False,
+    ),
+    "router_aux_loss_coef": _refused("the load-balancing loss of a mixture-of-experts language model", _REMOVE),
+    "cast_lm_head_to_fp32": _refused("a language model's output head; a flow backbone has none", _REMOVE, False),
+    "disable_dropout": _refused(
+        "the backbone's dropout; diffusers flow backbones train without dropout, and lora_dropout sets the adapter's",
+        _REMOVE,
+        False,
+    ),
+    "num_generations_eval": _refused(
+        "evaluation renders each held-out prompt once, with deterministic ODE sampling and a fixed seed",
+        "Remove it; eval_num_inference_steps sets the evaluation's steps.",
+    ),
+    "log_multimodal": _refused(
+        "log_completions logs the rollout's images", "Remove it; log_completions false logs none.", True
+    ),
+    "log_unique_prompts": _refused("log_completions logs one row per prompt group, each prompt once", _REMOVE, False),
+    "log_completions_hub_repo": _refused(
+        "the rollout's images go to output_dir/completions/ and to the trackers, not to a Hub dataset", _REMOVE
+    ),
 }
-"""Keys of ``trl grpo`` configs that are no field here: each maps a value to why it is refused, or to ``None``
-when the value is what trl_jagg does anyway (then the key is dropped)."""
+"""Keys of ``trl grpo`` configs (fields of TRL's ``GRPOConfig``) that are no field here: each maps a value to why
+it is refused, or to ``None`` when the value is what trl_jagg does anyway (then the key is dropped): TRL's "off"
+values, and ``None``. ``tests/test_cli_messages.py`` walks ``GRPOConfig``: every field is a field here, a name of
+``TRL_NAMES`` / ``TRL_ALIASES``, or a key of this table."""
 
 TRL_VALUES: Mapping[str, Callable[[Any], str | None]] = {
     "dtype": lambda value: (
