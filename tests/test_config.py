@@ -145,14 +145,10 @@ def test_group_that_fits_or_jagg_off_does_not_warn():
         config(num_inference_steps=4, jagg_group_size=4, use_jagg=False)
 
 
-@pytest.mark.parametrize(
-    "value", [0.2, 1e-9]
-)
+@pytest.mark.parametrize("value", [0.2, 1e-9])
 def test_clip_range_far_from_the_recipes_warns_naming_their_values(value):
     # TRL's token default 0.2 is 2000x the Flow-GRPO recipes' 1e-4.
-    with pytest.warns(
-        UserWarning, match=rf"epsilon is {value:g}.*flow-grpo-flux 0.0001.*flow-grpo-fast-flux 1e-05"
-    ):
+    with pytest.warns(UserWarning, match=rf"epsilon is {value:g}.*flow-grpo-flux 0.0001.*flow-grpo-fast-flux 1e-05"):
         config(epsilon=value)
 
 
