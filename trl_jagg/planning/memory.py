@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 STRATEGIES = ("ddp", "zero2", "fsdp2", "zero3")
 """The sharding strategies a plan prices (the accelerate configs shipped in ``trl_jagg/configs/accelerate``)."""
 SHARDS_WEIGHTS = ("fsdp2", "zero3")
+FROZEN_ROW = "text encoders + VAE"
 FLOAT32_BYTES = 4
 
 
@@ -104,7 +105,7 @@ def memory_rows(
                   "objective nft"),
         MemoryRow("KL reference backbone", _sharded(sizes.backbone_bytes, weights, n) if copies.reference_copy else 0,
                   "full fine-tuning with beta > 0"),
-        MemoryRow("text encoders + VAE", 0 if copies.offload_frozen_modules else frozen_total,
+        MemoryRow(FROZEN_ROW, 0 if copies.offload_frozen_modules else frozen_total,
                   f"on the CPU; {name} visits the GPU while it runs" if copies.offload_frozen_modules
                   else "on the GPU: " + ", ".join(sizes.frozen_bytes)),
         MemoryRow("activations, one micro-batch", activation_bytes, "measured on meta"),

@@ -263,8 +263,9 @@ def make_plan(
     """The :class:`ResourcePlan` of ``settings``; ``measure`` measures a backbone call (:func:`measure_backbone`
     bound to the architecture; called again only for a change that alters the backbone call: micro-batch, LoRA).
 
-    When the run's strategy does not fit, the single changes of :func:`candidate_changes` are tried in order, then
-    each applied on top of the previous ones, and the first combination that fits is the fix."""
+    When the run's strategy does not fit, the single changes of :func:`candidate_changes` are tried in order; if
+    none fits alone, they are applied one after the other, each kept only if it lowers the peak, and the first
+    combination that fits is the fix."""
     measured = measure(settings)
     tables = _tables(settings, measured, gpus)
     plan_time = step_time(settings, measured, gpus)
@@ -280,11 +281,14 @@ def make_plan(
         peak = peak_of(candidate)
         if peak <= gpus.usable_bytes:
             return dataclasses.replace(plan, fix=flags, fix_peak_bytes=peak)
-    combined, applied = settings, []
+    combined, applied, peak = settings, [], plan.peak(settings.strategy)
     for flags, candidate in changes:
-        combined = _apply(combined, settings, candidate)
+        trial = _apply(combined, settings, candidate)
+        trial_peak = peak_of(trial)
+        if trial_peak >= peak:
+            continue  # no help on top of the changes kept (another copy bounds the peak)
+        combined, peak = trial, trial_peak
         applied.append(flags)
-        peak = peak_of(combined)
         if peak <= gpus.usable_bytes:
             return dataclasses.replace(plan, fix=" ".join(applied), fix_peak_bytes=peak)
     return plan

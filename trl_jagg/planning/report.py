@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from trl_jagg.planning.memory import STRATEGIES
+from trl_jagg.planning.memory import FROZEN_ROW, STRATEGIES
 from trl_jagg.planning.plan import ResourcePlan
 
 GB = 1e9
@@ -40,8 +40,8 @@ def format_plan(plan: ResourcePlan, *, title: str) -> str:
     ]
     components = [row.component for row in plan.tables[settings.strategy]]
     for index, component in enumerate(components):
-        if not any(plan.tables[name][index].bytes for name in STRATEGIES):
-            continue  # a copy this run does not keep
+        if component != FROZEN_ROW and not any(plan.tables[name][index].bytes for name in STRATEGIES):
+            continue  # a copy this run does not keep (the frozen modules' row stays: offloaded, it says where)
         values = "".join(f"{_gb(plan.tables[name][index].bytes):>9}" for name in STRATEGIES)
         note = plan.tables[settings.strategy][index].note
         lines.append(f"{component:<30}{values}   {note}".rstrip())
