@@ -4,6 +4,7 @@ FutureWarning."""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
@@ -12,6 +13,7 @@ import yaml
 from trl_jagg import GRPOJaggConfig
 from trl_jagg.config.rules import RULES, tripped_rules
 from trl_jagg.demo.run import demo_config
+from trl_jagg.objectives import OBJECTIVES
 from trl_jagg.recipes import RECIPES
 from trl_jagg.scripts import train
 
@@ -26,10 +28,27 @@ def config(**overrides) -> GRPOJaggConfig:
 
 # (field, the settings under which it has no effect, refused or warned): each a setting of the issue's list or of
 # a field that acts only under a condition.
+def _other_value(default):
+    """A value of the default's type other than the default (its range is checked only under its objective)."""
+    if isinstance(default, bool):
+        return not default
+    if isinstance(default, (int, float)):
+        return default * 2 + 1
+    return f"{default}-other"
+
+
+_DEFAULTS = {item.name: item.default for item in dataclasses.fields(GRPOJaggConfig)}
+# Each objective's own fields, set under another objective: refused.
+OBJECTIVE_FIELDS = [
+    (name, {name: _other_value(_DEFAULTS[name]), **({} if spec.name != "grpo" else {"objective": "nft"})}, "refuse")
+    for spec in OBJECTIVES.values()
+    for name in spec.fields
+]
 NO_EFFECT = [
+    *OBJECTIVE_FIELDS,
     ("nft_beta", dict(nft_beta=0.1), "refuse"),
-    ("nft_decay_type", dict(nft_decay_type=2), "refuse"),
     ("negative_prompt", dict(negative_prompt="blurry", guidance_scale=1.0), "warn"),
+    ("guidance_scale_2", dict(guidance_scale_2=3.0, guidance_scale=1.0), "warn"),  # Wan2.2 runs no CFG at all
     ("train_timestep_fraction", dict(train_timestep_fraction=0.3), "warn"),  # train_timesteps='all_but_last'
     ("sde_window_schedule", dict(sde_window_schedule="fixed"), "refuse"),
     ("ode_solver_order", dict(ode_solver_order=2), "refuse"),
@@ -97,6 +116,12 @@ def test_a_setting_without_effect_is_refused_or_warned_naming_the_field(name, ov
             config(**overrides)
 
 
+def test_the_warning_points_at_the_users_call():
+    with pytest.warns(UserWarning, match="ema_offload") as record:
+        GRPOJaggConfig(**BASE, ema_offload=True)
+    assert [warning.filename for warning in record] == [__file__]
+
+
 def test_every_rule_of_the_table_is_tried():
     """Each example, set on a config built with the field at its default, trips a rule of its field; together they
     trip every rule of the table (a new rule needs an example above)."""
@@ -125,6 +150,7 @@ def test_every_rule_of_the_table_is_tried():
         dict(ema_decay=0.9, ema_update_interval=5, max_steps=5, ema_offload=True, ema_warmup=True),
         dict(stat_tracking_buffer_size=16, per_prompt_stat_tracking=True),
         dict(negative_prompt="blurry", true_cfg_scale=4.0, guidance_scale=1.0),
+        dict(guidance_scale_2=3.0, guidance_scale=4.0),
         dict(train_timestep_fraction=0.5, train_timesteps="random"),
         dict(image_log_steps=5, eval_prompts=["a cat"]),
         dict(num_completions_to_print=4, log_completions=True),

@@ -13,7 +13,8 @@ or a run too short for it to act.
 ``jagg_frac``, ``jagg_mode``, ``jagg_endpoint_backward``, ``no_grad_batch_steps``) stay silent under them, so that one
 flag turns a JAGG config into its exact baseline (the demo and the benchmarks do this). Settings whose effect depends
 on the model (``train_experts``, ``guidance_scale_2``, ``num_frames``, ``source_image_area``, ``cfg_gradient``) are
-checked where the model is known, by the trainer. ``kl_std`` is a convention the presets carry with ``beta=0`` so
+checked where the model is known, by the trainer. ``eval_num_inference_steps`` and ``eval_seed`` act whenever
+evaluation images are sampled, which ``trainer.evaluate()`` may do at any time: no rule. ``kl_std`` is a convention the presets carry with ``beta=0`` so
 that a KL added on top is their peer's: silent without a KL."""
 
 from __future__ import annotations
@@ -152,6 +153,13 @@ RULES: tuple[Rule, ...] = (
         "with classifier-free guidance (guidance_scale > 1 for a CFG model, or true_cfg_scale > 1)",
         ("guidance_scale", "true_cfg_scale"),
         "Turn guidance on, or drop negative_prompt.",
+    ),
+    Rule(
+        "guidance_scale_2",
+        lambda config: config.guidance_scale > 1,
+        "with classifier-free guidance on (guidance_scale > 1), as Wan2.2's pipeline runs it",
+        ("guidance_scale",),
+        "Set guidance_scale > 1, or drop guidance_scale_2.",
     ),
     Rule(
         "train_timestep_fraction",
