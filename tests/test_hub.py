@@ -143,8 +143,10 @@ def test_model_card_content(tiny_flux_path, tmp_path):
     trainer.save_model()
     card = (tmp_path / "out" / "README.md").read_text()
     data = card_metadata(card)
-    # A local base pipeline is no Hub id: no base_model (it would render as a broken Hub link), no license guess.
-    assert "base_model" not in data and "license" not in data and tiny_flux_path not in card
+    # A local base pipeline is no Hub id: no base_model (it would render as a broken Hub link), no license guess; the
+    # snippet loads the directory the run loaded (issue 41), on the device it trained on (the CPU: no `.to(...)`).
+    assert "base_model" not in data and "license" not in data and f'.from_pretrained("{tiny_flux_path}"' in card
+    assert ".to(" not in card
     assert {"flux", "lora", "trl", "grpo", "diffusers", "text-to-image"} <= set(data["tags"])
     assert {"diffusers-training", "template:sd-lora"} <= set(data["tags"])  # diffusers' LoRA training cards' tags
     # As TRL's cards: the framework versions that trained it and the citations (GRPO's paper, TRL).

@@ -47,21 +47,52 @@ def frame_strip(sample: Image.Image | Sequence[Image.Image]) -> Image.Image:
     return strip
 
 
+CAPTION_LINE_HEIGHT = 11
+"""Pixels per caption line (PIL's default bitmap font is 10-11 px tall)."""
+
+
+def wrap_caption(text: str, width: int, draw: ImageDraw.ImageDraw) -> list[str]:
+    """``text`` in lines that each fit ``width`` pixels in ``draw``'s font: broken at spaces, and inside a word too
+    long for one line; no character is dropped."""
+    lines: list[str] = []
+    line = ""
+    for word in text.split():
+        candidate = f"{line} {word}" if line else word
+        if draw.textlength(candidate) <= width:
+            line = candidate
+            continue
+        if line:
+            lines.append(line)
+        line = ""
+        for char in word:  # a word wider than the tile: as many characters per line as fit
+            if line and draw.textlength(line + char) > width:
+                lines.append(line)
+                line = ""
+            line += char
+    return lines + [line] if line else lines
+
+
 def image_grid(
     images: list[Image.Image], captions: list[str] | None = None, columns: int | None = None
 ) -> Image.Image:
-    """Tile images in a grid (diffusers' ``make_image_grid``), each with an optional caption strip under it; a
-    last row left short is filled with white."""
+    """Tile images in a grid (diffusers' ``make_image_grid``), each with an optional caption under it, wrapped to
+    the tile's width (every tile as tall as the longest caption needs); a last row left short is filled with
+    white."""
     columns = columns or min(len(images), 8)
     rows = math.ceil(len(images) / columns)
     width, height = images[0].size
-    caption_h = 12 if captions else 0
+    measure = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+    lines = [wrap_caption(caption, width - 2, measure) for caption in captions] if captions else []
+    # At least one line when captioned: a grid's tiles keep one height whatever their captions say.
+    caption_h = max(1, *(len(caption) for caption in lines)) * CAPTION_LINE_HEIGHT + 1 if lines else 0
     tiles = []
     for i, image in enumerate(images):
         tile = Image.new("RGB", (width, height + caption_h), "white")
         tile.paste(image.convert("RGB"), (0, 0))
-        if captions:
-            ImageDraw.Draw(tile).text((1, height), captions[i][: max(1, width // 6)], fill="black")
+        if lines:
+            ImageDraw.Draw(tile).multiline_text(
+                (1, height), "\n".join(lines[i]), fill="black", spacing=CAPTION_LINE_HEIGHT - 10
+            )
         tiles.append(tile)
     tiles += [Image.new("RGB", (width, height + caption_h), "white")] * (rows * columns - len(tiles))
     return make_image_grid(tiles, rows, columns)

@@ -217,11 +217,6 @@ TASK_CALLS: dict[str, tuple[str, str, str]] = {
 how it is read from the pipeline's output (Wan's ``WanPipelineOutput`` holds ``frames``, one video per prompt)."""
 
 
-LOCAL_BASE = "path/to/the/local/base/pipeline"
-"""The snippet's base pipeline when training started from a local directory (a local path means nothing on the
-Hub, and it may name the trainer's machine)."""
-
-
 def usage_snippet(
     *,
     base: str,
@@ -235,15 +230,31 @@ def usage_snippet(
     experts: Sequence[str] = (),
     task: str = "text-to-image",
     ema: bool = False,
+    local_base: bool = False,
+    local_dir: str | None = None,
+    device: str = "cuda",
 ) -> str:
     """Python that loads the trained weights into the base pipeline and samples as in training. ``experts``: the
     component folders of a two-expert backbone's trained experts (Wan2.2: ``transformer``, ``transformer_2``).
     ``task`` (a key of :data:`TASK_CALLS`): an editing model's call takes the image to edit, a video model's
-    result is written as an MP4. ``ema``: load the EMA weights (the ``ema/`` folder), which render the samples."""
+    result is written as an MP4. ``ema``: load the EMA weights (the ``ema/`` folder), which render the samples;
+    ``local_dir`` (the folder the run saved to) gets its own line for them, since diffusers reads a local folder's
+    root weights before its ``subfolder``'s. ``local_base``: ``base`` is the directory the run loaded (no Hub id).
+    ``device``: where the run trained (``"cpu"``: no ``.to(...)``)."""
+    to_device = "" if device == "cpu" else f'.to("{device}")'
 
-    def folder(name: str | None) -> str:  # the `subfolder=` argument of the weights in `name` (None: the root)
+    def load(call: str, source: str, name: str | None, rest: str) -> list[str]:
+        """``call(source, subfolder=...)`` of the weights in component ``name`` (None: the root): from the Hub
+        repository, and with ``ema`` from the local folder too (the path of its ema/ folder)."""
         path = "/".join(part for part in (EMA_DIR if ema else None, name) if part)
-        return f', subfolder="{path}"' if path else ""
+        lines = [f'{call}("{source}"' + (f', subfolder="{path}"' if path else "") + f"{rest})"]
+        if ema and local_dir:
+            local = f"{local_dir.rstrip('/')}/{EMA_DIR}"
+            lines.insert(
+                0,
+                f'# from the local folder: {call}("{local}"' + (f', subfolder="{name}"' if name else "") + f"{rest})",
+            )
+        return lines
 
     imports = (
         [pipeline_class] + ([] if is_lora else [transformer_class]) + ([scheduler_class] if scheduler_class else [])
@@ -252,30 +263,32 @@ def usage_snippet(
     lines = ["import torch", f"from diffusers import {', '.join(imports)}"]
     lines += [f"from diffusers.utils import {', '.join(utils)}"] if utils else []
     lines.append("")
-    if base == LOCAL_BASE:
-        lines.append(f"# The base was a local {pipeline_class} (no Hub id): put the directory it was loaded from.")
+    if local_base:
+        lines.append(f"# The base was a local {pipeline_class} (no Hub id): the directory the run loaded it from.")
     if ema:
         lines += [
             f"# The EMA weights ({EMA_DIR}/), which rendered the samples; the raw trained weights are at the repository",
-            f'# root (drop "{EMA_DIR}" from `subfolder`). From a local copy, diffusers reads a folder\'s root weights before',
-            f"# its subfolder's: give the path of the copy's {EMA_DIR} folder and the rest of `subfolder`.",
+            f'# root (drop "{EMA_DIR}" from `subfolder`). From a local folder, diffusers reads the root weights before a',
+            f"# subfolder's: load the path of its {EMA_DIR}/ folder instead, as the commented line does.",
         ]
+    weight = f', weight_name="{LORA_WEIGHTS_NAME}"'
     if experts and is_lora:  # diffusers' Wan loader puts a file's `transformer.` keys into transformer_2 on request
-        lines.append(f'pipe = {pipeline_class}.from_pretrained("{base}", dtype=torch.{dtype}).to("cuda")')
-        lines += [f'pipe.load_lora_weights("{repo}"{folder(name)}, weight_name="{LORA_WEIGHTS_NAME}"' + (", load_into_transformer_2=True" if name
-                  == "transformer_2" else "") + ")" for name in experts]  # fmt: skip
+        lines.append(f'pipe = {pipeline_class}.from_pretrained("{base}", dtype=torch.{dtype}){to_device}')
+        for name in experts:
+            into = ", load_into_transformer_2=True" if name == "transformer_2" else ""
+            lines += load("pipe.load_lora_weights", repo, name, weight + into)
     elif experts:
-        lines += [f'{name} = {transformer_class}.from_pretrained("{repo}"{folder(name)}, dtype=torch.{dtype})'
-                  for name in experts]  # fmt: skip
+        for name in experts:
+            lines += load(f"{name} = {transformer_class}.from_pretrained", repo, name, f", dtype=torch.{dtype}")
         loaded = ", ".join(f"{name}={name}" for name in experts)
-        lines.append(f'pipe = {pipeline_class}.from_pretrained("{base}", {loaded}, dtype=torch.{dtype}).to("cuda")')
+        lines.append(f'pipe = {pipeline_class}.from_pretrained("{base}", {loaded}, dtype=torch.{dtype}){to_device}')
     elif is_lora:
-        lines.append(f'pipe = {pipeline_class}.from_pretrained("{base}", dtype=torch.{dtype}).to("cuda")')
-        lines.append(f'pipe.load_lora_weights("{repo}"{folder(None)}, weight_name="{LORA_WEIGHTS_NAME}")')
+        lines.append(f'pipe = {pipeline_class}.from_pretrained("{base}", dtype=torch.{dtype}){to_device}')
+        lines += load("pipe.load_lora_weights", repo, None, weight)
     else:
-        lines.append(f'transformer = {transformer_class}.from_pretrained("{repo}"{folder(None)}, dtype=torch.{dtype})')
+        lines += load(f"transformer = {transformer_class}.from_pretrained", repo, None, f", dtype=torch.{dtype}")
         lines.append(
-            f'pipe = {pipeline_class}.from_pretrained("{base}", transformer=transformer, dtype=torch.{dtype}).to("cuda")'
+            f'pipe = {pipeline_class}.from_pretrained("{base}", transformer=transformer, dtype=torch.{dtype}){to_device}'
         )
     if scheduler_class:
         lines.append("# The schedule used in training (it differs from the base model's):")
@@ -292,6 +305,31 @@ def usage_snippet(
     if task == "text-to-video":
         lines.append('export_to_video(video, "fox.mp4", fps=16)  # Wan samples 16 frames per second')
     return "\n".join(lines)
+
+
+def training_device(args: Any) -> str:
+    """The device type the run of ``args`` trained on (``cuda``, ``cpu``, ``mps``, ...), for the snippet's line."""
+    if getattr(args, "use_cpu", False):
+        return "cpu"
+    try:
+        return args.device.type
+    except Exception:  # no device set up (a card written outside a run): the pipelines' usual device
+        return "cuda"
+
+
+def rewards_text(reward_names: Sequence[str], reward_weights: Sequence[float] | None) -> str:
+    """The card's "Rewards: ..." text: the trained rewards (with their weights when they differ), then the
+    functions logged with weight 0 (diagnostics: scored, not trained on)."""
+    weights = list(reward_weights) if reward_weights and len(reward_weights) == len(reward_names) else None
+    if weights is None:
+        return ", ".join(reward_names) or "custom"
+    trained = [(name, w) for name, w in zip(reward_names, weights) if w != 0]
+    logged = [name for name, w in zip(reward_names, weights) if w == 0]
+    show_weights = len({w for _, w in trained}) > 1
+    text = ", ".join(f"{name} (weight {w:g})" if show_weights else name for name, w in trained) or "none"
+    if logged:
+        text += f". Logged with weight 0 (diagnostics, not trained on): {', '.join(logged)}"
+    return text
 
 
 def write_model_card(
@@ -382,7 +420,7 @@ def write_model_card(
             model_name=model_name,
             summary=f"A {kind} for {base_text}, aligned with {objective_name}.",
             usage=usage_snippet(
-                base=base_id or LOCAL_BASE,
+                base=base_id or base_model or "path/to/the/base/pipeline",
                 repo=hub_model_id or model_name,
                 pipeline_class=pipeline_class,
                 transformer_class=transformer_class,
@@ -393,11 +431,14 @@ def write_model_card(
                 experts=experts,
                 task=task,
                 ema=ema,
+                local_base=base_id is None,
+                local_dir=args.output_dir,
+                device=training_device(args),
             ),
             sampling_note=sampling_note,
             ema_note=ema_note,
             settings="\n".join(f"| {k} | {v} |" for k, v in settings.items()),
-            rewards=", ".join(reward_names) or "custom",
+            rewards=rewards_text(reward_names, args.reward_weights),
             repository=REPOSITORY_URL,
             versions=framework_versions(),
             jagg_citation=JAGG_CITATION,
