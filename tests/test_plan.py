@@ -246,10 +246,12 @@ def test_a_family_the_planner_cannot_size_is_a_usage_error(capsys):
     assert "Tongyi-MAI/Z-Image" in capsys.readouterr().err
 
 
-def test_predicted_peak_growth_of_a_step_matches_a_measured_cpu_step():
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+def test_predicted_peak_growth_of_a_step_matches_a_measured_cpu_step(checkpointing):
     # A narrow FLUX.1 (6 blocks, width 128) at 256 px, fully fine-tuned over two accumulated micro-batches: the
-    # plan's growth above the weights is one micro-batch's activations plus the gradients; torch's MemTracker
-    # measures every live tensor of the real CPU step, transients included.
+    # plan's growth above the weights is one micro-batch's activations (every block checkpointed: the blocks'
+    # inputs and one block recomputed) plus the gradients; torch's MemTracker measures every live tensor of the
+    # real CPU step, transients included.
     from torch.distributed._tools.mem_tracker import MemTracker
 
     flux = load_architecture("black-forest-labs/FLUX.1-dev").backbone
@@ -262,10 +264,14 @@ def test_predicted_peak_growth_of_a_step_matches_a_measured_cpu_step():
     with torch.device("meta"):
         meta_inputs = backbone_inputs(component.class_name, component.config, **shape)
     weights = sum(p.numel() * p.element_size() for p in component.build_on_meta().parameters())
-    predicted = measure_activations(component.build_on_meta(), meta_inputs).total + weights  # + the gradients
+    profile = measure_activations(component.build_on_meta(), meta_inputs)
+    activations = profile.checkpointed_bytes(1) if checkpointing else profile.total
+    predicted = activations + weights  # the gradients: one per weight, same dtype
 
     torch.manual_seed(0)
     model = component.build_on_meta().to_empty(device="cpu")
+    if checkpointing:
+        model.enable_gradient_checkpointing()  # what the trainer calls for activation_checkpointing
     for parameter in model.parameters():
         torch.nn.init.normal_(parameter, std=0.02)
     tracker = MemTracker()
