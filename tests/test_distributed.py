@@ -7,6 +7,7 @@ JAGG groups) with ``no_sync`` on all but the last, as the trainer runs them thro
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import socket
 
@@ -237,13 +238,15 @@ def test_nft_under_fsdp_version_1_is_refused():
     """The same for DiffusionNFT's old policy, a per-process copy of the trained weights."""
     from types import SimpleNamespace
 
+    from trl_jagg.core.nft import old_policy_decay
     from trl_jagg.trainer.old_policy import OldPolicy
 
+    decay = functools.partial(old_policy_decay, decay_type=1)
     fsdp1 = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=object()), is_fsdp2=False)
     with pytest.raises(ValueError, match="objective='nft' is not supported with FSDP version 1"):
-        OldPolicy(lambda: [torch.nn.Parameter(torch.zeros(2))], decay_type=1, accelerator=fsdp1)
+        OldPolicy(lambda: [torch.nn.Parameter(torch.zeros(2))], decay, accelerator=fsdp1)
     fsdp2 = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=object()), is_fsdp2=True)
-    assert OldPolicy(lambda: [torch.nn.Parameter(torch.zeros(2))], decay_type=1, accelerator=fsdp2).weights
+    assert OldPolicy(lambda: [torch.nn.Parameter(torch.zeros(2))], decay, accelerator=fsdp2).weights
 
 
 REFUSED_SCRIPT = """

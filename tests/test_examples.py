@@ -27,6 +27,12 @@ EXAMPLES = {
     "train_sd35_nft.py": (  # objective="nft"
         "sd3", "StableDiffusion3Pipeline", "stabilityai/stable-diffusion-3.5-medium", LORA
     ),
+    "train_sd35_awm.py": (  # objective="awm"
+        "sd3", "StableDiffusion3Pipeline", "stabilityai/stable-diffusion-3.5-medium", LORA
+    ),
+    "train_sd35_dgpo.py": (  # objective="dgpo"
+        "sd3", "StableDiffusion3Pipeline", "stabilityai/stable-diffusion-3.5-medium", LORA
+    ),
     "train_sd35_geneval.py": (  # the geneval reward on a tiny random OWLv2 + CLIP
         "sd3", "StableDiffusion3Pipeline", "stabilityai/stable-diffusion-3.5-medium", LORA
     ),
@@ -65,7 +71,10 @@ EXAMPLES = {
     ),
 }  # fmt: skip
 
-EXTRA_ARGS = {"train_sd35_nft.py": ["--use_jagg", "true"]}  # JAGG across NFT timesteps is off by default: run it here
+# JAGG across the forward-process objectives' timesteps is off by default: run it here.
+EXTRA_ARGS = {
+    name: ["--use_jagg", "true"] for name in ("train_sd35_nft.py", "train_sd35_awm.py", "train_sd35_dgpo.py")
+}
 
 
 def test_every_example_is_covered():

@@ -3,6 +3,7 @@ JAGG across NFT timesteps at its exact limits, and training the demo end to end.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -94,7 +95,7 @@ def test_old_policy_decay_follows_the_reference_schedules():
 
 def test_old_policy_follows_swaps_and_round_trips(tmp_path):
     weight = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
-    policy = OldPolicy(lambda: [weight], decay_type=1)
+    policy = OldPolicy(lambda: [weight], functools.partial(old_policy_decay, decay_type=1))
     with torch.no_grad():
         weight.copy_(torch.tensor([3.0, 6.0]))
     policy.follow(100)  # decay 0.1: 0.1 * old + 0.9 * current
@@ -105,7 +106,7 @@ def test_old_policy_follows_swaps_and_round_trips(tmp_path):
         torch.testing.assert_close(weight.detach(), torch.tensor([2.8, 5.6]))
     torch.testing.assert_close(weight.detach(), torch.tensor([3.0, 6.0]))
     policy.save(str(tmp_path), checkpoint_step=100)
-    other = OldPolicy(lambda: [weight], decay_type=1)
+    other = OldPolicy(lambda: [weight], functools.partial(old_policy_decay, decay_type=1))
     other.load(str(tmp_path))
     assert other.followed_step == 100
     torch.testing.assert_close(other.weights[0], policy.weights[0], rtol=0, atol=0)

@@ -20,7 +20,7 @@ from trl_jagg.objectives import grpo as update
 from trl_jagg.recipes import RECIPES, get_recipe, list_recipes
 
 YAML_DIR = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "recipes")
-PEER_MODULES = ("_shared", "dancegrpo", "diffusion_nft", "flow_factory", "flow_grpo")
+PEER_MODULES = ("_shared", "awm", "dancegrpo", "dgpo", "diffusion_nft", "flow_factory", "flow_grpo")
 
 # The public numbers (JAGG spec section 5), written out independently of trl_jagg/recipes.py.
 _SD35_PUBLISHED = dict(
@@ -119,6 +119,31 @@ PUBLISHED = {
     "nft-sd35": _NFT_PUBLISHED,
     "nft-sd35-ocr": {**_NFT_PUBLISHED, "nft_beta": 0.1, "nft_decay_type": 2},  # config/nft.py:70-79 (sd3_ocr)
     "nft-sd35-geneval": _NFT_PUBLISHED,
+    # AWM scxue/advantage_weighted_matching@be51372 config/dgx_awm.py:309-377 (pickscore_sd3_no_cfg_1node): 14 steps,
+    # CFG off, 24 images per prompt, 6 strata over 90% of the indices, ghuber 0.25, clip 1, advantages clipped to 5
+    # and scaled to 1, KL 1e-4, KL-EMA 1 ramped to 0.3 at 0.001 per step, lr 3e-4.
+    "awm-sd35": dict(
+        objective="awm", height=512, width=512, num_inference_steps=14, ode_solver_order=2, guidance_scale=1.0,
+        num_generations=24, learning_rate=3e-4, awm_num_train_timesteps=6, awm_timestep_fraction=0.9,
+        awm_timestep_strategy="discrete", awm_weighting="ghuber", awm_ghuber_power=0.25, epsilon=1.0,
+        adv_clip_max=5.0, awm_advantage_max=1.0, beta=1e-4, awm_ema_kl_beta=1.0, awm_kl_ema_decay=0.3,
+        awm_kl_ema_ramp_rate=0.001,
+    ),
+    # Flow-Factory@a0b2bc5 examples/awm/lora/flux1/default.yaml L41-70: 10 steps, guidance 3.5, 16 images, 4 strata
+    # over 70%, advantages clipped to 1 and not rescaled, no KL to the base, KL-EMA 0.1.
+    "awm-flux": dict(
+        objective="awm", height=512, width=512, num_inference_steps=10, guidance_scale=3.5, num_generations=16,
+        learning_rate=3e-4, awm_num_train_timesteps=4, awm_timestep_fraction=0.7, epsilon=1.0, adv_clip_max=1.0,
+        awm_advantage_max=None, beta=0.0, awm_ema_kl_beta=0.1,
+    ),
+    # DGPO Luo-Yihong/DGPO@01ceb4b config/dgpo.py:140-180 (pickscore_sd3_4gpu): 10 steps of DPM-Solver++ 2, CFG 4.5,
+    # 24 images per prompt, 4 of indices 0..6, DPO beta 10, KL 1e-3, clip 5e-2, the old policy samples from step 200.
+    "dgpo-sd35": dict(
+        objective="dgpo", height=512, width=512, num_inference_steps=10, ode_solver_order=2, guidance_scale=4.5,
+        num_generations=24, learning_rate=3e-4, dgpo_num_train_timesteps=4, dgpo_trunc_steps=6, dgpo_beta=10.0,
+        beta=1e-3, epsilon=5e-2, adv_clip_max=5.0, dgpo_clip_dsm=True, dgpo_clip_kl=False, dgpo_shared_noise=True,
+        dgpo_old_policy_decay=0.3, dgpo_old_policy_ramp_rate=0.001, dgpo_sample_old_policy_after=200,
+    ),
 }  # fmt: skip
 # The peers' conventions around the formulas, read from their code (docs/models.md lists file and line for each).
 # Flow-GRPO: config/grpo.py (pickscore_sd3, pickscore_flux, pickscore_flux_fast, pickscore_qwenimage),
@@ -220,6 +245,18 @@ PEER_CONVENTIONS = {
         ema_decay=0.9, ema_update_interval=1, ema_warmup=True, ema_schedule="step", max_sequence_length=128,
         eval_num_inference_steps=40,
     )),
+    # AWM: Flow-GRPO's tracker with global std (dgx_awm.py:350), EMA 0.99 every step with warm-up (dgx_awm.py:370-371).
+    "awm-sd35": dict(
+        per_prompt_stat_tracking=True, advantage_std_ddof=0, advantage_eps=1e-4, scale_rewards="batch",
+        ema_decay=0.99, ema_update_interval=1, ema_warmup=True, ema_schedule="step", eval_num_inference_steps=40,
+    ),
+    # Flow-Factory's AWM FLUX.1: batch-global std (L42, numpy std), no evaluation EMA, 20 evaluation steps (L102).
+    "awm-flux": dict(scale_rewards="batch", advantage_std_ddof=0, ema_decay=0.0, eval_num_inference_steps=20),
+    # DGPO: Flow-GRPO's tracker with global std (dgpo.py:166, 179) and Flow-GRPO's EMA (train_sd3_dgpo.py:627).
+    "dgpo-sd35": dict(
+        per_prompt_stat_tracking=True, advantage_std_ddof=0, advantage_eps=1e-4, scale_rewards="batch",
+        ema_decay=0.9, ema_update_interval=8, ema_warmup=True, ema_schedule="flow_grpo", eval_num_inference_steps=14,
+    ),
 }  # fmt: skip
 
 # The training around the formulas (issue 18): one row per convention, the peer's value and where it is written.
@@ -416,6 +453,26 @@ PEER_TRAINING = {
     ],
     "nft-sd35-geneval": [("reward_funcs", ("geneval",), "NFT config/nft.py:83-85")],
 }
+PEER_TRAINING.update({
+    "awm-sd35": [
+        ("lr_scheduler_type", "constant", "AWM base_awm.py:70-83 (cosine over 1e10 steps: constant in practice)"),
+        ("optimizer_steps_per_rollout", 1, "AWM dgx_awm.py:329-331 (36 micro-batches accumulated: one step)"),
+        ("per_device_train_batch_size", 2, "AWM dgx_awm.py:322-324 (train batch 2)"),
+        ("mixed_precision", "fp16", "AWM base_awm.py:23"),
+        ("max_grad_norm", 1.0, "AWM base_awm.py (max_grad_norm 1.0)"),
+        ("weight_decay", 1e-4, "AWM dgx_awm.py:340"),
+    ],
+    "awm-flux": [
+        ("lr_scheduler_type", "constant", "FF src/flow_factory/trainers/abc.py:198-207 (an AdamW, no scheduler)"),
+        ("optimizer_steps_per_rollout", 1, "FF examples/awm/lora/flux1/default.yaml L73-78"),
+        ("mixed_precision", "bf16", "FF flux1/default.yaml L6"),
+    ],
+    "dgpo-sd35": [
+        ("lr_scheduler_type", "constant", "DGPO config/base.py:68-81"),
+        ("optimizer_steps_per_rollout", 1, "DGPO config/dgpo.py:152-159 (4 accumulated: one step an epoch)"),
+        ("mixed_precision", "bf16", "DGPO config/base.py:21"),
+    ],
+})  # fmt: skip
 PEER_TRAINING["jagg-fast-flux"] = PEER_TRAINING["mixgrpo-flux"]  # MixGRPO-Flash's training around its window
 # LoRA (rank, alpha, target modules) exactly as the peer's scripts list them.
 _FG_ATTENTION = (
@@ -469,6 +526,9 @@ PUBLISHED_LORA = {
     ),
     # NFT scripts/train_nft_sd3.py:419-431: r 32, alpha 64, gaussian, the attn.* projections of both streams.
     **dict.fromkeys(DIFFUSION_NFT, _SD35_LORA),
+    "awm-sd35": _SD35_LORA,  # AWM dgx_awm.py:366 (lora_type="attn"), train_sd3_awm.py:610-643: r 32, alpha 64
+    "awm-flux": _FLUX_LORA,  # FF flux1/default.yaml L21-23, models/flux1.py:77-84: r 64, attention + feed-forward
+    "dgpo-sd35": (64, 128, _FG_ATTENTION),  # DGPO train_sd3_dgpo.py:598-616: r 64, alpha 128, attention
 }  # fmt: skip
 MODELS = {
     "flow-grpo-sd35": "stabilityai/stable-diffusion-3.5-medium",
@@ -497,6 +557,9 @@ MODELS = {
     "nft-sd35": "stabilityai/stable-diffusion-3.5-medium",
     "nft-sd35-ocr": "stabilityai/stable-diffusion-3.5-medium",
     "nft-sd35-geneval": "stabilityai/stable-diffusion-3.5-medium",
+    "awm-sd35": "stabilityai/stable-diffusion-3.5-medium",
+    "awm-flux": "black-forest-labs/FLUX.1-dev",
+    "dgpo-sd35": "stabilityai/stable-diffusion-3.5-medium",
 }
 
 
@@ -859,6 +922,10 @@ PRESET_SPLIT_TINY = dict(
             "flow-factory-flux2-klein-base",
             "flow-factory-flux2-dev",
             "flow-factory-wan2.2",
+            # AWM and DGPO train through train() in test_objectives.py, their presets in test_examples.py.
+            "awm-sd35",
+            "awm-flux",
+            "dgpo-sd35",
         )
     ],
 )

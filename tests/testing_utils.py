@@ -40,6 +40,9 @@ NAMES = [
     "jagg-fast-flux",
     *FLOW_FACTORY,
     *DIFFUSION_NFT,
+    "awm-sd35",
+    "awm-flux",
+    "dgpo-sd35",
 ]
 
 PROMPTS = ["a red circle", "a green square", "a blue circle", "a red square"]
@@ -89,6 +92,8 @@ def update_gradient(trainer, rollout, **overrides) -> torch.Tensor:
     saved = {k: getattr(trainer.args, k) for k in overrides}
     for k, v in overrides.items():
         setattr(trainer.args, k, v)
+    stage = trainer.update_stage
+    stage.engine = stage.build_engine()  # the engine takes the run's settings when it is built
     try:
         model.zero_grad(set_to_none=True)
         model.train()
@@ -97,6 +102,7 @@ def update_gradient(trainer, rollout, **overrides) -> torch.Tensor:
     finally:
         for k, v in saved.items():
             setattr(trainer.args, k, v)
+        stage.engine = stage.build_engine()
 
 
 def gdpo_by_hand(columns, weights, group_size, eps, ddof, clip):

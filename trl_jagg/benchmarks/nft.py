@@ -42,6 +42,7 @@ NFT_DEMO_OVERRIDES: dict[str, Any] = {
     "objective": "nft",
     "sde_window_size": 0,
     "sde_window_schedule": "random",  # the window settings' defaults: no window
+    "sde_window_max_start": None,
     "train_timesteps": "all",
     "train_timestep_fraction": 0.5,
     "beta": 1e-4,

@@ -13,6 +13,10 @@ prompts x 8 images per step, the ``prompt_color`` reward) from the same LoRA ini
 - ``nft``: DiffusionNFT (``objective="nft"``, :data:`~trl_jagg.benchmarks.nft.NFT_DEMO_OVERRIDES`): deterministic
   9-step rollouts, 4 of the 9 timesteps trained, exact per-timestep backward. ``nft_jagg``: the same with the 4
   timesteps as one JAGG group.
+- ``awm`` / ``awm_jagg``: AWM (``objective="awm"``, :data:`AWM_DEMO_OVERRIDES`): the authors' loss, on-policy, 4
+  stratified timesteps, exact per timestep or as one JAGG group.
+- ``dgpo`` / ``dgpo_jagg``: DGPO (``objective="dgpo"``, :data:`DGPO_DEMO_OVERRIDES`): the group-level DPO loss on 4
+  of the first 7 timesteps, the authors' PickScore settings, exact or as one JAGG group.
 
 Two tasks (``task``): ``color``, the demo's ``prompt_color`` (the colour is settled in the first, high-noise steps),
 and ``detail``, the ``high_frequency`` reward (fine detail, settled in the last, low-noise steps), so that a window
@@ -52,7 +56,26 @@ from trl_jagg.recipes import get_recipe
 
 JSON_NAME = "quality.json"
 PNG_NAME = "quality.png"
-QUALITY_VARIANTS = ("exact", "jagg_cache", "mix_jagg_cache", "fast_jagg_cache", "nft", "nft_jagg")
+QUALITY_VARIANTS = (
+    "exact", "jagg_cache", "mix_jagg_cache", "fast_jagg_cache", "nft", "nft_jagg", "awm", "awm_jagg", "dgpo",
+    "dgpo_jagg",
+)  # fmt: skip
+
+_FORWARD_PROCESS_DEMO = {
+    "sde_window_size": 0, "sde_window_schedule": "random", "sde_window_max_start": None, "train_timesteps": "all"
+}  # fmt: skip
+"""The demo's rollout as a forward-process objective samples it: deterministic ODE, no window."""
+AWM_DEMO_OVERRIDES: dict[str, Any] = {
+    **_FORWARD_PROCESS_DEMO, "objective": "awm", "awm_num_train_timesteps": 4, "awm_timestep_fraction": 0.9,
+    "beta": 1e-4, "epsilon": 1.0, "jagg_group_size": 4, "jagg_frac": 1.0,
+}  # fmt: skip
+"""The demo as AWM's authors train (their KL 1e-4, KL-EMA 1, ghuber 0.25), 4 of the 9 timesteps per micro-batch
+(one JAGG group of W = 4 in ``awm_jagg``), the demo's learning rate."""
+DGPO_DEMO_OVERRIDES: dict[str, Any] = {
+    **_FORWARD_PROCESS_DEMO, "objective": "dgpo", "dgpo_num_train_timesteps": 4, "dgpo_trunc_steps": 6,
+    "dgpo_beta": 10.0, "beta": 1e-3, "epsilon": 5e-2, "jagg_group_size": 4, "jagg_frac": 1.0,
+}  # fmt: skip
+"""The demo as DGPO's authors train PickScore (DPO beta 10, KL 1e-3, clip 5e-2), 4 of the first 7 timesteps."""
 QUALITY_TASKS = {"color": "prompt_color", "detail": "high_frequency"}
 """The tasks by name, each the registered reward it trains on."""
 FAST_PRESET = "jagg-fast-flux"
@@ -89,6 +112,10 @@ def variant_overrides(variant: str, steps: int) -> dict[str, Any]:
         return {"use_jagg": True, "jagg_cache_velocities": True}
     if variant in ("nft", "nft_jagg"):
         return {**NFT_DEMO_OVERRIDES, "use_jagg": variant == "nft_jagg"}
+    if variant in ("awm", "awm_jagg"):
+        return {**AWM_DEMO_OVERRIDES, "use_jagg": variant == "awm_jagg"}
+    if variant in ("dgpo", "dgpo_jagg"):
+        return {**DGPO_DEMO_OVERRIDES, "use_jagg": variant == "dgpo_jagg"}
     if variant == "fast_jagg_cache":
         preset = get_recipe(FAST_PRESET).config
         return {"use_jagg": True, "jagg_cache_velocities": True, "sde_window_size": MIX_WINDOW_SIZE,
@@ -351,7 +378,9 @@ def plot_quality(runs: Sequence[dict[str, Any]], path: str, reward: str = "promp
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    colors = dict(zip(QUALITY_VARIANTS, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown")))
+    palette = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:gray",
+               "tab:olive", "tab:cyan")  # fmt: skip
+    colors = dict(zip(QUALITY_VARIANTS, palette))
     figure = Figure(figsize=(15, 4.5), dpi=90)
     FigureCanvasAgg(figure)
     step_ax, cpu_ax, accuracy_ax = figure.subplots(1, 3)

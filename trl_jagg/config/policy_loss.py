@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trl_jagg.config.reporting import fail, warn_user
+from trl_jagg.objectives import get_objective
 from trl_jagg.recipes import RECIPES
 
 GAUSSIAN_SAMPLERS = ("sde", "dance")  # log-probs are true Gaussian log-densities (CPS drops the constants)
@@ -186,8 +187,16 @@ class PolicyLossArguments:
 
     def _warn_clip_range_scale(self) -> None:
         """Warn when the clip range is far from the flow-model recipes' (TRL's token default 0.2 is 2000x Flow-GRPO's
-        1e-4): it then clips nearly nothing or nearly everything."""
-        clipped = [recipe for recipe in RECIPES.values() if "epsilon" in recipe.config]  # GRPO's, not NFT's
+        1e-4): it then clips nearly nothing or nearly everything. Only for an objective whose clip acts on a ratio
+        of sampler-step log-probabilities, against the recipes of such objectives."""
+        if not get_objective(self.objective).clips_step_log_ratio:
+            return
+        clipped = [
+            recipe
+            for recipe in RECIPES.values()
+            if "epsilon" in recipe.config
+            and get_objective(recipe.config.get("objective", "grpo")).clips_step_log_ratio
+        ]
         used = sorted({recipe.config["epsilon"] for recipe in clipped})
         if used[0] / CLIP_RANGE_SLACK <= self.epsilon <= used[-1] * CLIP_RANGE_SLACK:
             return

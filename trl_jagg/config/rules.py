@@ -27,6 +27,7 @@ from typing import Any
 
 from trl_jagg.config.reporting import warn_user
 from trl_jagg.core.sde_window import default_max_start
+from trl_jagg.objectives import OBJECTIVES, get_objective
 
 
 @dataclass(frozen=True)
@@ -108,12 +109,12 @@ def _without_window(name: str) -> Callable[[Any], str]:
     )
 
 
-def _window_rule(name: str, acts: Callable[[Any], bool] | None = None) -> Rule:
+def _window_rule(name: str, acts: Callable[[Any], bool] | None = None, also: str = "") -> Rule:
     """An option of the SDE window, which does nothing without one."""
     return Rule(
         name,
         acts or (lambda config: config.sde_window_size > 0),
-        "with an SDE window (sde_window_size >= 1)",
+        f"with an SDE window (sde_window_size >= 1){also}",
         ("sde_window_size",),
         "",
         refuse=True,
@@ -134,17 +135,18 @@ def _progressive(name: str, what: str) -> Rule:
 
 
 RULES: tuple[Rule, ...] = (
-    # ---- the objective
+    # ---- the objectives' own fields (the registry says whose)
     *(
         Rule(
             name,
-            lambda config: config.objective == "nft",
-            "with objective='nft'",
+            lambda config, spec=spec: get_objective(config.objective) is spec,
+            f"with objective={spec.name!r}",
             ("objective",),
-            f"It is DiffusionNFT's: set objective='nft', or leave {name} at its default.",
+            f"It is {spec.title}'s: set objective={spec.name!r}, or leave {name} at its default.",
             refuse=True,
         )
-        for name in ("nft_beta", "nft_decay_type")
+        for spec in OBJECTIVES.values()
+        for name in spec.fields
     ),
     # ---- sampling and the trained steps
     Rule(
@@ -163,14 +165,21 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "train_timestep_fraction",
-        lambda config: config.train_timesteps in ("random", "random_but_last") or config.objective == "nft",
+        lambda config: (
+            config.train_timesteps in ("random", "random_but_last")
+            or "train_timestep_fraction" in get_objective(config.objective).also_reads
+        ),
         "with train_timesteps 'random' or 'random_but_last' (or objective='nft')",
         ("train_timesteps",),
         "Use train_timesteps='random' or 'random_but_last', or leave train_timestep_fraction at its default.",
     ),
     _window_rule("sde_window_schedule"),
-    # NFT's rollout is all ODE: its solver order acts on every step.
-    _window_rule("ode_solver_order", lambda config: config.sde_window_size > 0 or config.objective == "nft"),
+    # A deterministic rollout (DiffusionNFT, AWM, DGPO) is all ODE: its solver order acts on every step.
+    _window_rule(
+        "ode_solver_order",
+        lambda config: config.sde_window_size > 0 or get_objective(config.objective).deterministic_rollout,
+        " or with an objective whose rollout is a deterministic ODE (nft, awm, dgpo)",
+    ),
     _window_rule("ode_step_ratio"),
     _window_rule("sde_window_max_start"),
     _window_rule("sde_window_stride"),

@@ -182,7 +182,7 @@ class GRPOUpdateStage(UpdateStage):
                 log_ratio = guard_log_ratio(step.log_prob, old_log_probs[:, k], step.mean, old_mean, step.std)
             # Resolved here, after the KL reference and the step's forward (overlap_rewards: they overlap the wait).
             out = ppo_step_loss(
-                step.log_prob, old_log_probs[:, k], resolved(advantages), args.clip_range, kl=kl, beta=args.beta,
+                step.log_prob, old_log_probs[:, k], resolved(advantages), args.epsilon, kl=kl, beta=args.beta,
                 clip_range_high=args.epsilon_high, log_ratio=log_ratio,
                 policy_weight=1.0 / (sigmas[k] - sigmas[k + 1]) if args.step_gradient_reweighting else 1.0,
             )  # fmt: skip

@@ -3,36 +3,29 @@ through the JAGG engine.
 
 The rollout (deterministic ODE, sampled by the old policy) leaves its clean latents ``x0`` and advantages. For each
 trained timestep ``t`` (a random ``train_timestep_fraction`` of the rollout's schedule, as the reference code draws
-them) the sample is noised along the forward process, ``x_t = (1 - t) x0 + t eps``; the old policy's velocity (and
-the reference model's, for the KL term) come from no-grad backbone calls, the trained policy's from a call with
-graph, and :func:`~trl_jagg.core.nft.nft_loss` combines them.
-
-**JAGG across timesteps** (``use_jagg``): the trained timesteps of a sample, high noise first, are grouped by
-``jagg_group_size`` as the GRPO steps are, and a group shares one ``eps`` per sample, so its inputs ``x_t`` lie on
-one line in ``t``. The engine then forwards the group's two endpoint timesteps with graph, the others without, and
-takes one joint backward with the interpolated Jacobian (``docs/jagg.md``): exact at ``W = 2`` and for a velocity
-linear in ``(x, t)``, against NFT with the same shared noise. Without JAGG every timestep is its own group and draws
-its own ``eps`` (the reference code's ``randn_like`` per timestep): the same expected gradient, another estimator, so
-JAGG is never exact against it (``trl-jagg bench nft-jagg`` reports both).
+them) the sample is noised along the forward process; the old policy's velocity (and the reference model's, for the
+KL term) come from no-grad backbone calls, the trained policy's from a call with graph, and
+:func:`~trl_jagg.core.nft.nft_loss` combines them. JAGG across timesteps: :mod:`trl_jagg.objectives.forward`
+(``trl-jagg bench nft-jagg`` reports it against the per-timestep noise of the reference code).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import random
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from trl_jagg.config.grpo_jagg_config import GRPOJaggConfig
-from trl_jagg.core.jagg import EngineResult, plan_groups
-from trl_jagg.core.nft import forward_noised, nft_loss, optimality_probability
+from trl_jagg.core.nft import NFTLossOutput, nft_loss, old_policy_decay, optimality_probability
 from trl_jagg.models import FlowMatchingAdapter
-from trl_jagg.objectives.update import StageInputs, TrainedStepFunctions, UpdateStage
-from trl_jagg.trainer.batch import RolloutBatch, resolved, rng_seed
+from trl_jagg.objectives.forward import ForwardInputs, ForwardProcessStage
+from trl_jagg.objectives.update import StageInputs
+from trl_jagg.trainer.batch import resolved, rng_seed
 from trl_jagg.trainer.old_policy import OldPolicy
-
-NFT_STATS = ("policy_loss", "kl", "old_deviation")
 
 
 def nft_timesteps(args: GRPOJaggConfig, num_steps: int, *, micro_step: int, global_step: int) -> list[int]:
@@ -43,9 +36,21 @@ def nft_timesteps(args: GRPOJaggConfig, num_steps: int, *, micro_step: int, glob
     return sorted(draw.sample(range(num_steps), count))
 
 
-class NFTUpdateStage(UpdateStage):
+@dataclass
+class NFTPrepared:
+    """A micro-batch's no-grad inputs of the NFT loss."""
+
+    old: list[torch.Tensor]
+    ref: list[torch.Tensor] | None
+    optimality: torch.Tensor
+
+
+class NFTUpdateStage(ForwardProcessStage):
     """DiffusionNFT's update of one micro-batch (:class:`~trl_jagg.objectives.update.UpdateStage` says what it
     gets). Its state is the old policy (``v_old``), which samples the rollouts and follows the trained weights."""
+
+    stat_prefix = "nft/"
+    stat_names = ("policy_loss", "kl", "old_deviation")
 
     def __init__(
         self,
@@ -56,7 +61,8 @@ class NFTUpdateStage(UpdateStage):
         inputs: StageInputs,
     ):
         super().__init__(adapter, args, accelerator, metrics, inputs)
-        self.old_policy = OldPolicy(inputs.trainable_parameters, args.nft_decay_type, accelerator=accelerator)
+        decay = functools.partial(old_policy_decay, decay_type=args.nft_decay_type)
+        self.old_policy = OldPolicy(inputs.trainable_parameters, decay, objective="nft", accelerator=accelerator)
 
     # ------------------------------------------------------------------ the old policy
     def before_rollout(self, global_step: int) -> None:
@@ -73,60 +79,29 @@ class NFTUpdateStage(UpdateStage):
     def load_state(self, checkpoint: str) -> None:
         self.old_policy.load(checkpoint)
 
-    # ------------------------------------------------------------------ one micro-batch
-    def run(
-        self, model: torch.nn.Module, batch: RolloutBatch, *, micro_step: int, global_step: int,
-        accumulation_steps: int,
-    ) -> EngineResult:  # fmt: skip
-        """Noised inputs, old / reference velocities, loss and backward of micro-batch ``batch``; the gradients are
-        accumulated into ``model``'s parameters, scaled for ``accumulation_steps`` micro-batches per step."""
+    # ------------------------------------------------------------------ the loss
+    def trained_steps(self, num_steps: int, *, micro_step: int, global_step: int) -> list[int]:
+        return nft_timesteps(self.args, num_steps, micro_step=micro_step, global_step=global_step)
+
+    def prepare(self, model: torch.nn.Module, forward: ForwardInputs) -> NFTPrepared:
         args = self.args
-        x0, cond = batch.latents[:, -1], batch.cond
-        size = x0.shape[0]
-        steps = nft_timesteps(args, batch.latents.shape[1] - 1, micro_step=micro_step, global_step=global_step)
-        sigmas = [float(batch.sigma_values[k]) for k in steps]
-        groups = plan_groups(
-            sigmas,
-            args.jagg_group_size if args.use_jagg else 1,
-            args.jagg_frac if args.use_jagg else 0.0,
-            args.jagg_mode if args.use_jagg else "exact",
-        )
-        # One eps per sample and group: the group's inputs x_t lie on one line in t (JAGG's linear regime).
-        generator = torch.Generator().manual_seed(rng_seed(args.seed, global_step, -4, micro_step))
-        inputs: list[torch.Tensor] = [torch.empty(0)] * len(steps)
-        for group in groups:
-            noise = torch.randn(x0.shape, generator=generator, dtype=torch.float32).to(x0)
-            for i in group.steps:
-                inputs[i] = forward_noised(x0, noise, torch.full((size,), sigmas[i], device=x0.device))
-        times = [batch.timesteps[k].expand(size) for k in steps]
         unwrapped = self.accelerator.unwrap_model(model)
         with torch.no_grad(), self.old_policy.swapped_in():
-            old = self.backbone_velocities(unwrapped, inputs, times, cond)
-        ref = self.reference_velocities(unwrapped, inputs, times, cond) if args.beta > 0 else None
-        optimality = optimality_probability(resolved(batch.advantages), args.adv_clip_max)
+            old = self.velocities_at(unwrapped, forward)
+        ref = None
+        if args.beta > 0:
+            ref = self.reference_velocities(unwrapped, forward.inputs, forward.times, forward.batch.cond)
+        return NFTPrepared(old, ref, optimality_probability(resolved(forward.batch.advantages), args.adv_clip_max))
 
-        def loss_fn(i: int, v: torch.Tensor) -> torch.Tensor:
-            out = nft_loss(
-                v, old[i], x0, inputs[i], torch.full((size,), sigmas[i], device=x0.device), optimality,
-                nft_beta=args.nft_beta, adv_clip_max=args.adv_clip_max,
-                ref_velocity=None if ref is None else ref[i], kl_beta=args.beta,
-            )  # fmt: skip
-            for name in NFT_STATS:
-                functions.stats[name][i] = getattr(out, name)
-            return out.loss
+    def step_loss(
+        self, velocity: torch.Tensor, i: int, forward: ForwardInputs, prepared: NFTPrepared
+    ) -> NFTLossOutput:
+        args = self.args
+        return nft_loss(
+            velocity, prepared.old[i], forward.x0, forward.inputs[i], forward.t(i), prepared.optimality,
+            nft_beta=args.nft_beta, adv_clip_max=args.adv_clip_max,
+            ref_velocity=None if prepared.ref is None else prepared.ref[i], kl_beta=args.beta,
+        )  # fmt: skip
 
-        functions = TrainedStepFunctions(
-            velocity_fn=lambda i: self.backbone_velocities(model, [inputs[i]], [times[i]], cond)[0],
-            loss_fn=loss_fn,
-            no_grad_velocities_fn=lambda idx: self.backbone_velocities(
-                model, [inputs[i] for i in idx], [times[i] for i in idx], cond
-            ),
-            trained=steps,
-        )
-        result = self.run_engine(model, groups, functions, accumulation_steps=accumulation_steps)
-        self.record(
-            result,
-            {f"nft/{name}": functions.stats[name] for name in NFT_STATS},
-            extra={"nft/optimality_mean": float(optimality.float().mean())},
-        )
-        return result
+    def extra_metrics(self, forward: ForwardInputs, prepared: NFTPrepared) -> dict[str, float]:
+        return {"nft/optimality_mean": float(prepared.optimality.float().mean())}

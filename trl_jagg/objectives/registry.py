@@ -1,16 +1,20 @@
 """The objective registry: one :class:`ObjectiveSpec` per training objective, as peft maps a config to its code.
 
-A spec is data (no torch, no diffusers), so the config can check a run against it before anything heavy loads; the
-update stage it names is imported only when a trainer is built (:meth:`ObjectiveSpec.update_stage_class`). Adding an
-objective is its update module in ``trl_jagg/objectives/`` and one :func:`register_objective` call here.
+A spec is data and the check of the objective's own fields (no diffusers, no trainer), so the config checks a run
+against it before anything heavy loads; the update stage it names is imported only when a trainer is built
+(:meth:`ObjectiveSpec.update_stage_class`). Adding an objective is its update module in ``trl_jagg/objectives/``,
+its field check in ``checks.py``, its fields in ``trl_jagg/config/objective.py`` and one :func:`register_objective`
+call here (CONTRIBUTING.md, "Adding an objective").
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from trl_jagg.objectives.checks import check_awm_fields, check_dgpo_fields, check_nft_fields
 
 ROLLOUT_SAMPLERS = ("sde", "ode")
 
@@ -25,11 +29,17 @@ class ObjectiveSpec:
         rollout_sampler: ``"sde"``, a stochastic sampler whose rollout keeps every step's log-probability and the
             trajectory (the SDE window applies); ``"ode"``, a deterministic sampler whose rollout the update uses
             only through its clean samples (every step is ODE, ``ode_solver_order`` acts on all of them).
-        keeps_old_policy: the rollouts are sampled by an old policy that follows the trained weights, kept beside
-            them and checkpointed (``nft_old_policy.safetensors``).
+        keeps_old_policy: the update keeps a copy of the trained weights that follows them (DiffusionNFT's and
+            DGPO's old policy, AWM's KL-EMA), checkpointed (``nft_old_policy.safetensors``, stamped with the
+            objective).
+        needs_reference: the loss reads the frozen base model whatever ``beta`` is (a frozen copy is kept for full
+            fine-tuning).
+        clips_step_log_ratio: ``clip_range`` clips a ratio of sampler-step log-probabilities (GRPO's scale, 1e-4).
+        check_fields: the check of the objective's own fields (and of the settings it needs), given the config.
+        fields: the config fields that only this objective reads (a non-default value with another objective is
+            refused: ``trl_jagg/config/rules.py``).
+        also_reads: shared fields that act with this objective beyond the conditions GRPO gives them.
         update: ``"module:Class"``, the update stage of one micro-batch.
-        fields: the config fields that only this objective reads (a non-default value with another objective has no
-            effect).
         refused: settings this objective cannot serve, ``field -> fix``: a value other than the field's default is
             refused with the fix.
         card_summary: the model card's "Training" sentence, ``{jagg}`` standing for the JAGG clause.
@@ -44,7 +54,11 @@ class ObjectiveSpec:
     rollout_sampler: str
     update: str
     keeps_old_policy: bool = False
+    needs_reference: bool = False
+    clips_step_log_ratio: bool = False
+    check_fields: Callable[[Any], None] | None = None
     fields: tuple[str, ...] = ()
+    also_reads: tuple[str, ...] = ()
     refused: Mapping[str, str] = field(default_factory=dict)
     card_summary: str = ""
     card_jagg: str = ""
@@ -101,6 +115,7 @@ register_objective(
         title="GRPO",
         rollout_sampler="sde",
         update="trl_jagg.objectives.grpo:GRPOUpdateStage",
+        clips_step_log_ratio=True,
         card_summary="GRPO on the denoising trajectory of a flow-matching model{jagg}.",
         card_jagg=", with JAGG group gradients in the update stage",
         card_settings={"sampler / noise level": "{config.sampler} / {config.noise_level}"},
@@ -121,7 +136,9 @@ register_objective(
         rollout_sampler="ode",
         update="trl_jagg.objectives.nft:NFTUpdateStage",
         keeps_old_policy=True,
+        check_fields=check_nft_fields,
         fields=("nft_beta", "nft_decay_type"),
+        also_reads=("train_timestep_fraction",),
         refused={
             "sde_window_size": "NFT rollouts are deterministic ODE: set it to 0.",
             "drop_zero_advantages": "NFT trains a zero-advantage sample too (optimality 1/2): set it to False.",
@@ -141,5 +158,88 @@ register_objective(
   year    = {2025}
 }""",
         tags=("diffusion-nft",),
+    )
+)
+
+FORWARD_PROCESS_REFUSED = {
+    "sde_window_size": "its rollouts are deterministic ODE: set it to 0.",
+    "drop_zero_advantages": "it trains a zero-advantage sample too: set it to False.",
+    "ratio_normalization": "it has no sampler-step ratio: set it to False.",
+}
+"""The GRPO-only settings a forward-process objective (AWM, DGPO) cannot serve."""
+
+register_objective(
+    ObjectiveSpec(
+        name="awm",
+        title="AWM",
+        rollout_sampler="ode",
+        update="trl_jagg.objectives.awm:AWMUpdateStage",
+        keeps_old_policy=True,
+        check_fields=check_awm_fields,
+        fields=(
+            "awm_weighting",
+            "awm_ghuber_power",
+            "awm_num_train_timesteps",
+            "awm_timestep_fraction",
+            "awm_timestep_strategy",
+            "awm_advantage_max",
+            "awm_ema_kl_beta",
+            "awm_kl_ema_decay",
+            "awm_kl_ema_ramp_rate",
+        ),  # fmt: skip
+        refused=FORWARD_PROCESS_REFUSED,
+        card_summary="AWM (Advantage Weighted Matching): advantage-weighted flow matching on forward-noised clean "
+        "samples of deterministic rollouts{jagg}.",
+        card_jagg=", with JAGG group gradients across each sample's timesteps",
+        card_settings={
+            "rollout / weighting / trained timesteps": "ODE / {config.awm_weighting} / "
+            "{config.awm_num_train_timesteps}",
+            "KL-EMA beta / decay": "{config.awm_ema_kl_beta} / {config.awm_kl_ema_decay}",
+        },
+        citation="""@article{xue2025awm,
+  title   = {Advantage Weighted Matching: Aligning RL with Pretraining in Diffusion Models},
+  author  = {Xue, Shuchen and others},
+  journal = {arXiv preprint arXiv:2509.25050},
+  year    = {2025}
+}""",
+        tags=("awm",),
+    )
+)
+
+register_objective(
+    ObjectiveSpec(
+        name="dgpo",
+        title="DGPO",
+        rollout_sampler="ode",
+        update="trl_jagg.objectives.dgpo:DGPOUpdateStage",
+        keeps_old_policy=True,
+        needs_reference=True,
+        check_fields=check_dgpo_fields,
+        fields=(
+            "dgpo_beta",
+            "dgpo_num_train_timesteps",
+            "dgpo_trunc_steps",
+            "dgpo_shared_noise",
+            "dgpo_clip_dsm",
+            "dgpo_clip_kl",
+            "dgpo_old_policy_decay",
+            "dgpo_old_policy_ramp_rate",
+            "dgpo_sample_old_policy_after",
+        ),  # fmt: skip
+        refused=FORWARD_PROCESS_REFUSED,
+        card_summary="DGPO (Direct Group Preference Optimization): the group-level DPO loss on forward-noised clean "
+        "samples of deterministic rollouts{jagg}.",
+        card_jagg=", with JAGG group gradients across each sample's timesteps",
+        card_settings={
+            "rollout / DPO beta / trained timesteps": "ODE / {config.dgpo_beta} / {config.dgpo_num_train_timesteps} "
+            "of 0..{config.dgpo_trunc_steps}",
+        },
+        citation="""@article{luo2025dgpo,
+  title   = {Reinforcing Diffusion Models by Direct Group Preference Optimization},
+  author  = {Luo, Yihong and Hu, Tianyang and Tang, Jing},
+  journal = {arXiv preprint arXiv:2510.08425},
+  year    = {2025}
+}""",
+        tags=("dgpo",),
     )
 )

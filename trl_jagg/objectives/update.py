@@ -81,11 +81,16 @@ class UpdateStage:
         self.accelerator = accelerator
         self.metrics = metrics
         self.ref_transformer = inputs.ref_transformer
-        self.engine = JaggEngine(
-            functools.partial(backward, accelerator),
+        self.engine = self.build_engine()
+
+    def build_engine(self) -> JaggEngine:
+        """The JAGG engine with the run's settings (built once; again only where those settings change)."""
+        args = self.args
+        return JaggEngine(
+            functools.partial(backward, self.accelerator),
             endpoint_backward=args.jagg_endpoint_backward,
             cache_tolerance=args.jagg_cache_tolerance if args.jagg_cache_mode == "checked" else None,
-            agree=self.largest_over_processes if accelerator.num_processes > 1 else None,
+            agree=self.largest_over_processes if self.accelerator.num_processes > 1 else None,
         )
 
     # ------------------------------------------------------------------ the objective's state
@@ -124,11 +129,7 @@ class UpdateStage:
         rounding."""
         args = self.args
         size = inputs[0].shape[0]
-        guidance = {
-            "guidance_scale": args.guidance_scale,
-            "true_cfg_scale": args.true_cfg_scale,
-            "uncond_grad": args.cfg_gradient == "both",
-        }
+        guidance = self.guidance()
         per_call = args.no_grad_batch_steps or len(inputs)
         velocities: list[torch.Tensor] = []
         for begin in range(0, len(inputs), per_call):
@@ -140,6 +141,15 @@ class UpdateStage:
                 c = cond.select(torch.arange(size, device=x.device).repeat(end - begin))
             velocities.extend(self.adapter.predict_velocity(transformer, x, t, c, **guidance).split(size))
         return velocities
+
+    def guidance(self) -> dict[str, Any]:
+        """The guidance of the update's backbone calls: the rollout's (classifier-free guidance included)."""
+        args = self.args
+        return {
+            "guidance_scale": args.guidance_scale,
+            "true_cfg_scale": args.true_cfg_scale,
+            "uncond_grad": args.cfg_gradient == "both",
+        }
 
     @torch.no_grad()
     def reference_velocities(

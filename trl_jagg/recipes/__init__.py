@@ -38,7 +38,9 @@ from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 
 from trl_jagg.recipes._shared import ATTENTION_PROJECTIONS, PAPER_JAGG
+from trl_jagg.recipes.awm import AWM_RECIPES
 from trl_jagg.recipes.dancegrpo import DANCEGRPO_RECIPES
+from trl_jagg.recipes.dgpo import DGPO_RECIPES
 from trl_jagg.recipes.diffusion_nft import DIFFUSION_NFT_RECIPES
 from trl_jagg.recipes.flow_factory import FLOW_FACTORY_RECIPES
 from trl_jagg.recipes.flow_grpo import FLOW_GRPO_RECIPES
@@ -51,7 +53,14 @@ __all__ = [
 RECIPES: Mapping[str, Recipe] = MappingProxyType(
     {
         recipe.name: recipe
-        for recipe in (*FLOW_GRPO_RECIPES, *DANCEGRPO_RECIPES, *FLOW_FACTORY_RECIPES, *DIFFUSION_NFT_RECIPES)
+        for recipe in (
+            *FLOW_GRPO_RECIPES,
+            *DANCEGRPO_RECIPES,
+            *FLOW_FACTORY_RECIPES,
+            *DIFFUSION_NFT_RECIPES,
+            *AWM_RECIPES,
+            *DGPO_RECIPES,
+        )
     }
 )
 """Every preset by name, in the order of ``docs/models.md``."""

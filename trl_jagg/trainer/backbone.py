@@ -18,6 +18,7 @@ from peft.utils.constants import INCLUDE_LINEAR_LAYERS_SHORTHAND
 
 from trl_jagg.config.grpo_jagg_config import GRPOJaggConfig
 from trl_jagg.models import FlowMatchingAdapter
+from trl_jagg.objectives import get_objective
 from trl_jagg.models.wan_experts import WanExperts, trained_parts
 
 
@@ -87,7 +88,8 @@ def prepare_backbone(
         else:
             part.requires_grad_(True)
     ref_transformer = None
-    if args.beta > 0 and peft_config is None:
+    # The KL reference, or a loss that reads the base model (DGPO's): a frozen copy, LoRA disabling its adapters.
+    if (args.beta > 0 or get_objective(args.objective).needs_reference) and peft_config is None:
         ref_transformer = copy.deepcopy(transformer).requires_grad_(False).eval()
     if args.gradient_checkpointing or getattr(args, "activation_checkpointing", False):
         # transformers' own switch calls a transformers-only method; diffusers has its own.

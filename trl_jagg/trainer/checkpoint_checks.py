@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from trl_jagg.objectives import OBJECTIVES, get_objective
 from trl_jagg.trainer.ema import ema_weight_files
 from trl_jagg.trainer.files import EMA_DIR, EMA_STATE_NAME, GRPO_STATE_NAME, OLD_POLICY_FILE
 from trl_jagg.utils.errors import CheckpointError
@@ -239,7 +240,13 @@ def old_policy_stamp(file: str) -> dict[str, str]:
     return stamp
 
 
-def check_old_policy(path: str, *, keeps_old_policy: bool) -> None:
+def _stamped_objective(file: str) -> str:
+    """The objective an old-policy file was written for (files from before the stamp held it: DiffusionNFT's)."""
+    objective = old_policy_stamp(file).get("objective", "nft")
+    return objective if objective in OBJECTIVES else "nft"
+
+
+def check_old_policy(path: str, *, objective: str, keeps_old_policy: bool) -> None:
     """DiffusionNFT's old policy belongs to the run resuming ``path``: an NFT checkpoint is not resumed by another
     objective (its old policy would be ignored in silence), and with ``keeps_old_policy`` the file is readable and
     stamped (safetensors metadata) with this checkpoint's step (a file copied from another save would resume another
@@ -247,17 +254,25 @@ def check_old_policy(path: str, *, keeps_old_policy: bool) -> None:
     file = os.path.join(path, OLD_POLICY_FILE)
     if not keeps_old_policy:
         if os.path.isfile(file):
+            saved_by = _stamped_objective(file)
             raise CheckpointError(
-                f"{path} was saved by a DiffusionNFT run ({OLD_POLICY_FILE}): resuming it with another objective "
-                "would drop its old policy. Resume with objective='nft', or start a new run in another output_dir."
+                f"{path} was saved by a {get_objective(saved_by).title} run ({OLD_POLICY_FILE}): resuming it with "
+                f"another objective would drop its old policy. Resume with objective={saved_by!r}, or start a new "
+                "run in another output_dir."
             )
         return
     if not os.path.isfile(file):
         raise CheckpointError(
-            f"objective='nft' but {path} has no {OLD_POLICY_FILE}: it was not saved by a DiffusionNFT run. Resume it "
-            "with its own objective, or start a new run in another output_dir."
+            f"objective={objective!r} but {path} has no {OLD_POLICY_FILE}: it was not saved by a "
+            f"{get_objective(objective).title} run. Resume it with its own objective, or start a new run in another "
+            "output_dir."
         )
     stamp = old_policy_stamp(file)
+    if stamp.get("objective", objective) != objective:
+        raise CheckpointError(
+            f"{file} is the old-policy state of objective={stamp['objective']!r}; this run is objective="
+            f"{objective!r}. Resume with objective={stamp['objective']!r}, or start a new run in another output_dir."
+        )
     if "checkpoint_step" not in stamp:
         warnings.warn(
             f"{file} has no checkpoint_step stamp (saved by an older version): whether the old policy belongs to "

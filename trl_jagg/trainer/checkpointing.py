@@ -133,7 +133,9 @@ class WeightsIO:
                 check_finite_weights(files)
         if ema is not None:
             check_ema_step(path, objective=args.objective)
-        check_old_policy(path, keeps_old_policy=get_objective(args.objective).keeps_old_policy)
+        check_old_policy(
+            path, objective=args.objective, keeps_old_policy=get_objective(args.objective).keeps_old_policy
+        )
         check_step_agreement(path, args.gradient_accumulation_steps)
         if optimizer_files:
             check_resume_files(path, save_only_model=args.save_only_model)

@@ -1,7 +1,8 @@
-"""DiffusionNFT's sampling ("old") policy: a copy of the trainable weights that samples the rollouts and gives the
-``v_old`` of the loss, and follows the trained weights after each rollout's updates,
-``old <- decay * old + (1 - decay) * current`` with the decay of :func:`~trl_jagg.core.nft.old_policy_decay` (the
-reference code keeps it as a second LoRA adapter, ``"old"``, updated the same way after every epoch).
+"""An old policy: a copy of the trainable weights that follows the trained ones after each rollout's updates,
+``old <- decay * old + (1 - decay) * current``. DiffusionNFT's samples the rollouts and gives the ``v_old`` of its
+loss (decay :func:`~trl_jagg.core.nft.old_policy_decay`; the reference code keeps it as a second LoRA adapter,
+``"old"``, updated the same way after every epoch); AWM's KL-EMA and DGPO's clip reference follow with
+:func:`~trl_jagg.core.awm.linear_ramp_decay`.
 
 Each process keeps its own part of every weight, in float32 so that a bf16 average does not lose the ``(1 - decay)``
 share: under FSDP2 or DeepSpeed ZeRO-3 its shard (:func:`~trl_jagg.trainer.sharding.aligned_parts`, as the EMA does).
@@ -20,7 +21,6 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from trl_jagg.core.nft import old_policy_decay
 from trl_jagg.trainer.checkpoint_checks import damaged_file, old_policy_stamp
 from trl_jagg.trainer.files import OLD_POLICY_FILE
 from trl_jagg.trainer.sharding import aligned_parts, local_parts, whole, whole_shape
@@ -31,21 +31,28 @@ class OldPolicy:
 
     Args:
         parameters: returns the trainable parameters (the backbone's, in a fixed order).
-        decay_type: the reference code's ``decay_type`` (``GRPOJaggConfig.nft_decay_type``).
+        decay: the decay at an optimizer step (``GRPOJaggConfig.nft_decay_type``'s, for DiffusionNFT).
+        objective: the objective that keeps it, stamped into the saved file and named in errors.
         accelerator: the trainer's, to refuse accelerate's FSDP version 1 plugin (as the EMA does).
     """
 
     def __init__(
-        self, parameters: Callable[[], list[torch.nn.Parameter]], decay_type: int, *, accelerator: Any = None
+        self,
+        parameters: Callable[[], list[torch.nn.Parameter]],
+        decay: Callable[[int], float],
+        *,
+        objective: str = "nft",
+        accelerator: Any = None,
     ):
         fsdp = accelerator is not None and getattr(accelerator.state, "fsdp_plugin", None) is not None
         if fsdp and not accelerator.is_fsdp2:  # FSDP1's flat parameters are neither whole weights nor DTensor shards
             raise ValueError(
-                "objective='nft' is not supported with FSDP version 1. Use FSDP2 (fsdp_version: 2, as "
+                f"objective={objective!r} is not supported with FSDP version 1. Use FSDP2 (fsdp_version: 2, as "
                 "examples/accelerate_configs/fsdp2.yaml), DeepSpeed or DDP."
             )
         self.parameters = parameters
-        self.decay_type = decay_type
+        self.decay = decay
+        self.objective = objective
         self.weights = [p.detach().float().clone() for p in local_parts(parameters())]
         self.followed_step = 0
         """The optimizer step at which the old policy last followed the trained weights."""
@@ -56,7 +63,7 @@ class OldPolicy:
         per step: a rollout that took no optimizer step leaves the policy as it is)."""
         if global_step == self.followed_step:
             return
-        decay = old_policy_decay(global_step, self.decay_type)
+        decay = self.decay(global_step)
         for old, part in zip(self.weights, aligned_parts(self.weights, self.parameters())):
             old.mul_(decay).add_(part.detach().to(old.device, torch.float32), alpha=1.0 - decay)
         self.followed_step = global_step
@@ -84,7 +91,11 @@ class OldPolicy:
         aligned_parts(self.weights, params)
         tensors = {str(i): whole(w, p).to("cpu").contiguous() for i, (w, p) in enumerate(zip(self.weights, params))}
         if write:
-            stamp = {"step": str(self.followed_step), "checkpoint_step": str(checkpoint_step), "objective": "nft"}
+            stamp = {
+                "step": str(self.followed_step),
+                "checkpoint_step": str(checkpoint_step),
+                "objective": self.objective,
+            }
             save_file(tensors, os.path.join(folder, OLD_POLICY_FILE), metadata=stamp)
 
     def load(self, folder: str) -> None:
@@ -92,8 +103,8 @@ class OldPolicy:
         path = os.path.join(folder, OLD_POLICY_FILE)
         if not os.path.isfile(path):
             raise FileNotFoundError(
-                f"objective='nft' but {path} is missing: the checkpoint was not saved by an NFT run. Resume it "
-                "with objective='grpo', or start a new run."
+                f"objective={self.objective!r} but {path} is missing: the checkpoint was not saved by a "
+                f"{self.objective!r} run. Resume it with its own objective, or start a new run."
             )
         stamp = old_policy_stamp(path)
         try:
