@@ -153,3 +153,61 @@ def test_trl_keys_at_their_off_value_are_dropped():
         + ["--use_vllm", "false", "--top_p", "1.0", "--entropy_coef", "0", "--disable_dropout", "false"]
     )
     assert script_args.model_name_or_path == "x/y" and not hasattr(args, "use_vllm")
+
+
+def test_an_uncached_reward_model_names_the_reward_kwargs_entry_that_takes_a_local_copy(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    from trl_jagg.rewards import load_reward_funcs
+    from trl_jagg.utils.hub_access import HubAccessError
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    # Each uncached file's note names its parameter: pointed at local copies, the reward takes them and checks out.
+    kwargs: dict[str, str] = {}
+    for _ in range(3):
+        (reward,) = load_reward_funcs(["pickscore"], {"pickscore": kwargs})
+        try:
+            reward.check_weights()
+        except HubAccessError as error:
+            (note,) = error.__notes__
+            entry = json.loads(note.split("reward_kwargs: ", 1)[1].split(" (in the YAML", 1)[0])
+            ((parameter, path),) = entry["pickscore"].items()
+            local = tmp_path / parameter
+            local.mkdir()
+            (local / "config.json").write_text("{}")
+            kwargs[parameter] = str(local)
+        else:
+            break
+    assert len(kwargs) >= 1 and reward.hub_files() == [(path, "config.json") for path in kwargs.values()]
+
+
+# ---------------------------------------------------------------- console log
+def test_step_line_reads_the_rewards_then_the_summary_keys():
+    from trl_jagg.trainer.console import step_line
+
+    logs = {"reward": 0.25, "rewards/redness/mean": 0.5, "rewards/redness/std": 0.1, "kl": 0.00125, "loss": 0.0,
+            "time/update_s": 1.25, "jagg/backward_calls": 2.0, "latents/final_std": float("nan")}  # fmt: skip
+    assert step_line(3, 10, logs) == "step 3/10  reward +0.250  redness +0.500  kl 0.0013  update 1.2s"
+    assert step_line(3, 10, {"eval_reward": -0.5, "eval_rewards/redness/mean": 0.5}) == (
+        "step 3/10  eval reward -0.500  redness +0.500"
+    )
+    assert step_line(4, 4, {"train_runtime": 12.5}) == "step 4/4  train_runtime 12.5"
+
+
+def test_train_log_format_line_prints_one_line_per_step(tiny_flux_path, tmp_path, capsys):
+    flags = [
+        "--model_name_or_path", tiny_flux_path, "--reward_funcs", "prompt_color", "--prompts", "a red circle",
+        "--output_dir", str(tmp_path / "out"), "--per_device_train_batch_size", "2", "--num_generations", "2",
+        "--num_inference_steps", "3", "--jagg_group_size", "2", "--height", "32", "--width", "32",
+        "--max_sequence_length", "16", "--max_steps", "2", "--gradient_accumulation_steps", "1",
+        "--steps_per_generation", "1", "--dtype", "float32", "--bf16", "false", "--use_cpu", "true",
+        "--report_to", "none", "--save_strategy", "no", "--logging_steps", "1", "--log_format", "line",
+    ]  # fmt: skip
+    assert cli.main(["train", *flags]) == 0
+    out = capsys.readouterr().out
+    steps = [line for line in out.splitlines() if line.startswith("step ") and " reward " in line]
+    assert [line.split()[1] for line in steps] == ["1/2", "2/2"]
+    assert "{'loss'" not in out and "'reward':" not in out  # transformers' dict printer is gone
+    assert cli.main(["train", *flags[:-1], "json"]) == 2  # a format with no printer is a usage error

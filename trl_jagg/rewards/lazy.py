@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from PIL import Image
 
-from trl_jagg.utils.hub_access import check_hub_file
+from trl_jagg.utils.hub_access import HubAccessError, check_hub_file
 
 # The image statistics of OpenAI's CLIP, which CLIP-derived reward models (HPSv2, ImageReward) normalise with.
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -105,7 +105,22 @@ class LazyModelReward:
         if self._loaded:
             return
         for repo_id, filename in self.hub_files():
-            check_hub_file(repo_id, filename, what=f"reward {self.__name__!r}: model")
+            try:
+                check_hub_file(repo_id, filename, what=f"reward {self.__name__!r}: model")
+            except HubAccessError as error:
+                error.add_note(self._local_copy_hint(repo_id, filename))
+                raise
+
+    def _local_copy_hint(self, repo_id: str, filename: str) -> str:
+        """Where a local copy of ``repo_id`` goes: the ``reward_kwargs`` entry of the parameter that names it."""
+        names = [name for name, value in vars(self).items() if value == repo_id and not name.startswith("_")]
+        if filename == "config.json" and names:  # a from_pretrained source: a local directory stands for the id
+            entry = f'{{"{self.__name__}": {{"{names[0]}": "/path/to/{repo_id.split("/")[-1]}"}}}}'
+            return f"A local copy goes in reward_kwargs: {entry} (in the YAML, or --reward_kwargs '{entry}')."
+        return (
+            f"A local copy goes in reward_kwargs, under {self.__name__!r}: the reward's parameters are in "
+            "docs/rewards.md."
+        )
 
     def _load(self) -> None:
         raise NotImplementedError

@@ -117,6 +117,15 @@ class ScriptArguments:
         },
     )
 
+    log_format: str = field(
+        default="dict",
+        metadata={
+            "help": "How the console shows each logging step: 'dict' (transformers' printed metrics dict) or 'line' "
+            "(one short line per step: rewards, KL, clipping, latent std, rollout and update time). The trackers "
+            "of report_to get every scalar either way."
+        },
+    )
+
     accelerate_config: str | None = field(
         default=None,
         metadata={
@@ -139,6 +148,8 @@ class ScriptArguments:
             raise ValueError(f"lora_alpha is {self.lora_alpha}. Use a positive value (often 2 x lora_r).")
         if not 0 <= self.lora_dropout < 1:
             raise ValueError(f"lora_dropout is {self.lora_dropout}. Use a value in [0, 1).")
+        if self.log_format not in ("dict", "line"):
+            raise ValueError(f"log_format is {self.log_format!r}. Use 'dict' or 'line'.")
 
 
 DESCRIPTION = (
@@ -428,7 +439,12 @@ def recipe_scheduler(name: str | None) -> dict[str, Any]:
 def run_train(script_args: ScriptArguments, training_args: GRPOJaggConfig) -> DDPOJaggTrainer:
     """Build the trainer, train (resuming when asked), save to ``output_dir``, push when ``push_to_hub`` and end
     (the trackers finish: nothing that talks to the other processes may follow)."""
-    return train_and_save(build_trainer(script_args, training_args), training_args, script_args.dataset_name)
+    trainer = build_trainer(script_args, training_args)
+    if script_args.log_format == "line":
+        from trl_jagg.trainer.console import use_step_summary
+
+        use_step_summary(trainer)
+    return train_and_save(trainer, training_args, script_args.dataset_name)
 
 
 def train_and_save(
