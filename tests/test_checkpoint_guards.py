@@ -39,7 +39,7 @@ def test_the_stop_names_the_latest_checkpoint_that_exists(tmp_path):
     [
         ("latents after the rollout", "the sampler diverged", "noise_level and guidance_scale"),
         ("decoded images (the VAE output) after the rollout", "the VAE overflowed", "dtype bfloat16 or float32"),
-        ("loss", "the policy moved too far", "clip_range"),
+        ("loss", "the policy moved too far", "epsilon"),
         ("gradient norm", "the backward overflowed", "max_grad_norm > 0"),
     ],
 )

@@ -21,7 +21,7 @@ LIKELY_CAUSES = (
     ("decoded", "the VAE overflowed in half precision (its latents were finite)",
      "dtype bfloat16 or float32 (the VAE decodes in it)"),
     ("loss", "the policy moved too far from the rollout's in one step (an exploding probability ratio)",
-     "a lower learning_rate, clip_range in its usual range, max_grad_norm > 0"),
+     "a lower learning_rate, epsilon (the clip range) in its usual range, max_grad_norm > 0"),
     ("gradient", "the backward overflowed (a loss too large for the dtype, or an exploding ratio)",
      "max_grad_norm > 0, a lower learning_rate, or dtype float32"),
     ("weights", "the optimizer step diverged", "a lower learning_rate and max_grad_norm > 0"),
