@@ -1,5 +1,5 @@
 """The reward-hacking watch: its statistics against hand values, a gamed brightness reward that warns, the demo's
-colour reward that does not, and the statistics reaching the trackers from a tiny run."""
+colour reward that does not, and the statistics reaching TensorBoard, W&B and trackio from a tiny run."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
 from trl_jagg.rewards import prompt_color
 from trl_jagg.testing.tiny_models import build_tiny_pipeline
 from trl_jagg.trainer.hacking_watch import PREFIX, RewardHackingWarning, RewardHackingWatch, rollout_statistics
+
+STATISTICS = ("diversity", "dark_fraction", "bright_fraction", "colour_entropy", "reward_spread")
 
 
 def solid(rgb: tuple[float, float, float], size: int = 16) -> torch.Tensor:
@@ -95,23 +97,44 @@ def test_a_growing_train_eval_gap_warns():
     assert watch.metrics[PREFIX + "train_eval_gap"] == pytest.approx([0.1, 0.5])
 
 
-def test_the_statistics_reach_tensorboard_from_a_tiny_run(tiny_flux_path, tmp_path):
+def test_the_statistics_reach_tensorboard_wandb_and_trackio_from_a_tiny_run(
+    tiny_flux_path, tmp_path, monkeypatch, offline_wandb
+):
+    pytest.importorskip("trackio")
+    from test_trackers import wandb_history
+
+    monkeypatch.setenv("TRACKIO_DIR", str(tmp_path / "trackio"))  # read when trackio is first imported
+    project = f"trl-jagg-hacking-{os.getpid()}"
     args = GRPOJaggConfig(
         output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=2, num_inference_steps=3,
         height=32, width=32, max_steps=2, jagg_group_size=2, max_sequence_length=16, seed=0, save_strategy="no",
-        disable_tqdm=True, logging_steps=1, report_to=["tensorboard"], log_completions=True,
+        disable_tqdm=True, logging_steps=1, report_to=["tensorboard", "wandb", "trackio"], project=project,
+        run_name="hacking", log_completions=True,
     )  # fmt: skip
     trainer = DDPOJaggTrainer(
         model=tiny_flux_path, reward_funcs=redness, args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_k", "to_v"]),
     )  # fmt: skip
     trainer.train()
+    offline_wandb.finish()  # flush the offline run's last records before reading its file
+    keys = [f"train/{PREFIX}{name}" for name in STATISTICS]
+
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     (events,) = {os.path.dirname(p) for p in glob.glob(str(tmp_path / "out" / "**" / "events.out.tfevents*"),
                                                          recursive=True)}  # fmt: skip
     board = EventAccumulator(events)
     board.Reload()
-    names = ("diversity", "dark_fraction", "bright_fraction", "colour_entropy", "reward_spread")
-    for name in names:
-        assert [event.step for event in board.Scalars(f"train/{PREFIX}{name}")] == [1, 2], name
+    for key in keys:
+        assert [event.step for event in board.Scalars(key)] == [1, 2], key
+
+    (run_file,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
+    rows = wandb_history(run_file)
+    for key in keys:
+        assert sorted(int(row["train/global_step"]) for row in rows if key in row) == [1, 2], key
+
+    from trackio.sqlite_storage import SQLiteStorage
+
+    logs = SQLiteStorage.get_logs(project, "hacking")
+    for key in keys:
+        assert sorted(int(entry["train/global_step"]) for entry in logs if key in entry) == [1, 2], key
