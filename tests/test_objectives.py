@@ -158,3 +158,80 @@ def test_a_resumed_run_ends_with_the_weights_and_state_of_an_uninterrupted_one(t
     wrong = objective_trainer(tiny_flux_path, tmp_path / "cut", other, max_steps=3)
     with pytest.raises(CheckpointError, match=f"old-policy state of objective='{objective}'"):
         wrong.train(resume_from_checkpoint=checkpoint)
+
+
+# ---------------------------------------------------------------- JAGG's exact limits on the objectives' losses
+class LinearVelocity(torch.nn.Module):
+    """A velocity linear in (x, t): its Jacobian is linear in t along a line of inputs (Theorem 1's regime)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        gen = torch.Generator().manual_seed(2)
+        self.a = torch.nn.Parameter(torch.randn(dim, dim, generator=gen, dtype=torch.float64) / dim)
+        self.b = torch.nn.Parameter(torch.randn(dim, generator=gen, dtype=torch.float64))
+        self.c = torch.nn.Parameter(torch.randn(dim, generator=gen, dtype=torch.float64))
+
+    def forward(self, x, t):
+        return x @ self.a + t[:, None] * self.b + self.c
+
+
+class TanhVelocity(LinearVelocity):
+    def forward(self, x, t):
+        return torch.tanh(super().forward(x, t)) * (1 + t[:, None])
+
+
+def forward_objective_gradients(objective, model, times, group_size, mode="jagg"):
+    """One batch of 4 samples (2 groups of 2) at ``times`` with one eps per JAGG group, the objective's loss per
+    timestep: the engine's gradient and the exact sum of per-timestep gradients taken here one by one."""
+    from trl_jagg.core.awm import awm_loss
+    from trl_jagg.core.dgpo import dgpo_loss
+    from trl_jagg.core.jagg import JaggEngine, StepFunctions, plan_groups
+    from trl_jagg.core.nft import forward_noised
+
+    gen = torch.Generator().manual_seed(3)
+    x0 = torch.randn(4, 4, generator=gen, dtype=torch.float64)
+    advantages = torch.tensor([1.2, -0.7, 0.4, -1.5], dtype=torch.float64)
+    reference = LinearVelocity(4)
+    groups = plan_groups(times, group_size, 1.0, mode)
+    eps = {}
+    for g in groups:  # one eps per group
+        noise = torch.randn(4, 4, generator=gen, dtype=torch.float64)
+        eps.update(dict.fromkeys(g.steps, noise))
+    t_of = [torch.full((4,), s, dtype=torch.float64) for s in times]
+    x_t = [forward_noised(x0, eps[i], t_of[i]) for i in range(len(times))]
+    with torch.no_grad():
+        ref = [reference(x_t[i], t_of[i]) for i in range(len(times))]
+
+    def loss_fn(i, v):
+        if objective == "awm":
+            return awm_loss(v, x0, eps[i], t_of[i], advantages, ref_velocity=ref[i], kl_beta=0.1).loss
+        return dgpo_loss(
+            v, x0, eps[i], advantages, torch.tensor([0, 0, 1, 1]), ref[i], num_groups=2, group_size=2, dpo_beta=10.0
+        ).loss
+
+    params = list(model.parameters())
+    for p in params:
+        p.grad = None
+    JaggEngine().run(groups, StepFunctions(lambda i: model(x_t[i], t_of[i]), loss_fn))
+    jagg = torch.cat([p.grad.flatten() for p in params])
+    exact = sum(
+        torch.cat([g.flatten() for g in torch.autograd.grad(loss_fn(i, model(x_t[i], t_of[i])), params)])
+        for i in range(len(times))
+    )
+    return jagg, exact
+
+
+@pytest.mark.parametrize("objective", ["awm", "dgpo"])
+def test_jagg_across_timesteps_is_exact_for_a_velocity_linear_in_x_and_t(objective):
+    """Theorem 1 across the objective's timesteps: one eps per group puts x_t on a line in t, so a velocity linear in
+    (x, t) makes the interpolated Jacobian exact (float64: rounding only), and W = 2 is exact for any velocity."""
+    times = [0.95, 0.8, 0.6, 0.45, 0.3, 0.2, 0.1, 0.05]
+    jagg, exact = forward_objective_gradients(objective, LinearVelocity(4), times, group_size=4)
+    assert exact.abs().max() > 1e-3
+    torch.testing.assert_close(jagg, exact, rtol=1e-10, atol=1e-12)
+    ablation, _ = forward_objective_gradients(objective, LinearVelocity(4), times, group_size=4, mode="endpoints")
+    assert (ablation - exact).abs().max() > 1e-3  # the test can fail: dropping the intermediates is not exact
+    pairs, exact = forward_objective_gradients(objective, TanhVelocity(4), times, group_size=2)
+    torch.testing.assert_close(pairs, exact, rtol=1e-10, atol=1e-12)
+    wider, _ = forward_objective_gradients(objective, TanhVelocity(4), times, group_size=4)
+    assert (wider - exact).abs().max() > 1e-6  # W = 4 on a nonlinear velocity is an approximation
