@@ -77,11 +77,17 @@ EXTRA_ARGS = {
 }
 
 
+SCRIPTS = {"train_flux_pickscore.py"}
+"""The examples written out as plain scripts to copy and edit (TRL's trl/scripts/grpo.py shape); the others are
+declarations over trl_jagg/scripts/examples.py."""
+DECLARED = sorted(set(EXAMPLES) - SCRIPTS)
+
+
 def test_every_example_is_covered():
     assert sorted(p.name for p in EXAMPLES_DIR.glob("train_*.py")) == sorted(EXAMPLES)
 
 
-@pytest.mark.parametrize("name", sorted(EXAMPLES))
+@pytest.mark.parametrize("name", DECLARED)
 def test_example_is_short_and_uses_the_real_model(name):
     source = (EXAMPLES_DIR / name).read_text()
     assert len(source.splitlines()) < 80
@@ -89,6 +95,16 @@ def test_example_is_short_and_uses_the_real_model(name):
     assert "--tiny" in source and "accelerate launch" in source
     # The command line, --tiny, the dataset and the trainer are trl_jagg/scripts/examples.py's: no parser of its own.
     assert "argparse" not in source and "EXAMPLE.main()" in source
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
+def test_script_example_shows_the_whole_flow(name):
+    """What a user edits is in the file: the parser, the dataset, the reward, the trainer, train, save and push."""
+    source = (EXAMPLES_DIR / name).read_text()
+    for step in ("CommandParser(", "load_dataset(", "reward_funcs = [", "DDPOJaggTrainer(", "trainer.train(",
+                 "trainer.save_model(", "trainer.push_to_hub(", "def main(", "--tiny", "accelerate launch"):  # fmt: skip
+        assert step in source, step
+    assert f'"{EXAMPLES[name][2]}"' in source and "trl_jagg.scripts.examples" not in source
 
 
 @pytest.mark.slow
@@ -131,7 +147,7 @@ def load_example(name: str):
 CPU = ["--use_cpu", "true"]
 
 
-@pytest.mark.parametrize("name", sorted(EXAMPLES))
+@pytest.mark.parametrize("name", DECLARED)
 def test_example_flags_land_in_its_config(name, tmp_path):
     """Without flags the example's config is its preset's; every GRPOJaggConfig field (a mixin group's too) and the
     example's own flags override it, as in `trl-jagg train`; nothing is loaded or trained."""
@@ -188,14 +204,18 @@ def test_example_own_flags_set_its_values():
 def test_unknown_flag_is_a_usage_error_with_a_hint(argv, hint, capsys):
     from trl_jagg.scripts.utils import UsageError
 
-    example = load_example("train_flux_pickscore.py")
+    example = load_example("train_sd35_flow_grpo.py")
     with pytest.raises(UsageError, match="unknown field") as error:
         example.parse(argv)
     assert hint in str(error.value)
     with pytest.raises(SystemExit) as exit_:
         example.main(argv)
     assert exit_.value.code == 2
-    assert capsys.readouterr().err.startswith("python examples/train_flux_pickscore.py: error: unknown field")
+    assert capsys.readouterr().err.startswith("python examples/train_sd35_flow_grpo.py: error: unknown field")
+    # The plain script answers alike.
+    with pytest.raises(UsageError, match="unknown field") as error:
+        runpy.run_path(str(EXAMPLES_DIR / "train_flux_pickscore.py"))["parse_args"](argv)
+    assert hint in str(error.value)
 
 
 def test_help_lists_every_config_field(capsys):
@@ -242,9 +262,10 @@ def test_documented_commands_parse(name):
     text = runpy.run_path(str(EXAMPLES_DIR / name))["__doc__"].replace("\\\n", " ") + docs
     commands = re.findall(rf"examples/{re.escape(name)} ([^#\n`]*)", text)
     assert commands
-    example = load_example(name)
+    module = runpy.run_path(str(EXAMPLES_DIR / name))
+    parse = module["parse_args"] if name in SCRIPTS else module["EXAMPLE"].parse
     for flags in commands:
-        assert example.parse([*CPU, *flags.split()]) is not None, flags
+        assert parse([*CPU, *flags.split()]) is not None, flags
 
 
 @pytest.mark.parametrize("flags", [["--model_name_or_path", "me/model"], ["--reward_funcs=pickscore"],
@@ -254,7 +275,7 @@ def test_tiny_refuses_the_flags_it_would_replace(tmp_path, flags):
     (before anything loads) instead of being silently replaced."""
     from trl_jagg.scripts.utils import UsageError
 
-    example = load_example("train_flux_pickscore.py")
+    example = load_example("train_sd35_flow_grpo.py")
     with pytest.raises(UsageError, match="--tiny replaces") as error:
         example.parse(["--tiny", "--output_dir", str(tmp_path), *flags])
     assert all(f"{flag.split('=')[0]}" in str(error.value) for flag in flags if flag.startswith("--"))
