@@ -138,3 +138,28 @@ def test_the_statistics_reach_tensorboard_wandb_and_trackio_from_a_tiny_run(
     logs = SQLiteStorage.get_logs(project, "hacking")
     for key in keys:
         assert sorted(int(entry["train/global_step"]) for entry in logs if key in entry) == [1, 2], key
+
+
+def demo_run_warnings(reward: str, steps: int, tmp_path, **overrides) -> list:
+    from trl_jagg.demo.run import DEMO_ASSET_DIR, demo_trainer
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = demo_trainer(
+            DEMO_ASSET_DIR, str(tmp_path), steps=steps, seed=0, reward=reward, log_completions=True, **overrides
+        )
+        trainer.train()
+    return [w for w in caught if issubclass(w.category, RewardHackingWarning)]
+
+
+@pytest.mark.slow
+def test_the_demo_model_gaming_brightness_without_a_kl_anchor_warns(tmp_path):
+    # The demo's pretrained model and settings, trained on brightness with beta = 0: every image of a group turns
+    # into the same bright field (diversity 0.24 -> 0.06 by step 8).
+    caught = demo_run_warnings("brightness", 12, tmp_path, beta=0.0)
+    assert any("diversity" in str(w.message) for w in caught)
+
+
+@pytest.mark.slow
+def test_the_demo_model_learning_its_colour_reward_does_not_warn(tmp_path):
+    assert demo_run_warnings("prompt_color", 12, tmp_path) == []
