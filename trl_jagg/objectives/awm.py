@@ -14,13 +14,10 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from trl_jagg.config.grpo_jagg_config import GRPOJaggConfig
 from trl_jagg.core.awm import AWMLossOutput, awm_loss, awm_train_timestep_indices, linear_ramp_decay
-from trl_jagg.models import FlowMatchingAdapter
 from trl_jagg.objectives.forward import ForwardInputs, ForwardProcessStage
 from trl_jagg.objectives.update import StageInputs
 from trl_jagg.trainer.batch import resolved, rng_seed
@@ -43,17 +40,11 @@ class AWMUpdateStage(ForwardProcessStage):
     stat_prefix = "awm/"
     stat_names = ("policy_loss", "kl", "ema_kl", "ratio", "clip_fraction")
 
-    def __init__(
-        self,
-        adapter: FlowMatchingAdapter,
-        args: GRPOJaggConfig,
-        accelerator: Any,
-        metrics: dict[str, list[float]],
-        inputs: StageInputs,
-    ):
-        super().__init__(adapter, args, accelerator, metrics, inputs)
+    def setup(self, inputs: StageInputs) -> None:
+        """The KL-EMA copy of the trained weights."""
+        args = self.args
         decay = functools.partial(linear_ramp_decay, ceiling=args.awm_kl_ema_decay, rate=args.awm_kl_ema_ramp_rate)
-        self.kl_ema = OldPolicy(inputs.trainable_parameters, decay, objective="awm", accelerator=accelerator)
+        self.kl_ema = OldPolicy(inputs.trainable_parameters, decay, objective="awm", accelerator=self.accelerator)
 
     # ------------------------------------------------------------------ the KL-EMA
     def before_rollout(self, global_step: int) -> None:

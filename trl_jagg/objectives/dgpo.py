@@ -20,10 +20,8 @@ from typing import Any
 
 import torch
 
-from trl_jagg.config.grpo_jagg_config import GRPOJaggConfig
 from trl_jagg.core.awm import linear_ramp_decay
 from trl_jagg.core.dgpo import DGPOLossOutput, dgpo_loss, dgpo_train_timestep_indices
-from trl_jagg.models import FlowMatchingAdapter
 from trl_jagg.objectives.forward import ForwardInputs, ForwardProcessStage
 from trl_jagg.objectives.update import StageInputs
 from trl_jagg.trainer.batch import resolved, rng_seed
@@ -47,19 +45,13 @@ class DGPOUpdateStage(ForwardProcessStage):
     stat_prefix = "dgpo/"
     stat_names = ("policy_loss", "kl", "dsm", "group_weight", "clip_fraction")
 
-    def __init__(
-        self,
-        adapter: FlowMatchingAdapter,
-        args: GRPOJaggConfig,
-        accelerator: Any,
-        metrics: dict[str, list[float]],
-        inputs: StageInputs,
-    ):
-        super().__init__(adapter, args, accelerator, metrics, inputs)
+    def setup(self, inputs: StageInputs) -> None:
+        """The old policy."""
+        args = self.args
         decay = functools.partial(
             linear_ramp_decay, ceiling=args.dgpo_old_policy_decay, rate=args.dgpo_old_policy_ramp_rate
         )
-        self.old_policy = OldPolicy(inputs.trainable_parameters, decay, objective="dgpo", accelerator=accelerator)
+        self.old_policy = OldPolicy(inputs.trainable_parameters, decay, objective="dgpo", accelerator=self.accelerator)
         self.global_step = 0
 
     # ------------------------------------------------------------------ the old policy

@@ -22,7 +22,6 @@ from trl_jagg.config.grpo_jagg_config import GRPOJaggConfig
 from trl_jagg.core.grpo import guard_log_ratio, kl_to_reference, ppo_step_loss
 from trl_jagg.core.jagg import EngineResult, StepGroup, gradient_diagnostic, leading_jagg_fraction, plan_groups
 from trl_jagg.core.sampling import sampler_step
-from trl_jagg.models import FlowMatchingAdapter
 from trl_jagg.objectives.update import StageInputs, TrainedStepFunctions, UpdateStage
 from trl_jagg.trainer.batch import RolloutBatch, resolved, rng_seed, velocity_key
 from trl_jagg.trainer.guards import any_process
@@ -57,15 +56,9 @@ def trained_steps(
 class GRPOUpdateStage(UpdateStage):
     """GRPO's update of one micro-batch (:class:`~trl_jagg.objectives.update.UpdateStage` says what it gets)."""
 
-    def __init__(
-        self,
-        adapter: FlowMatchingAdapter,
-        args: GRPOJaggConfig,
-        accelerator: Any,
-        metrics: dict[str, list[float]],
-        inputs: StageInputs,
-    ):
-        super().__init__(adapter, args, accelerator, metrics, inputs)
+    def setup(self, inputs: StageInputs) -> None:
+        """The dropout flag, the routing state, the reference cache; warns of a CFG gradient setting without CFG."""
+        args, adapter = self.args, self.adapter
         self.has_dropout = inputs.has_dropout
         if args.cfg_gradient == "conditional" and not adapter.needs_negative_prompt(
             args.guidance_scale, args.true_cfg_scale
@@ -75,7 +68,7 @@ class GRPOUpdateStage(UpdateStage):
                 f"unconditional branch at guidance_scale={args.guidance_scale}, true_cfg_scale={args.true_cfg_scale}. "
                 "Drop it, or turn classifier-free guidance on.",
                 UserWarning,
-                stacklevel=2,
+                stacklevel=3,  # the trainer's construction: this stage's setup, built by it
             )
         # `jagg_frac="auto"`: the routed fraction and the optimizer step of the probe that set it.
         self.routed_frac: float | None = None

@@ -15,13 +15,11 @@ import contextlib
 import functools
 import random
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from trl_jagg.config.grpo_jagg_config import GRPOJaggConfig
 from trl_jagg.core.nft import NFTLossOutput, nft_loss, old_policy_decay, optimality_probability
-from trl_jagg.models import FlowMatchingAdapter
 from trl_jagg.objectives.forward import ForwardInputs, ForwardProcessStage
 from trl_jagg.objectives.update import StageInputs
 from trl_jagg.trainer.batch import resolved, rng_seed
@@ -52,17 +50,11 @@ class NFTUpdateStage(ForwardProcessStage):
     stat_prefix = "nft/"
     stat_names = ("policy_loss", "kl", "old_deviation")
 
-    def __init__(
-        self,
-        adapter: FlowMatchingAdapter,
-        args: GRPOJaggConfig,
-        accelerator: Any,
-        metrics: dict[str, list[float]],
-        inputs: StageInputs,
-    ):
-        super().__init__(adapter, args, accelerator, metrics, inputs)
+    def setup(self, inputs: StageInputs) -> None:
+        """The old policy."""
+        args = self.args
         decay = functools.partial(old_policy_decay, decay_type=args.nft_decay_type)
-        self.old_policy = OldPolicy(inputs.trainable_parameters, decay, objective="nft", accelerator=accelerator)
+        self.old_policy = OldPolicy(inputs.trainable_parameters, decay, objective="nft", accelerator=self.accelerator)
 
     # ------------------------------------------------------------------ the old policy
     def before_rollout(self, global_step: int) -> None:

@@ -82,6 +82,10 @@ class UpdateStage:
         self.metrics = metrics
         self.ref_transformer = inputs.ref_transformer
         self.engine = self.build_engine()
+        self.setup(inputs)
+
+    def setup(self, inputs: StageInputs) -> None:
+        """The objective's own state and checks, once the stage is built (nothing here)."""
 
     def build_engine(self) -> JaggEngine:
         """The JAGG engine with the run's settings (built once; again only where those settings change)."""
