@@ -283,3 +283,8 @@ def test_predicted_peak_growth_of_a_step_matches_a_measured_cpu_step(checkpointi
             tracker.reset_mod_stats()  # per-module stats only; the peak snapshot spans both micro-batches
     measured = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"] - weights
     assert predicted == pytest.approx(measured, rel=0.15)  # the tolerance
+
+
+def test_bad_machine_flags_are_usage_errors_naming_the_flag(capsys):
+    assert cli_main(["plan", "--recipe", "flow-grpo-sd35", "--mfu", "1.5"]) == 2
+    assert "mfu" in capsys.readouterr().err

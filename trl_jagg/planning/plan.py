@@ -28,8 +28,6 @@ from trl_jagg.planning.measure import (
 from trl_jagg.planning.memory import STRATEGIES, MemoryRow, ModelSizes, memory_rows
 from trl_jagg.planning.settings import RunSettings
 
-GIB = 2**30
-
 
 @dataclass(frozen=True)
 class GPUs:
@@ -46,14 +44,17 @@ class GPUs:
     """The share of the memory kept free for the CUDA context, NCCL and the allocator's fragmentation."""
 
     def __post_init__(self) -> None:
-        for name, low, high in (("memory_gb", 0, None), ("tflops", 0, None), ("mfu", 0, 1), ("margin", -1e-9, 0.9)):
-            value = getattr(self, name)
-            if not value > low or (high is not None and value > high):
-                raise ValueError(
-                    f"{name} is {value}. Use a value above {low}" + (f" and at most {high}." if high else ".")
-                )
-        if self.num_processes < 1:
-            raise ValueError(f"num_processes is {self.num_processes}. Use 1 or more.")
+        # Named as ``trl-jagg plan``'s flags, which build this.
+        checks = {
+            "num_processes": (self.num_processes, self.num_processes >= 1, "1 or more"),
+            "gpu_memory_gb": (self.memory_gb, self.memory_gb > 0, "a positive size"),
+            "gpu_tflops": (self.tflops, self.tflops > 0, "a positive rate"),
+            "mfu": (self.mfu, 0 < self.mfu <= 1, "a share in (0, 1]"),
+            "memory_margin": (self.margin, 0 <= self.margin < 1, "a share in [0, 1)"),
+        }
+        for name, (value, valid, expected) in checks.items():
+            if not valid:
+                raise ValueError(f"{name} is {value}. Use {expected}.")
 
     @property
     def usable_bytes(self) -> int:
