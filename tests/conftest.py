@@ -10,88 +10,30 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from trl_jagg.models.families import FAMILIES  # noqa: E402  (imports nothing heavy)
+
 # The tiny models run tens of microsecond-sized kernels; on a shared 2-core machine extra intra-op threads spin and
 # wait on each other and make them 10-50x slower, so tests run single-threaded.
 torch.set_num_threads(1)
 
 
-def _save_tiny(family: str, tmp_path_factory: pytest.TempPathFactory) -> str:
-    # Imported here so that test modules that do not need diffusers do not pay for importing it at collection.
-    from trl_jagg.testing.tiny_models import save_tiny_pipeline
+def _tiny_path_fixture(family: str):
+    """The session fixture ``tiny_<family>_path``: the directory of the family's tiny pipeline (seed 0, default
+    vocabulary), saved on first use; load it with ``from_pretrained`` like a Hub id."""
 
-    return save_tiny_pipeline(family, tmp_path_factory.mktemp(f"tiny-{family}"), seed=0)
+    @pytest.fixture(scope="session", name=f"tiny_{family}_path")
+    def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+        # Imported here so that test modules that do not need diffusers do not pay for importing it at collection.
+        from trl_jagg.testing.tiny_models import save_tiny_pipeline
 
+        return save_tiny_pipeline(family, tmp_path_factory.mktemp(f"tiny-{family}"), seed=0)
 
-@pytest.fixture(scope="session")
-def tiny_flux_path(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """Directory of a tiny ``FluxPipeline`` (seed 0, default vocabulary); load with ``from_pretrained``."""
-    return _save_tiny("flux", tmp_path_factory)
-
-
-@pytest.fixture(scope="session")
-def tiny_sd3_path(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """Directory of a tiny ``StableDiffusion3Pipeline`` (seed 0, default vocabulary)."""
-    return _save_tiny("sd3", tmp_path_factory)
+    return tiny_path
 
 
-@pytest.fixture(scope="session")
-def tiny_qwenimage_path(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """Directory of a tiny ``QwenImagePipeline`` (seed 0, default vocabulary)."""
-    return _save_tiny("qwenimage", tmp_path_factory)
-
-
-@pytest.fixture(scope="session")
-def tiny_zimage_path(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """Directory of a tiny ``ZImagePipeline`` (seed 0, default vocabulary)."""
-    return _save_tiny("zimage", tmp_path_factory)
-
-
-@pytest.fixture(scope="session")
-def tiny_flux2_klein_path(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """Directory of a tiny ``Flux2KleinPipeline`` (the base model with CFG; seed 0, default vocabulary)."""
-    return _save_tiny("flux2_klein", tmp_path_factory)
-
-
-@pytest.fixture(scope="session")
-def tiny_flux2_dev_path(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """Directory of a tiny ``Flux2Pipeline`` (FLUX.2 dev: embedded guidance; seed 0, default vocabulary)."""
-    return _save_tiny("flux2_dev", tmp_path_factory)
-
-
-@pytest.fixture(scope="session")
-def tiny_flux_kontext_path(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """Directory of a tiny ``FluxKontextPipeline`` (image editing; seed 0, default vocabulary)."""
-    return _save_tiny("flux_kontext", tmp_path_factory)
-
-
-@pytest.fixture(scope="session")
-def tiny_qwenimage_edit_path(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """Directory of a tiny ``QwenImageEditPipeline`` (one source image; seed 0, default vocabulary)."""
-    return _save_tiny("qwenimage_edit", tmp_path_factory)
-
-
-@pytest.fixture(scope="session")
-def tiny_qwenimage_edit_plus_path(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """Directory of a tiny ``QwenImageEditPlusPipeline`` (several source images; seed 0, default vocabulary)."""
-    return _save_tiny("qwenimage_edit_plus", tmp_path_factory)
-
-
-@pytest.fixture(scope="session")
-def tiny_wan_path(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """Directory of a tiny ``WanPipeline`` (Wan2.1 text-to-video; seed 0, default vocabulary)."""
-    return _save_tiny("wan", tmp_path_factory)
-
-
-@pytest.fixture(scope="session")
-def tiny_wan22_path(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A tiny Wan2.2 A14B-like pipeline (two experts, boundary_ratio 0.8) saved to disk."""
-    return _save_tiny("wan22", tmp_path_factory)
-
-
-@pytest.fixture(scope="session")
-def tiny_wan22_ti2v_path(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A tiny Wan2.2 TI2V-5B-like pipeline (`expand_timesteps`, the 48-channel Wan2.2 VAE) saved to disk."""
-    return _save_tiny("wan22_ti2v", tmp_path_factory)
+# One fixture per family record (trl_jagg/models/families.py): a new family gets its fixture with its record.
+for _record in FAMILIES:
+    globals()[f"tiny_{_record.name}_path"] = _tiny_path_fixture(_record.name)
 
 
 @pytest.fixture

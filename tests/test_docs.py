@@ -11,6 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from trl_jagg.models.families import FAMILIES
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 # The pages written with the CLI and examples; docs/rewards.md belongs to the rewards and is only linked to.
@@ -200,12 +202,12 @@ def test_benchmarks_page_has_the_results_section():
 # The rule (CONTRIBUTING.md, "Docs"): the blocks of a page run in order in one namespace and a temporary working
 # directory, offline on CPU, and whatever a block would fetch from the Hub is a tiny stand-in.
 SKIP_MARKER = "<!-- docs-test: skip"
+STAND_IN_FAMILIES = ("flux", "sd3", "qwenimage")
+"""The families of the pipelines the docs load (by Hub id, or through a preset)."""
 HUB_PIPELINES = {
-    "black-forest-labs/FLUX.1-dev": "flux",
-    "stabilityai/stable-diffusion-3.5-medium": "sd3",
-    "Qwen/Qwen-Image": "qwenimage",
+    hub_id: record.name for record in FAMILIES if record.name in STAND_IN_FAMILIES for hub_id in record.hub_ids
 }
-"""Pipeline Hub ids the docs name, and the tiny family that stands in for each."""
+"""Each Hub id of those families (their records'), and the family whose tiny pipeline stands in for it."""
 DATASET_PROMPT_COLUMNS = {"nateraw/parti-prompts": "Prompt"}
 """The prompt column of the Hub datasets the docs load (``prompt`` otherwise)."""
 MODEL_REWARDS = {
@@ -255,9 +257,11 @@ def tiny_hub_cache(tmp_path_factory) -> Path:
 
     cache = tmp_path_factory.mktemp("hub-cache")
     revision = "0" * 40
-    for repo_id, family in HUB_PIPELINES.items():
+    saved = {family: save_tiny_pipeline(family, cache / f"tiny-{family}", seed=0) for family in STAND_IN_FAMILIES}
+    for repo_id, family in HUB_PIPELINES.items():  # every id of a family serves its one tiny pipeline
         repo = cache / f"models--{repo_id.replace('/', '--')}"
-        save_tiny_pipeline(family, repo / "snapshots" / revision, seed=0)
+        (repo / "snapshots").mkdir(parents=True)
+        (repo / "snapshots" / revision).symlink_to(saved[family], target_is_directory=True)
         (repo / "refs").mkdir()
         (repo / "refs" / "main").write_text(revision)
     return cache
@@ -267,9 +271,9 @@ def tiny_hub_cache(tmp_path_factory) -> Path:
 def tiny_hub(tiny_hub_cache, tmp_path, monkeypatch):
     """Install the stand-ins of the rule for one page."""
     import datasets
+    import diffusers
     import huggingface_hub.constants
     import transformers.trainer
-    from diffusers import FluxPipeline, QwenImagePipeline, StableDiffusion3Pipeline
 
     import trl_jagg.rewards as rewards
     from trl_jagg import GRPOJaggConfig
@@ -313,8 +317,9 @@ def tiny_hub(tiny_hub_cache, tmp_path, monkeypatch):
     # Pipelines sample 32 px by default, the size the tiny ones are built for (their __init__ sets the attribute:
     # a property with a no-op setter keeps it).
     small = property(lambda self: 4, lambda self, value: None)
-    for pipeline_class in (FluxPipeline, QwenImagePipeline, StableDiffusion3Pipeline):
-        monkeypatch.setattr(pipeline_class, "default_sample_size", small, raising=False)
+    for record in FAMILIES:
+        if record.name in STAND_IN_FAMILIES:
+            monkeypatch.setattr(getattr(diffusers, record.pipeline), "default_sample_size", small, raising=False)
     monkeypatch.chdir(tmp_path)
 
 

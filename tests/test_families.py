@@ -1,7 +1,7 @@
-"""The newer families (Z-Image, FLUX.2 klein and dev, Wan2.1 text-to-video) on tiny pipelines built from config: the
-rollout at noise level 0 is the pipeline's own loop, the trained LoRA loads back with the pipeline's
-`load_lora_weights` and samples what the trainer sampled, W = 2 JAGG equals the exact gradient, the velocity cache gives
-the recomputed gradient with fewer forwards, and two LoRA + JAGG steps train end to end."""
+"""What some families do beyond the common contract (tests/test_family_contract.py), on their tiny pipelines: FLUX.1
+Kontext edits source images (its own contract: rollout, training, evaluation, LoRA reload and the checks of its
+inputs), Wan2.1 makes videos (frame counts, per-frame rewards, frame strips), FLUX.2 dev has no CFG, and the model card's
+snippet of an editing and a video model reproduces the trained samples."""
 
 from __future__ import annotations
 
@@ -13,236 +13,18 @@ from diffusers import DiffusionPipeline
 from peft import LoraConfig
 from testing_utils import (
     PROMPTS,
-    assert_two_lora_jagg_steps,
+    assert_same_images,
     assert_velocity_cache_equals_recomputation,
     assert_w2_jagg_equals_exact,
+    family_trainer,
     noise_image,
     redness,
 )
 
 from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
-from trl_jagg.models import MODEL_ADAPTERS, load_adapter
+from trl_jagg.models import load_adapter
+from trl_jagg.models.families import family as family_record
 from trl_jagg.models.rollout import generate_images, sample_trajectories
-
-# Per family: its pipeline class, guidance with CFG on and off, the negative prompt (FLUX.2 klein's pipeline always
-# uses ""; FLUX.2 dev has none: its "cfg" setting is embedded guidance) and how many backbone calls a guided velocity
-# makes; a video family's frames (5 pixel frames: 2 latent); the prompt length where it is not 16 tokens.
-FAMILIES = {
-    "zimage": {
-        "pipeline": "ZImagePipeline",
-        "cfg": {"guidance_scale": 3.0, "true_cfg_scale": 1.0},
-        "no_cfg": {"guidance_scale": 0.0, "true_cfg_scale": 1.0},  # Z-Image-Turbo's setting
-        "negative": "dark",
-        "cfg_calls": 1,  # backbone calls per guided velocity: both branches in one call on 2B
-    },
-    "flux2_klein": {
-        "pipeline": "Flux2KleinPipeline",
-        "cfg": {"guidance_scale": 4.0, "true_cfg_scale": 1.0},
-        "no_cfg": {"guidance_scale": 1.0, "true_cfg_scale": 1.0},
-        "negative": "",
-        "cfg_calls": 1,  # both branches in one call on 2B (the pipeline makes two: FlowMatchingAdapter.guided_velocity)
-    },
-    "flux2_dev": {
-        "pipeline": "Flux2Pipeline",
-        "cfg": {"guidance_scale": 4.0, "true_cfg_scale": 1.0},  # embedded guidance 4 (Flow-Factory's)
-        "no_cfg": {"guidance_scale": 1.0, "true_cfg_scale": 1.0},  # another embedded value: the guidance is read
-        "negative": None,
-        "cfg_calls": 1,
-        "max_sequence_length": 48,  # the system message takes the first 31 tokens
-    },
-    "wan": {
-        "pipeline": "WanPipeline",
-        "cfg": {"guidance_scale": 4.5, "true_cfg_scale": 1.0},  # Flow-GRPO's Wan2.1 guidance
-        "no_cfg": {"guidance_scale": 1.0, "true_cfg_scale": 1.0},
-        "negative": "dark",
-        "cfg_calls": 1,  # both branches in one call on 2B (the pipeline makes two)
-        "num_frames": 5,
-    },
-}
-
-
-def frames_of(family: str) -> dict:
-    """The `num_frames` keyword of a video family (for the pipeline and the config), none for image families."""
-    frames = FAMILIES.get(family, {}).get("num_frames")  # Kontext's tests use make_trainer outside FAMILIES
-    return {"num_frames": frames} if frames is not None else {}
-
-
-def pipeline_output(family: str) -> dict:
-    """The pipeline's keywords for PIL output (WanPipeline returns float arrays by default) and its frame count."""
-    return frames_of(family) | {"output_type": "pil"} if "num_frames" in FAMILIES[family] else {}
-
-
-def prompt_length(family: str) -> int:
-    """The test's `max_sequence_length` for this family."""
-    return FAMILIES.get(family, {}).get("max_sequence_length", 16)
-
-
-def family_adapter(model, family: str):
-    """The family's adapter, sampling the test's number of frames for a video family."""
-    adapter = load_adapter(model)
-    if adapter.makes_videos:
-        adapter.num_frames = FAMILIES[family]["num_frames"]
-    return adapter
-
-
-def pipeline_guidance(family: str, prompts: list[str], negative: str | None, guidance: dict) -> dict:
-    """The pipeline's own keyword arguments for these guidance settings."""
-    if family.startswith("flux2"):  # no negative_prompt argument (klein: "" whenever CFG is on; dev: no CFG)
-        return {"guidance_scale": guidance["guidance_scale"]}
-    return {
-        "guidance_scale": guidance["guidance_scale"],
-        "negative_prompt": [negative] * len(prompts) if negative else None,
-        **{key: guidance[key] for key in ("guidance_scale_2",) if key in guidance},  # Wan2.2's low-noise expert
-    }
-
-
-@pytest.fixture(params=sorted(FAMILIES))
-def family(request) -> str:
-    return request.param
-
-
-def tiny_path(request, family: str) -> str:
-    return request.getfixturevalue(f"tiny_{family}_path")
-
-
-def reference_run(pipe: DiffusionPipeline, family: str, prompts: list[str], negative: str | None, guidance: dict):
-    """The pipeline's own sampling: final latents (captured after the last step) and PIL images."""
-    captured = {}
-
-    def keep_latents(pipeline, step, timestep, tensors):
-        captured["latents"] = tensors["latents"]
-        return {}
-
-    output = pipe(
-        prompt=list(prompts),  # ZImagePipeline rewrites the list it is given into chat-templated prompts
-        height=32, width=32, num_inference_steps=4, max_sequence_length=prompt_length(family),
-        generator=torch.Generator().manual_seed(0), callback_on_step_end=keep_latents,
-        **pipeline_guidance(family, prompts, negative, guidance), **pipeline_output(family),
-    )  # fmt: skip
-    return captured["latents"], output.frames if family == "wan" else output.images
-
-
-def assert_same_images(ours, theirs) -> None:
-    """Images, or videos (lists of frames) frame by frame, equal up to uint8 rounding."""
-    if isinstance(ours[0], list):
-        assert [len(video) for video in ours] == [len(video) for video in theirs]
-        ours, theirs = [f for video in ours for f in video], [f for video in theirs for f in video]
-    for a, b in zip(ours, theirs, strict=True):
-        diff = np.abs(np.asarray(a, dtype=np.int16) - np.asarray(b, dtype=np.int16))
-        assert diff.max() <= 1  # uint8 rounding only
-
-
-def test_registered(family):
-    assert FAMILIES[family]["pipeline"] in MODEL_ADAPTERS
-
-
-@pytest.mark.parametrize("setting", ["cfg", "no_cfg"])
-def test_rollout_at_noise_level_0_is_the_pipeline_loop(request, family, setting):
-    # Prompts of different lengths: variable-length families pad them into a batch with a mask.
-    prompts = ["a red circle", "a big blue square on the left"]
-    pipe = DiffusionPipeline.from_pretrained(tiny_path(request, family))
-    assert type(pipe).__name__ == FAMILIES[family]["pipeline"]
-    adapter = family_adapter(pipe, family)
-    guidance = FAMILIES[family][setting]
-    negative = FAMILIES[family]["negative"] if adapter.needs_negative_prompt(**guidance) else None
-    assert (negative is not None) == (setting == "cfg" and FAMILIES[family]["negative"] is not None)
-    expected_latents, expected_images = reference_run(pipe, family, prompts, negative, guidance)
-
-    cond = adapter.condition(
-        prompts, height=32, width=32, negative_prompt=negative, max_sequence_length=prompt_length(family)
-    )
-    noise = adapter.prepare_latents(len(prompts), 32, 32, torch.Generator().manual_seed(0))
-    sigmas, timesteps = adapter.schedule(4, 32, 32)
-    trajectory = sample_trajectories(
-        adapter, cond, noise, sigmas, timesteps, sampler="sde", noise_level=0.0, **guidance
-    )
-    torch.testing.assert_close(trajectory.latents[:, -1], expected_latents, atol=1e-5, rtol=0)
-    assert_same_images(adapter.decode(trajectory.latents[:, -1], 32, 32), expected_images)
-
-
-def test_precomputed_encodings_collate_to_the_batch_encoding(request, family):
-    """Prompts encoded one at a time and collated give what encoding them together gives (the trainer's
-    `precompute_prompt_embeds` table)."""
-    adapter = load_adapter(tiny_path(request, family))
-    prompts = ["a red circle", "a big blue square on the left"]
-    together = adapter.encode_prompts(prompts, prompt_length(family))
-    collated = adapter.collate([adapter.encode_prompts([p], prompt_length(family)) for p in prompts])
-    assert collated.keys() == {k for k, v in together.items() if v is not None}
-    for key, value in collated.items():
-        torch.testing.assert_close(value, together[key], atol=1e-6, rtol=0)
-
-
-# ---------------------------------------------------------------- training
-
-
-def make_trainer(
-    family: str, path: str, tmp_path, guidance: dict, dataset: Dataset | None = None, **overrides
-) -> DDPOJaggTrainer:
-    torch.manual_seed(0)
-    config = dict(
-        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=2, num_inference_steps=4,
-        height=32, width=32, max_steps=2, learning_rate=1e-2, epsilon=1e-1, noise_level=0.9, jagg_group_size=3,
-        jagg_frac=1.0, max_sequence_length=prompt_length(family), report_to="none", save_strategy="no",
-        seed=0, disable_tqdm=True,
-    )  # fmt: skip
-    config |= frames_of(family) | guidance | overrides
-    if "negative_prompt" not in config and FAMILIES[family]["negative"] is not None:  # Kontext names its own
-        config["negative_prompt"] = FAMILIES[family]["negative"]
-    return DDPOJaggTrainer(
-        model=path,
-        reward_funcs=redness,
-        args=GRPOJaggConfig(**config),
-        train_dataset=Dataset.from_dict({"prompt": PROMPTS}) if dataset is None else dataset,
-        peft_config=LoraConfig(
-            r=4, lora_alpha=8, target_modules=["to_q", "to_k", "to_v"], init_lora_weights="gaussian"
-        ),
-    )
-
-
-def test_two_training_steps_lora_jagg_cfg(request, family, tmp_path):
-    trainer = make_trainer(family, tiny_path(request, family), tmp_path, FAMILIES[family]["cfg"])
-    has_cfg = FAMILIES[family]["negative"] is not None  # FLUX.2 dev: embedded guidance, one branch
-    assert trainer.adapter.needs_negative_prompt(trainer.args.guidance_scale, trainer.args.true_cfg_scale) == has_cfg
-    assert_two_lora_jagg_steps(trainer)
-
-
-def test_w2_jagg_gradient_equals_exact(request, family, tmp_path):
-    """Theorem 1's exact limit with CFG: for W = 2 the joint backward through the two endpoints gives the sum of the
-    per-step gradients (float rounding only)."""
-    trainer = make_trainer(
-        family, tiny_path(request, family), tmp_path, FAMILIES[family]["cfg"], num_inference_steps=5
-    )
-    assert_w2_jagg_equals_exact(trainer)
-
-
-def test_velocity_cache_gives_the_recomputed_gradient_with_fewer_forwards(request, family, tmp_path):
-    """One JAGG group of W = 4 (5 steps, 4 trained): the cached rollout velocities replace the no-grad forward of
-    the two intermediate steps; the gradient is the one recomputing them, and both make two graph forwards (the
-    endpoints) and one backward."""
-    guidance = FAMILIES[family]["cfg"]
-    trainer = make_trainer(
-        family, tiny_path(request, family), tmp_path, guidance, num_inference_steps=5, jagg_group_size=4
-    )
-    assert_velocity_cache_equals_recomputation(trainer, FAMILIES[family]["cfg_calls"])
-
-
-def test_saved_lora_reloads_into_the_diffusers_pipeline(request, family, tmp_path):
-    """The LoRA the trainer saves loads with the pipeline's own `load_lora_weights` and samples what it trained."""
-    path, guidance = tiny_path(request, family), FAMILIES[family]["cfg"]
-    trainer = make_trainer(family, path, tmp_path, guidance, max_steps=1)
-    trainer.train()
-    trainer.save_model()
-    ours = trainer.sample_images(["a red circle"], seed=0)
-    pipe = DiffusionPipeline.from_pretrained(path)
-    pipe.load_lora_weights(trainer.args.output_dir)
-    negative = FAMILIES[family]["negative"]
-    lora_latents, theirs = reference_run(pipe, family, ["a red circle"], negative, guidance)
-    assert_same_images(ours, theirs)
-    base_latents, _ = reference_run(
-        DiffusionPipeline.from_pretrained(path), family, ["a red circle"], negative, guidance
-    )
-    assert not torch.allclose(base_latents, lora_latents)  # the LoRA did load and change the samples
-
 
 # ---------------------------------------------------------------- editing: FLUX.1 Kontext (rollout side)
 EDIT_PROMPTS = ["a red circle", "a big blue square on the left"]
@@ -345,13 +127,14 @@ def test_kontext_trains_on_source_images_and_rewards_receive_them(tiny_flux_kont
 
 
 # True CFG: both branches carry the reference tokens, in one backbone call.
-KONTEXT_CFG = {"guidance_scale": 3.5, "true_cfg_scale": 2.0, "negative_prompt": "dark"}
+KONTEXT = family_record("flux_kontext")
+KONTEXT_CFG = dict(KONTEXT.guided) | {"negative_prompt": KONTEXT.negative_prompt}  # its record's: 3.5 embedded, 2 true
 
 
 def kontext_trainer(path: str, tmp_path, **overrides) -> DDPOJaggTrainer:
     """A LoRA trainer of the tiny Kontext model on two instructions, each with its own source image."""
     dataset = Dataset.from_dict({"prompt": EDIT_PROMPTS, "source_image": source_images()})
-    return make_trainer("flux_kontext", path, tmp_path, KONTEXT_CFG, dataset, **overrides)
+    return family_trainer("flux_kontext", path, tmp_path, KONTEXT_CFG, dataset, **overrides)
 
 
 def test_kontext_w2_jagg_gradient_equals_exact(tiny_flux_kontext_path, tmp_path):
@@ -499,7 +282,7 @@ def test_wan_num_frames_is_checked_and_image_models_refuse_it(tiny_wan_path, tin
 def test_wan_rollout_scores_videos_and_logs_frame_strips(tiny_wan_path, tmp_path):
     """The rollout's samples are videos of `num_frames` frames, scored per frame by an image reward (the mean of
     its frames' scores, recomputed here frame by frame), and the completions are logged as frame strips."""
-    trainer = make_trainer("wan", tiny_wan_path, tmp_path, FAMILIES["wan"]["cfg"], log_completions=True)
+    trainer = family_trainer("wan", tiny_wan_path, tmp_path, dict(family_record("wan").guided), log_completions=True)
     rollout = trainer._generate_and_score(next(iter(trainer.get_train_dataloader())))
     assert rollout["latents"].shape == (4, 5, 16, 2, 4, 4)  # (batch, steps + 1, channels, latent frames, h, w)
     prompts, videos, scores = trainer.generation.completions
@@ -519,7 +302,7 @@ def test_wan_rollout_scores_videos_and_logs_frame_strips(tiny_wan_path, tmp_path
 def test_flux2_dev_refuses_true_cfg_at_init(tiny_flux2_dev_path, tmp_path):
     """Flux2Pipeline has no negative prompt nor CFG: a true CFG scale is an error naming the field, before training."""
     with pytest.raises(ValueError, match="true_cfg_scale=2.0: Flux2Pipeline has no negative prompt"):
-        make_trainer("flux2_dev", tiny_flux2_dev_path, tmp_path, {"guidance_scale": 4.0, "true_cfg_scale": 2.0})
+        family_trainer("flux2_dev", tiny_flux2_dev_path, tmp_path, {"guidance_scale": 4.0, "true_cfg_scale": 2.0})
 
 
 @pytest.mark.parametrize("family", ["flux_kontext", "wan"])
@@ -531,11 +314,11 @@ def test_card_snippet_of_an_editing_and_a_video_model_reproduces_the_trained_sam
 
     import yaml
 
-    path = tiny_path(request, family)
+    path = request.getfixturevalue(f"tiny_{family}_path")
     if family == "flux_kontext":
         trainer = kontext_trainer(path, tmp_path, max_steps=1)
     else:
-        trainer = make_trainer(family, path, tmp_path, FAMILIES[family]["cfg"], max_steps=1)
+        trainer = family_trainer(family, path, tmp_path, dict(family_record(family).guided), max_steps=1)
     trainer.train()
     trainer.save_model()
     out = tmp_path / "out"

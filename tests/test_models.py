@@ -1,98 +1,21 @@
-"""SD3 / SD3.5 and Qwen-Image adapters on tiny pipelines built from config (offline): the shared sampling loop
-reproduces each diffusers pipeline, two LoRA + JAGG training steps run end to end, W = 2 JAGG equals the exact
-gradient, and the gradient flows through the unconditional CFG branch."""
+"""The registry and the shared classifier-free guidance on tiny SD3, Qwen-Image and Flux pipelines (offline): which
+adapter serves which pipeline class, Qwen-Image's text mask, SD3's guidance errors, both CFG branches in one backbone
+call, and which branch the gradient flows through. What every family must do is tests/test_family_contract.py."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from datasets import Dataset
-from diffusers import DiffusionPipeline, FluxPipeline, QwenImagePipeline, StableDiffusion3Pipeline
-from peft import LoraConfig
-from testing_utils import PROMPTS, assert_two_lora_jagg_steps, assert_w2_jagg_equals_exact, redness
+from diffusers import QwenImagePipeline, StableDiffusion3Pipeline
+from testing_utils import PROMPTS
 
-from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
 from trl_jagg.models import MODEL_ADAPTERS, QwenImageAdapter, SD3Adapter, adapter_class, load_adapter
-from trl_jagg.models.rollout import sample_trajectories
+from trl_jagg.models.families import family
 
 NEGATIVE = "dark"
-# Each family with classifier-free guidance on: SD3's scale is guidance_scale, Qwen-Image's true_cfg_scale.
-CFG = {
-    "sd3": {"guidance_scale": 4.5, "true_cfg_scale": 1.0},
-    "qwenimage": {"guidance_scale": 1.0, "true_cfg_scale": 4.0},
-}
-
-
-@pytest.fixture(params=["sd3", "qwenimage"])
-def family(request) -> str:
-    """Each new family, with its saved tiny pipeline built on first use."""
-    request.getfixturevalue(f"tiny_{request.param}_path")
-    return request.param
-
-
-def tiny_path(request, family: str) -> str:
-    return request.getfixturevalue(f"tiny_{family}_path")
-
-
-def reference_run(pipe: DiffusionPipeline, prompts: list[str], negative: str | None, **guidance) -> tuple:
-    """The pipeline's own sampling: final latents (captured after the last step) and PIL images."""
-    captured = {}
-
-    def keep_latents(pipeline, step, timestep, tensors):
-        captured["latents"] = tensors["latents"]
-        return {}
-
-    if isinstance(pipe, QwenImagePipeline):
-        kwargs = {"true_cfg_scale": guidance["true_cfg_scale"]}
-        kwargs["negative_prompt"] = [negative] * len(prompts) if negative is not None else None
-    elif isinstance(pipe, FluxPipeline):
-        kwargs = {**guidance, "negative_prompt": negative}
-    else:
-        kwargs = {"guidance_scale": guidance["guidance_scale"], "negative_prompt": negative}
-    images = pipe(
-        prompts, height=32, width=32, num_inference_steps=4, max_sequence_length=16,
-        generator=torch.Generator().manual_seed(0), callback_on_step_end=keep_latents, **kwargs,
-    ).images  # fmt: skip
-    return captured["latents"], images
-
-
-@pytest.mark.parametrize(
-    ("pipeline_class", "guidance", "prompts"),
-    [
-        (StableDiffusion3Pipeline, CFG["sd3"], ["a red circle", "a blue square"]),
-        (StableDiffusion3Pipeline, {"guidance_scale": 1.0, "true_cfg_scale": 1.0}, ["a red circle", "a blue square"]),
-        # Prompts of different lengths: the text mask is a tensor (padding), else None.
-        (QwenImagePipeline, CFG["qwenimage"], ["a red circle", "a big blue square on the left"]),
-        (QwenImagePipeline, CFG["qwenimage"], ["a red circle", "a blue square"]),
-        (QwenImagePipeline, {"guidance_scale": 1.0, "true_cfg_scale": 1.0}, ["a red circle", "a blue square"]),
-        # Flux's true CFG (two calls in the pipeline, one batched call here) on top of its embedded guidance.
-        (FluxPipeline, {"guidance_scale": 3.5, "true_cfg_scale": 4.0}, ["a red circle", "a blue square"]),
-    ],
-    ids=["sd3-cfg", "sd3-nocfg", "qwen-cfg-mask", "qwen-cfg-nomask", "qwen-nocfg", "flux-true-cfg"],
-)
-def test_sampling_loop_reproduces_pipeline(request, pipeline_class, guidance, prompts):
-    family = {StableDiffusion3Pipeline: "sd3", QwenImagePipeline: "qwenimage", FluxPipeline: "flux"}[pipeline_class]
-    path = request.getfixturevalue(f"tiny_{family}_path")
-    pipe = pipeline_class.from_pretrained(path)
-    adapter = load_adapter(pipe)
-    cfg = adapter.needs_negative_prompt(**guidance)
-    expected_latents, expected_images = reference_run(pipe, prompts, NEGATIVE if cfg else None, **guidance)
-
-    cond = adapter.condition(
-        prompts, height=32, width=32, negative_prompt=NEGATIVE if cfg else None, max_sequence_length=16
-    )
-    assert ("negative_prompt_embeds" in cond) == cfg
-    noise = adapter.prepare_latents(len(prompts), 32, 32, torch.Generator().manual_seed(0))
-    sigmas, timesteps = adapter.schedule(4, 32, 32)
-    trajectory = sample_trajectories(
-        adapter, cond, noise, sigmas, timesteps, sampler="sde", noise_level=0.0, **guidance
-    )
-    torch.testing.assert_close(trajectory.latents[:, -1], expected_latents, atol=1e-5, rtol=0)
-    images = adapter.decode(trajectory.latents[:, -1], 32, 32)
-    for ours, theirs in zip(images, expected_images):
-        diff = np.abs(np.asarray(ours, dtype=np.int16) - np.asarray(theirs, dtype=np.int16))
-        assert diff.max() <= 1  # uint8 rounding only
+# Each family's guided setting (its record's): SD3's CFG scale is guidance_scale, Qwen-Image's true_cfg_scale, and
+# Flux runs true CFG on top of its embedded guidance.
+GUIDED = {name: dict(family(name).guided) for name in ("sd3", "qwenimage", "flux")}
 
 
 def test_qwenimage_mask_follows_padding(tiny_qwenimage_path):
@@ -128,8 +51,8 @@ def test_sd3_cfg_gradient_is_the_guided_combination_of_both_branches(tiny_sd3_pa
     latents = adapter.prepare_latents(1, 32, 32, generator)
     weight = torch.randn(latents.shape, generator=generator)
     timestep = adapter.schedule(4, 32, 32)[1][1].expand(1)
-    g = CFG["sd3"]["guidance_scale"]
-    guided = sd3_cfg_grads(adapter, cond, latents, timestep, weight, **CFG["sd3"])
+    g = GUIDED["sd3"]["guidance_scale"]
+    guided = sd3_cfg_grads(adapter, cond, latents, timestep, weight, **GUIDED["sd3"])
     no_cfg = {"guidance_scale": 1.0, "true_cfg_scale": 1.0}
     conditional = sd3_cfg_grads(adapter, cond, latents, timestep, weight, **no_cfg)
     unconditional = sd3_cfg_grads(adapter, uncond, latents, timestep, weight, **no_cfg)
@@ -140,73 +63,6 @@ def test_sd3_cfg_gradient_is_the_guided_combination_of_both_branches(tiny_sd3_pa
         torch.testing.assert_close(a, g * c + (1 - g) * u, atol=1e-5, rtol=1e-4)
         checked += int(u.abs().max() > 0)
     assert checked > 10
-
-
-def test_gradient_reaches_negative_prompt_inputs(request, family):
-    """The negative prompt's embeddings feed only the unconditional branch: they get a gradient iff that branch is
-    differentiable."""
-    adapter = load_adapter(tiny_path(request, family))
-    guidance = CFG[family]
-    cond = adapter.condition(PROMPTS[:2], height=32, width=32, negative_prompt=NEGATIVE, max_sequence_length=16)
-    negative = cond.per_sample["negative_prompt_embeds"].clone().requires_grad_(True)
-    cond.per_sample["negative_prompt_embeds"] = negative
-    latents = adapter.prepare_latents(2, 32, 32, torch.Generator().manual_seed(0))
-    timestep = adapter.schedule(4, 32, 32)[1][0].expand(2)
-    velocity = adapter.predict_velocity(adapter.transformer, latents, timestep, cond, **guidance)
-    velocity.square().sum().backward()
-    assert negative.grad is not None and negative.grad.abs().max() > 0
-
-
-# ---------------------------------------------------------------- training
-
-
-def make_trainer(path: str, tmp_path, guidance: dict, **overrides) -> DDPOJaggTrainer:
-    torch.manual_seed(0)
-    config = dict(
-        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=2, num_inference_steps=4,
-        height=32, width=32, max_steps=2, learning_rate=1e-2, epsilon=1e-1, noise_level=0.9, jagg_group_size=3,
-        jagg_frac=1.0, max_sequence_length=16, negative_prompt=NEGATIVE, report_to="none", save_strategy="no",
-        seed=0, disable_tqdm=True,
-    )  # fmt: skip
-    config |= guidance | overrides
-    return DDPOJaggTrainer(
-        model=path,
-        reward_funcs=redness,
-        args=GRPOJaggConfig(**config),
-        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
-        peft_config=LoraConfig(
-            r=4, lora_alpha=8, target_modules=["to_q", "to_k", "to_v", "add_q_proj"], init_lora_weights="gaussian"
-        ),
-    )
-
-
-def test_two_training_steps_lora_jagg_cfg(request, family, tmp_path):
-    trainer = make_trainer(tiny_path(request, family), tmp_path, CFG[family])
-    assert trainer.adapter.needs_negative_prompt(trainer.args.guidance_scale, trainer.args.true_cfg_scale)
-    assert_two_lora_jagg_steps(trainer)
-
-
-def test_w2_jagg_gradient_equals_exact(request, family, tmp_path):
-    """Theorem 1's exact limit on a real adapter with CFG: for W = 2 the joint backward through the two endpoints
-    gives the sum of the per-step gradients."""
-    trainer = make_trainer(tiny_path(request, family), tmp_path, CFG[family], num_inference_steps=5, max_steps=1)
-    assert_w2_jagg_equals_exact(trainer)
-
-
-def test_saved_lora_reloads_into_the_diffusers_pipeline(request, family, tmp_path):
-    """The LoRA the trainer saves loads with the pipeline's own `load_lora_weights` and samples what it trained."""
-    path = tiny_path(request, family)
-    trainer = make_trainer(path, tmp_path, CFG[family], max_steps=1)
-    trainer.train()
-    trainer.save_model()
-    ours = trainer.sample_images(["a red circle"], seed=0)[0]
-    pipe = DiffusionPipeline.from_pretrained(path)
-    pipe.load_lora_weights(trainer.args.output_dir)
-    lora_latents, (theirs,) = reference_run(pipe, ["a red circle"], NEGATIVE, **CFG[family])
-    diff = np.abs(np.asarray(ours, dtype=np.int16) - np.asarray(theirs, dtype=np.int16))
-    assert diff.max() <= 1  # uint8 rounding only
-    base_latents, _ = reference_run(DiffusionPipeline.from_pretrained(path), ["a red circle"], NEGATIVE, **CFG[family])
-    assert not torch.allclose(base_latents, lora_latents)  # the LoRA did load and change the samples
 
 
 # ---------------------------------------------------------------- registry
@@ -242,11 +98,6 @@ def test_sd3_guidance_errors_name_the_fix(tiny_sd3_path):
         )
 
 
-# ---------------------------------------------------------------- which CFG branch gets the gradient
-# Flux has true CFG too (true_cfg_scale with embedded guidance); SD3 batches both branches in one call.
-CFG_ALL = {**CFG, "flux": {"guidance_scale": 3.5, "true_cfg_scale": 4.0}}
-
-
 @pytest.mark.parametrize("name", ["sd3", "qwenimage", "flux"])
 def test_conditional_only_cfg_gradient_treats_the_unconditional_prediction_as_a_constant(request, name):
     """uncond_grad=False: the gradient equals that of the guided loss with the unconditional prediction computed
@@ -255,7 +106,7 @@ def test_conditional_only_cfg_gradient_treats_the_unconditional_prediction_as_a_
     adapter = load_adapter(request.getfixturevalue(f"tiny_{name}_path"))
     transformer = adapter.transformer.requires_grad_(True)
     params = list(transformer.parameters())
-    guidance = CFG_ALL[name]
+    guidance = GUIDED[name]
     cond = adapter.condition(PROMPTS[:2], height=32, width=32, negative_prompt=NEGATIVE, max_sequence_length=16)
     generator = torch.Generator().manual_seed(2)
     latents = adapter.prepare_latents(2, 32, 32, generator)
@@ -320,7 +171,7 @@ def test_cfg_branches_run_as_one_backbone_call(request, name, grad):
     prompt is shorter than the prompts, one of which is padded: the batched text is padded and masked."""
     adapter = load_adapter(request.getfixturevalue(f"tiny_{name}_path"))
     transformer = adapter.transformer.requires_grad_(grad)
-    guidance = CFG_ALL[name]
+    guidance = GUIDED[name]
     prompts = ["a red circle", "a big blue square on the left"]
     cond = adapter.condition(prompts, height=32, width=32, negative_prompt=NEGATIVE, max_sequence_length=16)
     generator = torch.Generator().manual_seed(3)
@@ -349,19 +200,3 @@ def test_cfg_branches_run_as_one_backbone_call(request, name, grad):
     assert velocity.requires_grad == grad
     # Each branch within 1e-6 of its own call (batch rounding); v_u + w (v_c - v_u) scales that by up to 2w - 1.
     torch.testing.assert_close(velocity.detach(), expected, atol=(2 * w - 1) * 1e-6, rtol=0)
-
-
-def test_trainer_passes_cfg_gradient_to_the_update(request, family, tmp_path):
-    """cfg_gradient='conditional': every forward of the update that builds a graph runs on the micro-batch of 4 only
-    (the unconditional branch runs without one); rollouts build no graph at all."""
-    trainer = make_trainer(tiny_path(request, family), tmp_path, CFG[family], max_steps=1, cfg_gradient="conditional")
-    graph = []
-    hook = trainer.model.register_forward_pre_hook(
-        lambda module, args, kwargs: (
-            graph.append(kwargs["hidden_states"].shape[0]) if torch.is_grad_enabled() else None
-        ),
-        with_kwargs=True,
-    )
-    trainer.train()
-    hook.remove()
-    assert graph == [4, 4]  # one JAGG group of W = 3: the two endpoint forwards, conditional half only

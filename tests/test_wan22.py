@@ -13,8 +13,16 @@ import pytest
 import torch
 from datasets import Dataset
 from diffusers import DiffusionPipeline, WanPipeline, WanTransformer3DModel
-from test_families import assert_same_images, make_trainer, reference_run
-from testing_utils import assert_w2_jagg_equals_exact, redness, run_update, trained_steps_of, update_gradient
+from testing_utils import (
+    assert_same_images,
+    assert_w2_jagg_equals_exact,
+    family_trainer,
+    pipeline_run,
+    redness,
+    run_update,
+    trained_steps_of,
+    update_gradient,
+)
 
 from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
 from trl_jagg.models import load_adapter
@@ -45,7 +53,7 @@ class ExpertCalls:
 
 
 def wan22_trainer(path, tmp_path, **overrides):
-    return make_trainer("wan", path, tmp_path, CFG, **overrides)  # the Wan2.1 settings: 5 frames, negative "dark"
+    return family_trainer("wan", path, tmp_path, CFG, **overrides)  # the Wan2.1 settings: 5 frames, negative "dark"
 
 
 @pytest.mark.parametrize("guidance", [CFG, {"guidance_scale": 1.0, "true_cfg_scale": 1.0}], ids=["cfg", "no_cfg"])
@@ -56,7 +64,7 @@ def test_rollout_at_noise_level_0_is_the_pipeline_loop_with_its_expert_switch(ti
     adapter.num_frames, adapter.guidance_scale_2 = 5, guidance.get("guidance_scale_2")
     negative = "dark" if guidance["guidance_scale"] > 1 else None
     calls = ExpertCalls(pipe)
-    expected_latents, expected_videos = reference_run(pipe, "wan", PROMPTS, negative, guidance)
+    expected_latents, expected_videos = pipeline_run(pipe, "wan", PROMPTS, negative, guidance)
     # The pipeline's own switch at t >= 800 of [1000, 857.7, 602.2, 8.9]; with CFG it calls each expert twice a step.
     per_step = 2 if negative else 1
     assert [name for name, _ in calls.take()] == ["transformer"] * 2 * per_step + ["transformer_2"] * 2 * per_step
@@ -135,7 +143,7 @@ def test_velocity_cache_equals_recomputation_in_each_expert(tiny_wan22_path, tmp
 
 
 def pipeline_sample(pipe) -> tuple[torch.Tensor, list]:
-    return reference_run(pipe, "wan", ["a red circle"], "dark", CFG)
+    return pipeline_run(pipe, "wan", ["a red circle"], "dark", CFG)
 
 
 def test_both_experts_lora_reload_with_load_lora_weights(tiny_wan22_path, tmp_path):
@@ -224,7 +232,7 @@ def test_expert_settings_are_checked_early(tiny_wan_path, tmp_path):
     with pytest.raises(ValueError, match="guidance_scale_2.*is 0.5"):
         GRPOJaggConfig(output_dir=str(tmp_path), guidance_scale_2=0.5)
     with pytest.raises(ValueError, match="WanPipeline has one transformer: they choose between the experts"):
-        make_trainer("wan", tiny_wan_path, tmp_path, {"guidance_scale": 4.5}, train_experts="high_noise")
+        family_trainer("wan", tiny_wan_path, tmp_path, {"guidance_scale": 4.5}, train_experts="high_noise")
 
 
 def test_both_experts_on_several_processes_train_under_ddp_only(tiny_wan22_path, tmp_path, monkeypatch):

@@ -9,8 +9,7 @@ import pytest
 import torch
 from datasets import Dataset
 from diffusers import DiffusionPipeline
-from test_families import assert_same_images, make_trainer, reference_run
-from testing_utils import assert_w2_jagg_equals_exact, noise_image
+from testing_utils import assert_same_images, assert_w2_jagg_equals_exact, family_trainer, noise_image, pipeline_run
 
 from trl_jagg.models import load_adapter
 from trl_jagg.models.rollout import sample_trajectories
@@ -29,7 +28,7 @@ def backbone_timesteps(pipe) -> list[torch.Tensor]:
 
 
 def ti2v_trainer(path, tmp_path, **overrides):
-    return make_trainer("wan", path, tmp_path, CFG, **overrides)  # the Wan2.1 settings: 5 frames, negative "dark"
+    return family_trainer("wan", path, tmp_path, CFG, **overrides)  # the Wan2.1 settings: 5 frames, negative "dark"
 
 
 def test_rollout_at_noise_level_0_is_the_pipeline_loop_with_per_token_timesteps(tiny_wan22_ti2v_path):
@@ -38,7 +37,7 @@ def test_rollout_at_noise_level_0_is_the_pipeline_loop_with_per_token_timesteps(
     adapter = load_adapter(pipe)
     adapter.num_frames = 5
     seen = backbone_timesteps(pipe)
-    expected_latents, expected_videos = reference_run(pipe, "wan", PROMPTS, "dark", CFG)
+    expected_latents, expected_videos = pipeline_run(pipe, "wan", PROMPTS, "dark", CFG)
     # 32 px / 16 = 2 x 2 latents, 2 latent frames: one 1x2x2 token per frame. Two calls a step (CFG), 4 steps.
     theirs = seen[::2]
     assert [t.shape for t in seen] == [(2, 2)] * 8
@@ -79,10 +78,10 @@ def test_saved_lora_reloads_with_load_lora_weights(tiny_wan22_ti2v_path, tmp_pat
     ours = trainer.sample_images(["a red circle"], seed=0)
     pipe = DiffusionPipeline.from_pretrained(tiny_wan22_ti2v_path)
     pipe.load_lora_weights(trainer.args.output_dir)
-    lora_latents, theirs = reference_run(pipe, "wan", ["a red circle"], "dark", CFG)
+    lora_latents, theirs = pipeline_run(pipe, "wan", ["a red circle"], "dark", CFG)
     assert_same_images(ours, theirs)
     base = DiffusionPipeline.from_pretrained(tiny_wan22_ti2v_path)
-    base_latents, _ = reference_run(base, "wan", ["a red circle"], "dark", CFG)
+    base_latents, _ = pipeline_run(base, "wan", ["a red circle"], "dark", CFG)
     assert not torch.allclose(base_latents, lora_latents)  # the LoRA did load and change the samples
 
 

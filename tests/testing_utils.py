@@ -257,3 +257,96 @@ def check_sharded_nft_run(work_dir, *, resume_atol: float = 0.0) -> None:
         assert straight.keys() == resumed.keys()
         for k in straight:
             torch.testing.assert_close(resumed[k], straight[k], rtol=0, atol=resume_atol, msg=f"{name} {k}")
+
+
+# ---------------------------------------------------------------- model families (trl_jagg/models/families.py)
+def tiny_path(request, record) -> str:
+    """The saved tiny pipeline of family ``record`` (its conftest fixture ``tiny_<name>_path``)."""
+    return request.getfixturevalue(f"tiny_{record.name}_path")
+
+
+def frames_of(family: str) -> dict:
+    """The `num_frames` keyword of a video family (for the pipeline and the config), none for image families."""
+    from trl_jagg.models.families import family as record_of
+
+    frames = record_of(family).tiny_config.get("num_frames")
+    return {"num_frames": frames} if frames is not None else {}
+
+
+def prompt_length(family: str) -> int:
+    """The tests' `max_sequence_length` for this family: 16 tokens unless its record asks for more."""
+    from trl_jagg.models.families import family as record_of
+
+    return record_of(family).tiny_config.get("max_sequence_length", 16)
+
+
+def pipeline_run(pipe, family: str, prompts: list[str], negative: str | None, guidance: dict):
+    """The pipeline's own sampling (4 steps at 32 x 32 px, noise seeded 0): final latents (captured after the last
+    step) and PIL images, or for a video family one list of frames per sample. Each guidance setting and the negative
+    prompt go to the pipeline where its ``__call__`` takes them (FLUX.2 has no negative prompt; SD3 no
+    ``true_cfg_scale``)."""
+    import inspect
+
+    from trl_jagg.models.families import family as record_of
+
+    captured = {}
+
+    def keep_latents(pipeline, step, timestep, tensors):
+        captured["latents"] = tensors["latents"]
+        return {}
+
+    takes = inspect.signature(pipe.__call__).parameters
+    kwargs = {key: value for key, value in guidance.items() if key in takes}
+    if "negative_prompt" in takes:
+        kwargs["negative_prompt"] = [negative] * len(prompts) if negative else None
+    video = record_of(family).task == "text-to-video"
+    if video:  # WanPipeline returns float arrays by default
+        kwargs |= frames_of(family) | {"output_type": "pil"}
+    output = pipe(
+        prompt=list(prompts),  # ZImagePipeline rewrites the list it is given into chat-templated prompts
+        height=32, width=32, num_inference_steps=4, max_sequence_length=prompt_length(family),
+        generator=torch.Generator().manual_seed(0), callback_on_step_end=keep_latents, **kwargs,
+    )  # fmt: skip
+    return captured["latents"], output.frames if video else output.images
+
+
+def assert_same_images(ours, theirs) -> None:
+    """Images, or videos (lists of frames) frame by frame, equal up to uint8 rounding."""
+    if isinstance(ours[0], list):
+        assert [len(video) for video in ours] == [len(video) for video in theirs]
+        ours, theirs = [f for video in ours for f in video], [f for video in theirs for f in video]
+    for a, b in zip(ours, theirs, strict=True):
+        diff = np.abs(np.asarray(a, dtype=np.int16) - np.asarray(b, dtype=np.int16))
+        assert diff.max() <= 1  # uint8 rounding only
+
+
+def family_trainer(family: str, path: str, tmp_path, guidance: dict, dataset=None, **overrides):
+    """A LoRA trainer (to_q/to_k/to_v, rank 4) of family ``family``'s tiny pipeline at ``path`` on :data:`PROMPTS`
+    (or ``dataset``): 2 optimizer steps of 4 samples, 4 steps of which 3 are trained in one JAGG group of W = 3, at the
+    family's frame count and prompt length, with its negative prompt unless ``guidance`` names one."""
+    from datasets import Dataset
+    from peft import LoraConfig
+
+    from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
+    from trl_jagg.models.families import family as record_of
+
+    torch.manual_seed(0)
+    config = dict(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=2, num_inference_steps=4,
+        height=32, width=32, max_steps=2, learning_rate=1e-2, epsilon=1e-1, noise_level=0.9, jagg_group_size=3,
+        jagg_frac=1.0, max_sequence_length=prompt_length(family), report_to="none", save_strategy="no",
+        seed=0, disable_tqdm=True,
+    )  # fmt: skip
+    config |= frames_of(family) | guidance | overrides
+    negative = record_of(family).negative_prompt
+    if "negative_prompt" not in config and negative is not None:
+        config["negative_prompt"] = negative
+    return DDPOJaggTrainer(
+        model=path,
+        reward_funcs=redness,
+        args=GRPOJaggConfig(**config),
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}) if dataset is None else dataset,
+        peft_config=LoraConfig(
+            r=4, lora_alpha=8, target_modules=["to_q", "to_k", "to_v"], init_lora_weights="gaussian"
+        ),
+    )

@@ -11,13 +11,6 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-MODEL_FAMILIES = (
-    "text-to-image (Flux, SD3 / SD3.5, Qwen-Image, Z-Image, FLUX.2 klein and dev), image editing (FLUX.1 Kontext, "
-    "Qwen-Image-Edit and Edit-Plus) and text-to-video (Wan2.1, Wan2.2 A14B and TI2V-5B)"
-)
-"""The supported model families in words, for ``trl-jagg --help`` (one list, kept equal to ``MODEL_ADAPTERS`` by
-``tests/test_cli.py``)."""
-
 _LAZY = {
     # One class: DDPOJaggTrainer is its name; GRPOJaggTrainer is its documented alias, pairing with GRPOJaggConfig as
     # TRL's GRPOTrainer with GRPOConfig.
@@ -27,12 +20,19 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:
+    MODEL_FAMILIES: str
     from trl_jagg.config.grpo_jagg_config import GRPOJaggConfig
     from trl_jagg.trainer.ddpo_jagg_trainer import DDPOJaggTrainer
     from trl_jagg.trainer.ddpo_jagg_trainer import DDPOJaggTrainer as GRPOJaggTrainer
 
 
 def __getattr__(name: str) -> Any:
+    if name == "MODEL_FAMILIES":
+        # The supported model families in words, for ``trl-jagg --help``: read from the family records (on first
+        # use, so that ``import trl_jagg.recipes`` imports nothing of the models).
+        from trl_jagg.models.families import families_in_words
+
+        return families_in_words()
     if name in _LAZY:
         module, attribute = _LAZY[name]
         return getattr(importlib.import_module(module), attribute)

@@ -154,6 +154,35 @@ class FlowMatchingAdapter:
         two-expert pipelines (Wan2.2 A14B switches to ``"transformer_2"`` below its boundary)."""
         return "transformer"
 
+    # What the trainer's backbone, checkpoint and Hub code ask of the trained backbone. One network by default; a
+    # family whose backbone holds several pipeline components (Wan2.2 A14B's experts) overrides them.
+    def trained_parts(self, backbone: torch.nn.Module) -> dict[str, torch.nn.Module]:
+        """The pipeline components ``backbone`` (:attr:`transformer`, or a copy of it) trains, by component name:
+        what gets LoRA or trainable weights and is saved. ``{"transformer": backbone}`` by default."""
+        return {"transformer": backbone}
+
+    def config_module(self, backbone: torch.nn.Module) -> torch.nn.Module:
+        """The module whose diffusers config describes ``backbone`` (the one the trainer tracks): ``backbone``."""
+        return backbone
+
+    def saved_parts(self, backbone: torch.nn.Module, folder: str) -> list[tuple[str, torch.nn.Module, str]]:
+        """``(name, module, folder)`` of each trained part a save of ``backbone`` into ``folder`` writes, and where:
+        the backbone in ``folder`` by default."""
+        return [(name, part, folder) for name, part in self.trained_parts(backbone).items()]
+
+    def part_state(self, backbone: torch.nn.Module, name: str, state_dict: dict | None) -> dict | None:
+        """Part ``name``'s entries of a gathered state dict of the whole ``backbone``: all of it by default."""
+        return state_dict
+
+    def check_saved_parts(self, path: str, backbone: torch.nn.Module, args: Any) -> None:
+        """Refuse checkpoint ``path`` when its parts are not those ``backbone`` trains under config ``args`` (a run
+        resumed with other trained parts would miss weights or leave some out): nothing to check by default."""
+
+    def card_parts(self, backbone: torch.nn.Module) -> list[str]:
+        """The component folders the model card's loading snippet names, one per saved part: none (the weights sit
+        in the output folder itself) by default."""
+        return []
+
     @property
     def device(self) -> torch.device:
         """The backbone's device, read once (see :meth:`refresh_placement`)."""

@@ -5,6 +5,7 @@ statistics."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -12,7 +13,7 @@ from diffusers import WanPipeline
 from PIL import Image
 
 from trl_jagg.models.base import Conditioning, FlowMatchingAdapter
-from trl_jagg.models.wan_experts import EXPERTS, TRAIN_EXPERTS, WanExperts
+from trl_jagg.models.wan_experts import EXPERTS, TRAIN_EXPERTS, WanExperts, check_saved_experts
 
 DEFAULT_NUM_FRAMES = 81
 """``WanPipeline``'s default ``num_frames``."""
@@ -84,6 +85,34 @@ class WanAdapter(FlowMatchingAdapter):
 
     def expert_of(self, timestep: float | torch.Tensor) -> str:
         return self.experts.expert_of(timestep) if self.experts is not None else EXPERTS[0]
+
+    # Wan2.2 A14B's backbone is its two experts: each trained expert is a part, saved in its component folder.
+    def trained_parts(self, backbone: torch.nn.Module) -> dict[str, torch.nn.Module]:
+        return backbone.trained_parts() if isinstance(backbone, WanExperts) else super().trained_parts(backbone)
+
+    def config_module(self, backbone: torch.nn.Module) -> torch.nn.Module:
+        return backbone.transformer if isinstance(backbone, WanExperts) else backbone  # the experts share one
+
+    def saved_parts(self, backbone: torch.nn.Module, folder: str) -> list[tuple[str, torch.nn.Module, str]]:
+        """Wan2.2 A14B: each trained expert in its component folder, ``folder/transformer`` and
+        ``folder/transformer_2`` (the pipeline's layout; a LoRA there loads with ``load_lora_weights``,
+        ``load_into_transformer_2=True`` for the second)."""
+        if not isinstance(backbone, WanExperts):
+            return super().saved_parts(backbone, folder)
+        return [(name, part, os.path.join(folder, name)) for name, part in backbone.trained_parts().items()]
+
+    def part_state(self, backbone: torch.nn.Module, name: str, state_dict: dict | None) -> dict | None:
+        """Wan2.2 A14B: the expert's ``name.*`` keys, without the prefix."""
+        if state_dict is None or not isinstance(backbone, WanExperts):
+            return state_dict
+        return {key.removeprefix(f"{name}."): value for key, value in state_dict.items() if key.startswith(f"{name}.")}
+
+    def check_saved_parts(self, path: str, backbone: torch.nn.Module, args: Any) -> None:
+        if isinstance(backbone, WanExperts):
+            check_saved_experts(path, backbone.trained, args.train_experts)
+
+    def card_parts(self, backbone: torch.nn.Module) -> list[str]:
+        return list(backbone.trained_parts()) if isinstance(backbone, WanExperts) else []
 
     @property
     def num_frames(self) -> int:

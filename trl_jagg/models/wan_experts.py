@@ -3,10 +3,14 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from diffusers import WanTransformer3DModel
+
+from trl_jagg.utils.errors import CheckpointError
 
 EXPERTS: tuple[str, str] = ("transformer", "transformer_2")
 """The experts' pipeline component names, high-noise first."""
@@ -73,7 +77,15 @@ class WanExperts(torch.nn.Module):
             part.enable_adapters()
 
 
-def trained_parts(backbone: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    """The pipeline components a trained backbone consists of, by component name: ``{"transformer": backbone}``
-    for one-network families, the trained experts of a :class:`WanExperts`."""
-    return backbone.trained_parts() if isinstance(backbone, WanExperts) else {"transformer": backbone}
+def check_saved_experts(path: str, trained: Sequence[str], train_experts: str) -> None:
+    """A two-expert checkpoint (Wan2.2) holds a folder for each expert this run trains and no other: resumed with
+    another ``train_experts``, the weights of an expert would be missing or silently left out."""
+    saved = tuple(name for name in EXPERTS if os.path.isdir(os.path.join(path, name)))
+    if not saved or saved == tuple(trained):
+        return  # no expert folder at all: the checkpoint's weight-file check names what the folder holds
+    saved_setting = next((key for key, value in TRAIN_EXPERTS.items() if value == saved), None)
+    raise CheckpointError(
+        f"{path} holds the weights of the expert(s) {list(saved)} (a run with train_experts={saved_setting!r}); this "
+        f"run trains {list(trained)} (train_experts={train_experts!r}). Resume with train_experts="
+        f"{saved_setting!r}, or start a fresh run (a new output_dir, without resume_from_checkpoint)."
+    )

@@ -22,7 +22,6 @@ downsampling, then 2x2 patches); 32 and 64 are the sizes used by tests and the d
 from __future__ import annotations
 
 import atexit
-import functools
 import os
 import shutil
 import tempfile
@@ -47,6 +46,8 @@ from diffusers import (
 from PIL import Image
 from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
 
+from trl_jagg.models.families import FAMILIES as MODEL_FAMILY_RECORDS
+from trl_jagg.models.families import family as model_family
 from trl_jagg.testing.components import (
     ConfigOverrides,
     _autoencoder_kl,
@@ -107,10 +108,8 @@ __all__ = [
     "save_tiny_pipeline",
 ]
 
-FAMILIES: tuple[str, ...] = (
-    "flux", "sd3", "qwenimage", "zimage", "flux2_klein", "flux2_dev", "flux_kontext", "qwenimage_edit",
-    "qwenimage_edit_plus", "wan", "wan22", "wan22_ti2v",
-)  # fmt: skip
+FAMILIES: tuple[str, ...] = tuple(record.name for record in MODEL_FAMILY_RECORDS)
+"""The families with a tiny pipeline: every family record's name (:mod:`trl_jagg.models.families`)."""
 
 # Scheduler configs of the released checkpoints. The pipelines read `use_dynamic_shifting` and the
 # `base/max_shift`, `base/max_image_seq_len` entries to compute the resolution-dependent shift `mu`.
@@ -480,30 +479,13 @@ def build_tiny_zimage_pipeline(
     return _finalize(pipe)
 
 
-_BUILDERS = {
-    "flux": build_tiny_flux_pipeline,
-    "sd3": build_tiny_sd3_pipeline,
-    "qwenimage": build_tiny_qwenimage_pipeline,
-    "zimage": build_tiny_zimage_pipeline,
-    "flux2_klein": build_tiny_flux2_klein_pipeline,
-    "flux2_dev": build_tiny_flux2_dev_pipeline,
-    "flux_kontext": build_tiny_flux_kontext_pipeline,
-    "qwenimage_edit": build_tiny_qwenimage_edit_pipeline,
-    "qwenimage_edit_plus": functools.partial(build_tiny_qwenimage_edit_pipeline, plus=True),
-    "wan": build_tiny_wan_pipeline,
-    # Wan2.2 A14B ships 0.875; at 0.8 the first 2 steps of 4 or 5 and 3 of 7 (t >= 800) are high-noise ones.
-    "wan22": functools.partial(build_tiny_wan_pipeline, boundary_ratio=0.8),
-    "wan22_ti2v": functools.partial(build_tiny_wan_pipeline, ti2v=True),  # TI2V-5B: per-token timesteps
-}
-
-
 def build_tiny_pipeline(
     family: str, *, seed: int = 0, vocab_words: Sequence[str] | None = None, **overrides: Any
 ) -> DiffusionPipeline:
-    """Build a tiny, randomly initialised pipeline of ``family`` (``"flux"``, ``"sd3"`` or ``"qwenimage"``).
+    """Build a tiny, randomly initialised pipeline of ``family`` (``"flux"``, ``"sd3"``, ... : :data:`FAMILIES`).
 
     Args:
-        family: which pipeline: ``FluxPipeline``, ``StableDiffusion3Pipeline`` or ``QwenImagePipeline``.
+        family: which pipeline: the family record's tiny builder, with its options (Wan2.2's ``boundary_ratio``).
         seed: seed of the random weights; the same arguments always give the same weights.
         vocab_words: words (letters only) that must be single tokens with their own embeddings in every tokenizer
             of the pipeline, in addition to :data:`DEFAULT_VOCAB_WORDS`.
@@ -513,9 +495,8 @@ def build_tiny_pipeline(
     Returns:
         The pipeline, float32, eval mode, on CPU, with the progress bar disabled.
     """
-    if family not in _BUILDERS:
-        raise ValueError(f"Unknown family {family!r}; expected one of {FAMILIES}.")
-    return _BUILDERS[family](seed=seed, vocab_words=vocab_words, **overrides)
+    record = model_family(family)
+    return record.tiny_pipeline_builder()(seed=seed, vocab_words=vocab_words, **record.tiny_options, **overrides)
 
 
 def save_tiny_pipeline(family: str, path: str | os.PathLike[str], **kwargs: Any) -> str:
@@ -556,7 +537,7 @@ class TinyRun:
     config: dict[str, Any]
 
 
-EDIT_FAMILIES = ("flux_kontext", "qwenimage_edit", "qwenimage_edit_plus")
+EDIT_FAMILIES: tuple[str, ...] = tuple(r.name for r in MODEL_FAMILY_RECORDS if r.task == "image editing")
 """The editing families: their prompts come with a ``source_image`` to edit."""
 
 
@@ -571,15 +552,7 @@ def tiny_config(family: str, *, num_inference_steps: int = 5) -> dict[str, Any]:
         report_to="none", save_strategy="no", reward_weights=None,  # one reward, whatever the preset's weights
         ema_update_interval=1,  # a preset's EMA (every 8 steps) would never update in 2 steps
     )  # fmt: skip
-    if family in ("qwenimage_edit", "qwenimage_edit_plus"):  # sources at the output's 32 x 32 px, not 1024 x 1024
-        config["source_image_area"] = 32 * 32
-    if family in ("wan", "wan22", "wan22_ti2v"):  # 5-frame videos: 2 latent frames
-        config["num_frames"] = 5
-    if family == "flux2_dev":  # its system message takes the first 31 tokens of the prompt encoding
-        config["max_sequence_length"] = 48
-    if family == "wan22":  # the 4 trained steps are 2 per expert: groups of W = 2, one on each side of the switch
-        config["jagg_group_size"] = 2
-    return config
+    return config | dict(model_family(family).tiny_config)  # the family's own: a video's frames, longer prompts
 
 
 def tiny_run(family: str, *, num_inference_steps: int = 5) -> TinyRun:

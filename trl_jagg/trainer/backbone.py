@@ -19,7 +19,6 @@ from peft.utils.constants import INCLUDE_LINEAR_LAYERS_SHORTHAND
 from trl_jagg.config.grpo_jagg_config import GRPOJaggConfig
 from trl_jagg.models import FlowMatchingAdapter
 from trl_jagg.objectives import get_objective
-from trl_jagg.models.wan_experts import WanExperts, trained_parts
 
 
 class TrackableConfig(FrozenDict):
@@ -65,17 +64,17 @@ def prepare_backbone(
     adapter: FlowMatchingAdapter, args: GRPOJaggConfig, peft_config: LoraConfig | None
 ) -> tuple[torch.nn.Module, torch.nn.Module | None]:
     """Freeze the pipeline, make the backbone trainable (LoRA or all of it) and return it with the frozen reference
-    copy of full fine-tuning with ``beta > 0`` (``None`` otherwise: LoRA's reference is the base weights). A
-    two-expert backbone (Wan2.2's :class:`~trl_jagg.models.wan_experts.WanExperts`) trains its trained experts only:
-    the others keep no LoRA and no trainable weight."""
+    copy of full fine-tuning with ``beta > 0`` (``None`` otherwise: LoRA's reference is the base weights). Only the
+    adapter's :meth:`~trl_jagg.models.base.FlowMatchingAdapter.trained_parts` get LoRA or trainable weights (Wan2.2
+    training one expert: the other keeps none)."""
     pipeline = adapter.pipeline
     pipeline.set_progress_bar_config(disable=True)
     for component in pipeline.components.values():
         if isinstance(component, torch.nn.Module):
             component.requires_grad_(False).eval()
     transformer = adapter.transformer
-    parts = trained_parts(transformer)
-    config_owner = transformer.transformer if isinstance(transformer, WanExperts) else transformer  # whose config
+    parts = adapter.trained_parts(transformer)
+    config_owner = adapter.config_module(transformer)
     config_owner._internal_dict = TrackableConfig(config_owner._internal_dict)
     if peft_config is not None:
         use_peft_shorthand(peft_config)

@@ -10,7 +10,7 @@ import json
 import os
 import shutil
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,6 @@ from trl_jagg.config.grpo_jagg_config import GRPOJaggConfig
 from trl_jagg.core.grpo import PerPromptStatTracker
 from trl_jagg.models import FlowMatchingAdapter
 from trl_jagg.objectives import get_objective
-from trl_jagg.models.wan_experts import EXPERTS, TRAIN_EXPERTS, WanExperts, trained_parts
 from trl_jagg.trainer.checkpoint_checks import (
     RESUME_LATEST,
     RESUMED_AS_SAVED,
@@ -70,7 +69,7 @@ from trl_jagg.utils.errors import CheckpointError, NonFiniteError, TrainingError
 class WeightsIO:
     """Saves and loads the trained backbone's weights: LoRA in the diffusers format ``pipe.load_lora_weights``
     reads, full fine-tuning as ``save_pretrained`` writes it; into FSDP2 shards when the backbone is sharded. A
-    two-expert backbone (Wan2.2) writes each trained expert in its pipeline folder (:meth:`parts`)."""
+    backbone of several pipeline components writes each trained part where its adapter says (:meth:`parts`)."""
 
     def __init__(self, adapter: FlowMatchingAdapter, peft_config: LoraConfig | None):
         self.adapter = adapter
@@ -85,23 +84,16 @@ class WeightsIO:
         """The prefix of the backbone's keys in a diffusers LoRA file (``transformer.``)."""
         return f"{self.adapter.pipeline_class.transformer_name}."
 
-    @staticmethod
-    def parts(transformer: torch.nn.Module, folder: str) -> list[tuple[str, torch.nn.Module, str]]:
-        """``(name, module, folder)`` of each saved part: the backbone in ``folder``; a two-expert backbone's
-        trained experts each in its component folder, ``folder/transformer`` and ``folder/transformer_2`` (the
-        pipeline's layout; a LoRA there loads with ``load_lora_weights``, ``load_into_transformer_2=True`` for the
-        second)."""
-        split = isinstance(transformer, WanExperts)
-        return [(name, part, os.path.join(folder, name) if split else folder) for name, part in
-                trained_parts(transformer).items()]  # fmt: skip
+    def parts(self, transformer: torch.nn.Module, folder: str) -> list[tuple[str, torch.nn.Module, str]]:
+        """``(name, module, folder)`` of each saved part of ``transformer`` (the adapter's
+        :meth:`~trl_jagg.models.base.FlowMatchingAdapter.saved_parts`: the backbone in ``folder``, unless the family's
+        backbone holds several pipeline components)."""
+        return self.adapter.saved_parts(transformer, folder)
 
-    @staticmethod
-    def part_state(transformer: torch.nn.Module, name: str, state_dict: dict | None) -> dict | None:
-        """The part ``name``'s entries of a gathered state dict of the whole backbone (keys ``name.*`` in a two-expert
-        backbone)."""
-        if state_dict is None or not isinstance(transformer, WanExperts):
-            return state_dict
-        return {key.removeprefix(f"{name}."): value for key, value in state_dict.items() if key.startswith(f"{name}.")}
+    def part_state(self, transformer: torch.nn.Module, name: str, state_dict: dict | None) -> dict | None:
+        """The part ``name``'s entries of a gathered state dict of the whole backbone (the adapter's
+        :meth:`~trl_jagg.models.base.FlowMatchingAdapter.part_state`)."""
+        return self.adapter.part_state(transformer, name, state_dict)
 
     def check(
         self, path: str, transformer: torch.nn.Module, args: GRPOJaggConfig, *, ema: EMAWeights | None,
@@ -111,8 +103,7 @@ class WeightsIO:
         state disagrees (names the file); with ``ema``, its ``ema/`` folder too. ``optimizer_files``: the Trainer
         resumes from ``optimizer.pt`` / ``scheduler.pt`` (not a DeepSpeed or FSDP-plugin folder)."""
         check_checkpoint_dir(path, args.output_dir)
-        if isinstance(transformer, WanExperts):
-            check_saved_experts(path, transformer.trained, args.train_experts)
+        self.adapter.check_saved_parts(path, transformer, args)
         check_state_files(path, json_files=(TRAINER_STATE_NAME, GRPO_STATE_NAME))
         check_run_settings(path, run_settings(args))
         pattern, kind = (LORA_WEIGHTS_NAME, "LoRA") if self.is_lora else (FULL_WEIGHTS_PATTERN, "full fine-tuning")
@@ -271,20 +262,6 @@ def check_optimizer_state(checkpoint: str, optimizer: torch.optim.Optimizer) -> 
     shapes of the parameters (the state of another LoRA rank would load without a complaint) and is finite."""
     params = [p for group in _torch_optimizer(optimizer).param_groups for p in group["params"]]
     check_optimizer_file(checkpoint, [tuple(p.shape) for p in params])
-
-
-def check_saved_experts(path: str, trained: Sequence[str], train_experts: str) -> None:
-    """A two-expert checkpoint (Wan2.2) holds a folder for each expert this run trains and no other: resumed with
-    another ``train_experts``, the weights of an expert would be missing or silently left out."""
-    saved = tuple(name for name in EXPERTS if os.path.isdir(os.path.join(path, name)))
-    if not saved or saved == tuple(trained):
-        return  # no expert folder at all: `weight_files` names what the folder holds
-    saved_setting = next((key for key, value in TRAIN_EXPERTS.items() if value == saved), None)
-    raise CheckpointError(
-        f"{path} holds the weights of the expert(s) {list(saved)} (a run with train_experts={saved_setting!r}); this "
-        f"run trains {list(trained)} (train_experts={train_experts!r}). Resume with train_experts="
-        f"{saved_setting!r}, or start a fresh run (a new output_dir, without resume_from_checkpoint)."
-    )
 
 
 def run_settings(args: GRPOJaggConfig) -> dict[str, Any]:

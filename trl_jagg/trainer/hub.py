@@ -16,7 +16,6 @@ from transformers.trainer_utils import HubStrategy, SaveStrategy
 
 from trl_jagg.config.grpo_jagg_config import GRPOJaggConfig
 from trl_jagg.models import FlowMatchingAdapter
-from trl_jagg.models.wan_experts import WanExperts, trained_parts
 from trl_jagg.trainer.files import HUB_IGNORE_PATTERNS, MODEL_FILES, SCHEDULER_FOLDER, without_secrets
 from trl_jagg.trainer.model_card import write_model_card
 
@@ -106,7 +105,7 @@ def write_trainer_card(
         output_dir,
         base_model=base_model,
         pipeline_class=adapter.pipeline_class.__name__,
-        transformer_class=type(next(iter(trained_parts(transformer).values()))).__name__,
+        transformer_class=type(next(iter(adapter.trained_parts(transformer).values()))).__name__,
         is_lora=is_lora,
         args=args,
         reward_names=list(reward_names),
@@ -118,7 +117,7 @@ def write_trainer_card(
         model_name=model_name,
         dataset_name=dataset_name,
         hub_model_id=hub_model_id,
-        experts=list(trained_parts(transformer)) if isinstance(transformer, WanExperts) else (),
+        experts=adapter.card_parts(transformer),
         task="text-to-video"
         if adapter.makes_videos
         else "image-to-image"
