@@ -49,6 +49,19 @@ def test_shipped_qwen_image_has_its_published_parameter_count():
     assert parameter_count(load_architecture("Qwen/Qwen-Image").backbone.build_on_meta()) == 20_430_401_088
 
 
+def test_an_editing_variant_shares_its_base_architecture():
+    edit, base = load_architecture("Qwen/Qwen-Image-Edit"), load_architecture("Qwen/Qwen-Image")
+    assert edit.pipeline == "QwenImageEditPipeline"
+    assert {name: c.config for name, c in edit.components.items()} == {
+        name: c.config for name, c in base.components.items()
+    }
+    with torch.device("meta"):
+        inputs = backbone_inputs(
+            edit.backbone.class_name, edit.backbone.config, rows=1, height=512, width=512, text_tokens=8, references=1
+        )
+    assert inputs["hidden_states"].shape[1] == 2 * (512 // 16) ** 2  # the generated image's tokens, then the source's
+
+
 def test_an_unknown_hub_id_names_the_fix():
     with pytest.raises(ValueError, match="local folder"):
         load_architecture("someone/unknown-model")
@@ -71,11 +84,14 @@ def saved_bytes_on_cpu(model: torch.nn.Module, inputs: dict) -> int:
     return sum(storages.values())
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(
+    ("family", "references"), [("flux", 0), ("sd3", 0), ("qwenimage", 0), ("qwenimage", 1), ("flux", 1)]
+)
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_activations_on_meta_match_a_real_cpu_forward(tiny_folders, family, lora):
+def test_activations_on_meta_match_a_real_cpu_forward(tiny_folders, family, references, lora):
+    # references=1: an editing model's sequence, the source image's tokens after the generated ones.
     component = load_architecture(tiny_folders[family]).backbone
-    shape = {"rows": 2, "height": 64, "width": 64, "text_tokens": 8}
+    shape = {"rows": 2, "height": 64, "width": 64, "text_tokens": 8, "references": references}
     models = []
     for device in ("meta", "cpu"):
         torch.manual_seed(0)

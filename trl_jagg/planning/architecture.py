@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 ARCHITECTURES_DIR = Path(__file__).with_name("architectures")
-"""The shipped architectures: ``<name>.json`` with ``hub_id``, ``pipeline``, ``source`` and ``components``."""
+"""The shipped architectures: ``<name>.json`` with ``hub_id``, ``pipeline``, ``source`` and ``components`` (or
+``components_of``: the Hub id of a shipped architecture whose components it shares)."""
 
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 """The components that encode prompts (frozen; on the GPU unless ``offload_frozen_modules``)."""
@@ -152,4 +153,7 @@ def load_architecture(model: str) -> Architecture:
             "local folder in the diffusers layout instead (model_index.json and each component's config.json; "
             "no weights needed)."
         )
-    return _from_record(model, json.loads(shipped[model].read_text()))
+    record = json.loads(shipped[model].read_text())
+    if "components_of" in record:  # an architecture that shares another's components (an editing variant)
+        record = {**record, "components": json.loads(shipped[record["components_of"]].read_text())["components"]}
+    return _from_record(model, record)

@@ -2,7 +2,9 @@
 
 Each builder returns keyword arguments for the transformer's ``forward`` on the device current when it is called
 (``meta`` for a plan, the CPU for a check against a real run): ``rows`` samples of a ``height`` x ``width`` image
-with ``text_tokens`` prompt tokens.
+with ``text_tokens`` prompt tokens and, for an editing model, ``references`` source images of the same size whose
+latent tokens follow the generated ones in the sequence (as ``FlowMatchingAdapter.with_reference_tokens`` appends
+them).
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ def packed_tokens(height: int, width: int) -> int:
     return (height // (2 * VAE_FACTOR)) * (width // (2 * VAE_FACTOR))
 
 
-def flux_inputs(config: Mapping[str, Any], rows: int, height: int, width: int, text_tokens: int) -> dict[str, Any]:
+def flux_inputs(
+    config: Mapping[str, Any], rows: int, height: int, width: int, text_tokens: int, references: int = 0
+) -> dict[str, Any]:
     """``FluxTransformer2DModel``: packed latent tokens, T5 embeddings, CLIP's pooled embedding, embedded guidance."""
-    tokens = packed_tokens(height, width)
+    tokens = packed_tokens(height, width) * (1 + references)
     return {
         "hidden_states": torch.randn(rows, tokens, config["in_channels"]),
         "encoder_hidden_states": torch.randn(rows, text_tokens, config["joint_attention_dim"]),
@@ -37,8 +41,12 @@ def flux_inputs(config: Mapping[str, Any], rows: int, height: int, width: int, t
     }
 
 
-def sd3_inputs(config: Mapping[str, Any], rows: int, height: int, width: int, text_tokens: int) -> dict[str, Any]:
+def sd3_inputs(
+    config: Mapping[str, Any], rows: int, height: int, width: int, text_tokens: int, references: int = 0
+) -> dict[str, Any]:
     """``SD3Transformer2DModel``: latent images, CLIP + T5 embeddings, the pooled CLIP embeddings."""
+    if references:
+        raise ValueError("SD3 backbones take no reference images: references must be 0.")
     side_h, side_w = height // VAE_FACTOR, width // VAE_FACTOR
     return {
         "hidden_states": torch.randn(rows, config["in_channels"], side_h, side_w),
@@ -49,18 +57,18 @@ def sd3_inputs(config: Mapping[str, Any], rows: int, height: int, width: int, te
 
 
 def qwenimage_inputs(
-    config: Mapping[str, Any], rows: int, height: int, width: int, text_tokens: int
+    config: Mapping[str, Any], rows: int, height: int, width: int, text_tokens: int, references: int = 0
 ) -> dict[str, Any]:
     """``QwenImageTransformer2DModel``: packed latent tokens, Qwen2.5-VL embeddings with their mask, one image grid
-    per row."""
-    tokens = packed_tokens(height, width)
+    per image of each row's sequence (Qwen-Image-Edit: the generated one, then the references)."""
+    tokens = packed_tokens(height, width) * (1 + references)
     grid = (1, height // (2 * VAE_FACTOR), width // (2 * VAE_FACTOR))
     return {
         "hidden_states": torch.randn(rows, tokens, config["in_channels"]),
         "encoder_hidden_states": torch.randn(rows, text_tokens, config["joint_attention_dim"]),
         "encoder_hidden_states_mask": torch.ones(rows, text_tokens),
         "timestep": torch.full((rows,), 0.5),
-        "img_shapes": [[grid]] * rows,
+        "img_shapes": [[grid] * (1 + references)] * rows,
     }
 
 
@@ -76,7 +84,14 @@ BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks")
 
 
 def backbone_inputs(
-    class_name: str, config: Mapping[str, Any], *, rows: int, height: int, width: int, text_tokens: int
+    class_name: str,
+    config: Mapping[str, Any],
+    *,
+    rows: int,
+    height: int,
+    width: int,
+    text_tokens: int,
+    references: int = 0,
 ) -> dict[str, Any]:
     """The keyword arguments of one call of the backbone ``class_name`` (see the module docstring).
 
@@ -87,4 +102,4 @@ def backbone_inputs(
         raise ValueError(
             f"The planner does not size {class_name} backbones yet (it sizes {', '.join(BACKBONE_INPUTS)})."
         )
-    return BACKBONE_INPUTS[class_name](config, rows, height, width, text_tokens)
+    return BACKBONE_INPUTS[class_name](config, rows, height, width, text_tokens, references)

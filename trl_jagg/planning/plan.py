@@ -123,7 +123,12 @@ def measure_backbone(architecture: Architecture, settings: RunSettings) -> Backb
         largest_block_bytes=largest_block * weight_size,
         frozen_bytes=frozen_sizes(architecture, settings.weights_dtype),
     )
-    shape = {"rows": settings.rows, "height": settings.height, "width": settings.width}
+    shape = {
+        "rows": settings.rows,
+        "height": settings.height,
+        "width": settings.width,
+        "references": settings.references,
+    }
     with torch.device("meta"):
         inputs = backbone_inputs(component.class_name, component.config, **shape, text_tokens=settings.text_tokens)
     inputs = _floating(inputs, settings.compute_dtype)
@@ -198,7 +203,7 @@ def cached_measure(architecture: Architecture) -> Measure:
     def measure(settings: RunSettings) -> BackboneMeasurement:
         key = json.dumps(
             [settings.lora, settings.rows, settings.height, settings.width, settings.text_tokens,
-             str(settings.compute_dtype), str(settings.weights_dtype)],
+             str(settings.compute_dtype), str(settings.weights_dtype), settings.references],
             sort_keys=True,
         )  # fmt: skip
         if key not in cache:

@@ -51,6 +51,8 @@ class RunSettings:
     steps_per_generation: int
     gradient_accumulation_steps: int
     num_iterations: int = 1
+    references: int = 0
+    """Source images in each sample's sequence (1 for an editing model, the same size as the output)."""
 
     @property
     def rows(self) -> int:
@@ -89,12 +91,14 @@ def settings_from_config(
     *,
     guidance_is_cfg: bool,
     default_lora_targets: tuple[str, ...],
+    edits_images: bool = False,
     mixed_precision: str | None = None,
     strategy: str | None = None,
 ) -> RunSettings:
     """The :class:`RunSettings` of the run ``trl-jagg train`` would launch with these arguments.
 
-    ``guidance_is_cfg`` and ``default_lora_targets`` are the model family's (its adapter's class attributes);
+    ``guidance_is_cfg``, ``default_lora_targets`` and ``edits_images`` are the model family's (its adapter's class
+    attributes; an editing model's samples carry one source image the size of the output);
     ``mixed_precision`` (``"bf16"``/``"fp16"``) stands for the flag a GPU run sets when the parsed config has none
     (a preset's :attr:`~trl_jagg.recipes.Recipe.mixed_precision`); ``strategy`` overrides the sharding the config
     implies (``--accelerate_config`` or ``fully_shard_backbone``).
@@ -140,4 +144,5 @@ def settings_from_config(
         steps_per_generation=training_args.steps_per_generation,
         gradient_accumulation_steps=training_args.gradient_accumulation_steps,
         num_iterations=training_args.num_iterations,
+        references=1 if edits_images else 0,
     )
