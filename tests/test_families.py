@@ -284,7 +284,7 @@ def test_wan_rollout_scores_videos_and_logs_frame_strips(tiny_wan_path, tmp_path
     its frames' scores, recomputed here frame by frame), and the completions are logged as frame strips."""
     trainer = family_trainer("wan", tiny_wan_path, tmp_path, dict(family_record("wan").guided), log_completions=True)
     rollout = trainer._generate_and_score(next(iter(trainer.get_train_dataloader())))
-    assert rollout["latents"].shape == (4, 5, 16, 2, 4, 4)  # (batch, steps + 1, channels, latent frames, h, w)
+    assert rollout.latents.shape == (4, 5, 16, 2, 4, 4)  # (batch, steps + 1, channels, latent frames, h, w)
     prompts, videos, scores = trainer.generation.completions
     assert [len(video) for video in videos] == [5] * 4 and videos[0][0].size == (32, 32)
     by_frame = [np.mean([redness([p], [frame])[0] for frame in video]) for p, video in zip(prompts, videos)]
