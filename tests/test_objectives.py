@@ -235,3 +235,42 @@ def test_jagg_across_timesteps_is_exact_for_a_velocity_linear_in_x_and_t(objecti
     torch.testing.assert_close(pairs, exact, rtol=1e-10, atol=1e-12)
     wider, _ = forward_objective_gradients(objective, TanhVelocity(4), times, group_size=4)
     assert (wider - exact).abs().max() > 1e-6  # W = 4 on a nonlinear velocity is an approximation
+
+
+# ---------------------------------------------------------------- on two processes
+@pytest.mark.parametrize("backend", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("objective", ["awm", "dgpo"])
+def test_the_objective_on_two_processes_resumes_bit_exactly(tiny_flux_path, tmp_path, objective, backend):
+    """AWM and DGPO on 2 gloo processes under torchrun, DDP or the LoRA backbone sharded by FSDP2: a run resumed
+    from checkpoint-2 ends with the weights and the objective state of the uninterrupted run (bit-exact is the
+    property: the same operations on the same numbers), on each rank's part of the state; the checkpoints hold the
+    state whole (one tensor per trainable weight)."""
+    from safetensors.torch import load_file
+    from test_distributed import _torchrun
+
+    _torchrun("objective_sharded", str(tmp_path), tiny_flux_path, objective, backend, timeout=600)
+    whole, resumed = (load_file(str(tmp_path / f"{run}.safetensors")) for run in ("whole", "resumed"))
+    initial = load_file(str(tmp_path / "whole" / "checkpoint-1" / OLD_POLICY_FILE))  # saved after step 1
+    assert sorted(whole) == sorted(resumed) and len(initial) == len(whole)
+    for key in whole:
+        torch.testing.assert_close(resumed[key], whole[key], rtol=0, atol=0)
+    states = {
+        (run, rank): load_file(str(tmp_path / f"{run}_state{rank}.safetensors"))
+        for run in ("whole", "resumed")
+        for rank in (0, 1)
+    }
+    for rank in (0, 1):
+        for key, value in states[("whole", rank)].items():
+            torch.testing.assert_close(states[("resumed", rank)][key], value, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("value", "fix"),
+    [(0.0, "Use a positive guidance strength up to 1000"), (1e30, "Use a positive guidance strength up to 1000"),
+     (float("inf"), "Use a finite number")],
+)  # fmt: skip
+def test_an_nft_beta_that_would_overflow_the_loss_is_refused_early(value, fix):
+    """Issue 42: nft_beta=1e30 used to be accepted and end in a non-finite loss; it is refused when the config is
+    built, naming the field and the fix."""
+    with pytest.raises(ValueError, match=f"GRPOJaggConfig.nft_beta is .*{fix}"):
+        GRPOJaggConfig(output_dir="unused", objective="nft", nft_beta=value, report_to="none")
