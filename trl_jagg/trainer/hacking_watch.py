@@ -178,7 +178,7 @@ class RewardHackingWatch(TrainerCallback):
         self.start: dict[str, float] = {}
         self.warned: set[str] = set()
         self.last_train_reward: float | None = None
-        self._last_seen: int | None = None
+        self._last_seen: Any = None  # the rollout itself: an id could be reused once the trainer drops it
 
     def observe(self, prompts: Sequence[str], images: Sequence[Any], rewards: Sequence[float], step: int) -> dict:
         """Record and check one rollout's statistics; returns them."""
@@ -221,9 +221,9 @@ class RewardHackingWatch(TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         rollout = self.rollouts()
-        if rollout is None or id(rollout) == self._last_seen:
+        if rollout is None or rollout is self._last_seen:
             return
-        self._last_seen = id(rollout)
+        self._last_seen = rollout
         prompts, images, scores = rollout
         self.observe(prompts, images, scores["reward"], state.global_step)
 
