@@ -782,14 +782,13 @@ def test_mix_preset_window_resumes_at_its_rollout(tiny_flux_path, tmp_path, monk
 
 def test_fast_jagg_preset_trains_its_window_held_on_the_high_noise_steps(tiny_flux_path, tmp_path, monkeypatch):
     """jagg-fast-flux on 10 steps for 3 optimizer steps: every update trains steps 0-3 of the schedule as one JAGG
-    group, on a rollout whose ODE after the window takes round(0.4 x 6) = 2 steps (MixGRPO's, which slides, would
-    train steps 1-4 and 2-5 at the second and third step with these settings)."""
+    group, on a rollout whose ODE after the window takes round(0.4 x 6) = 2 steps (MixGRPO's window slides with
+    the rollouts; this one's schedule is "fixed", so a shift interval would be refused as a setting without effect)."""
     recipe = get_recipe("jagg-fast-flux")
     pipeline = recipe.apply_scheduler(FluxPipeline.from_pretrained(tiny_flux_path))
     full_sigmas, _ = load_adapter(pipeline).schedule(10, 32, 32)
     trainer, recorded = recipe_trainer(
-        "jagg-fast-flux", pipeline, tmp_path, monkeypatch, num_inference_steps=10, sde_window_shift_interval=1,
-        max_steps=3,
+        "jagg-fast-flux", pipeline, tmp_path, monkeypatch, num_inference_steps=10, max_steps=3,
     )  # fmt: skip
     trainer.train()
     assert len(recorded) == 3

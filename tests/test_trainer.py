@@ -332,8 +332,11 @@ def test_log_completions_logs_the_rollout_with_its_rewards(tiny_flux_path, tmp_p
     assert sorted(os.listdir(folder)) == ["step-000001.png", "step-000002.png"]
     from PIL import Image
 
-    # One row per prompt group of num_generations = 2 images of 32 px, each with a 12 px caption strip.
-    assert Image.open(folder / "step-000001.png").size == (2 * 32, 2 * (32 + 12))
+    # One row per prompt group of num_generations = 2 images of 32 px, each with a caption strip of whole 11 px lines
+    # (the caption wraps to the tile's width) and a 1 px margin.
+    width, height = Image.open(folder / "step-000001.png").size
+    strip = height // 2 - 32
+    assert width == 2 * 32 and height % 2 == 0 and strip > 1 and (strip - 1) % 11 == 0
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     (events,) = [root for root, _, files in os.walk(tmp_path) if any(f.startswith("events.out") for f in files)]
