@@ -7,8 +7,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from trl_jagg.config.objective_registry import OBJECTIVES, get_objective
 from trl_jagg.config.reporting import fail
-from trl_jagg.objectives import OBJECTIVES, get_objective
 
 
 @dataclass

@@ -8,8 +8,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from trl_jagg.config.objective_registry import get_objective
 from trl_jagg.config.reporting import fail, warn_user
-from trl_jagg.objectives import get_objective
 from trl_jagg.recipes import RECIPES
 
 GAUSSIAN_SAMPLERS = ("sde", "dance")  # log-probs are true Gaussian log-densities (CPS drops the constants)

@@ -25,9 +25,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from trl_jagg.config.objective_registry import OBJECTIVES, get_objective
 from trl_jagg.config.reporting import warn_user
 from trl_jagg.core.sde_window import default_max_start
-from trl_jagg.objectives import OBJECTIVES, get_objective
 
 
 @dataclass(frozen=True)

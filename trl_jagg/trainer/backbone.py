@@ -17,8 +17,8 @@ from peft import LoraConfig
 from peft.utils.constants import INCLUDE_LINEAR_LAYERS_SHORTHAND
 
 from trl_jagg.config.grpo_jagg_config import GRPOJaggConfig
+from trl_jagg.config.objective_registry import get_objective
 from trl_jagg.models import FlowMatchingAdapter
-from trl_jagg.objectives import get_objective
 
 
 class TrackableConfig(FrozenDict):

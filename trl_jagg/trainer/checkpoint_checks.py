@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from trl_jagg.objectives import OBJECTIVES, get_objective
+from trl_jagg.config.objective_registry import OBJECTIVES, get_objective
 from trl_jagg.trainer.ema import ema_weight_files
 from trl_jagg.trainer.files import EMA_DIR, EMA_STATE_NAME, GRPO_STATE_NAME, OLD_POLICY_FILE
 from trl_jagg.utils.errors import CheckpointError

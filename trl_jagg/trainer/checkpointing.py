@@ -31,9 +31,9 @@ from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, sort_checkpoints
 
 from trl_jagg.config.grpo_jagg_config import GRPOJaggConfig
+from trl_jagg.config.objective_registry import get_objective
 from trl_jagg.core.grpo import PerPromptStatTracker
 from trl_jagg.models import FlowMatchingAdapter
-from trl_jagg.objectives import get_objective
 from trl_jagg.trainer.checkpoint_checks import (
     RESUME_LATEST,
     RESUMED_AS_SAVED,

@@ -28,8 +28,8 @@ from transformers.utils.hub import PushInProgress
 from trl.trainer.base_trainer import _BaseTrainer
 
 from trl_jagg.config.grpo_jagg_config import GRPOJaggConfig
+from trl_jagg.config.objective_registry import get_objective
 from trl_jagg.models import load_adapter
-from trl_jagg.objectives import get_objective
 from trl_jagg.objectives.update import StageInputs
 from trl_jagg.rewards import reward_name
 from trl_jagg.trainer import checkpointing, hub

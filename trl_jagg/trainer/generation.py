@@ -19,6 +19,7 @@ from PIL import Image
 from tqdm.auto import tqdm
 
 from trl_jagg.config.grpo_jagg_config import GRPOJaggConfig
+from trl_jagg.config.objective_registry import get_objective
 from trl_jagg.core.grpo import (
     PerPromptStatTracker,
     group_advantages,
@@ -28,7 +29,6 @@ from trl_jagg.core.grpo import (
 from trl_jagg.core.sde_window import compressed_path, path_schedule, sde_window
 from trl_jagg.models import FlowMatchingAdapter
 from trl_jagg.models.rollout import Trajectory, sample_trajectories
-from trl_jagg.objectives import get_objective
 from trl_jagg.trainer.batch import PendingAdvantages, RolloutBatch, rng_seed, velocity_key
 from trl_jagg.trainer.conditioning import PromptConditioner
 from trl_jagg.trainer.guards import stop_if_non_finite

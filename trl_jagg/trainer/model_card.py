@@ -18,7 +18,7 @@ from typing import Any
 from diffusers.utils.hub_utils import populate_model_card
 from huggingface_hub import ModelCard, ModelCardData
 
-from trl_jagg.objectives import get_objective
+from trl_jagg.config.objective_registry import get_objective
 from trl_jagg.trainer.files import EMA_DIR, LORA_WEIGHTS_NAME
 
 JAGG_CITATION = """@article{jagg2026,

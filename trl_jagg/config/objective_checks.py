@@ -1,5 +1,5 @@
 """Each objective's check of its own config fields (called by the objective field group of
-:class:`~trl_jagg.GRPOJaggConfig` through the registry): allowed values, and the settings it cannot serve. Torch-free
+:class:`~trl_jagg.GRPOJaggConfig` through the registry, :mod:`trl_jagg.config.objective_registry`): allowed values, and the settings it cannot serve. Torch-free
 but for the core's tables of allowed values."""
 
 from __future__ import annotations

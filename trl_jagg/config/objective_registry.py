@@ -1,10 +1,10 @@
 """The objective registry: one :class:`ObjectiveSpec` per training objective, as peft maps a config to its code.
 
 A spec is data and the check of the objective's own fields (no diffusers, no trainer), so the config checks a run
-against it before anything heavy loads; the update stage it names is imported only when a trainer is built
-(:meth:`ObjectiveSpec.update_stage_class`). Adding an objective is its update module in ``trl_jagg/objectives/``,
-its field check in ``checks.py``, its fields in ``trl_jagg/config/objective.py`` and one :func:`register_objective`
-call here (CONTRIBUTING.md, "Adding an objective").
+against it before anything heavy loads; the update stage it names (``trl_jagg/objectives/``) is imported only when a
+trainer is built (:meth:`ObjectiveSpec.update_stage_class`), so the config never imports the update code. Adding an
+objective is its update module in ``trl_jagg/objectives/``, its field check in ``objective_checks.py``, its fields in
+``objective.py`` and one :func:`register_objective` call here (CONTRIBUTING.md, "Adding an objective").
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from trl_jagg.objectives.checks import check_awm_fields, check_dgpo_fields, check_nft_fields
+from trl_jagg.config.objective_checks import check_awm_fields, check_dgpo_fields, check_nft_fields
 
 ROLLOUT_SAMPLERS = ("sde", "ode")
 
