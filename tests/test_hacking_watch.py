@@ -109,13 +109,14 @@ def test_the_statistics_reach_tensorboard_wandb_and_trackio_from_a_tiny_run(
         output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=2, num_inference_steps=3,
         height=32, width=32, max_steps=2, jagg_group_size=2, max_sequence_length=16, seed=0, save_strategy="no",
         disable_tqdm=True, logging_steps=1, report_to=["tensorboard", "wandb", "trackio"], project=project,
-        run_name="hacking", log_completions=True,
+        run_name="hacking",  # log_completions off (the default): the watch runs on every run
     )  # fmt: skip
     trainer = DDPOJaggTrainer(
         model=tiny_flux_path, reward_funcs=redness, args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_k", "to_v"]),
     )  # fmt: skip
     trainer.train()
+    assert not (tmp_path / "out" / "completions").exists()  # the completions themselves are logged only on request
     offline_wandb.finish()  # flush the offline run's last records before reading its file
     keys = [f"train/{PREFIX}{name}" for name in STATISTICS]
 
@@ -145,9 +146,7 @@ def demo_run_warnings(reward: str, steps: int, tmp_path, **overrides) -> list:
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer = demo_trainer(
-            DEMO_ASSET_DIR, str(tmp_path), steps=steps, seed=0, reward=reward, log_completions=True, **overrides
-        )
+        trainer = demo_trainer(DEMO_ASSET_DIR, str(tmp_path), steps=steps, seed=0, reward=reward, **overrides)
         trainer.train()
     return [w for w in caught if issubclass(w.category, RewardHackingWarning)]
 

@@ -297,7 +297,7 @@ class DDPOJaggTrainer(_BaseTrainer):
         super().log(logs, start_time)
         self._metrics.clear()
         completions, self.generation.completions = self.generation.completions, None  # each rollout logged once
-        if completions is not None and self.is_world_process_zero():
+        if completions is not None and self.args.log_completions and self.is_world_process_zero():
             prompts, images, scores = first_completions(completions, self.args.num_completions_to_print)
             # After Trainer.log: the tracker callbacks are set up and the step's scalars went first.
             log_completions(

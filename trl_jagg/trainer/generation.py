@@ -132,7 +132,8 @@ class RolloutGenerator:
             else None
         )
         self.completions: tuple[list[str], list, dict[str, list[Any]]] | None = None
-        """The latest rollout's (prompts, images, scores) for ``log_completions``, until the trainer logs them."""
+        """The latest rollout's (prompts, images, scores), for the reward-hacking watch and ``log_completions``, until
+        the trainer logs."""
 
     def groups(self, num_samples: int) -> list[int]:
         """The prompt group of each of this process's ``num_samples`` rows: its index in the gathered batch."""
@@ -319,9 +320,9 @@ class RolloutGenerator:
         self._log_reward_metrics(reward_metrics)
         advantages = self._advantages(group_keys(prompts, sources), rewards.to(device), per_reward)
         self.metrics["time/reward_s"].append(time.perf_counter() - start)
-        if args.log_completions:
-            scores = {"reward": rewards.tolist(), **{name: value.tolist() for name, value in per_reward.items()}}
-            self.completions = (prompts, images, {**scores, **extra_columns})
+        # Kept whatever log_completions says: the reward-hacking watch reads every rollout's images and scores.
+        scores = {"reward": rewards.tolist(), **{name: value.tolist() for name, value in per_reward.items()}}
+        self.completions = (prompts, images, {**scores, **extra_columns})
         rank = self.accelerator.process_index
         return advantages[rank * len(prompts) : (rank + 1) * len(prompts)].to(device)
 
@@ -421,12 +422,11 @@ class RolloutGenerator:
             self._log_reward_metrics(reward_metrics)
             self._log_scores(all_rewards, all_per_func, names, advantages)
             self.metrics["time/reward_s"].append(waited[0])
-            if args.log_completions:
-                first = self.accelerator.process_index * len(prompts)
-                mine = slice(first, first + len(prompts))
-                scores = {"reward": all_rewards[mine].tolist()}
-                scores.update({name: all_per_func[mine, i].tolist() for i, name in enumerate(names)})
-                self.completions = (prompts, images, {**scores, **extra_columns})
+            first = self.accelerator.process_index * len(prompts)
+            mine = slice(first, first + len(prompts))
+            scores = {"reward": all_rewards[mine].tolist()}
+            scores.update({name: all_per_func[mine, i].tolist() for i, name in enumerate(names)})
+            self.completions = (prompts, images, {**scores, **extra_columns})
 
         return ChunkAdvantages(
             num_rows=len(prompts), chunk_size=chunk, num_processes=self.accelerator.num_processes,
