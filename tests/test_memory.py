@@ -205,7 +205,7 @@ def test_offloaded_frozen_modules_visit_the_accelerator_only_to_run(tiny_flux_pa
         assert moves and moves[-1] == "cpu" and moves[::2] == [device] * len(moves[::2]), (name, moves)
     # Exact on purpose: offloading only moves modules between devices (both the CPU here); the calls are the same.
     for key in ("latents", "log_probs", "advantages"):
-        torch.testing.assert_close(got[key], expected[key], atol=0, rtol=0)
+        torch.testing.assert_close(getattr(got, key), getattr(expected, key), atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("family", ["flux", "qwenimage"])
@@ -236,4 +236,4 @@ def test_precomputed_prompt_embeds_give_the_same_rollout(tiny_flux_path, tiny_qw
     else:
         got = trainer._generate_and_score(inputs)
     for key in ("latents", "log_probs", "advantages"):
-        torch.testing.assert_close(got[key], expected[key], atol=1e-5, rtol=1e-5, msg=key)
+        torch.testing.assert_close(getattr(got, key), getattr(expected, key), atol=1e-5, rtol=1e-5, msg=key)

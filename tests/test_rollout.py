@@ -4,6 +4,7 @@ the ODE outside it on fewer steps with a higher-order solver, checked against th
 
 from __future__ import annotations
 
+import contextlib
 import math
 from types import SimpleNamespace
 
@@ -165,7 +166,8 @@ def test_trainer_places_the_window_by_its_rollout_count():
     on resume) over the micro-batches of a rollout, not the optimizer step."""
     seen = []
     trainer = SimpleNamespace(
-        old_policy=None, _step=2 * 6 * 3, state=SimpleNamespace(global_step=2 * 6 * 3 // 2),
+        update_stage=SimpleNamespace(before_rollout=lambda step: None, sampling_weights=contextlib.nullcontext),
+        _step=2 * 6 * 3, state=SimpleNamespace(global_step=2 * 6 * 3 // 2),
         args=SimpleNamespace(steps_per_generation=6, num_iterations=3),
         accelerator=SimpleNamespace(unwrap_model=lambda model: model), model=None, _stop_after_reward_failure=None,
         generation=SimpleNamespace(generate=lambda inputs, transformer, **kwargs: seen.append(kwargs)),

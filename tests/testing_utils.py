@@ -92,8 +92,6 @@ def update_gradient(trainer, rollout, **overrides) -> torch.Tensor:
     saved = {k: getattr(trainer.args, k) for k in overrides}
     for k, v in overrides.items():
         setattr(trainer.args, k, v)
-    stage = trainer.update_stage
-    stage.engine = stage.build_engine()  # the engine takes the run's settings when it is built
     try:
         model.zero_grad(set_to_none=True)
         model.train()
@@ -102,7 +100,6 @@ def update_gradient(trainer, rollout, **overrides) -> torch.Tensor:
     finally:
         for k, v in saved.items():
             setattr(trainer.args, k, v)
-        stage.engine = stage.build_engine()
 
 
 def gdpo_by_hand(columns, weights, group_size, eps, ddof, clip):

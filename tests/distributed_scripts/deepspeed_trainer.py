@@ -94,7 +94,6 @@ def reference_layout(reference: torch.nn.Module | None) -> dict[str, list[int | 
 def set_mode(trainer: DDPOJaggTrainer, mode: str) -> None:
     for name, value in MODES[mode].items():
         setattr(trainer.args, name, value)
-    trainer.update_stage.engine = trainer.update_stage.build_engine()  # the engine takes the run's settings
 
 
 def main(model_path: str, work_dir: str) -> None:

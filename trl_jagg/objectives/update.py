@@ -87,14 +87,22 @@ class UpdateStage:
     def setup(self, inputs: StageInputs) -> None:
         """The objective's own state and checks, once the stage is built (nothing here)."""
 
-    def build_engine(self) -> JaggEngine:
-        """The JAGG engine with the run's settings (built once; again only where those settings change)."""
+    def engine_settings(self) -> tuple[str, float | None]:
+        """The run's settings the engine takes: the endpoint backward and the velocity cache's tolerance."""
         args = self.args
+        return args.jagg_endpoint_backward, args.jagg_cache_tolerance if args.jagg_cache_mode == "checked" else None
+
+    def build_engine(self) -> JaggEngine:
+        """The JAGG engine with the run's settings (built once; again only where those settings change, as a
+        benchmark comparing endpoint backwards on one trainer changes them)."""
+        self.built_settings = self.engine_settings()
+        endpoint_backward, cache_tolerance = self.built_settings
         return JaggEngine(
             functools.partial(backward, self.accelerator),
-            endpoint_backward=args.jagg_endpoint_backward,
-            cache_tolerance=args.jagg_cache_tolerance if args.jagg_cache_mode == "checked" else None,
-            agree=self.largest_over_processes if self.accelerator.num_processes > 1 else None,
+            endpoint_backward=endpoint_backward,
+            cache_tolerance=cache_tolerance,
+            # Looked up at each call, so that a test or benchmark wrapping the agreement sees every one.
+            agree=(lambda value: self.largest_over_processes(value)) if self.accelerator.num_processes > 1 else None,
         )
 
     # ------------------------------------------------------------------ the objective's state
@@ -192,6 +200,8 @@ class UpdateStage:
     ) -> EngineResult:
         """The engine's forward and backward of the micro-batch's ``groups``, the loss averaged over its trained
         steps and ``accumulation_steps`` micro-batches, one backward unit each (DDP ``no_sync``, DeepSpeed)."""
+        if self.engine_settings() != self.built_settings:
+            self.engine = self.build_engine()
         return self.engine.run(
             groups,
             functions,
