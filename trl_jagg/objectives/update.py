@@ -175,7 +175,7 @@ class UpdateStage:
         adapters disabled (LoRA); ``transformer`` is the unwrapped trained backbone."""
         with self.reference_backbone(transformer) as reference:
             velocities = self.backbone_velocities(reference, inputs, timesteps, cond)
-        reshard(transformer)
+            reshard(reference)  # the frozen copy, or the trained backbone: FSDP2 keeps a root unsharded after forward
         return velocities
 
     @contextlib.contextmanager
