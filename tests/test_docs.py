@@ -18,6 +18,7 @@ DOCS = ROOT / "docs"
 # The pages written with the CLI and examples; docs/rewards.md belongs to the rewards and is only linked to.
 PAGES = [
     "index", "quickstart", "recipes", "jagg", "config", "models", "distributed", "benchmarks", "troubleshooting", "api",
+    "objectives",
     *(f"peers/{p.stem}" for p in sorted((DOCS / "peers").glob("*.md"))),
 ]  # fmt: skip
 

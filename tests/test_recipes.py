@@ -567,6 +567,15 @@ def test_list_recipes():
     assert list_recipes() == NAMES
 
 
+def test_every_preset_names_its_objective():
+    from trl_jagg.objectives import OBJECTIVES
+
+    for name in NAMES:
+        recipe = get_recipe(name)
+        assert recipe.objective == recipe.config.get("objective", "grpo") and recipe.objective in OBJECTIVES, name
+    assert {get_recipe(n).objective for n in NAMES} == set(OBJECTIVES)  # every objective has a preset
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_preset_builds_a_valid_config(name, tmp_path):
     recipe = get_recipe(name)

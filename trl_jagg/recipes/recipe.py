@@ -71,6 +71,11 @@ class Recipe:
         ``fields`` (e.g. ``notes``, ``reward_funcs``)."""
         return replace(self, name=name, description=description, config={**self.config, **config}, **fields)
 
+    @property
+    def objective(self) -> str:
+        """The objective the preset trains with (``GRPOJaggConfig.objective``: GRPO where the preset sets none)."""
+        return self.config.get("objective", "grpo")
+
     def lora_config(self) -> LoraConfig | None:
         """The recipe's LoRA adapter as a :class:`~peft.LoraConfig` (``None`` for full fine-tuning)."""
         if self.lora is None:
