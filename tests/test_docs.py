@@ -126,7 +126,7 @@ def test_presets_table_matches_the_recipes():
     rows = [
         [cell.strip().strip("`") for cell in line.strip().strip("|").split("|")]
         for line in (DOCS / "models.md").read_text().splitlines()
-        if re.match(r"\| `[a-z0-9.-]+` \| `", line) and not line.startswith("| `nft-")
+        if re.match(r"\| `[a-z0-9.-]+` \| `", line) and not line.startswith(("| `nft-", "| `awm-", "| `dgpo-"))
     ]
     grpo = [name for name, recipe in RECIPES.items() if recipe.config.get("objective", "grpo") == "grpo"]
     assert sorted(row[0] for row in rows) == sorted(grpo)
@@ -140,6 +140,23 @@ def test_presets_table_matches_the_recipes():
         assert lora == expected_lora, name
         assert (float(lr), float(beta)) == (config["learning_rate"], config["beta"]), name
         assert (int(w), float(frac)) == (config["jagg_group_size"], config["jagg_frac"]), name
+
+
+def test_awm_and_dgpo_presets_table_matches_the_recipes():
+    from trl_jagg.recipes import RECIPES
+
+    rows = [
+        [cell.strip().strip("`") for cell in line.strip().strip("|").split("|")]
+        for line in (DOCS / "models.md").read_text().splitlines()
+        if line.startswith(("| `awm-", "| `dgpo-")) and line.count("|") == 14  # the presets table's 13 columns
+    ]
+    expected = sorted(name for name, recipe in RECIPES.items() if recipe.objective in ("awm", "dgpo"))
+    assert sorted(row[0] for row in rows) == expected
+    for name, objective, model, reward, _, steps, _, g, _, _, lora, lr, _ in rows:
+        recipe, config = RECIPES[name], RECIPES[name].config
+        assert (objective, model, reward) == (recipe.objective, recipe.model, ", ".join(recipe.reward_funcs)), name
+        assert (int(steps), int(g)) == (config["num_inference_steps"], config["num_generations"]), name
+        assert lora == f"{recipe.lora['r']} / {recipe.lora['lora_alpha']}" and float(lr) == config["learning_rate"]
 
 
 def test_nft_presets_table_matches_the_recipes():

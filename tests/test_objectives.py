@@ -11,6 +11,7 @@ import pytest
 import torch
 from datasets import Dataset
 from peft import LoraConfig
+from test_nft import LinearVelocity, TanhVelocity  # the toy velocities of DiffusionNFT's JAGG tests
 from testing_utils import PROMPTS, redness, update_gradient
 
 from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
@@ -161,25 +162,6 @@ def test_a_resumed_run_ends_with_the_weights_and_state_of_an_uninterrupted_one(t
 
 
 # ---------------------------------------------------------------- JAGG's exact limits on the objectives' losses
-class LinearVelocity(torch.nn.Module):
-    """A velocity linear in (x, t): its Jacobian is linear in t along a line of inputs (Theorem 1's regime)."""
-
-    def __init__(self, dim: int):
-        super().__init__()
-        gen = torch.Generator().manual_seed(2)
-        self.a = torch.nn.Parameter(torch.randn(dim, dim, generator=gen, dtype=torch.float64) / dim)
-        self.b = torch.nn.Parameter(torch.randn(dim, generator=gen, dtype=torch.float64))
-        self.c = torch.nn.Parameter(torch.randn(dim, generator=gen, dtype=torch.float64))
-
-    def forward(self, x, t):
-        return x @ self.a + t[:, None] * self.b + self.c
-
-
-class TanhVelocity(LinearVelocity):
-    def forward(self, x, t):
-        return torch.tanh(super().forward(x, t)) * (1 + t[:, None])
-
-
 def forward_objective_gradients(objective, model, times, group_size, mode="jagg"):
     """One batch of 4 samples (2 groups of 2) at ``times`` with one eps per JAGG group, the objective's loss per
     timestep: the engine's gradient and the exact sum of per-timestep gradients taken here one by one."""
