@@ -80,14 +80,15 @@ class GRPOUpdateStage(UpdateStage):
         )
 
     # ------------------------------------------------------------------ backbone calls
+    @staticmethod
+    def step_inputs(batch: RolloutBatch, steps: Sequence[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The backbone inputs of denoising steps ``steps``: the rollout's latents at each and its timestep, ``(B,)``."""
+        return [batch.latents[:, k] for k in steps], [batch.timesteps[k].expand(batch.size) for k in steps]
+
     def velocities(self, transformer: torch.nn.Module, batch: RolloutBatch, steps: Sequence[int]) -> list:
         """The guided velocities of denoising steps ``steps`` of the micro-batch at the rollout's states, under the
         ambient grad mode (:meth:`~trl_jagg.objectives.update.UpdateStage.backbone_velocities`)."""
-        latents, timesteps = batch.latents, batch.timesteps
-        size = batch.size
-        return self.backbone_velocities(
-            transformer, [latents[:, k] for k in steps], [timesteps[k].expand(size) for k in steps], batch.cond
-        )
+        return self.backbone_velocities(transformer, *self.step_inputs(batch, steps), batch.cond)
 
     @torch.no_grad()
     def reference_means(
@@ -96,11 +97,7 @@ class GRPOUpdateStage(UpdateStage):
         """Means of the reference model's step Gaussians (base weights) for the KL term, the backbone calls of all
         trained steps batched; ``transformer`` is the unwrapped trained backbone."""
         args, sigmas = self.args, batch.sigmas
-        size = batch.size
-        velocities = self.reference_velocities(
-            transformer, [batch.latents[:, k] for k in trained], [batch.timesteps[k].expand(size) for k in trained],
-            batch.cond,
-        )  # fmt: skip
+        velocities = self.reference_velocities(transformer, *self.step_inputs(batch, trained), batch.cond)
         return {
             k: sampler_step(
                 v,
