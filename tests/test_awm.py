@@ -4,28 +4,13 @@ decay."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
+from testing_utils import linear_velocity, linear_velocity_params
 
 from trl_jagg.core.awm import AWM_WEIGHTINGS, awm_loss, awm_train_timestep_indices, linear_ramp_decay
 
 SHAPE = (4, 2, 3)  # batch of 4 latents of 2 x 3
-
-
-def toy_velocity(params, x, t):
-    """A linear velocity in (x, t): ``v = W x + t b`` over the flattened latent."""
-    weight, bias = params
-    flat = x.reshape(x.shape[0], -1)
-    return (flat @ weight.T + t[:, None] * bias).reshape(x.shape)
-
-
-def make_params(gen, scale=0.3):
-    dim = math.prod(SHAPE[1:])
-    weight = (scale * torch.randn(dim, dim, generator=gen, dtype=torch.float64)).requires_grad_(True)
-    bias = (scale * torch.randn(dim, generator=gen, dtype=torch.float64)).requires_grad_(True)
-    return weight, bias
 
 
 def weighted_log_prob_by_hand(v, x0, eps, t, weighting, power):
@@ -48,7 +33,7 @@ def ratios_by_hand(params, old_params, x0, eps, t, weighting, power=0.25):
     for b in range(x0.shape[0]):
         x_t = (1 - t[b]) * x0[b : b + 1] + t[b] * eps[b : b + 1]
         lp, lp_old = (
-            weighted_log_prob_by_hand(toy_velocity(p, x_t, t[b : b + 1])[0], x0[b], eps[b], t[b], weighting, power)
+            weighted_log_prob_by_hand(linear_velocity(p, x_t, t[b : b + 1])[0], x0[b], eps[b], t[b], weighting, power)
             for p in (params, old_params)
         )
         ratios.append(float(torch.exp(lp - lp_old).detach()))
@@ -63,9 +48,9 @@ def awm_loss_by_hand(params, old_params, x0, eps, t, advantages, *, clip, clip_m
     for b in range(batch):
         x_t = (1 - t[b]) * x0[b : b + 1] + t[b] * eps[b : b + 1]
         tb = t[b : b + 1]
-        v = toy_velocity(params, x_t, tb)[0]
+        v = linear_velocity(params, x_t, tb)[0]
         with torch.no_grad():
-            v_old = toy_velocity(old_params, x_t, tb)[0]
+            v_old = linear_velocity(old_params, x_t, tb)[0]
         lp = weighted_log_prob_by_hand(v, x0[b], eps[b], t[b], weighting, power)
         lp_old = weighted_log_prob_by_hand(v_old, x0[b], eps[b], t[b], weighting, power)
         a = min(max(float(advantages[b]), -clip_max), clip_max)
@@ -74,9 +59,9 @@ def awm_loss_by_hand(params, old_params, x0, eps, t, advantages, *, clip, clip_m
         ratio = torch.exp(lp - lp_old)
         total = total + torch.maximum(-a * ratio, -a * ratio.clamp(1 - clip, 1 + clip)) / batch
         if ref_params is not None:
-            total = total + kl_beta * ((v - toy_velocity(ref_params, x_t, tb)[0].detach()) ** 2).mean() / batch
+            total = total + kl_beta * ((v - linear_velocity(ref_params, x_t, tb)[0].detach()) ** 2).mean() / batch
         if ema_params is not None:
-            total = total + ema_beta * ((v - toy_velocity(ema_params, x_t, tb)[0].detach()) ** 2).mean() / batch
+            total = total + ema_beta * ((v - linear_velocity(ema_params, x_t, tb)[0].detach()) ** 2).mean() / batch
     return total
 
 
@@ -94,11 +79,11 @@ def perturbed(params, gen, scale):
 
 def code_loss(params, old_params, x0, eps, t, advantages, ref_params=None, ema_params=None, **kwargs):
     x_t = (1 - t.view(-1, 1, 1)) * x0 + t.view(-1, 1, 1) * eps
-    velocity = toy_velocity(params, x_t, t)
+    velocity = linear_velocity(params, x_t, t)
     with torch.no_grad():
-        old = toy_velocity(old_params, x_t, t) if old_params is not None else None
-        ref = toy_velocity(ref_params, x_t, t) if ref_params is not None else None
-        ema = toy_velocity(ema_params, x_t, t) if ema_params is not None else None
+        old = linear_velocity(old_params, x_t, t) if old_params is not None else None
+        ref = linear_velocity(ref_params, x_t, t) if ref_params is not None else None
+        ema = linear_velocity(ema_params, x_t, t) if ema_params is not None else None
     return awm_loss(velocity, x0, eps, t, advantages, old_velocity=old, ref_velocity=ref, ema_velocity=ema, **kwargs)
 
 
@@ -106,7 +91,7 @@ def code_loss(params, old_params, x0, eps, t, advantages, ref_params=None, ema_p
 @pytest.mark.parametrize("with_kl", [False, True])
 def test_awm_loss_and_gradient_match_the_papers_formula(weighting, with_kl):
     gen, x0, eps, t, advantages = batch_inputs(0)
-    params = make_params(gen)
+    params = linear_velocity_params(gen, SHAPE[1:])
     old_params = perturbed(params, gen, 0.05)  # off-policy: ratios away from 1
     ref_params, ema_params = perturbed(params, gen, 0.2), perturbed(params, gen, 0.1)
     kl = {"ref_params": ref_params, "kl_beta": 0.3, "ema_params": ema_params, "ema_beta": 0.7} if with_kl else {}
@@ -133,13 +118,13 @@ def test_on_policy_awm_is_advantage_weighted_matching():
     """Old policy = trained policy (the authors' one optimizer step per rollout): the ratio is 1 and the gradient is
     that of ``-mean_i A_i lp_i`` (no clipping can bite at ratio 1)."""
     gen, x0, eps, t, advantages = batch_inputs(1)
-    params = make_params(gen)
+    params = linear_velocity_params(gen, SHAPE[1:])
     out = code_loss(params, None, x0, eps, t, advantages, clip_range=1e-4, adv_clip_max=5.0, advantage_max=None)
     grads = torch.autograd.grad(out.loss, params)
     weighted = 0.0
     for b in range(SHAPE[0]):
         x_t = (1 - t[b]) * x0[b : b + 1] + t[b] * eps[b : b + 1]
-        v = toy_velocity(params, x_t, t[b : b + 1])[0]
+        v = linear_velocity(params, x_t, t[b : b + 1])[0]
         a = min(max(float(advantages[b]), -5.0), 5.0)
         weighted = weighted - a * weighted_log_prob_by_hand(v, x0[b], eps[b], t[b], "ghuber", 0.25) / SHAPE[0]
     expected_grads = torch.autograd.grad(weighted, params)
@@ -151,7 +136,7 @@ def test_on_policy_awm_is_advantage_weighted_matching():
 
 def test_zero_advantages_give_no_policy_gradient():
     gen, x0, eps, t, _ = batch_inputs(2)
-    params = make_params(gen)
+    params = linear_velocity_params(gen, SHAPE[1:])
     out = code_loss(params, perturbed(params, gen, 0.05), x0, eps, t, torch.zeros(SHAPE[0], dtype=torch.float64))
     grads = torch.autograd.grad(out.loss, params)
     assert float(out.loss.detach()) == 0.0
@@ -162,9 +147,9 @@ def test_a_sample_clipped_on_its_advantages_side_has_no_gradient():
     """A positive advantage whose ratio passed 1 + eps and a negative one whose ratio fell under 1 - eps are clipped:
     the pessimistic max takes the constant branch and the batch has no policy gradient."""
     gen, x0, eps, t, _ = batch_inputs(3)
-    params = make_params(gen)
+    params = linear_velocity_params(gen, SHAPE[1:])
     x_t = (1 - t.view(-1, 1, 1)) * x0 + t.view(-1, 1, 1) * eps
-    velocity = toy_velocity(params, x_t, t)
+    velocity = linear_velocity(params, x_t, t)
     target = eps - x0
     with torch.no_grad():  # old velocities farther from / closer to the target than the trained one
         old = target + torch.where(

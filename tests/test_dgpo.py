@@ -8,26 +8,13 @@ import math
 
 import pytest
 import torch
+from testing_utils import linear_velocity, linear_velocity_params
 
 from trl_jagg.core.dgpo import dgpo_loss, dgpo_train_timestep_indices, group_preference_logits, old_policy_decay
 
 SHAPE = (6, 2, 3)  # two groups of three latents of 2 x 3
 GROUPS = torch.tensor([0, 0, 0, 1, 1, 1])
 G = 3
-
-
-def toy_velocity(params, x, t):
-    """A linear velocity in (x, t): ``v = W x + t b`` over the flattened latent."""
-    weight, bias = params
-    flat = x.reshape(x.shape[0], -1)
-    return (flat @ weight.T + t[:, None] * bias).reshape(x.shape)
-
-
-def make_params(gen, scale=0.3):
-    dim = math.prod(SHAPE[1:])
-    weight = (scale * torch.randn(dim, dim, generator=gen, dtype=torch.float64)).requires_grad_(True)
-    bias = (scale * torch.randn(dim, generator=gen, dtype=torch.float64)).requires_grad_(True)
-    return weight, bias
 
 
 def perturbed(params, gen, scale):
@@ -50,7 +37,7 @@ def noised(x0, eps, t):
 
 def dsm_by_hand(params, x0, eps, t, b):
     x_t = (1 - t[b]) * x0[b : b + 1] + t[b] * eps[b : b + 1]
-    return ((toy_velocity(params, x_t, t[b : b + 1])[0] - (eps[b] - x0[b])) ** 2).mean()
+    return ((linear_velocity(params, x_t, t[b : b + 1])[0] - (eps[b] - x0[b])) ** 2).mean()
 
 
 def paper_loss_by_hand(params, ref_params, x0, eps, t, advantages, beta_dpo, clip_max):
@@ -90,20 +77,20 @@ def surrogate_by_hand(params, ref_params, old_params, x0, eps, t, advantages, *,
         total = total + torch.sigmoid(torch.tensor(logits[int(GROUPS[b])], dtype=torch.float64)) * adv[b] * d / batch
         if kl_params is not None:
             x_t = (1 - t[b]) * x0[b : b + 1] + t[b] * eps[b : b + 1]
-            v = toy_velocity(params, x_t, t[b : b + 1])[0]
-            kl = ((v - toy_velocity(kl_params, x_t, t[b : b + 1])[0].detach()) ** 2).mean()
+            v = linear_velocity(params, x_t, t[b : b + 1])[0]
+            kl = ((v - linear_velocity(kl_params, x_t, t[b : b + 1])[0].detach()) ** 2).mean()
             total = total + kl_beta * (kl.detach() if clip_kl and clipped[b] else kl) / batch
     return total, sum(clipped) / batch
 
 
 def velocities(param_sets, x0, eps, t):
     x_t = noised(x0, eps, t)
-    return [toy_velocity(p, x_t, t) for p in param_sets]
+    return [linear_velocity(p, x_t, t) for p in param_sets]
 
 
 def test_the_gradient_is_the_papers_group_log_sigmoid_over_beta():
     gen, x0, eps, t, advantages = batch_inputs(0)
-    params = make_params(gen)
+    params = linear_velocity_params(gen, SHAPE[1:])
     ref_params = perturbed(params, gen, 0.2)
     expected = paper_loss_by_hand(params, ref_params, x0, eps, t, advantages, beta_dpo=10.0, clip_max=5.0)
     expected_grads = torch.autograd.grad(expected, params)
@@ -118,7 +105,7 @@ def test_the_gradient_is_the_papers_group_log_sigmoid_over_beta():
 @pytest.mark.parametrize("clip_kl", [False, True])
 def test_loss_with_clipping_and_kl_matches_the_authors_surrogate(clip_kl):
     gen, x0, eps, t, advantages = batch_inputs(1)
-    params = make_params(gen)
+    params = linear_velocity_params(gen, SHAPE[1:])
     ref_params, old_params, kl_params = perturbed(params, gen, 0.2), perturbed(params, gen, 0.1), perturbed(params, gen, 0.3)  # fmt: skip
     # A clip range that the old policy's ratios cross on some samples, not all (checked below).
     clip = 0.05
@@ -140,7 +127,7 @@ def test_loss_with_clipping_and_kl_matches_the_authors_surrogate(clip_kl):
 
 def test_zero_advantages_give_no_gradient():
     gen, x0, eps, t, _ = batch_inputs(2)
-    params = make_params(gen)
+    params = linear_velocity_params(gen, SHAPE[1:])
     velocity, ref = velocities([params, perturbed(params, gen, 0.2)], x0, eps, t)
     zeros = torch.zeros(SHAPE[0], dtype=torch.float64)
     out = dgpo_loss(velocity, x0, eps, zeros, GROUPS, ref.detach(), num_groups=2, group_size=G, dpo_beta=10.0)
@@ -158,13 +145,13 @@ def test_a_group_of_identical_samples_adds_no_gradient():
     x0[:3] = x0[0]
     advantages = advantages.clone()
     advantages[:3] = torch.tensor([1.0, 0.5, -1.5], dtype=torch.float64)
-    params = make_params(gen)
+    params = linear_velocity_params(gen, SHAPE[1:])
     ref_params = perturbed(params, gen, 0.2)
     velocity, ref = velocities([params, ref_params], x0, eps, t)
     out = dgpo_loss(velocity, x0, eps, advantages, GROUPS, ref.detach(), num_groups=2, group_size=G, dpo_beta=10.0)
     grads = torch.autograd.grad(out.loss, params)
     other = GROUPS == 1
-    v_other = toy_velocity(params, noised(x0[other], eps[other], t[other]), t[other])
+    v_other = linear_velocity(params, noised(x0[other], eps[other], t[other]), t[other])
     alone = dgpo_loss(v_other, x0[other], eps[other], advantages[other], torch.zeros(3, dtype=torch.long),
                       ref[other].detach(), num_groups=1, group_size=G, dpo_beta=10.0)  # fmt: skip
     alone_grads = torch.autograd.grad(alone.loss, params)
@@ -176,7 +163,7 @@ def test_clipped_samples_have_no_gradient():
     """Every sample clipped on its advantage's side (old policy farther from the target for A > 0, closer for A < 0):
     no DSM gradient flows."""
     gen, x0, eps, t, _ = batch_inputs(4)
-    params = make_params(gen)
+    params = linear_velocity_params(gen, SHAPE[1:])
     velocity, ref = velocities([params, perturbed(params, gen, 0.2)], x0, eps, t)
     target = eps - x0
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0], dtype=torch.float64)
@@ -194,7 +181,7 @@ def test_groups_split_over_micro_batches_give_the_whole_batch_gradient():
     """Each micro-batch holds part of every group: the summed partial logits (the cross-process reduce) make the two
     micro-batches' losses, weighted by their sizes, the whole batch's."""
     gen, x0, eps, t, advantages = batch_inputs(5)
-    params = make_params(gen)
+    params = linear_velocity_params(gen, SHAPE[1:])
     ref_params = perturbed(params, gen, 0.2)
     velocity, ref = velocities([params, ref_params], x0, eps, t)
     kwargs = {"num_groups": 2, "group_size": G, "dpo_beta": 10.0}

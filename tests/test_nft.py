@@ -10,10 +10,10 @@ import pytest
 import torch
 from datasets import Dataset
 from peft import LoraConfig
-from testing_utils import PROMPTS, redness, update_gradient
+from testing_utils import PROMPTS, engine_and_exact_gradients, redness, update_gradient
 
 from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
-from trl_jagg.core.jagg import JaggEngine, StepFunctions, plan_groups
+from trl_jagg.core.jagg import plan_groups
 from trl_jagg.core.nft import forward_noised, nft_loss, old_policy_decay, optimality_probability
 from trl_jagg.trainer.old_policy import OLD_POLICY_FILE, OldPolicy
 
@@ -153,16 +153,7 @@ def jagg_nft_gradients(model, times, group_size, jagg_frac, mode="jagg"):
     def loss_fn(i, v):
         return nft_loss(v, v_old[i], x0, x_t[i], t_of[i], optimality, nft_beta=1.0, adv_clip_max=5.0).loss
 
-    params = list(model.parameters())
-    for p in params:
-        p.grad = None
-    JaggEngine().run(groups, StepFunctions(lambda i: model(x_t[i], t_of[i]), loss_fn))
-    jagg = torch.cat([p.grad.flatten() for p in params])
-    exact = sum(
-        torch.cat([g.flatten() for g in torch.autograd.grad(loss_fn(i, model(x_t[i], t_of[i])), params)])
-        for i in range(len(times))
-    )
-    return jagg, exact
+    return engine_and_exact_gradients(model, groups, x_t, t_of, loss_fn)
 
 
 def test_jagg_nft_is_exact_for_a_velocity_linear_in_x_and_t():

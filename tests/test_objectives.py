@@ -12,7 +12,7 @@ import torch
 from datasets import Dataset
 from peft import LoraConfig
 from test_nft import LinearVelocity, TanhVelocity  # the toy velocities of DiffusionNFT's JAGG tests
-from testing_utils import PROMPTS, redness, update_gradient
+from testing_utils import PROMPTS, engine_and_exact_gradients, redness, update_gradient
 
 from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
 from trl_jagg.objectives import OBJECTIVES, get_objective
@@ -167,7 +167,7 @@ def forward_objective_gradients(objective, model, times, group_size, mode="jagg"
     timestep: the engine's gradient and the exact sum of per-timestep gradients taken here one by one."""
     from trl_jagg.core.awm import awm_loss
     from trl_jagg.core.dgpo import dgpo_loss
-    from trl_jagg.core.jagg import JaggEngine, StepFunctions, plan_groups
+    from trl_jagg.core.jagg import plan_groups
     from trl_jagg.core.nft import forward_noised
 
     gen = torch.Generator().manual_seed(3)
@@ -191,16 +191,7 @@ def forward_objective_gradients(objective, model, times, group_size, mode="jagg"
             v, x0, eps[i], advantages, torch.tensor([0, 0, 1, 1]), ref[i], num_groups=2, group_size=2, dpo_beta=10.0
         ).loss
 
-    params = list(model.parameters())
-    for p in params:
-        p.grad = None
-    JaggEngine().run(groups, StepFunctions(lambda i: model(x_t[i], t_of[i]), loss_fn))
-    jagg = torch.cat([p.grad.flatten() for p in params])
-    exact = sum(
-        torch.cat([g.flatten() for g in torch.autograd.grad(loss_fn(i, model(x_t[i], t_of[i])), params)])
-        for i in range(len(times))
-    )
-    return jagg, exact
+    return engine_and_exact_gradients(model, groups, x_t, t_of, loss_fn)
 
 
 @pytest.mark.parametrize("objective", ["awm", "dgpo"])

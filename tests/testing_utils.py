@@ -48,6 +48,39 @@ NAMES = [
 PROMPTS = ["a red circle", "a green square", "a blue circle", "a red square"]
 
 
+def engine_and_exact_gradients(model, groups, x_t, t_of, loss_fn):
+    """``model``'s gradient through the JAGG engine over ``groups`` (the velocity of trained timestep ``i`` at the
+    inputs ``x_t[i]``, ``t_of[i]``) and the exact sum of per-timestep gradients, taken here one by one."""
+    from trl_jagg.core.jagg import JaggEngine, StepFunctions
+
+    params = list(model.parameters())
+    for p in params:
+        p.grad = None
+    JaggEngine().run(groups, StepFunctions(lambda i: model(x_t[i], t_of[i]), loss_fn))
+    jagg = torch.cat([p.grad.flatten() for p in params])
+    exact = sum(
+        torch.cat([g.flatten() for g in torch.autograd.grad(loss_fn(i, model(x_t[i], t_of[i])), params)])
+        for i in range(len(x_t))
+    )
+    return jagg, exact
+
+
+def linear_velocity(params, x, t):
+    """A toy velocity linear in (x, t), ``v = W x + t b`` over the flattened latent (the forward-process losses'
+    float64 tests)."""
+    weight, bias = params
+    flat = x.reshape(x.shape[0], -1)
+    return (flat @ weight.T + t[:, None] * bias).reshape(x.shape)
+
+
+def linear_velocity_params(gen, latent_shape, scale=0.3):
+    """Random float64 ``(W, b)`` of :func:`linear_velocity` for latents of ``latent_shape`` (without the batch)."""
+    dim = math.prod(latent_shape)
+    weight = (scale * torch.randn(dim, dim, generator=gen, dtype=torch.float64)).requires_grad_(True)
+    bias = (scale * torch.randn(dim, generator=gen, dtype=torch.float64)).requires_grad_(True)
+    return weight, bias
+
+
 def redness(prompts, images, **kwargs):
     """An independent reward: mean red minus mean of the other channels."""
     out = []
