@@ -47,15 +47,9 @@ class AWMUpdateStage(ForwardProcessStage):
         self.kl_ema = OldPolicy(inputs.trainable_parameters, decay, objective="awm", accelerator=self.accelerator)
 
     # ------------------------------------------------------------------ the KL-EMA
-    def before_rollout(self, global_step: int) -> None:
-        """The KL-EMA follows the trained weights after each rollout's update (train_sd3_awm.py L1409-1418)."""
-        self.kl_ema.follow(global_step)
-
-    def save_state(self, directory: str, *, checkpoint_step: int, write: bool) -> None:
-        self.kl_ema.save(directory, checkpoint_step=checkpoint_step, write=write)
-
-    def load_state(self, checkpoint: str) -> None:
-        self.kl_ema.load(checkpoint)
+    def followed_weights(self) -> OldPolicy:
+        """The KL-EMA, following the trained weights after each rollout's update (train_sd3_awm.py L1409-1418)."""
+        return self.kl_ema
 
     # ------------------------------------------------------------------ the loss
     def trained_steps(self, num_steps: int, *, micro_step: int, global_step: int) -> list[int]:

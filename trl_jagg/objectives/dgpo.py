@@ -55,22 +55,19 @@ class DGPOUpdateStage(ForwardProcessStage):
         self.global_step = 0
 
     # ------------------------------------------------------------------ the old policy
+    def followed_weights(self) -> OldPolicy:
+        """The old policy, following the trained weights after each optimizer step (train_sd3_dgpo.py L1174-1177)."""
+        return self.old_policy
+
     def before_rollout(self, global_step: int) -> None:
-        """The old policy follows the trained weights after each optimizer step (train_sd3_dgpo.py L1174-1177)."""
-        self.old_policy.follow(global_step)
-        self.global_step = global_step
+        super().before_rollout(global_step)
+        self.global_step = global_step  # when the old policy starts sampling
 
     def sampling_weights(self) -> contextlib.AbstractContextManager:
         """The trained weights sample, then the old policy from ``dgpo_sample_old_policy_after`` steps on."""
         if self.global_step >= self.args.dgpo_sample_old_policy_after:
             return self.old_policy.swapped_in()
         return contextlib.nullcontext()
-
-    def save_state(self, directory: str, *, checkpoint_step: int, write: bool) -> None:
-        self.old_policy.save(directory, checkpoint_step=checkpoint_step, write=write)
-
-    def load_state(self, checkpoint: str) -> None:
-        self.old_policy.load(checkpoint)
 
     # ------------------------------------------------------------------ the loss
     def guidance(self) -> dict[str, Any]:

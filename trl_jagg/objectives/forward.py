@@ -27,6 +27,7 @@ from trl_jagg.core.jagg import EngineResult, plan_groups
 from trl_jagg.core.nft import forward_noised
 from trl_jagg.objectives.update import TrainedStepFunctions, UpdateStage
 from trl_jagg.trainer.batch import RolloutBatch, rng_seed
+from trl_jagg.trainer.old_policy import OldPolicy
 
 
 @dataclass
@@ -65,6 +66,21 @@ class ForwardProcessStage(UpdateStage):
     """Prefix of the logged diagnostics (``"nft/"``)."""
     stat_names: tuple[str, ...] = ()
     """The attributes of :meth:`step_loss`'s output logged per trained timestep (``loss`` is its total)."""
+
+    def followed_weights(self) -> OldPolicy:
+        """The objective's state: the copy of the trained weights that follows them before each rollout
+        (DiffusionNFT's and DGPO's old policy, AWM's KL-EMA), checkpointed with the run."""
+        raise NotImplementedError
+
+    def before_rollout(self, global_step: int) -> None:
+        """The copy follows the trained weights after each rollout's updates (once per optimizer step)."""
+        self.followed_weights().follow(global_step)
+
+    def save_state(self, directory: str, *, checkpoint_step: int, write: bool) -> None:
+        self.followed_weights().save(directory, checkpoint_step=checkpoint_step, write=write)
+
+    def load_state(self, checkpoint: str) -> None:
+        self.followed_weights().load(checkpoint)
 
     def trained_steps(self, num_steps: int, *, micro_step: int, global_step: int) -> list[int]:
         """The rollout steps (of ``num_steps``) whose timesteps micro-batch ``micro_step`` trains, identical on

@@ -57,19 +57,12 @@ class NFTUpdateStage(ForwardProcessStage):
         self.old_policy = OldPolicy(inputs.trainable_parameters, decay, objective="nft", accelerator=self.accelerator)
 
     # ------------------------------------------------------------------ the old policy
-    def before_rollout(self, global_step: int) -> None:
-        """The old policy follows the trained weights after each rollout's updates."""
-        self.old_policy.follow(global_step)
+    def followed_weights(self) -> OldPolicy:
+        return self.old_policy
 
     def sampling_weights(self) -> contextlib.AbstractContextManager:
         """The old policy samples the rollouts."""
         return self.old_policy.swapped_in()
-
-    def save_state(self, directory: str, *, checkpoint_step: int, write: bool) -> None:
-        self.old_policy.save(directory, checkpoint_step=checkpoint_step, write=write)
-
-    def load_state(self, checkpoint: str) -> None:
-        self.old_policy.load(checkpoint)
 
     # ------------------------------------------------------------------ the loss
     def trained_steps(self, num_steps: int, *, micro_step: int, global_step: int) -> list[int]:
