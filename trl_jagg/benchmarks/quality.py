@@ -262,6 +262,13 @@ def summarize(runs: Sequence[dict[str, Any]], at_steps: Sequence[int]) -> dict[s
     return table
 
 
+def first_reaching(run: dict[str, Any], target: float) -> tuple[int, int] | None:
+    """``(step, index)`` of ``run``'s first evaluation whose held-out reward is at or above ``target`` (``index``
+    into the run's logged steps), or ``None`` if none is."""
+    reached = [int(s) for s in sorted(run["eval"], key=int) if run["eval"][s]["reward"] >= target]
+    return (reached[0], run["step"].index(reached[0])) if reached else None
+
+
 def time_to_reward(
     runs: Sequence[dict[str, Any]], reference: str = "exact", flops: Callable[[dict[str, int]], float] | None = None
 ) -> dict[str, Any]:
@@ -289,11 +296,10 @@ def time_to_reward(
     if priced:
         table["reference_flops"] = statistics.median(flops(r["work"][-1]) for r in own)
     for run in runs:
-        reached = [int(s) for s in sorted(run["eval"], key=int) if run["eval"][s]["reward"] >= target]
-        i = run["step"].index(reached[0]) if reached else None
+        step, i = first_reaching(run, target) or (None, None)
         entry = table["variants"].setdefault(run["variant"], {"seeds": [], "step": [], "cpu_s": []})
         entry["seeds"].append(run["seed"])
-        entry["step"].append(reached[0] if reached else None)
+        entry["step"].append(step)
         entry["cpu_s"].append(None if i is None else run["cpu_s"][i])
         if priced:
             entry.setdefault("flops", []).append(None if i is None else flops(run["work"][i]))
@@ -331,8 +337,8 @@ def paired_race(runs: Sequence[dict[str, Any]], reference: str = "exact", last_e
         exact = own.get(run["seed"])
         if exact is None:
             continue
-        reached = [int(s) for s in sorted(run["eval"], key=int) if run["eval"][s]["reward"] >= target]
-        seconds = run["cpu_s"][run["step"].index(reached[0])] if reached else None
+        reached = first_reaching(run, target)
+        seconds = run["cpu_s"][reached[1]] if reached else None
         last = str(max(int(s) for s in run["eval"]))
         entry = table["variants"].setdefault(run["variant"], {"seeds": [], "cpu_s": [], "ratio": [], "final": []})
         entry["seeds"].append(run["seed"])
