@@ -38,14 +38,15 @@ or the huggingface-hub that the lock's transformers needs, would pass the size l
 CARRIED = GPU_MACHINE_LACKS + GPU_MACHINE_REPLACES
 """Every wheel ``make gpu-wheels`` downloads (the project's own is built besides)."""
 GPU_MACHINE_HAS = frozenset(
-    # The nvidia-h200 image's Python packages as the device notes list them (2026-11-17), those trl_jagg's
-    # dependency tree reaches; the rest of that list is left out.
-    "accelerate aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs certifi charset-normalizer click "
-    "contourpy cycler filelock fonttools frozenlist fsspec h11 hf-xet httpcore httpx huggingface-hub idna jinja2 "
-    "kiwisolver "
-    "markdown-it-py markupsafe matplotlib mdurl mpmath multidict networkx numpy packaging pandas peft pillow propcache "
-    "psutil pyarrow pygments pyparsing python-dateutil pyyaml regex requests rich safetensors setuptools shellingham "
-    "six sympy tokenizers torch tqdm transformers triton typer typing-extensions urllib3 xxhash yarl zipp".split()
+    # The GPU image's Python packages as the device notes list them (.library/device/KINDS.md, 2026-11-17), those
+    # trl_jagg's dependency tree reaches (tensorboard's tree included, a base dependency since the quickstart logs
+    # to it); the rest of that list is left out.
+    "absl-py accelerate aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs certifi charset-normalizer click "
+    "contourpy cycler filelock fonttools frozenlist fsspec grpcio h11 hf-xet httpcore httpx huggingface-hub idna "
+    "jinja2 kiwisolver markdown markdown-it-py markupsafe matplotlib mdurl mpmath multidict networkx numpy packaging "
+    "pandas peft pillow propcache protobuf psutil pyarrow pygments pyparsing python-dateutil pyyaml regex requests "
+    "rich safetensors setuptools shellingham six sympy tensorboard tensorboard-data-server tokenizers torch tqdm "
+    "transformers triton typer typing-extensions urllib3 werkzeug xxhash yarl zipp".split()
 )
 """Packages already on the GPU machine. Its torch (2.11), transformers (5.17) and accelerate (1.15) are older than
 the lock's; the ``--tiny`` dry run passed by hand with that transformers, accelerate and huggingface-hub (1.33) over
