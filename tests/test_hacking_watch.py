@@ -162,3 +162,44 @@ def test_the_demo_model_gaming_brightness_without_a_kl_anchor_warns(tmp_path):
 @pytest.mark.slow
 def test_the_demo_model_learning_its_colour_reward_does_not_warn(tmp_path):
     assert demo_run_warnings("prompt_color", 12, tmp_path) == []
+
+
+def whole_rollout_watch(script) -> tuple[dict, list[str], RewardHackingWatch]:
+    """One process watching what ``distributed_scripts/hacking_watch.py`` shows its two ranks, whole."""
+    watch = RewardHackingWatch(metrics={})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(2):
+            images, rewards = script.rollout(step)
+            watch.observe(script.KEYS, images, rewards, step)
+        watch.observe_evaluation(0.25, step=2)
+    return watch.metrics, [str(w.message) for w in caught if issubclass(w.category, RewardHackingWarning)], watch
+
+
+def test_every_process_logs_and_warns_on_the_whole_rollout(tmp_path):
+    # Two gloo processes, each shown its shard; a group spans both, and only rank 1's shard turns white.
+    import json
+
+    from test_distributed import _load_script, _torchrun
+
+    _torchrun("hacking_watch", str(tmp_path), timeout=120)
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert [r["world"] for r in ranks] == [2, 2]
+    script = _load_script("hacking_watch")
+    metrics, messages, _ = whole_rollout_watch(script)
+    for rank in ranks:
+        assert rank["metrics"].keys() == metrics.keys()
+        for name, values in metrics.items():
+            assert rank["metrics"][name] == pytest.approx(values, rel=1e-6, nan_ok=True), name
+        assert rank["warnings"] == messages
+    assert any("saturation" in message for message in messages)
+    # What each rank would have warned on its shard alone: rank 0's images did not change, so it would not.
+    alone = []
+    for rank in range(2):
+        watch = RewardHackingWatch(metrics={})
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(2):
+                watch.observe(*script.shard(rank, step), step=step)
+        alone.append([w for w in caught if issubclass(w.category, RewardHackingWarning)])
+    assert alone[0] == [] and alone[1] != []

@@ -179,7 +179,7 @@ class DDPOJaggTrainer(_BaseTrainer):
             self.add_callback(SampleImagesCallback(self._log_samples))
         self.interrupts = InterruptCallback(self.accelerator)
         self.add_callback(self.interrupts)
-        self.add_callback(RewardHackingWatch(self._metrics, lambda: self.generation.completions))
+        self.add_callback(RewardHackingWatch(self._metrics, lambda: self.generation.completions, self.accelerator))
 
     @property
     def is_lora(self) -> bool:

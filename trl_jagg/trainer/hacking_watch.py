@@ -17,6 +17,11 @@ Logged per rollout (``hacking/...``):
 
 The warnings (:class:`RewardHackingWarning`) compare with the first rollout (the first evaluation for the gap):
 :data:`THRESHOLDS` documents each. They name the statistic, its values, the step, and what to try.
+
+Under several processes (DDP, FSDP, DeepSpeed) each holds only its shard of the rollout, and a prompt's group may be
+split between processes: the statistics are computed over the whole gathered rollout (:func:`gathered_parts`:
+the downsampled images, the rewards and the group keys gathered, the pixel and colour counts summed), so every
+process logs the same values and warns, or not, at the same step.
 """
 
 from __future__ import annotations
@@ -76,10 +81,13 @@ def _groups(keys: Sequence[Any]) -> list[list[int]]:
     return list(grouped.values())
 
 
-def group_diversity(pixels: torch.Tensor, keys: Sequence[Any]) -> float:
-    """Mean pairwise RMS distance of the downsampled images within each group of equal ``keys`` (NaN without a
-    group of two)."""
-    small = F.adaptive_avg_pool2d(pixels, DOWNSAMPLED).flatten(1)
+def downsampled(pixels: torch.Tensor) -> torch.Tensor:
+    """Each image as its :data:`DOWNSAMPLED` x :data:`DOWNSAMPLED` average-pooled pixels, flattened: ``(N, 3 x 16 x
+    16)``, what :func:`group_diversity` compares."""
+    return F.adaptive_avg_pool2d(pixels, DOWNSAMPLED).flatten(1)
+
+
+def _diversity(small: torch.Tensor, keys: Sequence[Any]) -> float:
     distances = []
     for group in _groups(keys):
         if len(group) < 2:
@@ -91,13 +99,29 @@ def group_diversity(pixels: torch.Tensor, keys: Sequence[Any]) -> float:
     return sum(distances) / len(distances) if distances else math.nan
 
 
-def colour_entropy(pixels: torch.Tensor) -> float:
-    """Entropy in bits of the pixels' colours, each channel quantised to :data:`COLOUR_LEVELS` levels."""
+def group_diversity(pixels: torch.Tensor, keys: Sequence[Any]) -> float:
+    """Mean pairwise RMS distance of the downsampled images within each group of equal ``keys`` (NaN without a
+    group of two)."""
+    return _diversity(downsampled(pixels), keys)
+
+
+def colour_counts(pixels: torch.Tensor) -> torch.Tensor:
+    """How many pixels have each colour, each channel quantised to :data:`COLOUR_LEVELS` levels (``COLOUR_LEVELS **
+    3`` counts, int64)."""
     levels = (pixels * COLOUR_LEVELS).long().clamp(max=COLOUR_LEVELS - 1)
     codes = (levels[:, 0] * COLOUR_LEVELS + levels[:, 1]) * COLOUR_LEVELS + levels[:, 2]
-    counts = torch.bincount(codes.flatten(), minlength=COLOUR_LEVELS**3).float()
+    return torch.bincount(codes.flatten(), minlength=COLOUR_LEVELS**3)
+
+
+def _entropy(counts: torch.Tensor) -> float:
+    counts = counts.double()
     shares = counts[counts > 0] / counts.sum()
     return float(-(shares * shares.log2()).sum())
+
+
+def colour_entropy(pixels: torch.Tensor) -> float:
+    """Entropy in bits of the pixels' colours, each channel quantised to :data:`COLOUR_LEVELS` levels."""
+    return _entropy(colour_counts(pixels))
 
 
 def reward_spread(rewards: torch.Tensor, keys: Sequence[Any]) -> float:
@@ -106,21 +130,80 @@ def reward_spread(rewards: torch.Tensor, keys: Sequence[Any]) -> float:
     return sum(spreads) / len(spreads) if spreads else math.nan
 
 
-def rollout_statistics(
+@dataclass(frozen=True)
+class RolloutParts:
+    """What the statistics of a rollout are computed from, in a form that joins over processes: rows to gather
+    (``small``, ``rewards``, ``keys``) and counts to sum (``pixel_counts``, ``colours``)."""
+
+    small: torch.Tensor
+    """:func:`downsampled` images, ``(N, 768)``."""
+    rewards: torch.Tensor
+    """``(N,)`` float32."""
+    keys: list[Any]
+    """Each image's group (its prompt)."""
+    pixel_counts: torch.Tensor
+    """int64 ``[dark pixels, bright pixels, all pixels]``."""
+    colours: torch.Tensor
+    """:func:`colour_counts`."""
+
+
+def rollout_parts(
     images: Sequence[Any] | torch.Tensor, rewards: Sequence[float] | torch.Tensor, keys: Sequence[Any]
-) -> dict[str, float]:
-    """The statistics of one rollout (see the module docstring); ``keys`` name each image's group (its prompt)."""
+) -> RolloutParts:
+    """The :class:`RolloutParts` of one process's rollout; ``keys`` name each image's group (its prompt)."""
     pixels = as_pixels(images)
     if len(keys) != pixels.shape[0]:
         raise ValueError(f"{len(keys)} group keys for {pixels.shape[0]} images: give one key (prompt) per image.")
     luminance = 0.299 * pixels[:, 0] + 0.587 * pixels[:, 1] + 0.114 * pixels[:, 2]
+    counts = [(luminance < DARK).sum(), (luminance > BRIGHT).sum(), torch.tensor(luminance.numel())]
+    return RolloutParts(
+        small=downsampled(pixels),
+        rewards=torch.as_tensor(rewards, dtype=torch.float32).flatten(),
+        keys=list(keys),
+        pixel_counts=torch.stack(counts).long(),
+        colours=colour_counts(pixels),
+    )
+
+
+def gathered_parts(parts: RolloutParts, accelerator: Any | None) -> RolloutParts:
+    """Every process's :class:`RolloutParts` joined, in process order (``accelerator``'s ``gather`` and ``reduce``,
+    as the trainer gathers rewards; ``gather_object`` for the keys); ``parts`` itself on one process. Every process
+    must call it at the same point with rollouts of the same size (the trainer's are)."""
+    if accelerator is None or accelerator.num_processes == 1:
+        return parts
+    from accelerate.utils import gather_object
+
+    device = accelerator.device
+    return RolloutParts(
+        small=accelerator.gather(parts.small.to(device)).cpu(),
+        rewards=accelerator.gather(parts.rewards.to(device)).cpu(),
+        keys=gather_object(parts.keys),
+        pixel_counts=accelerator.reduce(parts.pixel_counts.to(device), reduction="sum").cpu(),
+        colours=accelerator.reduce(parts.colours.to(device), reduction="sum").cpu(),
+    )
+
+
+def parts_statistics(parts: RolloutParts) -> dict[str, float]:
+    """The statistics (see the module docstring) of a rollout's (gathered) :class:`RolloutParts`."""
+    dark, bright, total = parts.pixel_counts.tolist()
     return {
-        "diversity": group_diversity(pixels, keys),
-        "dark_fraction": float((luminance < DARK).float().mean()),
-        "bright_fraction": float((luminance > BRIGHT).float().mean()),
-        "colour_entropy": colour_entropy(pixels),
-        "reward_spread": reward_spread(torch.as_tensor(rewards, dtype=torch.float32), keys),
+        "diversity": _diversity(parts.small, parts.keys),
+        "dark_fraction": dark / total,
+        "bright_fraction": bright / total,
+        "colour_entropy": _entropy(parts.colours),
+        "reward_spread": reward_spread(parts.rewards, parts.keys),
     }
+
+
+def rollout_statistics(
+    images: Sequence[Any] | torch.Tensor,
+    rewards: Sequence[float] | torch.Tensor,
+    keys: Sequence[Any],
+    accelerator: Any | None = None,
+) -> dict[str, float]:
+    """The statistics of one rollout (see the module docstring); ``keys`` name each image's group (its prompt).
+    With an ``accelerator`` of several processes, each passes its shard and all get the whole rollout's values."""
+    return parts_statistics(gathered_parts(rollout_parts(images, rewards, keys), accelerator))
 
 
 @dataclass(frozen=True)
@@ -166,29 +249,35 @@ class RewardHackingWatch(TrainerCallback):
         metrics: the trainer's ``metric name -> values since the last log`` (``DDPOJaggTrainer._metrics``).
         rollouts: returns the latest rollout as ``(prompts, images, scores)`` with ``scores["reward"]``, or
             ``None`` (the trainer's ``generation.completions``); read at each step's end, each rollout once.
+        accelerator: the trainer's accelerator: with several processes, each rollout's statistics (and the train
+            reward of the train-eval gap) are those of every process's shard together (:func:`gathered_parts`), so
+            every process logs and warns alike. ``None``: this process's rollout alone.
     """
 
     def __init__(
         self,
         metrics: dict[str, list[float]],
         rollouts: Callable[[], tuple[list[str], list, Mapping[str, list[Any]]] | None] = lambda: None,
+        accelerator: Any | None = None,
     ):
         self.metrics = metrics
         self.rollouts = rollouts
+        self.accelerator = accelerator
         self.start: dict[str, float] = {}
         self.warned: set[str] = set()
         self.last_train_reward: float | None = None
         self._last_seen: Any = None  # the rollout itself: an id could be reused once the trainer drops it
 
     def observe(self, prompts: Sequence[str], images: Sequence[Any], rewards: Sequence[float], step: int) -> dict:
-        """Record and check one rollout's statistics; returns them."""
-        statistics = rollout_statistics(images, rewards, list(prompts))
+        """Record and check one rollout's statistics (over every process's shard); returns them."""
+        parts = gathered_parts(rollout_parts(images, rewards, list(prompts)), self.accelerator)
+        statistics = parts_statistics(parts)
         statistics["saturation"] = statistics["dark_fraction"] + statistics["bright_fraction"]
         for name, value in statistics.items():
             if name != "saturation":
                 self.metrics.setdefault(PREFIX + name, []).append(value)
         finite = {name: value for name, value in statistics.items() if not math.isnan(value)}
-        self.last_train_reward = float(torch.as_tensor(rewards, dtype=torch.float32).mean())
+        self.last_train_reward = float(parts.rewards.mean())
         for name, value in finite.items():
             self.start.setdefault(name, value)
         self._check(finite, step)
