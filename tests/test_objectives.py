@@ -79,6 +79,39 @@ def test_a_forward_process_objective_refuses_the_grpo_only_settings(objective):
             GRPOJaggConfig(**kwargs, **{name: value})
 
 
+# GRPO's settings that a deterministic-ODE rollout and a forward-noised update never read, each with a value other
+# than its default (from the rollout code: the sampler, its noise and the KL's std act on SDE steps only; the velocity
+# cache and the probe serve GRPO trajectory groups). Written here, not read from the registry, so that a field
+# dropped from the registry's refusals fails this test.
+GRPO_ONLY = {
+    "sampler": "cps", "noise_level": 0.5, "train_timesteps": "all", "kl_std": "flow_grpo",
+    "step_gradient_reweighting": True, "jagg_cache_velocities": False, "jagg_cache_mode": "corrected",
+    "jagg_cache_tolerance": 0.5, "jagg_probe_steps": 7,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("objective", ["nft", "awm", "dgpo"])
+@pytest.mark.parametrize("name", sorted(GRPO_ONLY))
+def test_a_forward_process_objective_refuses_a_grpo_setting_it_would_ignore(objective, name):
+    kwargs = dict(SETTINGS[objective], output_dir="unused", objective=objective, report_to="none")
+    with pytest.raises(ValueError, match=f"GRPOJaggConfig.{name} is .* with objective='{objective}'. .*default"):
+        GRPOJaggConfig(**kwargs, **{name: GRPO_ONLY[name]})
+    GRPOJaggConfig(**kwargs)  # the defaults pass
+
+
+@pytest.mark.parametrize("objective", ["nft", "awm", "dgpo"])
+def test_a_forward_process_objective_refuses_the_grpo_probe_for_jagg_frac(objective):
+    kwargs = dict(SETTINGS[objective], output_dir="unused", objective=objective, report_to="none")
+    with pytest.raises(ValueError, match=f"GRPOJaggConfig.jagg_frac is 'auto' with objective='{objective}'"):
+        GRPOJaggConfig(**kwargs, jagg_frac="auto")
+
+
+@pytest.mark.parametrize("name, value", [("epsilon", 0.2), ("epsilon_high", 0.3)])
+def test_nft_refuses_a_clip_range_it_has_no_ratio_for(name, value):
+    with pytest.raises(ValueError, match=f"GRPOJaggConfig.{name} is {value} with objective='nft'"):
+        GRPOJaggConfig(output_dir="unused", objective="nft", report_to="none", **{name: value})
+
+
 def test_awm_refuses_more_than_one_optimizer_step_per_rollout():
     """The authors' AWM is on-policy (one optimizer step per rollout): a second step would need the rollout
     policy's log-probabilities, which this update does not keep."""
@@ -110,7 +143,7 @@ def test_the_objective_trains_through_train(tiny_flux_path, tmp_path, objective,
     after = [p for p in trainer.model.parameters() if p.requires_grad]
     assert any(not torch.equal(a, b) for a, b in zip(before, after))  # the loss moved the weights
     logged = {k for entry in trainer.state.log_history for k in entry}
-    assert {f"{objective}/policy_loss", f"{objective}/kl", "jagg/groups_jagg"} <= logged
+    assert {f"{objective}/policy_loss", f"{objective}/kl", "engine/jagg/groups_jagg"} <= logged
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert losses and all(torch.isfinite(torch.tensor(losses)))
     # Two W = 2 groups of the 4 trained timesteps: two joint backwards per micro-batch.

@@ -43,7 +43,7 @@ NFT_DEMO_OVERRIDES: dict[str, Any] = {
     "sde_window_size": 0,
     "sde_window_schedule": "random",  # the window settings' defaults: no window
     "sde_window_max_start": None,
-    "train_timesteps": "all",
+    "train_timesteps": "all_but_last",  # the default (the demo's "sde_window" is GRPO's): NFT draws its own
     "train_timestep_fraction": 0.5,
     "beta": 1e-4,
     "jagg_group_size": 4,

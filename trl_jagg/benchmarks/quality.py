@@ -62,7 +62,8 @@ QUALITY_VARIANTS = (
 )  # fmt: skip
 
 _FORWARD_PROCESS_DEMO = {
-    "sde_window_size": 0, "sde_window_schedule": "random", "sde_window_max_start": None, "train_timesteps": "all"
+    "sde_window_size": 0, "sde_window_schedule": "random", "sde_window_max_start": None,
+    "train_timesteps": "all_but_last",  # the default (the demo's "sde_window" is GRPO's): they draw their own
 }  # fmt: skip
 """The demo's rollout as a forward-process objective samples it: deterministic ODE, no window."""
 AWM_DEMO_OVERRIDES: dict[str, Any] = {

@@ -150,3 +150,10 @@ class ObjectiveArguments:
         for name, fix in spec.refused.items():
             if getattr(self, name) != defaults[name]:
                 fail(name, f"is {getattr(self, name)!r} with objective={spec.name!r}", fix)
+        if spec.deterministic_rollout and self.jagg_frac == "auto":
+            fail(
+                "jagg_frac",
+                f"is 'auto' with objective={spec.name!r}",
+                "The probe that sets it measures GRPO trajectory groups: give a fraction in [0, 1] (1.0 groups "
+                "every timestep).",
+            )

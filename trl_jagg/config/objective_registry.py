@@ -129,6 +129,22 @@ register_objective(
     )
 )
 
+GRPO_ONLY_REFUSED = {
+    "sampler": "its rollouts are a deterministic ODE, with no SDE sampler: leave it at its default.",
+    "noise_level": "its rollouts are a deterministic ODE, with no SDE noise: leave it at its default.",
+    "train_timesteps": "it draws its own trained timesteps (its *_num_train_timesteps or train_timestep_fraction "
+    "fields): leave it at its default.",
+    "kl_std": "its KL is a distance between velocities, not between Gaussian sampler steps: leave it at its default.",
+    "step_gradient_reweighting": "it has no sampler steps to reweight: leave it at its default.",
+    "jagg_cache_velocities": "the velocity cache serves the intermediates of a GRPO trajectory, which a "
+    "forward-process update does not train: leave it at its default.",
+    "jagg_cache_mode": "the velocity cache serves GRPO trajectories only: leave it at its default.",
+    "jagg_cache_tolerance": "the velocity cache serves GRPO trajectories only: leave it at its default.",
+    "jagg_probe_steps": "jagg_frac='auto' (the probe) is GRPO's: leave it at its default.",
+}
+"""GRPO's settings that no forward-process objective reads (its rollout is an ODE, its update trains forward-noised
+clean samples): a value other than the default is refused, instead of being ignored in silence."""
+
 register_objective(
     ObjectiveSpec(
         name="nft",
@@ -143,6 +159,10 @@ register_objective(
             "sde_window_size": "NFT rollouts are deterministic ODE: set it to 0.",
             "drop_zero_advantages": "NFT trains a zero-advantage sample too (optimality 1/2): set it to False.",
             "ratio_normalization": "NFT has no PPO ratio: set it to False.",
+            **GRPO_ONLY_REFUSED,
+            "epsilon": "it has no ratio to clip (its loss is bounded by its optimality weights): leave it at its "
+            "default.",
+            "epsilon_high": "it has no ratio to clip: leave it at its default.",
         },
         card_summary="DiffusionNFT, the negative-aware flow-matching objective on forward-noised clean samples of "
         "deterministic rollouts{jagg}.",
@@ -165,6 +185,7 @@ FORWARD_PROCESS_REFUSED = {
     "sde_window_size": "its rollouts are deterministic ODE: set it to 0.",
     "drop_zero_advantages": "it trains a zero-advantage sample too: set it to False.",
     "ratio_normalization": "it has no sampler-step ratio: set it to False.",
+    **GRPO_ONLY_REFUSED,
 }
 """The GRPO-only settings a forward-process objective (AWM, DGPO) cannot serve."""
 

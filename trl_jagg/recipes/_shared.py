@@ -33,13 +33,14 @@ _FLOW_GRPO_OPTIM = {
 }
 _FLOW_GRPO_LOSS = {"epsilon": 1e-4, "adv_clip_max": 5.0}
 # Flow-GRPO's advantages (flow_grpo/stat_tracking.py): the prompt's mean over a tracker cleared every epoch, numpy's
-# population std + 1e-4; its KL divides by the sampler's std_dev_t (scripts/train_*.py).
+# population std + 1e-4. The forward-process presets (DiffusionNFT, AWM, DGPO) take them from it too.
 _FLOW_GRPO_ADVANTAGES = {
     "per_prompt_stat_tracking": True,
     "advantage_std_ddof": 0,
     "advantage_eps": 1e-4,
-    "kl_std": "flow_grpo",
 }
+# The GRPO presets' advantages with Flow-GRPO's KL, which divides by the sampler's std_dev_t (scripts/train_*.py).
+_FLOW_GRPO_ADVANTAGES_AND_KL = {**_FLOW_GRPO_ADVANTAGES, "kl_std": "flow_grpo"}
 # Flow-GRPO's EMAModuleWrapper(decay=0.9, update_step_interval=8) with its (1 + t) / (10 + t) warm-up, called after
 # every micro-batch (so gradient_accumulation_steps updates when (t + 1) % 8 == 0).
 _FLOW_GRPO_EMA = {"ema_decay": 0.9, "ema_update_interval": 8, "ema_warmup": True, "ema_schedule": "flow_grpo"}

@@ -4,7 +4,7 @@ Wan2.1, as Flow-GRPO's ``config/grpo.py`` and ``scripts/train_*.py`` set them.""
 from __future__ import annotations
 
 from trl_jagg.recipes._shared import (
-    _FLOW_GRPO_ADVANTAGES,
+    _FLOW_GRPO_ADVANTAGES_AND_KL,
     _FLOW_GRPO_ATTENTION,
     _FLOW_GRPO_EMA,
     _FLOW_GRPO_LOSS,
@@ -37,7 +37,7 @@ _SD35 = Recipe(
         "train_timesteps": "all_but_last",
         "beta": 0.01,  # pickscore_sd3; the OCR and GenEval configs use 0.04 (flow-grpo-sd35-ocr, -geneval)
         **_FLOW_GRPO_LOSS,
-        **_FLOW_GRPO_ADVANTAGES,
+        **_FLOW_GRPO_ADVANTAGES_AND_KL,
         "scale_rewards": "batch",  # config/grpo.py: sample.global_std = True
         "drop_zero_advantages": True,  # scripts/train_sd3.py masks zero-advantage samples
         "max_sequence_length": 128,
@@ -82,7 +82,7 @@ _FLUX = Recipe(
         "train_timesteps": "all_but_last",
         "beta": 0.0,
         **_FLOW_GRPO_LOSS,
-        **_FLOW_GRPO_ADVANTAGES,
+        **_FLOW_GRPO_ADVANTAGES_AND_KL,
         "scale_rewards": "batch",
         "max_sequence_length": 128,
         "eval_num_inference_steps": 28,
@@ -186,7 +186,7 @@ _QWENIMAGE = Recipe(
         "sde_window_max_start": 3,
         "beta": 0.0,
         **_FLOW_GRPO_LOSS,
-        **_FLOW_GRPO_ADVANTAGES,
+        **_FLOW_GRPO_ADVANTAGES_AND_KL,
         "scale_rewards": "batch",
         "max_sequence_length": 512,  # QwenImagePipeline's default, which Flow-GRPO keeps
         "eval_num_inference_steps": 50,
@@ -227,7 +227,7 @@ _WAN21 = Recipe(
         # train_batch_size 8, num_batches_per_epoch 2, GA = 2 // 2 = 1 (L43-49): two optimizer steps per rollout.
         **{"per_device_train_batch_size": 8, "steps_per_generation": 2, "gradient_accumulation_steps": 1},
         "train_timesteps": "all_but_last",  # timestep_fraction 0.99: int(20 * 0.99) = 19 of 20 (L51)
-        **{"beta": 0.004, "epsilon": 1e-3, "adv_clip_max": 5.0, **_FLOW_GRPO_ADVANTAGES},  # L53, L55; base.py:97
+        **{"beta": 0.004, "epsilon": 1e-3, "adv_clip_max": 5.0, **_FLOW_GRPO_ADVANTAGES_AND_KL},  # L53, L55; base.py:97
         "scale_rewards": "group",  # global_std = False (L62)
         "drop_zero_advantages": True,  # train_wan2_1.py masks zero-advantage samples, as train_sd3.py
         "max_sequence_length": 512,  # compute_text_embeddings(..., max_sequence_length=512)
