@@ -314,7 +314,7 @@ def test_tiny_train_run_from_yaml(tiny_flux_path, tmp_path, capsys, monkeypatch)
     # The flag overrode the YAML's max_steps=1; JAGG ran on the single group of 4 trained steps.
     logged = [ast.literal_eval(line) for line in out.splitlines() if line.startswith("{'loss'")]
     assert len(logged) == 2
-    assert all(float(entry["jagg/groups_jagg"]) == 1 for entry in logged)
+    assert all(float(entry["engine/jagg/groups_jagg"]) == 1 for entry in logged)
     assert ended == [2]  # as TRL's grpo script: the trackers finish (and the process group ends) after the save
 
 
@@ -824,7 +824,7 @@ def test_tiny_train_run_of_a_newer_family_from_its_recipe(request, family, recip
     assert all(os.path.isfile(output_dir / folder / weights) for folder in folders)
     logged = [ast.literal_eval(line) for line in out.splitlines() if line.startswith("{'loss'")]
     groups = 2 if family == "wan22" else 1  # one JAGG group on each side of Wan2.2's expert switch
-    assert len(logged) == tiny["max_steps"] and all(float(e["jagg/groups_jagg"]) == groups for e in logged)
+    assert len(logged) == tiny["max_steps"] and all(float(e["engine/jagg/groups_jagg"]) == groups for e in logged)
 
 
 @pytest.mark.parametrize(
@@ -857,4 +857,4 @@ def test_tiny_train_run_of_an_editing_model_from_the_recipe(request, family, rec
     weights = "diffusion_pytorch_model.safetensors" if full else "pytorch_lora_weights.safetensors"
     assert os.path.isfile(output_dir / weights)
     logged = [ast.literal_eval(line) for line in out.splitlines() if line.startswith("{'loss'")]
-    assert len(logged) == 2 and all(float(entry["jagg/groups_jagg"]) == 1 for entry in logged)
+    assert len(logged) == 2 and all(float(entry["engine/jagg/groups_jagg"]) == 1 for entry in logged)

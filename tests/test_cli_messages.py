@@ -188,7 +188,8 @@ def test_step_line_reads_the_rewards_then_the_summary_keys():
     from trl_jagg.trainer.console import step_line
 
     logs = {"reward": 0.25, "rewards/redness/mean": 0.5, "rewards/redness/std": 0.1, "kl": 0.00125, "loss": 0.0,
-            "time/update_s": 1.25, "jagg/backward_calls": 2.0, "latents/final_std": float("nan")}  # fmt: skip
+            "time/update_s": 1.25, "engine/jagg/backward_calls": 2.0,
+            "engine/latents/final_std": float("nan")}  # fmt: skip
     assert step_line(3, 10, logs) == "step 3/10  reward +0.250  redness +0.500  kl 0.0013  update 1.2s"
     assert step_line(3, 10, {"eval_reward": -0.5, "eval_rewards/redness/mean": 0.5}) == (
         "step 3/10  eval reward -0.500  redness +0.500"

@@ -162,7 +162,7 @@ def test_run_demo_writes_every_output(tmp_path):
         steps = [e for e in entries if "reward" in e]
         assert [e["step"] for e in steps] == [1, 2]
         for entry in steps:
-            for key in ("reward", "loss", "grad_norm", "kl", "latents/final_std", "rewards/color_accuracy/mean",
+            for key in ("reward", "loss", "grad_norm", "kl", "engine/latents/final_std", "rewards/color_accuracy/mean",
                         "rewards/group_reward_std/mean", "rewards/shape_area/mean", "time/update_s"):  # fmt: skip
                 assert math.isfinite(entry[key]), (name, key)
     assert json.loads((out / "summary.json").read_text()) == json.loads(json.dumps(summary))

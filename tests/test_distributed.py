@@ -614,7 +614,7 @@ def one_step(overlap):
     torch.manual_seed(0)
     trained = DDPOJaggTrainer(model=model_path, reward_funcs=[per_sample], args=args, train_dataset=trainer.train_dataset)
     trained.train()
-    logs = [{k: v for k, v in e.items() if k in ("loss", "reward", "advantages/abs_mean")} for e in trained.state.log_history[:1]]
+    logs = [{k: v for k, v in e.items() if k in ("loss", "reward", "engine/advantages/abs_mean")} for e in trained.state.log_history[:1]]
     return [p.detach().clone() for p in trained.model.parameters()], logs
 (weights, logs), (expected_weights, expected_logs) = one_step(True), one_step(False)
 json.dump({"world": trainer.accelerator.num_processes, "prompts": [x["prompt"] for x in inputs],
@@ -687,7 +687,8 @@ def test_two_machine_launch_on_one_host_trains_identical_weights(tiny_flux_path,
     assert [len(log) for log in logs] == [1, 1]
     (first,), (second,) = logs
     assert first["reward"] == second["reward"]  # gathered over both machines
-    assert first["latents/final_std"] != second["latents/final_std"]  # two ranks, not two copies of one process
+    # Two ranks, not two copies of one process.
+    assert first["engine/latents/final_std"] != second["engine/latents/final_std"]
     weights = [load_file(str(tmp_path / f"machine{r}" / "pytorch_lora_weights.safetensors")) for r in (0, 1)]
     assert weights[0].keys() == weights[1].keys()
     # Bit-identical on purpose: both machines apply the same all-reduced gradient to the same initial weights.

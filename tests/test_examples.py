@@ -133,7 +133,7 @@ def test_example_runs_tiny(name, tmp_path, monkeypatch, capsys):
     stdout = capsys.readouterr().out
     assert (output_dir / weights).is_file(), sorted(os.listdir(output_dir))
     # Two optimizer steps were logged, and JAGG (not only exact backward) ran in each.
-    groups = re.findall(r"'jagg/groups_jagg': '?([0-9.]+)", stdout)
+    groups = re.findall(r"'engine/jagg/groups_jagg': '?([0-9.]+)", stdout)
     assert len(groups) == 2, stdout[-2000:]
     assert all(float(g) >= 1 for g in groups)
 

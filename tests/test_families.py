@@ -117,7 +117,7 @@ def test_kontext_trains_on_source_images_and_rewards_receive_them(tiny_flux_kont
     )  # fmt: skip
     trainer.train()
     logs = [entry for entry in trainer.state.log_history if "reward" in entry]
-    assert len(logs) == 2 and all(entry["jagg/groups_jagg"] == 1 for entry in logs)
+    assert len(logs) == 2 and all(entry["engine/jagg/groups_jagg"] == 1 for entry in logs)
     assert len(received) == 2
     for sources in received:
         assert len(sources) == 4 and all(s.mode == "RGB" and s.size == (32, 32) for s in sources)

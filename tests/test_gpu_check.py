@@ -61,10 +61,11 @@ def test_tiny_numerics_hold_their_claims_on_the_cpu(tiny_report):
     # Per micro-batch: (8 / W) groups, each with W - 2 intermediates (cached or recomputed) and one backward.
     for w in (2, 4, 8):
         cached, recomputed = grads[f"w{w}_jagg_cache"]["logged"], grads[f"w{w}_jagg"]["logged"]
-        assert cached["jagg/cached_velocities"] == trained // w * (w - 2) and cached["jagg/no_grad_forwards"] == 0
-        assert recomputed["jagg/cached_velocities"] == 0
-        assert cached["jagg/backward_calls"] == recomputed["jagg/backward_calls"] == trained // w
-    assert numerics["exact_logged"]["jagg/backward_calls"] == trained
+        assert cached["engine/jagg/cached_velocities"] == trained // w * (w - 2)
+        assert cached["engine/jagg/no_grad_forwards"] == 0
+        assert recomputed["engine/jagg/cached_velocities"] == 0
+        assert cached["engine/jagg/backward_calls"] == recomputed["engine/jagg/backward_calls"] == trained // w
+    assert numerics["exact_logged"]["engine/jagg/backward_calls"] == trained
     # The cache's claim: the rollout's velocity is bitwise what the backbone returns at the same batch shape.
     velocity = numerics["velocity"]
     assert velocity["recomputed_per_step"]["bitwise_equal"] and velocity["recomputed_with_graph"]["bitwise_equal"]

@@ -729,8 +729,9 @@ def test_fast_preset_trains_only_the_sde_window(tiny_flux_path, tmp_path, monkey
         assert max(window) < args.num_inference_steps // 2  # the first half of the schedule
         stochastic = batch.log_probs.abs().sum(dim=0) != 0
         assert stochastic.tolist() == [k in window for k in range(args.num_inference_steps)]
-    entry = next(e for e in trainer.state.log_history if "jagg/backward_calls" in e)
-    assert entry["jagg/groups_jagg"] == 1 and entry["jagg/backward_calls"] == 1  # the window is one JAGG group
+    entry = next(e for e in trainer.state.log_history if "engine/jagg/backward_calls" in e)
+    # The window is one JAGG group.
+    assert entry["engine/jagg/groups_jagg"] == 1 and entry["engine/jagg/backward_calls"] == 1
 
 
 def test_mix_preset_trains_its_sliding_window_on_a_compressed_ode_schedule(tiny_flux_path, tmp_path, monkeypatch):
@@ -767,8 +768,9 @@ def test_mix_preset_trains_its_sliding_window_on_a_compressed_ode_schedule(tiny_
         assert batch.latents.shape[1] == len(path)
         stochastic = batch.log_probs.abs().sum(dim=0) != 0
         assert stochastic.tolist() == [k in window for k in range(len(path) - 1)]
-    for entry in (e for e in trainer.state.log_history if "jagg/backward_calls" in e):
-        assert entry["jagg/groups_jagg"] == 1 and entry["jagg/backward_calls"] == 1  # the window is one JAGG group
+    for entry in (e for e in trainer.state.log_history if "engine/jagg/backward_calls" in e):
+        # The window is one JAGG group.
+        assert entry["engine/jagg/groups_jagg"] == 1 and entry["engine/jagg/backward_calls"] == 1
 
 
 def test_mix_preset_window_resumes_at_its_rollout(tiny_flux_path, tmp_path, monkeypatch):
@@ -804,8 +806,9 @@ def test_fast_jagg_preset_trains_its_window_held_on_the_high_noise_steps(tiny_fl
     for steps, batch in recorded:
         assert steps == batch.stochastic_steps == [0, 1, 2, 3]
         torch.testing.assert_close(batch.sigmas, full_sigmas[[0, 1, 2, 3, 4, 7, 10]], atol=0, rtol=0)
-    for entry in (e for e in trainer.state.log_history if "jagg/backward_calls" in e):
-        assert entry["jagg/groups_jagg"] == 1 and entry["jagg/backward_calls"] == 1  # the window is one JAGG group
+    for entry in (e for e in trainer.state.log_history if "engine/jagg/backward_calls" in e):
+        # The window is one JAGG group.
+        assert entry["engine/jagg/groups_jagg"] == 1 and entry["engine/jagg/backward_calls"] == 1
 
 
 def test_dance_preset_trains_the_requested_fraction_never_the_last_step(tiny_flux_path, tmp_path, monkeypatch):
@@ -823,9 +826,9 @@ def test_dance_preset_trains_the_requested_fraction_never_the_last_step(tiny_flu
     for steps, _ in recorded:
         assert len(steps) == expected and steps == sorted(set(steps)) and set(steps) <= set(range(15))
     assert recorded[0][0] != recorded[1][0]  # a fresh random subset at every update
-    entry = next(e for e in trainer.state.log_history if "jagg/backward_calls" in e)
+    entry = next(e for e in trainer.state.log_history if "engine/jagg/backward_calls" in e)
     # 9 steps in groups of 4, 4, 1: round(0.6 * 3) = 2 JAGG groups (1 backward each) and 1 exact step.
-    assert entry["jagg/groups_jagg"] == 2 and entry["jagg/backward_calls"] == 3
+    assert entry["engine/jagg/groups_jagg"] == 2 and entry["engine/jagg/backward_calls"] == 3
 
 
 def test_dance_scheduler_override_is_dancegrpo_shift_3(tiny_flux_path):

@@ -86,10 +86,10 @@ def test_two_training_steps(tiny_flux_path, tmp_path, lora, use_jagg):
     for entry in logs:
         assert math.isfinite(entry["loss"])
         for key in ("reward_std", "rewards/redness/mean", "ratio", "clip_fraction", "approx_kl", "grad_norm",
-                    "learning_rate", "time/rollout_s", "time/update_s", "jagg/backward_calls"):  # fmt: skip
+                    "learning_rate", "time/rollout_s", "time/update_s", "engine/jagg/backward_calls"):  # fmt: skip
             assert key in entry, key
     # 3 trained steps (all but the last of 4) in one group of W=3: one backward with JAGG, three without.
-    assert logs[0]["jagg/backward_calls"] == (1 if use_jagg else 3)
+    assert logs[0]["engine/jagg/backward_calls"] == (1 if use_jagg else 3)
 
 
 def test_first_ratio_on_fresh_rollout_is_exactly_one(tiny_flux_path, tmp_path):
@@ -322,7 +322,7 @@ def test_epsilon_high_reaches_the_loss_and_generation_batch_size_the_rollout(tin
     assert seen and set(seen) == {(0.05, 0.2)}
     # One rollout of 8 images (4 prompts x 2) feeds the 2 micro-batches of one optimizer step.
     assert trainer.args.steps_per_generation == 2
-    assert trainer.state.log_history[0]["jagg/backward_calls"] > 0
+    assert trainer.state.log_history[0]["engine/jagg/backward_calls"] > 0
 
 
 def test_log_completions_logs_the_rollout_with_its_rewards(tiny_flux_path, tmp_path):
@@ -563,10 +563,10 @@ def test_recompute_mode_does_not_use_the_cache_after_an_optimizer_step(tiny_flux
     # mode (`checked`) may correct the cached velocity then; test_velocity_cache.py covers it.
     trainer = make_trainer(tiny_flux_path, tmp_path, max_steps=2, jagg_cache_mode="recompute", **overrides)
     trainer.train()
-    logs = [e for e in trainer.state.log_history if "jagg/cached_velocities" in e]
+    logs = [e for e in trainer.state.log_history if "engine/jagg/cached_velocities" in e]
     # One group of W = 3 (3 trained steps): one intermediate velocity, cached only before the first step.
-    assert [e["jagg/cached_velocities"] for e in logs] == [1, 0]
-    assert [e["jagg/no_grad_forwards"] for e in logs] == [0, 1]
+    assert [e["engine/jagg/cached_velocities"] for e in logs] == [1, 0]
+    assert [e["engine/jagg/no_grad_forwards"] for e in logs] == [0, 1]
 
 
 def test_velocity_cache_is_not_used_at_another_batch_shape(tiny_flux_path, tmp_path):
@@ -594,8 +594,8 @@ def test_velocity_cache_is_not_used_with_active_dropout(tiny_flux_path, tmp_path
         peft_config=LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["to_q", "to_k", "to_v"]),
     )  # fmt: skip
     trainer.train()
-    entry = next(e for e in trainer.state.log_history if "jagg/cached_velocities" in e)
-    assert entry["jagg/cached_velocities"] == 0 and entry["jagg/no_grad_forwards"] == 1
+    entry = next(e for e in trainer.state.log_history if "engine/jagg/cached_velocities" in e)
+    assert entry["engine/jagg/cached_velocities"] == 0 and entry["engine/jagg/no_grad_forwards"] == 1
 
 
 def test_auto_routing_probes_and_logs(tiny_flux_path, tmp_path):
@@ -606,13 +606,13 @@ def test_auto_routing_probes_and_logs(tiny_flux_path, tmp_path):
     )  # fmt: skip
     trainer.train()
     logs = [e for e in trainer.state.log_history if "reward" in e]
-    probed = [e["step"] for e in logs if "jagg/auto_frac" in e]
+    probed = [e["step"] for e in logs if "engine/jagg/auto_frac" in e]
     assert probed == [1, 3]  # optimizer steps 0 and 2 (logged after the step)
     for entry in logs:
-        assert entry["jagg/groups_jagg"] == 4
-        if "jagg/auto_frac" in entry:
-            assert entry["jagg/auto_frac"] == 1.0
-            assert all(entry[f"jagg/probe_cosine/group_{i}"] == pytest.approx(1.0, abs=1e-4) for i in range(4))
+        assert entry["engine/jagg/groups_jagg"] == 4
+        if "engine/jagg/auto_frac" in entry:
+            assert entry["engine/jagg/auto_frac"] == 1.0
+            assert all(entry[f"engine/jagg/probe_cosine/group_{i}"] == pytest.approx(1.0, abs=1e-4) for i in range(4))
 
 
 def test_conditional_cfg_gradient_without_cfg_warns(tiny_flux_path, tmp_path):
@@ -634,9 +634,9 @@ def test_auto_routing_defers_the_probe_of_a_zero_gradient_batch(tiny_flux_path, 
     trainer.train()
     first, second = [e for e in trainer.state.log_history if "reward" in e]
     # A probe of step 1 would read cosine 1.0 (0 / 0) and route every group to JAGG for jagg_probe_steps steps.
-    assert first["jagg/probe_deferred"] == 1.0 and "jagg/auto_frac" not in first
-    assert first["jagg/groups_jagg"] == 0  # exact until the first probe
-    assert second["jagg/auto_frac"] == 0.0 and second["jagg/probe_cosine/group_0"] < 1.0
+    assert first["engine/jagg/probe_deferred"] == 1.0 and "engine/jagg/auto_frac" not in first
+    assert first["engine/jagg/groups_jagg"] == 0  # exact until the first probe
+    assert second["engine/jagg/auto_frac"] == 0.0 and second["engine/jagg/probe_cosine/group_0"] < 1.0
 
 
 def test_auto_routing_with_an_unreachable_threshold_is_exact(tiny_flux_path, tmp_path):
@@ -644,8 +644,8 @@ def test_auto_routing_with_an_unreachable_threshold_is_exact(tiny_flux_path, tmp
     exact.train()
     auto = make_trainer(tiny_flux_path, tmp_path / "b", jagg_frac="auto", jagg_cos_threshold=1.0, max_steps=1)
     auto.train()
-    entry = next(e for e in auto.state.log_history if "jagg/auto_frac" in e)
-    assert entry["jagg/auto_frac"] == 0.0 and entry["jagg/probe_cosine/group_0"] < 1.0
+    entry = next(e for e in auto.state.log_history if "engine/jagg/auto_frac" in e)
+    assert entry["engine/jagg/auto_frac"] == 0.0 and entry["engine/jagg/probe_cosine/group_0"] < 1.0
     a, b = trainable_state(exact), trainable_state(auto)
     for name in a:
         torch.testing.assert_close(a[name], b[name], atol=0, rtol=0)

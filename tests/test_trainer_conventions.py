@@ -136,7 +136,9 @@ def test_zero_advantage_samples_are_dropped_and_counted(tiny_flux_path, tmp_path
     expected = [k for k in kept for _ in range(2) if k > 0]  # a JAGG group of W = 3: two endpoint forwards
     assert graph_batches == expected
     logged = [
-        e["zero_advantage/dropped_frac"] for e in trainer.state.log_history if "zero_advantage/dropped_frac" in e
+        e["engine/zero_advantage/dropped_frac"]
+        for e in trainer.state.log_history
+        if "engine/zero_advantage/dropped_frac" in e
     ]
     assert logged == pytest.approx([1 - k / 4 for k in kept])
 

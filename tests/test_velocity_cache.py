@@ -285,9 +285,9 @@ def test_cache_hits_per_micro_batch_at_three_optimizer_steps_per_rollout(
     rows.handle.remove()
     assert [n for _, n in rows.per_update] == no_grad_rows
     assert [g for g, _ in rows.per_update] == [2 * 2] * 3  # the two endpoints of 2 samples, with graph
-    logs = [e for e in trainer.state.log_history if "jagg/cached_velocities" in e]
-    assert [e["jagg/cached_velocities"] for e in logs] == cached
-    assert [e["jagg/corrected_velocities"] for e in logs] == corrected
+    logs = [e for e in trainer.state.log_history if "engine/jagg/cached_velocities" in e]
+    assert [e["engine/jagg/cached_velocities"] for e in logs] == cached
+    assert [e["engine/jagg/corrected_velocities"] for e in logs] == corrected
 
 
 @pytest.mark.parametrize(
@@ -312,12 +312,12 @@ def test_checked_cache_through_train_at_three_optimizer_steps_per_rollout(
     trainer.train()
     rows.handle.remove()
     assert [n for _, n in rows.per_update] == no_grad_rows
-    logs = [e for e in trainer.state.log_history if "jagg/cached_velocities" in e]
-    assert [e["jagg/cached_velocities"] for e in logs] == cached
-    assert [e["jagg/corrected_velocities"] for e in logs] == corrected
+    logs = [e for e in trainer.state.log_history if "engine/jagg/cached_velocities" in e]
+    assert [e["engine/jagg/cached_velocities"] for e in logs] == cached
+    assert [e["engine/jagg/corrected_velocities"] for e in logs] == corrected
     # Logged once the cache is off-policy (the second and third optimizer steps).
-    assert [e["jagg/cache_rejected"] for e in logs if "jagg/cache_rejected" in e] == rejected
-    assert all(e["jagg/cache_sensitivity"] > 0 for e in logs if "jagg/cache_sensitivity" in e)
+    assert [e["engine/jagg/cache_rejected"] for e in logs if "engine/jagg/cache_rejected" in e] == rejected
+    assert all(e["engine/jagg/cache_sensitivity"] > 0 for e in logs if "engine/jagg/cache_sensitivity" in e)
 
 
 def test_checked_cache_needs_a_tolerance_of_at_least_zero(tmp_path):

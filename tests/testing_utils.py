@@ -196,7 +196,7 @@ def assert_two_lora_jagg_steps(trainer) -> None:
     for entry in logs:
         assert math.isfinite(entry["loss"]) and math.isfinite(entry["grad_norm"]) and entry["grad_norm"] > 0
         # 3 trained steps (all but the last of 4) in one JAGG group of W = 3: one joint backward.
-        assert entry["jagg/backward_calls"] == 1 and entry["jagg/groups_jagg"] == 1
+        assert entry["engine/jagg/backward_calls"] == 1 and entry["engine/jagg/groups_jagg"] == 1
 
 
 def assert_w2_jagg_equals_exact(trainer) -> None:

@@ -35,6 +35,7 @@ from trl_jagg.benchmarks.measuring import (
 )
 from trl_jagg.benchmarks.trainer import PROMPTS, _configured, time_update
 from trl_jagg.benchmarks.whole_step import WorkCounter
+from trl_jagg.trainer.metrics import logged_name
 
 H200_BF16_TFLOPS = 790.0
 """The bf16 matrix-product rate MFU is taken against: 8192^3 GEMMs through PyTorch on the H200 (the platform notes)."""
@@ -84,14 +85,18 @@ def update_gradient(trainer: Any, rollout: Any, variant: str, w: int | None, fra
     trainer._metrics.clear()
     time_update(trainer, rollout, variant, w, frac)
     grad = _flat_grad(trainer.model)
-    logged = {key: sum(values) / len(values) for key, values in trainer._metrics.items() if key in LOGGED and values}
+    means = {logged_name(key): sum(values) / len(values) for key, values in trainer._metrics.items() if values}
+    logged = {key: value for key, value in means.items() if key in LOGGED}
     trainer._metrics.clear()
     trainer.model.zero_grad(set_to_none=True)
     return {"grad": grad, "logged": logged}
 
 
-LOGGED = ("ratio", "clip_fraction", "jagg/cached_velocities", "jagg/no_grad_forwards", "jagg/backward_calls")
-"""The update's logged metrics each gradient check records."""
+LOGGED = (
+    "ratio", "clip_fraction", "engine/jagg/cached_velocities", "engine/jagg/no_grad_forwards",
+    "engine/jagg/backward_calls",
+)  # fmt: skip
+"""The update's logged metrics each gradient check records, under their logged names."""
 
 
 def velocity_checks(trainer: Any, micro_batch: Any) -> dict[str, Any]:
@@ -271,8 +276,8 @@ def _timed_rollout(trainer: Any) -> dict[str, Any]:
         work = counter.close()
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     # The intermediates the velocity cache served and those recomputed, as logged (any jagg_cache_mode).
-    logged = [e for e in trainer.state.log_history if "jagg/cached_velocities" in e]
-    cache = {key: [e[f"jagg/{key}"] for e in logged] for key in ("cached_velocities", "no_grad_forwards")}
+    logged = [e for e in trainer.state.log_history if "engine/jagg/cached_velocities" in e]
+    cache = {key: [e[f"engine/jagg/{key}"] for e in logged] for key in ("cached_velocities", "no_grad_forwards")}
     return {
         "time_s": timer.elapsed, "optimizer_steps": timer.optimizer_steps, "work": work, "peak_gib": peak,
         "cache": cache if logged else None,

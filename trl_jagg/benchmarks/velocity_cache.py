@@ -15,8 +15,8 @@ pipeline, its LoRA and learning rate, 72 images, one JAGG group of W = 4 on the 
    the default: cosine >= 0.999 and relative error <= 1e-3 at 1, 2 and 3 steps.
 
 It also trains one rollout at ``steps_per_generation = optimizer_steps`` (``dancegrpo-flux``'s 3 optimizer steps per
-rollout) in every mode and reports the cache's hits per micro-batch (``jagg/cached_velocities``,
-``jagg/corrected_velocities``, ``jagg/no_grad_forwards``).
+rollout) in every mode and reports the cache's hits per micro-batch (``engine/jagg/cached_velocities``,
+``engine/jagg/corrected_velocities``, ``engine/jagg/no_grad_forwards``).
 
     trl-jagg bench velocity-cache --output_dir runs/bench [--optimizer_steps 3] [--seed 0]
 
@@ -119,9 +119,9 @@ def cadence_hits(
         steps_per_generation=steps_per_rollout, **overrides,
     )  # fmt: skip
     trainer.train()
-    keys = ("jagg/cached_velocities", "jagg/corrected_velocities", "jagg/no_grad_forwards")
+    keys = ("engine/jagg/cached_velocities", "engine/jagg/corrected_velocities", "engine/jagg/no_grad_forwards")
     logs = sorted((e for e in trainer.state.log_history if keys[0] in e), key=lambda e: e["step"])
-    return [{"step": e["step"], **{k.split("/")[1]: int(e[k]) for k in keys}} for e in logs]
+    return [{"step": e["step"], **{k.rsplit("/", 1)[1]: int(e[k]) for k in keys}} for e in logs]
 
 
 def gate_passed(rows: list[dict[str, Any]], mode: str) -> bool:

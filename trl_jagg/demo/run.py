@@ -129,7 +129,7 @@ def _progress_callback() -> Any:
                 f"step {state.global_step:3d}  reward {logs['reward']:+.3f}  "
                 f"colour accuracy {logs.get('rewards/color_accuracy/mean', float('nan')):.2f}  "
                 f"group std {logs.get('rewards/group_reward_std/mean', float('nan')):.3f}  "
-                f"latent std {logs.get('latents/final_std', float('nan')):.2f}  "
+                f"latent std {logs.get('engine/latents/final_std', float('nan')):.2f}  "
                 f"area {logs.get('rewards/shape_area/mean', float('nan')):.2f}  "
                 f"rollout {logs.get('time/rollout_s', 0.0):.1f}s  update {logs.get('time/update_s', 0.0):.1f}s"
             )
@@ -285,8 +285,8 @@ def summarize(log_history: Sequence[dict[str, Any]], seconds: float) -> dict[str
         "reward_rise_mean2": sum(tail) / len(tail) - sum(head) / len(head),
         "color_accuracy_first": accuracy[0],
         "color_accuracy_last": accuracy[-1],
-        "latent_std_first": logs[0].get("latents/final_std"),
-        "latent_std_last": logs[-1].get("latents/final_std"),
+        "latent_std_first": logs[0].get("engine/latents/final_std"),
+        "latent_std_last": logs[-1].get("engine/latents/final_std"),
         "shape_area_first": logs[0].get("rewards/shape_area/mean"),
         "shape_area_last": logs[-1].get("rewards/shape_area/mean"),
         "group_reward_std_first": logs[0].get("rewards/group_reward_std/mean"),
@@ -294,7 +294,7 @@ def summarize(log_history: Sequence[dict[str, Any]], seconds: float) -> dict[str
         "train_seconds": seconds,
         "rollout_seconds": sum(e.get("time/rollout_s", 0.0) for e in logs),
         "update_seconds": sum(e.get("time/update_s", 0.0) for e in logs),
-        "backward_calls_per_step": logs[0].get("jagg/backward_calls"),
+        "backward_calls_per_step": logs[0].get("engine/jagg/backward_calls"),
     }
 
 
@@ -310,7 +310,7 @@ def plot_reward_curves(runs: dict[str, list[dict[str, Any]]], path: str) -> str:
     FigureCanvasAgg(figure)
     (reward_ax, accuracy_ax), (watch_ax, time_ax) = figure.subplots(2, 2)
     watched = {
-        "latents/final_std": ("latent std", "-"),
+        "engine/latents/final_std": ("latent std", "-"),
         "rewards/shape_area/mean": ("shape area", "--"),
         "rewards/group_reward_std/mean": ("group reward std", ":"),
     }

@@ -21,7 +21,7 @@ SUMMARY_KEYS: tuple[tuple[str, str, str], ...] = (
     ("kl", "kl", ".4f"),
     ("clip_fraction", "clipped", ".2f"),
     ("grad_norm", "grad", ".3g"),
-    ("latents/final_std", "latent std", ".2f"),
+    ("engine/latents/final_std", "latent std", ".2f"),
     ("time/rollout_s", "rollout", ".1f"),
     ("time/update_s", "update", ".1f"),
 )
