@@ -13,17 +13,24 @@ bfloat16) runs in process on every GPU, beside FLUX.1-dev; it reads MizzenAI/HPS
     python examples/train_flux_hpsv3.py --tiny --output_dir /tmp/flux-hpsv3-tiny   # CPU smoke test, seconds
 """
 
-from dataclasses import replace
+from __future__ import annotations
 
-from trl_jagg import GRPOJaggConfig
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
 from trl_jagg.scripts.examples import Example, ExampleArguments
-from trl_jagg.testing.tiny_models import TinyRun, temporary_folder
-from trl_jagg.testing.tiny_rewards import save_tiny_hpsv3
+
+if TYPE_CHECKING:  # the heavy modules are imported where they are used: --help answers before them
+    from trl_jagg import GRPOJaggConfig
+    from trl_jagg.testing.tiny_models import TinyRun
 
 
 class HPSv3Example(Example):
     def tiny_setup(self, args: ExampleArguments, config: GRPOJaggConfig) -> TinyRun:
         """The tiny Flux, and HPSv3's real code on a tiny random Qwen2-VL + head (its folder removed at exit)."""
+        from trl_jagg.testing.tiny_models import temporary_folder
+        from trl_jagg.testing.tiny_rewards import save_tiny_hpsv3
+
         hpsv3 = save_tiny_hpsv3(temporary_folder("tiny-hpsv3-"))
         config.reward_kwargs = {"hpsv3": {"base_model": hpsv3.base_model, "checkpoint": hpsv3.checkpoint}}
         return replace(super().tiny_setup(args, config), reward="hpsv3")

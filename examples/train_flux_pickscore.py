@@ -12,35 +12,40 @@ JAGG as in the paper, W = 4 and jagg_frac = 0.6. Every GRPOJaggConfig field is a
     python examples/train_flux_pickscore.py --tiny --output_dir /tmp/flux-tiny   # CPU smoke test, seconds
 """
 
-import sys
-from dataclasses import dataclass, field
+from __future__ import annotations
 
-from datasets import load_dataset
-from transformers import set_seed
+from typing import TYPE_CHECKING
 
-from trl_jagg import DDPOJaggTrainer, GRPOJaggConfig
-from trl_jagg.recipes import get_recipe
-from trl_jagg.scripts.utils import CommandParser, UsageError
+from trl_jagg.scripts.examples import ExampleParser, ScriptArguments
 
-RECIPE = get_recipe("flow-grpo-flux")
-SCRIPT = "examples/train_flux_pickscore.py"
+if TYPE_CHECKING:
+    from trl_jagg import GRPOJaggConfig
 
-
-@dataclass
-class ScriptArguments:
-    model_name_or_path: str = field(default="black-forest-labs/FLUX.1-dev", metadata={"help": "Hub id or folder."})
-    dataset_name: str = field(default="nateraw/parti-prompts", metadata={"help": "Hub dataset of prompts."})
-    dataset_prompt_column: str = field(default="Prompt", metadata={"help": "The dataset's column of prompts."})
-    tiny: bool = field(default=False, metadata={"help": "A tiny Flux built from config, on CPU, in seconds."})
+# Defaults, lowest first: the preset < these values < --tiny's (a tiny Flux on CPU) < the --config YAML < flags.
+PARSER = ExampleParser(
+    __file__,
+    recipe="flow-grpo-flux",
+    tiny="flux",
+    values={
+        "model_name_or_path": "black-forest-labs/FLUX.1-dev",
+        "dataset_name": "nateraw/parti-prompts",
+        "dataset_prompt_column": "Prompt",
+        "output_dir": "flux-pickscore-grpo",
+    },
+)
 
 
 def main(script_args: ScriptArguments, training_args: GRPOJaggConfig) -> None:
+    # Imported here, not at the top, so that --help and a misspelt flag answer before these load.
+    from datasets import load_dataset
+    from transformers import set_seed
+
+    from trl_jagg import DDPOJaggTrainer
+
     # Rewards: registry names, http(s):// URLs of a reward server, or functions f(prompts, images, **columns) -> list.
     reward_funcs = ["pickscore"]
     if script_args.tiny:  # a tiny pipeline saved to a temporary folder, the weight-free prompt_color reward
-        from trl_jagg.testing.tiny_models import tiny_run
-
-        tiny = tiny_run("flux")
+        tiny = PARSER.tiny_run()
         model, reward_funcs, dataset = tiny.model, [tiny.reward], tiny.dataset
     else:
         model = script_args.model_name_or_path
@@ -53,7 +58,7 @@ def main(script_args: ScriptArguments, training_args: GRPOJaggConfig) -> None:
         reward_funcs=reward_funcs,
         args=training_args,
         train_dataset=dataset,
-        peft_config=RECIPE.lora_config(),  # or your own peft.LoraConfig
+        peft_config=PARSER.preset.lora_config(),  # LoRA r 64 / alpha 128, or your own peft.LoraConfig
     )
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)  # FluxPipeline.load_lora_weights(output_dir)
@@ -62,22 +67,6 @@ def main(script_args: ScriptArguments, training_args: GRPOJaggConfig) -> None:
     trainer.end()  # the trackers finish and the process group is destroyed, as TRL's scripts end
 
 
-def parse_args(argv: list[str]) -> tuple[ScriptArguments, GRPOJaggConfig] | None:
-    """Defaults: the preset < this script's values < --tiny's < the --config YAML < flags; None after --help."""
-    defaults = {**RECIPE.config, "output_dir": "flux-pickscore-grpo", "max_steps": 1000, "save_steps": 100}
-    defaults |= {RECIPE.mixed_precision: True, "report_to": "tensorboard"}
-    if "--tiny" in argv or "--tiny=true" in argv:
-        from trl_jagg.testing.tiny_models import tiny_config
-
-        defaults |= tiny_config("flux")
-    parser = CommandParser((ScriptArguments, GRPOJaggConfig), SCRIPT, __doc__.split("\n")[0], prog=f"python {SCRIPT}")
-    return parser.parse_command_line(argv, lambda argv, config: defaults)
-
-
 if __name__ == "__main__":
-    try:
-        parsed = parse_args(sys.argv[1:])
-    except UsageError as error:
-        sys.exit(f"python {SCRIPT}: error: {error} (all flags: --help)")
-    if parsed is not None:
-        main(*parsed)
+    script_args, training_args = PARSER.parse_args()  # exits after --help, or with status 2 on a usage error
+    main(script_args, training_args)

@@ -13,21 +13,28 @@ GenEval's Mask2Former pipeline: serve that with examples/flow_grpo_sidecar.py an
     python examples/train_sd35_geneval.py --tiny --output_dir /tmp/sd35-geneval-tiny   # CPU smoke test, seconds
 """
 
+from __future__ import annotations
+
 import json
 import os
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
-from datasets import load_dataset
-
-from trl_jagg import GRPOJaggConfig
 from trl_jagg.scripts.examples import Example, ExampleArguments
-from trl_jagg.testing.tiny_models import TinyRun, temporary_folder
-from trl_jagg.testing.tiny_rewards import TINY_GENEVAL_METADATA, save_tiny_geneval_models
+
+if TYPE_CHECKING:  # the heavy modules are imported where they are used: --help answers before them
+    from trl_jagg import GRPOJaggConfig
+    from trl_jagg.testing.tiny_models import TinyRun
 
 
 class GenEvalExample(Example):
     def tiny_setup(self, args: ExampleArguments, config: GRPOJaggConfig) -> TinyRun:
         """The tiny SD3, the geneval reward's real code on tiny random OWLv2 + CLIP, GenEval-style metadata."""
+        from datasets import load_dataset
+
+        from trl_jagg.testing.tiny_models import temporary_folder
+        from trl_jagg.testing.tiny_rewards import TINY_GENEVAL_METADATA, save_tiny_geneval_models
+
         folder = temporary_folder("tiny-geneval-")  # removed at exit
         detector_dir, clip_dir = save_tiny_geneval_models(folder)
         # Random logits put most boxes near 0.5: a higher threshold keeps the counts small and varied.

@@ -1,11 +1,16 @@
 """Every ``examples/train_*.py`` runs end to end with ``--tiny`` (a tiny pipeline built from config, on CPU) and
-writes its weights; the real-size settings use the real Hub ids."""
+writes its weights; the real-size settings use the real Hub ids; ``--help`` and a misspelt flag are answered before
+trl, transformers, diffusers and peft are imported, as the full parser answers them."""
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
 import os
 import re
 import runpy
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -77,10 +82,11 @@ EXTRA_ARGS = {
 }
 
 
-SCRIPTS = {"train_flux_pickscore.py"}
-"""The examples written out as plain scripts to copy and edit (TRL's trl/scripts/grpo.py shape); the others are
-declarations over trl_jagg/scripts/examples.py."""
-DECLARED = sorted(set(EXAMPLES) - SCRIPTS)
+SCRIPTS = {"train_flux_pickscore.py": "grpo", "train_sd35_nft.py": "nft", "train_sd35_awm.py": "awm",
+           "train_sd35_dgpo.py": "dgpo"}  # fmt: skip
+"""The examples written out as plain scripts to copy and edit (TRL's trl/scripts/grpo.py shape), one per objective;
+the others are declarations over trl_jagg/scripts/examples.py."""
+DECLARED = sorted(set(EXAMPLES) - set(SCRIPTS))
 
 
 def test_every_example_is_covered():
@@ -97,14 +103,24 @@ def test_example_is_short_and_uses_the_real_model(name):
     assert "argparse" not in source and "EXAMPLE.main()" in source
 
 
+def test_one_plain_script_per_objective():
+    from trl_jagg.config.objective_registry import OBJECTIVES
+    from trl_jagg.recipes import get_recipe
+
+    assert sorted(SCRIPTS.values()) == sorted(OBJECTIVES)
+    for name, objective in SCRIPTS.items():
+        assert get_recipe(load_parser(name).recipe).objective == objective, name
+
+
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
 def test_script_example_shows_the_whole_flow(name):
     """What a user edits is in the file: the parser, the dataset, the reward, the trainer, train, save and push."""
     source = (EXAMPLES_DIR / name).read_text()
-    for step in ("CommandParser(", "load_dataset(", "reward_funcs = [", "DDPOJaggTrainer(", "trainer.train(",
-                 "trainer.save_model(", "trainer.push_to_hub(", "def main(", "--tiny", "accelerate launch"):  # fmt: skip
+    for step in ("ExampleParser(", ".parse_args()", "load_dataset(", "reward_funcs = [", "from trl_jagg import "
+                 "DDPOJaggTrainer", "DDPOJaggTrainer(", "trainer.train(", "trainer.save_model(", "trainer.push_to_hub(",
+                 "def main(", "--tiny", "accelerate launch"):  # fmt: skip
         assert step in source, step
-    assert f'"{EXAMPLES[name][2]}"' in source and "trl_jagg.scripts.examples" not in source
+    assert f'"{EXAMPLES[name][2]}"' in source and "Example(" not in source
 
 
 @pytest.mark.slow
@@ -143,20 +159,28 @@ def load_example(name: str):
     return runpy.run_path(str(EXAMPLES_DIR / name))["EXAMPLE"]
 
 
+def load_parser(name: str):
+    """The example's command line: a plain script's ``PARSER``, a declared example's ``EXAMPLE`` (an
+    :class:`~trl_jagg.scripts.examples.ExampleParser` both)."""
+    module = runpy.run_path(str(EXAMPLES_DIR / name))
+    return module["PARSER"] if name in SCRIPTS else module["EXAMPLE"]
+
+
 # Every example's config is built on this machine's CPU: `use_cpu` lets a bf16 preset through TrainingArguments.
 CPU = ["--use_cpu", "true"]
 
 
-@pytest.mark.parametrize("name", DECLARED)
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
 def test_example_flags_land_in_its_config(name, tmp_path):
     """Without flags the example's config is its preset's; every GRPOJaggConfig field (a mixin group's too) and the
     example's own flags override it, as in `trl-jagg train`; nothing is loaded or trained."""
     from trl_jagg.recipes import get_recipe
 
-    example = load_example(name)
+    example = load_parser(name)
     preset = get_recipe(example.recipe).config
     args, default = example.parse(CPU)
-    assert default.output_dir == example.output_dir and default.max_steps == example.values.get("max_steps", 1000)
+    output_dir = example.values["output_dir"] if name in SCRIPTS else example.output_dir
+    assert default.output_dir == output_dir and default.max_steps == example.values.get("max_steps", 1000)
     for key in ("learning_rate", "num_inference_steps", "jagg_group_size", "beta", "height"):
         if key in preset and key not in example.values:
             assert getattr(default, key) == preset[key], key
@@ -201,9 +225,14 @@ def test_example_own_flags_set_its_values():
         (["--mixed_precision", "bf16"], "use --bf16 true or --fp16 true"),
     ],
 )
-def test_unknown_flag_is_a_usage_error_with_a_hint(argv, hint, capsys):
+@pytest.mark.parametrize("snapshot", [True, False], ids=["snapshot", "full-parser"])
+def test_unknown_flag_is_a_usage_error_with_a_hint(argv, hint, snapshot, monkeypatch, capsys):
+    """The same answer from the parser's snapshot (before the heavy imports) and from the full parser."""
+    from trl_jagg.scripts import examples
     from trl_jagg.scripts.utils import UsageError
 
+    if not snapshot:
+        monkeypatch.setattr(examples, "saved_parser", lambda *args, **kwargs: None)
     example = load_example("train_sd35_flow_grpo.py")
     with pytest.raises(UsageError, match="unknown field") as error:
         example.parse(argv)
@@ -214,7 +243,7 @@ def test_unknown_flag_is_a_usage_error_with_a_hint(argv, hint, capsys):
     assert capsys.readouterr().err.startswith("python examples/train_sd35_flow_grpo.py: error: unknown field")
     # The plain script answers alike.
     with pytest.raises(UsageError, match="unknown field") as error:
-        runpy.run_path(str(EXAMPLES_DIR / "train_flux_pickscore.py"))["parse_args"](argv)
+        load_parser("train_sd35_nft.py").parse(argv)
     assert hint in str(error.value)
 
 
@@ -224,8 +253,10 @@ def test_help_lists_every_config_field(capsys):
 
     from trl_jagg import GRPOJaggConfig
 
-    load_example("train_wan22_pickscore.py").main(["--help"])
+    with pytest.raises(SystemExit) as exit_:
+        load_example("train_wan22_pickscore.py").main(["--help"])
     text = capsys.readouterr().out
+    assert exit_.value.code == 0
     # The example's defaults, not the dataclass's (help wraps lines at spaces and hyphens).
     assert "(default:Wan-AI/Wan2.2-T2V-A14B-Diffusers)" in "".join(text.split())
     names = {item.name for item in fields(GRPOJaggConfig) if item.init} | {
@@ -262,20 +293,106 @@ def test_documented_commands_parse(name):
     text = runpy.run_path(str(EXAMPLES_DIR / name))["__doc__"].replace("\\\n", " ") + docs
     commands = re.findall(rf"examples/{re.escape(name)} ([^#\n`]*)", text)
     assert commands
-    module = runpy.run_path(str(EXAMPLES_DIR / name))
-    parse = module["parse_args"] if name in SCRIPTS else module["EXAMPLE"].parse
+    parse = load_parser(name).parse
     for flags in commands:
         assert parse([*CPU, *flags.split()]) is not None, flags
 
 
-@pytest.mark.parametrize("flags", [["--model_name_or_path", "me/model"], ["--reward_funcs=pickscore"],
-                                   ["--dataset_name", "p.txt", "--reward_funcs", "clipscore"]])  # fmt: skip
-def test_tiny_refuses_the_flags_it_would_replace(tmp_path, flags):
+@pytest.mark.parametrize("name, flags", [
+    ("train_sd35_flow_grpo.py", ["--model_name_or_path", "me/model"]),
+    ("train_sd35_flow_grpo.py", ["--reward_funcs=pickscore"]),
+    ("train_sd35_flow_grpo.py", ["--dataset_name", "p.txt", "--reward_funcs", "clipscore"]),
+    ("train_sd35_dgpo.py", ["--dataset_name=p.txt", "--model_name_or_path", "me/model"]),  # a plain script
+])  # fmt: skip
+def test_tiny_refuses_the_flags_it_would_replace(tmp_path, name, flags):
     """Issue 42: `--tiny` swaps in its model, reward and prompts; a flag naming one of them is refused by name
     (before anything loads) instead of being silently replaced."""
     from trl_jagg.scripts.utils import UsageError
 
-    example = load_example("train_sd35_flow_grpo.py")
+    example = load_parser(name)
     with pytest.raises(UsageError, match="--tiny replaces") as error:
         example.parse(["--tiny", "--output_dir", str(tmp_path), *flags])
     assert all(f"{flag.split('=')[0]}" in str(error.value) for flag in flags if flag.startswith("--"))
+
+
+# ---------------------------------------------------------------- answers before the heavy imports
+HEAVY = ("trl", "transformers", "diffusers", "peft")
+
+# Runs each example of sys.argv[1] (a JSON list) as `python examples/<name> ARGV` for each ARGV of sys.argv[2], in one
+# interpreter, and prints per run the exit status, what it wrote and the heavy modules imported by then (sys.modules
+# only grows: what is absent after a run was absent when it answered).
+PROBE = f"""
+import contextlib, io, json, runpy, sys
+results, paths, argvs = [], json.loads(sys.argv[1]), json.loads(sys.argv[2])
+for path in paths:
+    for argv in argvs:
+        out, err = io.StringIO(), io.StringIO()
+        sys.argv = [path, *argv]
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                runpy.run_path(path, run_name="__main__")
+                code = None
+            except SystemExit as stop:
+                code = stop.code
+        imported = sorted(m for m in {HEAVY!r} if m in sys.modules)
+        results.append(dict(code=code, out=out.getvalue(), err=err.getvalue().strip(), imported=imported))
+print(json.dumps(results))
+"""
+
+
+def test_help_and_typos_come_before_the_heavy_imports(tmp_path):
+    """Every example, plain or declared: ``--help``, a misspelt flag and a misspelt YAML key are answered with none
+    of trl, transformers, diffusers and peft imported."""
+    config = tmp_path / "run.yaml"
+    config.write_text("learnig_rate: 1.0\n")
+    argvs = [["--help"], ["--learnig_rate", "1"], ["--config", str(config)]]
+    paths = [str(EXAMPLES_DIR / name) for name in sorted(EXAMPLES)]
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE, json.dumps(paths), json.dumps(argvs)],
+        capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.splitlines()[-1])
+    assert len(results) == len(paths) * len(argvs)
+    for path, (help_, typo, yaml_typo) in zip(paths, zip(*[iter(results)] * 3), strict=True):
+        name = os.path.basename(path)
+        assert help_["code"] == 0 and "--learning_rate" in help_["out"] and "--tiny" in help_["out"], name
+        assert EXAMPLES[name][2] in "".join(help_["out"].split()), name  # the example's default model
+        assert typo["code"] == 2 and "'learnig_rate'" in typo["err"] and "'learning_rate'" in typo["err"], name
+        assert yaml_typo["code"] == 2 and str(config) in yaml_typo["err"] and "'learning_rate'" in yaml_typo["err"]
+    assert [run["imported"] for run in results] == [[]] * len(results)
+
+
+@pytest.mark.parametrize("name", ["train_sd35_awm.py", "train_flux_unifiedreward.py"])
+def test_the_snapshot_prints_the_full_parsers_help(name, monkeypatch):
+    """The help rebuilt from the snapshot is the full parser's, the example's defaults included (a plain script, and
+    a declared example with flags of its own)."""
+    from trl_jagg.scripts import examples
+
+    monkeypatch.setenv("COLUMNS", "119")
+    parser = load_parser(name)
+    helps = []
+    for snapshot in (examples.saved_parser, lambda *args, **kwargs: None):
+        monkeypatch.setattr(examples, "saved_parser", snapshot)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert parser.parse(["--help"]) is None
+        helps.append(out.getvalue())
+    assert helps[0] == helps[1]
+    assert name in SCRIPTS or "--judge_url" in helps[0]
+
+
+def test_the_example_snapshot_is_current(tmp_path):
+    """The file answers only while it matches the parser and the examples' own flags; a stale one makes the examples
+    slow, not wrong: rebuild it with `python -m trl_jagg.scripts.example_snapshot`."""
+    from trl_jagg.scripts import example_snapshot, train_snapshot
+    from trl_jagg.scripts.examples import ScriptArguments
+
+    saved = train_snapshot.load_snapshot(example_snapshot.SNAPSHOT_PATH)
+    assert saved is not None, "trl_jagg/scripts/example_parser.json is stale"
+    built = example_snapshot.build_snapshot()
+    assert saved["config"] == built["config"] and saved["arguments"] == built["arguments"]
+    stale = tmp_path / "example_parser.json"
+    stale.write_text(json.dumps({**saved, "key": "0" * 64}))
+    assert example_snapshot.saved_parser(ScriptArguments) is not None
+    assert example_snapshot.saved_parser(ScriptArguments, path=str(stale)) is None

@@ -15,6 +15,7 @@ from trl import TrlParser
 
 from trl_jagg.config.field_types import type_problem
 from trl_jagg.scripts import PROG
+from trl_jagg.scripts.example_snapshot import library_parent, option_names
 from trl_jagg.scripts.usage import TRL_ALIASES, TRL_ONLY, UsageError, check_names, flag_value, read_config
 
 
@@ -49,11 +50,7 @@ class CommandParser(TrlParser):
         group = self.add_argument_group(getattr(dtype, "_argument_group_name", dtype.__name__))
         inherited = None
         # The first dataclass base from another library (TrainingArguments); trl_jagg's field-group mixins are own.
-        library = dtype.__module__.split(".")[0]
-        parent = next(
-            (b for b in dtype.__mro__[1:] if dataclasses.is_dataclass(b) and b.__module__.split(".")[0] != library),
-            None,
-        )
+        parent = library_parent(dtype)
         if parent is not None:
             library = parent.__module__.split(".")[0]
             inherited = self.add_argument_group(f"{parent.__name__} ({library}, inherited)")
@@ -71,12 +68,7 @@ class CommandParser(TrlParser):
 
     def option_names(self) -> dict[str, str]:
         """Every accepted ``--flag`` spelling mapped to its field name."""
-        names = {"--config": "config"}
-        for action in self._actions:
-            for option in action.option_strings:
-                if option.startswith("--"):
-                    names[option] = action.dest
-        return names
+        return option_names(self._actions)
 
     def field_names(self) -> set[str]:
         return {dest for option, dest in self.option_names().items() if option != "--config" and dest != "help"}
