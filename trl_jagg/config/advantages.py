@@ -73,7 +73,7 @@ class AdvantageArguments:
         metadata={
             "help": "Drop the samples whose advantage is exactly 0 (every sample of a zero-std group) from the update, "
             "as Flow-GRPO's SD3 script does: they cost no backward, and each step's loss averages over the others. "
-            "Logged as `zero_advantage/dropped_frac`."
+            "Logged as `engine/zero_advantage/dropped_frac`."
         },
     )
     reward_weights: list[float] | None = field(
@@ -100,9 +100,9 @@ class AdvantageArguments:
             "group std), sums them with `reward_weights`, then normalises the sum over the whole batch, so a reward "
             "with a large scale or spread cannot drown the others. With one reward the two differ only in the final "
             "std (group or batch). With 'normalize_then_sum' each reward's share is logged as "
-            "`advantages/<name>/abs_mean` (the mean |weight x group-normalised reward|). The presets follow their "
-            "peer: flow-factory-flux2-dev (CLIP + PickScore, Flow-Factory's GDPO) sets 'normalize_then_sum', the "
-            "others keep 'sum_then_normalize'."
+            "`engine/advantages/<name>/abs_mean` (the mean |weight x group-normalised reward|). The presets follow "
+            "their peer: flow-factory-flux2-dev (CLIP + PickScore, Flow-Factory's GDPO) sets 'normalize_then_sum', "
+            "the others keep 'sum_then_normalize'."
         },
     )
     overlap_rewards: bool = field(

@@ -70,7 +70,7 @@ class JaggArguments:
             "help": "Record every step's guided velocity during the rollout and use them for the intermediate steps "
             "of JAGG groups (no active dropout, same dtype/autocast and batch shape; after an optimizer step since "
             "the rollout as `jagg_cache_mode` says): a group then costs 2 endpoint forwards + 1 backward. Logged as "
-            "`jagg/cached_velocities`."
+            "`engine/jagg/cached_velocities`."
         },
     )
     jagg_cache_mode: str = field(
@@ -87,8 +87,8 @@ class JaggArguments:
             "`jagg_cache_tolerance` when every correction is undone or doubled, recomputing elsewhere; it probes "
             "only along the correction, so it passes any error the correction does not see. `stale`: the rollout's "
             "velocities as they are. Before the first optimizer step every mode uses the cache as is (exact). "
-            "Logged as `jagg/corrected_velocities` (`checked`: also `jagg/cache_rejected` and "
-            "`jagg/cache_sensitivity`, the largest relative move)."
+            "Logged as `engine/jagg/corrected_velocities` (`checked`: also `engine/jagg/cache_rejected` and "
+            "`engine/jagg/cache_sensitivity`, the largest relative move)."
         },
     )
     jagg_cache_tolerance: float = field(
