@@ -47,6 +47,7 @@ from trl_jagg.trainer.image_logging import eval_images_key, log_completions, log
 from trl_jagg.trainer.inputs import checked_inputs, checked_model_inputs
 from trl_jagg.trainer.interrupts import InterruptCallback, interrupted
 from trl_jagg.trainer.metrics import first_completions, logged_means
+from trl_jagg.trainer.peer_watch import peers_watched
 from trl_jagg.trainer.placement import FrozenModules
 from trl_jagg.trainer.scoring import RewardFailure
 from trl_jagg.utils import distributed
@@ -367,8 +368,9 @@ class DDPOJaggTrainer(_BaseTrainer):
             transformer = self.accelerator.unwrap_model(self.model)
             plain = not (self.is_deepspeed_enabled or self.is_fsdp_enabled)  # resumes from optimizer.pt
             self.weights.check(resume_from_checkpoint, transformer, self.args, ema=self.ema, optimizer_files=plain)
-        try:
-            output = super().train(resume_from_checkpoint=resume_from_checkpoint or None, **kwargs)
+        try:  # a process lost on another node raises PeerLost, naming it (trainer/peer_watch.py)
+            with peers_watched(self.args.output_dir, self.args.should_save, lambda: self.state.global_step):
+                output = super().train(resume_from_checkpoint=resume_from_checkpoint or None, **kwargs)
         finally:
             self.interrupts.restore()  # also when training raised: Ctrl-C must work again after train()
         if self.interrupts.signal_number is not None:

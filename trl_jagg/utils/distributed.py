@@ -18,7 +18,9 @@ from typing import Any
 import torch
 
 # Where launchers put the number of processes they started: torchrun / accelerate's multi-process launchers, then
-# the MPI implementations accelerate reads for multi-CPU runs.
+# the MPI implementations accelerate reads for multi-CPU runs. Like accelerate (`get_cpu_distributed_information`), the
+# first one set counts: Slurm's PMI-2 plugin (`srun --mpi=pmi2`, many clusters' default) sets PMI_SIZE to its task
+# count, one launcher per node, in every process those launchers start, beside torchrun's WORLD_SIZE.
 _WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
 
 
@@ -36,14 +38,19 @@ def _true(env: Mapping[str, str], name: str) -> bool:
 def check_world_size(num_processes: int, env: Mapping[str, str] | None = None) -> None:
     """Raise if the launcher asked for a different number of processes than the distributed state has.
 
+    The launcher's count is the first of ``WORLD_SIZE``, ``PMI_SIZE``, ``OMPI_COMM_WORLD_SIZE``,
+    ``MV2_COMM_WORLD_SIZE`` that is set, the order accelerate reads them in: under Slurm, ``srun`` may set
+    ``PMI_SIZE`` to its own task count (one per node) beside the launcher's ``WORLD_SIZE``.
+
     Args:
         num_processes: the processes the accelerator (``PartialState``) sees.
         env: the environment the launcher set (defaults to ``os.environ``).
     """
     env = os.environ if env is None else env
-    for name in _WORLD_SIZE_VARIABLES:
-        value = env.get(name, "")
-        if value.isdigit() and int(value) != num_processes:
+    name = next((name for name in _WORLD_SIZE_VARIABLES if env.get(name, "").isdigit()), None)
+    if name is not None:
+        value = env[name]
+        if int(value) != num_processes:
             raise RuntimeError(
                 f"The launcher started {value} processes ({name}={value}) but the accelerator sees {num_processes}: "
                 "each process would train alone on its own batch, without any error. On a machine without GPUs, "

@@ -31,4 +31,13 @@ class TrainingInterrupted(TrainingError):
         self.exit_code = 128 + signal_number
 
 
-__all__ = ["CheckpointError", "NonFiniteError", "TrainingError", "TrainingInterrupted"]
+class PeerLost(TrainingError):
+    """Another process of the job died, froze or failed while this one trained (``ranks``, on ``nodes``): the
+    message names them, the last complete checkpoint and the resume (:mod:`trl_jagg.trainer.peer_watch`)."""
+
+    def __init__(self, message: str, ranks: list[int], nodes: list[int]):
+        super().__init__(message)
+        self.ranks, self.nodes = ranks, nodes
+
+
+__all__ = ["CheckpointError", "NonFiniteError", "PeerLost", "TrainingError", "TrainingInterrupted"]
