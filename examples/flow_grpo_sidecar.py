@@ -4,17 +4,21 @@ Flow-GRPO's sidecar (github.com/yifan123/reward-server, `app_geneval.py` / `app_
 Python pickles: unpickling an answer runs whatever code the sender put in it. This adapter never sends or reads a
 pickle. It runs in the sidecar's own environment (GenEval's mmdet and Mask2Former need Python 3.10 and torch 2.1),
 imports the sidecar's scoring functions in process (`reward_server/gen_eval.py: load_geneval`,
-`reward_server/deqa.py: load_deqascore`, loaded by file so they do not clash with `examples/reward_server.py`) and
-serves them with `examples/reward_server.py` (its limits, token and checks):
+`reward_server/deqa.py: load_deqascore`, loaded by file under other names, so that the sidecar's `reward_server`
+package clashes with nothing) and serves them with trl_jagg's reward server (`trl_jagg.rewards.server`, Starlette
+on uvicorn: the limits, token and checks of `examples/reward_server.py`):
 
     cd reward-server                      # the sidecar's checkout: gen_eval.py reads reward_server/object_names.txt
     pip install --no-deps -e /path/to/trl_jagg   # trl_jagg.rewards imports only torch, numpy and Pillow
+    pip install starlette uvicorn                # the server's stack (see below)
     python /path/to/trl_jagg/examples/flow_grpo_sidecar.py --scorers geneval deqa --port 18085
 
 and train with `reward_funcs=["http://127.0.0.1:18085/score/geneval"]` on GenEval's prompts
 (`dataset/geneval/train_metadata.jsonl` in Flow-GRPO: the `tag`, `include` and, where present, `exclude` columns
 travel as metadata). The GenEval reward is the sidecar's `scores` with `only_strict=True`, what Flow-GRPO trains on;
-DeQA's is its `score / 5`. Flow-GRPO's client sends JPEG (quality 75); the remote reward sends lossless PNG.
+DeQA's is its `score / 5`. Flow-GRPO's client sends JPEG (quality 75); the remote reward sends lossless PNG. The
+server is tested with starlette 1.10 and uvicorn 0.55, which need Python 3.11; on Python 3.10 pip picks their last
+releases for it, which this adapter has not been tested with.
 """
 
 from __future__ import annotations
@@ -32,7 +36,11 @@ from typing import Any
 
 from PIL import Image
 
-HERE = Path(__file__).resolve().parent
+try:
+    from trl_jagg.rewards.server import Limits, build_server
+except ModuleNotFoundError as missing:  # the server's stack is not installed: one line, not a traceback
+    sys.exit(f"flow_grpo_sidecar.py: {missing}")
+from trl_jagg.rewards.remote import TOKEN_ENV
 
 
 def load_file(name: str, path: Path) -> ModuleType:
@@ -119,17 +127,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--token", default=None, help="shared token (default: $TRL_JAGG_REWARD_TOKEN)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    server_module = load_file("trl_jagg_reward_server", HERE / "reward_server.py")
     rewards = sidecar_rewards(args.scorers, Path(args.sidecar_dir))
-    token = args.token or os.environ.get(server_module.TOKEN_ENV) or None
-    server = server_module.build_server(rewards, args.host, args.port, server_module.Limits(token=token))
-    logging.info("Serving %s on http://%s:%d/score/<name>", ", ".join(rewards), *server.server_address[:2])
+    token = args.token or os.environ.get(TOKEN_ENV) or None
+    server = build_server(rewards, args.host, args.port, Limits(token=token))
+    logging.info("Serving %s on http://%s:%d/score/<name>", ", ".join(rewards), *server.server_address)
     try:
         server.serve_forever()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # uvicorn stops on the signal, then raises it again
         pass
     finally:
-        server.server_close()
+        server.close()
 
 
 if __name__ == "__main__":

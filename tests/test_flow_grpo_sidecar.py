@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -44,14 +43,11 @@ def sidecar(tmp_path):
     spec = importlib.util.spec_from_file_location("flow_grpo_sidecar", EXAMPLE)
     adapter = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(adapter)
-    server_module = adapter.load_file("trl_jagg_reward_server", EXAMPLE.parent / "reward_server.py")
     served = adapter.sidecar_rewards(["geneval", "deqa"], tmp_path)
-    server = server_module.build_server(served, "127.0.0.1", 0)
-    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
+    server = adapter.build_server(served, "127.0.0.1", 0).start()
     yield f"http://127.0.0.1:{server.server_address[1]}/score"
-    server.shutdown()
-    server.server_close()
-    for name in ("flow_grpo_gen_eval", "flow_grpo_deqa", "trl_jagg_reward_server"):
+    server.close()
+    for name in ("flow_grpo_gen_eval", "flow_grpo_deqa"):
         sys.modules.pop(name, None)
 
 

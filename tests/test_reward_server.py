@@ -5,6 +5,7 @@ answer size). Every loop is bounded; each test takes well under a few seconds.""
 from __future__ import annotations
 
 import base64
+import importlib
 import importlib.util
 import inspect
 import io
@@ -53,8 +54,7 @@ def server_module():
 
 
 def serve(server_module, served, **limits):
-    server = server_module.build_server(served, "127.0.0.1", 0, server_module.Limits(**limits))
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server = server_module.build_server(served, "127.0.0.1", 0, server_module.Limits(**limits)).start()
     return server, f"http://127.0.0.1:{server.server_address[1]}"
 
 
@@ -87,8 +87,7 @@ def server_url(server_module):
               "private": private, "change": pixel_change}  # fmt: skip
     server, url = serve(server_module, served, max_pixels=512 * 512, request_timeout=0.5, max_body_bytes=2**20)
     yield url
-    server.shutdown()
-    server.server_close()
+    server.close()
 
 
 def raw_request(url: str, data: bytes, timeout: float = 5.0) -> tuple[int, dict]:
@@ -104,6 +103,11 @@ def raw_request(url: str, data: bytes, timeout: float = 5.0) -> tuple[int, dict]
             answer += chunk
     head, _, body = answer.partition(b"\r\n\r\n")
     return int(head.split()[1]), json.loads(body or b"{}")
+
+
+JSON_POST = b"POST /score/prompt_color HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+"""The headers of a JSON request to ``prompt_color``, to complete (h11 refuses an HTTP/1.1 request without ``Host``
+with HTTP 400, as RFC 9112 asks)."""
 
 
 def post(url: str, path: str, payload, headers: str = "Content-Type: application/json\r\n") -> tuple[int, dict]:
@@ -191,8 +195,7 @@ def test_reward_timeout_bounds_a_remote_reward_whose_server_never_answers(server
         assert started.is_set()  # the request reached the server, which was still scoring
     finally:
         release.set()
-        server.shutdown()
-        server.server_close()
+        server.close()
 
 
 # ------------------------------------------------------------------------------------------------ server limits
@@ -209,14 +212,11 @@ def test_oversized_body_is_refused_before_it_is_read(server_url):
     # Headers only: the server must answer without waiting for (or reading) the announced 10 GB.
     status, answer = raw_request(
         server_url,
-        b"POST /score/prompt_color HTTP/1.1\r\nContent-Type: application/json\r\nContent-Length: 10000000000\r\n\r\n",
+        JSON_POST + b"Content-Length: 10000000000\r\n\r\n",
     )
     assert status == 413 and "body exceeds 1048576 bytes" in answer["error"]
     assert time.monotonic() - start < 0.4  # before the 0.5 s request deadline
-    assert (
-        raw_request(server_url, b"POST /score/prompt_color HTTP/1.1\r\nContent-Type: application/json\r\n\r\n")[0]
-        == 411
-    )
+    assert raw_request(server_url, JSON_POST + b"\r\n")[0] == 411
 
 
 def trickle(url: str, head: bytes, limit_s: float = 3.0) -> tuple[float, bytes]:
@@ -245,12 +245,12 @@ def test_slow_client_is_cut_off_at_the_request_deadline(server_url):
     elapsed, data = trickle(server_url, b"POST /score/prompt_color HTTP/1.1\r\nX-Slow: ")
     assert 0.4 < elapsed < 1.5 and data != b"still open"
     # Trickling the body: HTTP 408.
-    head = b"POST /score/prompt_color HTTP/1.1\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n"
+    head = JSON_POST + b"Content-Length: 100000\r\n\r\n"
     elapsed, data = trickle(server_url, head)
-    assert 0.4 < elapsed < 1.5 and data.startswith(b"HTTP/1.0 408")
+    assert 0.4 < elapsed < 1.5 and data.startswith(b"HTTP/1.1 408")  # answered by the app, through h11
 
 
-BODY_HEAD = b"POST /score/prompt_color HTTP/1.1\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+BODY_HEAD = JSON_POST + b"Content-Length: 1000\r\n\r\n"
 
 
 def test_connections_are_bounded(server_module):
@@ -273,14 +273,13 @@ def test_connections_are_bounded(server_module):
                 answers.append(sock.recv(1024)[:12])
             except TimeoutError:
                 answers.append(b"waiting")
-        assert sorted(answers) == [b"HTTP/1.0 503"] * 4 + [b"waiting"] * 2
+        assert sorted(answers) == [b"HTTP/1.1 503"] * 4 + [b"waiting"] * 2  # h11 speaks HTTP/1.1
         for sock in slow:
             sock.close()
         time.sleep(0.2)  # the two handlers see the close and free their slots
         assert rewards.remote(f"{url}/score/prompt_color", timeout=2, retries=0)(["red"], [solid((255, 0, 0))])
     finally:
-        server.shutdown()
-        server.server_close()
+        server.close()
 
 
 def png_claiming(width: int, height: int) -> bytes:
@@ -351,14 +350,51 @@ def test_shared_token(server_module):
             rewards.remote(f"{url}/score/prompt_color", token="", retries=3, backoff=1.0)(["red"], [solid((0, 0, 0))])
         assert time.monotonic() - start < 1.0  # not retried
     finally:
-        server.shutdown()
-        server.server_close()
+        server.close()
 
 
 def test_binds_to_loopback_by_default(server_module):
     assert inspect.signature(server_module.build_server).parameters["host"].default == "127.0.0.1"
     source = (REPO / "examples" / "reward_server.py").read_text()
     assert 'parser.add_argument("--host", default="127.0.0.1"' in source
+
+
+def test_connections_sending_headers_are_bounded_the_oldest_closed(server_module):
+    """Past ``max_pending`` connections sending headers, the oldest is closed at once; the others wait for their
+    header deadline (HTTP 408)."""
+    server, url = serve(server_module, {"prompt_color": rewards.prompt_color()}, max_pending=2, header_timeout=1.0)
+    try:
+        port = server.server_address[1]
+        trickling = []
+        for _ in range(3):
+            trickling.append(socket.create_connection(("127.0.0.1", port), timeout=3))
+            trickling[-1].sendall(b"POST /score/prompt_color HTTP/1.1\r\nX-Slow: ")
+            time.sleep(0.1)  # in order: the first one is the oldest
+        answers = [sock.recv(1024) for sock in trickling]
+        assert answers[0] == b"" and all(a.startswith(b"HTTP/1.0 408") for a in answers[1:])
+    finally:
+        for sock in trickling:
+            sock.close()
+        server.close()
+
+
+def test_a_missing_server_stack_is_one_line_naming_the_extra(monkeypatch, capsys):
+    """Without starlette or uvicorn, the server module's import error and the example's exit name the extra."""
+    import runpy
+
+    for missing in ("starlette", "uvicorn"):
+        for name in [missing, *(name for name in sys.modules if name.startswith(f"{missing}."))]:
+            monkeypatch.setitem(sys.modules, name, None)  # makes `import <name>` fail
+        for name in ("trl_jagg.rewards.server", "trl_jagg.rewards.server_app"):
+            monkeypatch.delitem(sys.modules, name, raising=False)
+        with pytest.raises(
+            ModuleNotFoundError, match=rf"{missing} is not installed: pip install \"trl-jagg\[server\]\""
+        ):
+            importlib.import_module("trl_jagg.rewards.server")
+        with pytest.raises(SystemExit) as info:
+            runpy.run_path(str(REPO / "examples" / "reward_server.py"), run_name="__main__")
+        assert "\n" not in str(info.value) and 'pip install "trl-jagg[server]"' in str(info.value)
+        monkeypatch.undo()
 
 
 # ------------------------------------------------------------------------------------------------ client limits
@@ -438,6 +474,21 @@ def test_rate_limited_requests_are_retried_after_the_wait_the_server_asks_for():
     assert rewards.remote(url, timeout=5, retries=1, backoff=0.0)(["a"], [solid((0, 0, 0))]) == [0.25]
     assert answered[1] - answered[0] >= 1.0
     thread.join(5)
+
+
+def test_retries_count_every_attempt_once():
+    """``retries=2`` is three attempts in all, each one request on its own connection: the client's one retry loop
+    counts every attempt."""
+    accepted = []
+
+    def hang_up(conn):  # no answer at all: a transport error for the client
+        accepted.append(conn)
+
+    url, thread = one_shot_server(hang_up, hang_up, hang_up)
+    with pytest.raises(ConnectionError, match=r"after 3 attempt\(s\)"):
+        rewards.remote(url, timeout=2, retries=2, backoff=0.0)(["a"], [solid((0, 0, 0))])
+    thread.join(5)
+    assert len(accepted) == 3
 
 
 def test_client_bounds_the_answer_size():
@@ -540,8 +591,7 @@ def test_null_scores_travel_as_not_applicable(server_module):
     try:
         assert rewards.remote(f"{url}/score/partial")(["a", "skip"], [solid((0, 0, 0))] * 2) == [1.0, None]
     finally:
-        server.shutdown()
-        server.server_close()
+        server.close()
 
 
 @pytest.mark.parametrize("scores", [["0.5"], [True]], ids=["string", "boolean"])
@@ -618,8 +668,7 @@ def test_decoded_pixels_are_bounded_per_request_and_over_all_requests(server_mod
         assert post(url, "/score/fast", {"prompts": ["red"], "images": [image]})[0] == 200
     finally:
         release.set()
-        server.shutdown()
-        server.server_close()
+        server.close()
 
 
 @pytest.fixture(scope="module")

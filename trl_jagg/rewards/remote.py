@@ -9,9 +9,14 @@ Protocol (JSON over ``POST``, see ``examples/reward_server.py``)::
 
 Both sides bound what the other can make them do: the client gives each attempt one deadline for connecting,
 sending and reading the whole answer (a server trickling bytes cannot hold it longer) and streams a bounded answer
-(a longer one is refused without reading the rest); the server (``examples/reward_server.py``) limits the body, the
-time to receive it, the connections it serves at once, the image formats (PNG, JPEG, WEBP) and the pixels per image.
-A shared token (``Authorization: Bearer``, from ``TRL_JAGG_REWARD_TOKEN`` by default) keeps other local users out.
+(a longer one is refused without reading the rest); the server (``examples/reward_server.py``, Starlette on uvicorn:
+:mod:`~trl_jagg.rewards.server`) limits the body, the time to receive it, the requests it serves at once, the image
+formats (PNG, JPEG, WEBP) and the pixels per image. A shared token (``Authorization: Bearer``, from
+``TRL_JAGG_REWARD_TOKEN`` by default) keeps other local users out.
+
+Retries are one loop (:meth:`RemoteReward._post`): connection errors, timeouts, HTTP 429 and 5xx, honouring
+``Retry-After``. httpx's transport retries (of failed connects only) stay off, their default, so that ``retries``
+counts every attempt and each waits its backoff.
 
 The client is asynchronous: the trainer awaits :meth:`RemoteReward.acall` on the event loop every async reward
 shares (:mod:`~trl_jagg.rewards.calling`), so that ``reward_timeout`` cancels a request in flight; calling the

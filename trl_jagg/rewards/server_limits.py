@@ -1,14 +1,12 @@
 """What a reward server accepts from an untrusted client: images checked from their header before any pixel is
-decoded (format, pixel count), and a socket read bounded by one deadline. Used by ``examples/reward_server.py``;
-the client side is :mod:`~trl_jagg.rewards.remote`."""
+decoded (format, pixel count). Used by the reward server's app (:mod:`~trl_jagg.rewards.server_app`); the client
+side is :mod:`~trl_jagg.rewards.remote`."""
 
 from __future__ import annotations
 
 import base64
 import binascii
 import io
-import socket
-import time
 from typing import Any
 
 from PIL import Image, UnidentifiedImageError
@@ -19,7 +17,7 @@ MAX_PIXELS = 4096 * 4096
 
 
 class RejectedImage(ValueError):
-    """An image :func:`decode_image` refuses; ``status`` is the HTTP status a server answers with."""
+    """An image :func:`open_image` or :func:`load_image` refuses; ``status`` is the HTTP status a server answers with."""
 
     def __init__(self, message: str, status: int) -> None:
         super().__init__(message)
@@ -67,22 +65,3 @@ def load_image(image: Image.Image) -> Image.Image:
         raise RejectedImage("could not be decoded (truncated or corrupt)", 400) from None
     return image
 
-
-class DeadlineReader(io.RawIOBase):
-    """Reads from a connected socket until one ``deadline`` (``time.monotonic()``): each read waits at most
-    the time left, so a peer sending a byte now and then cannot stretch the total (a socket timeout alone is per
-    read). Raises :class:`TimeoutError` once the deadline has passed."""
-
-    def __init__(self, sock: socket.socket, deadline: float) -> None:
-        super().__init__()
-        self._sock, self.deadline = sock, deadline
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        remaining = self.deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError("the deadline passed")
-        self._sock.settimeout(remaining)
-        return self._sock.recv_into(buffer)
