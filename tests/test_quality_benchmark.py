@@ -74,7 +74,9 @@ def test_variant_configs_are_valid_demo_configs_and_the_mix_window_moves_at_mixg
         assert max(1, int(9 * nft.train_timestep_fraction)) == nft.jagg_group_size == 4 and nft.beta == 1e-4
     with pytest.raises(ValueError, match="Unknown variant"):
         variant_overrides("mix", 100)
-    assert QUALITY_TASKS == {"color": "prompt_color", "detail": "high_frequency"}
+    assert configs["exact_low_kl"].beta == 1e-3 and configs["exact"].beta == 0.15  # DGPO's KL against the demo's
+    assert not configs["exact_low_kl"].use_jagg and configs["exact_low_kl"].sde_window_size == 4
+    assert QUALITY_TASKS == {"color": "prompt_color", "detail": "high_frequency", "stripes": "horizontal_detail"}
 
 
 def test_runs_are_interleaved_seed_by_seed_in_rotating_order():

@@ -47,6 +47,7 @@ def test_registry_has_the_documented_names():
         "prompt_color",
         "brightness",
         "high_frequency",
+        "horizontal_detail",
     }
     assert expected <= set(rewards.available_rewards())
 
@@ -207,6 +208,23 @@ def test_high_frequency_hand_computed_values():
     assert rewards.high_frequency()([""], [Image.fromarray(red_checker)]) == pytest.approx([0.299 * 4 / 9], abs=1e-12)
     with pytest.raises(ValueError, match="3 x 3"):
         rewards.high_frequency()([""], [solid((0, 0, 0)).resize((2, 2))])
+
+
+def test_horizontal_detail_hand_computed_values():
+    """Mean |vertical step| minus mean |horizontal step| of the luma, written out: one-pixel rows alternating black
+    and white step by 1 between every vertical pair and 0 between horizontal ones (+1); the same as columns is -1; a
+    one-pixel checkerboard steps by 1 both ways (0); a flat image 0; a 3 x 3 image with one white top row steps 1
+    in 3 of the 6 vertical pairs and in none of the 6 horizontal ones (+0.5)."""
+    rows = ((np.indices((6, 8))[0] % 2) * 255).astype(np.uint8)
+    columns = ((np.indices((6, 8))[1] % 2) * 255).astype(np.uint8)
+    checker = ((np.indices((6, 8)).sum(axis=0) % 2) * 255).astype(np.uint8)
+    top = np.zeros((3, 3), dtype=np.uint8)
+    top[0] = 255
+    images = [Image.fromarray(np.stack([a] * 3, axis=-1)) for a in (rows, columns, checker, top)]
+    scores = rewards.horizontal_detail()([""] * 5, [*images, solid((30, 200, 90))])
+    assert scores == pytest.approx([1.0, -1.0, 0.0, 0.5, 0.0], abs=1e-12)
+    with pytest.raises(ValueError, match="2 x 2"):
+        rewards.horizontal_detail()([""], [solid((0, 0, 0)).resize((1, 3))])
 
 
 def test_rewards_refuse_mismatched_prompts_and_images():

@@ -27,7 +27,7 @@ from trl_jagg.rewards.hpsv3 import hpsv3
 from trl_jagg.rewards.image_reward import image_reward
 from trl_jagg.rewards.lazy import LazyModelReward
 from trl_jagg.rewards.ocr import ocr
-from trl_jagg.rewards.programmatic import brightness, high_frequency, prompt_color
+from trl_jagg.rewards.programmatic import brightness, high_frequency, horizontal_detail, prompt_color
 from trl_jagg.rewards.remote import remote
 from trl_jagg.rewards.video import takes_videos
 from trl_jagg.rewards.vlm_judge import vlm_judge
@@ -43,6 +43,7 @@ __all__ = [
     "available_rewards",
     "brightness",
     "high_frequency",
+    "horizontal_detail",
     "check_rewards",
     "clip_edit",
     "clip_image_similarity",

@@ -162,7 +162,7 @@ class WholeStepBenchmarkArguments:
 QUALITY_DESCRIPTION = (
     "Train the CPU demo with exact updates, JAGG + velocity cache and the mixed ODE-SDE rollouts (MixGRPO-style "
     "sliding window, and the jagg-fast-flux window held on the high-noise steps; DPM-Solver++) + JAGG + cache, for "
-    "every seed in interleaved order, on the colour task or the fine-detail one; write quality.json (reward and "
+    "every seed in interleaved order, on the colour, fine-detail or stripes task; write quality.json (reward and "
     "colour accuracy per step, evaluations every tenth of the run, the CPU time to exact's final held-out reward) "
     "and quality.png (reward against step and CPU time)."
 )
@@ -185,8 +185,9 @@ class QualityBenchmarkArguments:
     task: str = field(
         default="color",
         metadata={
-            "help": "`color` (the demo's prompt_color reward, settled in the high-noise steps) or `detail` (the "
-            "high_frequency reward: fine detail, settled in the low-noise steps)."
+            "help": "`color` (the demo's prompt_color reward, settled in the high-noise steps), `detail` (the "
+            "high_frequency reward: fine detail) or `stripes` (the horizontal_detail reward: oriented fine detail, "
+            "far from its ceiling)."
         },
     )
     steps: int = field(default=100, metadata={"help": "Optimizer steps per run."})
