@@ -79,6 +79,7 @@ def main() -> None:
         print(f"{args.concurrent} such requests at once: peak {status_mb(process.pid, 'VmHWM'):.0f} MB")
 
         reset_peak(process.pid)
+        before = status_mb(process.pid, "VmRSS")
         port = int(url.rsplit(":", 1)[1])
         slow = [socket.create_connection(("127.0.0.1", port)) for _ in range(args.trickling)]
         for sock in slow:
@@ -90,7 +91,7 @@ def main() -> None:
             sock.close()
         print(
             f"{args.trickling} connections trickling headers: a real request served in {served:.2f} s, "
-            f"peak {status_mb(process.pid, 'VmHWM'):.0f} MB"
+            f"peak {status_mb(process.pid, 'VmHWM'):.0f} MB (from {before:.0f} MB)"
         )
     finally:
         process.kill()
