@@ -219,6 +219,18 @@ def test_oversized_body_is_refused_before_it_is_read(server_url):
     assert raw_request(server_url, JSON_POST + b"\r\n")[0] == 411
 
 
+def test_a_chunked_body_is_refused_at_the_bound_whatever_its_content_length(server_module):
+    """h11 reads a chunked body past its ``Content-Length``: the server stops at ``max_body_bytes`` (HTTP 413)."""
+    server, url = serve(server_module, {"prompt_color": rewards.prompt_color()}, max_body_bytes=1000)
+    try:
+        chunk = b"[" + b" " * 1998 + b"]"
+        head = JSON_POST + b"Content-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n"
+        status, answer = raw_request(url, head + b"%x\r\n%s\r\n0\r\n\r\n" % (len(chunk), chunk))
+        assert status == 413 and "body exceeds 1000 bytes" in answer["error"]
+    finally:
+        server.close()
+
+
 def trickle(url: str, head: bytes, limit_s: float = 3.0) -> tuple[float, bytes]:
     """Send ``head`` then one byte every 50 ms (at most ``limit_s``) until the server answers or closes."""
     port = int(url.rsplit(":", 1)[1])

@@ -9,9 +9,9 @@ What the app enforces, in the order a request meets it:
   HTTP 503 with ``Retry-After: 1`` at once when all are taken. uvicorn's ``limit_concurrency`` is not used: it
   counts open connections, so clients trickling headers would take the slots this limit keeps for real requests;
 - the path (404) and the body's headers, before the body is read: ``Content-Type: application/json`` (415), a
-  ``Content-Length`` (411) of at most ``max_body_bytes`` (413). The body is then streamed into one buffer; h11
-  delivers no byte past the ``Content-Length``. (Starlette's ``max_body_size`` would answer its own plain-text 413,
-  not the protocol's JSON error.);
+  ``Content-Length`` (411) of at most ``max_body_bytes`` (413). The body is then streamed into one buffer, refused
+  (413) once it passes ``max_body_bytes``: a chunked body's ``Content-Length`` means nothing to h11. (Starlette's
+  ``max_body_size`` would answer its own plain-text 413, not the protocol's JSON error.);
 - one deadline, ``request_timeout`` from the connection's arrival, for the body to arrive (HTTP 408) and for the
   pixel budget to free the request's share (HTTP 503);
 - the JSON fields and each image's format and pixels, read from the image headers before any pixel is decoded
@@ -265,7 +265,8 @@ async def read_body(request: Request, limits: Limits, timeout: float) -> bytearr
     """The body of ``request``, its headers checked first; it must arrive within ``timeout`` seconds.
 
     Raises:
-        ClientError: not JSON (415), no ``Content-Length`` (411) or a larger one than the limit (413).
+        ClientError: not JSON (415), no ``Content-Length`` (411), a larger one or a longer body than the limit
+            (413).
         TimeoutError: the body did not arrive in time.
         ClientDisconnect: the client closed the connection first.
     """
@@ -274,12 +275,15 @@ async def read_body(request: Request, limits: Limits, timeout: float) -> bytearr
     length = request.headers.get("content-length")  # h11 has checked that it is a number
     if length is None:
         raise ClientError(411, "Send a Content-Length header.")
+    too_large = ClientError(413, f"The body exceeds {limits.max_body_bytes} bytes: send fewer images per request.")
     if int(length) > limits.max_body_bytes:
-        raise ClientError(413, f"The body exceeds {limits.max_body_bytes} bytes: send fewer images per request.")
+        raise too_large
     body = bytearray()
     with anyio.fail_after(timeout):
         async for chunk in request.stream():
             body += chunk
+            if len(body) > limits.max_body_bytes:  # a chunked body, whatever its Content-Length says
+                raise too_large
     return body
 
 

@@ -64,4 +64,3 @@ def load_image(image: Image.Image) -> Image.Image:
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
         raise RejectedImage("could not be decoded (truncated or corrupt)", 400) from None
     return image
-
