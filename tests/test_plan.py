@@ -20,7 +20,7 @@ from trl_jagg.recipes import get_recipe, list_recipes
 from trl_jagg.scripts.cli import main as cli_main
 from trl_jagg.testing.tiny_models import build_tiny_pipeline, save_tiny_pipeline
 
-FAMILIES = ("flux", "sd3", "qwenimage")
+FAMILIES = ("flux", "sd3", "qwenimage", "wan", "zimage", "flux2_klein", "flux2_dev", "wan22")
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +47,47 @@ def test_meta_build_of_a_local_folder_has_the_real_modules_parameters(tiny_folde
 def test_shipped_qwen_image_has_its_published_parameter_count():
     # 20,430,401,088: Qwen/Qwen-Image's transformer as published (40.86 GB of bf16 safetensors).
     assert parameter_count(load_architecture("Qwen/Qwen-Image").backbone.build_on_meta()) == 20_430_401_088
+
+
+# Hub id -> (component, the published figure, its tolerance, the exact count public code records for the released
+# checkpoint, or None). Published figures are rounded names ("1.3B"), hence the tolerances: Wan2.1's "1.3B" model
+# holds 1.42B parameters (its 30 blocks alone 1.39B), Wan2.2's "27B total" README figure is 2 x 14.29B.
+PUBLISHED_PARAMETERS = {
+    "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": [("transformer", 1.3e9, 0.10, 1_418_996_800),
+                                         ("text_encoder", 5.7e9, 0.01, 5_680_910_336)],  # umt5-xxl's encoder
+    "Wan-AI/Wan2.1-T2V-14B-Diffusers": [("transformer", 14e9, 0.03, 14_288_491_584)],
+    "Wan-AI/Wan2.2-T2V-A14B-Diffusers": [("transformer", 14e9, 0.03, 14_288_491_584),
+                                         ("transformer_2", 14e9, 0.03, 14_288_491_584)],
+    "Tongyi-MAI/Z-Image": [("transformer", 6e9, 0.03, 6_154_908_736), ("text_encoder", 4.0e9, 0.01, None)],
+    "Tongyi-MAI/Z-Image-Turbo": [("transformer", 6e9, 0.03, 6_154_908_736)],
+    "black-forest-labs/FLUX.2-dev": [("transformer", 32e9, 0.01, 32_223_281_152), ("text_encoder", 24e9, 0.01, None)],
+    "black-forest-labs/FLUX.2-klein-9B": [("transformer", 9e9, 0.01, 9_078_581_248),
+                                          ("text_encoder", 8.2e9, 0.01, None)],  # Qwen3-8B
+    "black-forest-labs/FLUX.2-klein-base-9B": [("transformer", 9e9, 0.01, 9_078_581_248)],
+    "black-forest-labs/FLUX.2-klein-4B": [("transformer", 4e9, 0.04, 3_875_544_576),
+                                          ("text_encoder", 4.0e9, 0.01, None)],  # Qwen3-4B
+    "black-forest-labs/FLUX.1-dev": [("transformer", 12e9, 0.01, None)],
+    "black-forest-labs/FLUX.1-Kontext-dev": [("transformer", 12e9, 0.01, None)],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("hub_id", sorted(PUBLISHED_PARAMETERS))
+def test_shipped_architectures_have_their_published_parameter_counts(hub_id):
+    architecture = load_architecture(hub_id)
+    assert architecture.not_verified  # each says what was not read from the Hub repository itself
+    for name, published, tolerance, exact in PUBLISHED_PARAMETERS[hub_id]:
+        count = parameter_count(architecture.components[name].build_on_meta())
+        assert count == pytest.approx(published, rel=tolerance), name
+        if exact is not None:
+            assert count == exact, name
+
+
+def test_every_shipped_architecture_builds_and_has_a_published_count_test():
+    # A shipped JSON without a published figure above would go unchecked.
+    # Qwen-Image's exact count is checked above; SD3.5 Medium's published 2.5B counts its 226M positional
+    # embedding, a buffer, not a parameter (2.24B parameters).
+    checked_elsewhere = {"stabilityai/stable-diffusion-3.5-medium", "Qwen/Qwen-Image", "Qwen/Qwen-Image-Edit"}
+    assert set(shipped_architectures()) - checked_elsewhere == set(PUBLISHED_PARAMETERS)
 
 
 def test_an_editing_variant_shares_its_base_architecture():
@@ -80,18 +121,23 @@ def saved_bytes_on_cpu(model: torch.nn.Module, inputs: dict) -> int:
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         output = model(**inputs, return_dict=False)[0]
+    output = torch.stack(output) if isinstance(output, list) else output  # Z-Image: one tensor per sample
     output.sum().backward()  # the graph is whole: the backward runs on what was saved
     return sum(storages.values())
 
 
 @pytest.mark.parametrize(
-    ("family", "references"), [("flux", 0), ("sd3", 0), ("qwenimage", 0), ("qwenimage", 1), ("flux", 1)]
-)
+    ("family", "references"),
+    [("flux", 0), ("sd3", 0), ("qwenimage", 0), ("qwenimage", 1), ("flux", 1), ("wan", 0), ("zimage", 0),
+     ("flux2_klein", 0), ("flux2_dev", 0)],
+)  # fmt: skip
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_activations_on_meta_match_a_real_cpu_forward(tiny_folders, family, references, lora):
-    # references=1: an editing model's sequence, the source image's tokens after the generated ones.
+    # references=1: an editing model's sequence, the source image's tokens after the generated ones. Wan: 9-frame
+    # videos (3 latent frames).
     component = load_architecture(tiny_folders[family]).backbone
-    shape = {"rows": 2, "height": 64, "width": 64, "text_tokens": 8, "references": references}
+    frames = 9 if family == "wan" else None
+    shape = {"rows": 2, "height": 64, "width": 64, "text_tokens": 8, "references": references, "num_frames": frames}
     models = []
     for device in ("meta", "cpu"):
         torch.manual_seed(0)
@@ -109,6 +155,20 @@ def test_activations_on_meta_match_a_real_cpu_forward(tiny_folders, family, refe
     measured = saved_bytes_on_cpu(*models[1])
     # The issue's tolerance; the two count the same tensors, so they agree exactly in practice.
     assert predicted == pytest.approx(measured, rel=0.15)
+
+
+def test_video_inputs_have_the_pipelines_latent_frames(tiny_folders):
+    # WanPipeline.prepare_latents sizes the latents the rollout denoises: the planner's video must be the same.
+    pipe = build_tiny_pipeline("wan", seed=0)
+    component = load_architecture(tiny_folders["wan"]).backbone
+    for num_frames in (1, 5, 33):
+        latents = pipe.prepare_latents(2, 16, 64, 96, num_frames, torch.float32, "cpu", torch.Generator())
+        with torch.device("meta"):
+            inputs = backbone_inputs(component.class_name, component.config, rows=2, height=64, width=96,
+                                     text_tokens=8, num_frames=num_frames)  # fmt: skip
+        assert inputs["hidden_states"].shape == latents.shape, num_frames
+    with pytest.raises(ValueError, match="num_frames"):
+        backbone_inputs(component.class_name, component.config, rows=1, height=64, width=64, text_tokens=8)
 
 
 def test_checkpointing_keeps_less_and_every_kth_block_in_between():
@@ -198,14 +258,38 @@ def test_plan_command_prints_the_table_and_the_fix(tiny_folders, tmp_path, capsy
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", list_recipes())
 def test_every_preset_fits_8_x_80_gb_or_names_a_fix(preset, tmp_path, capsys):
+    recipe = get_recipe(preset)
+    assert recipe.model in shipped_architectures()  # every preset's model is sized, none left out
     path = tmp_path / "plan.json"
-    status = cli_main(["plan", "--recipe", preset, "--json_output", str(path)])
-    if get_recipe(preset).model not in shipped_architectures():
-        assert status == 2  # a family the planner cannot size yet: a usage error naming the model
-        return
-    assert status == 0
+    assert cli_main(["plan", "--recipe", preset, "--json_output", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "peak" in out and "fits" in out
     plan = json.loads(path.read_text())
-    assert plan["fits"][plan["strategy"]] or plan["fix"], capsys.readouterr().out
+    assert plan["fits"][plan["strategy"]] or plan["fix"], out
+    assert (plan["fix"] or "").count("--activation_checkpointing ") <= 1  # one checkpointing interval, not each tried
+    # A video preset is planned at its own clip length (Wan's pipeline default of 81 frames when unset).
+    video = "wan" in recipe.model.lower()
+    assert plan["num_frames"] == ((recipe.config.get("num_frames") or 81) if video else None)
+
+
+def test_a_two_expert_model_holds_both_experts_and_trains_those_chosen(tiny_folders, tmp_path):
+    # Wan2.2 A14B's tiny stand-in: two experts of the same size; train_experts says which get LoRA.
+    expert = parameter_count(build_tiny_pipeline("wan22", seed=0).transformer)
+    plans = {}
+    for experts in ("both", "high_noise"):
+        path = tmp_path / f"{experts}.json"
+        argv = [
+            "plan", "--model_name_or_path", tiny_folders["wan22"], "--height", "32", "--width", "32",
+            "--num_frames", "5", "--max_sequence_length", "8", "--per_device_train_batch_size", "2",
+            "--num_generations", "2", "--use_peft", "true", "--lora_r", "2", "--train_experts", experts,
+            "--json_output", str(path),
+        ]  # fmt: skip
+        assert cli_main(argv) == 0
+        plans[experts] = json.loads(path.read_text())
+    assert plans["both"]["trainable_params"] == 2 * plans["high_noise"]["trainable_params"] > 0
+    for experts, plan in plans.items():
+        assert plan["backbone_params"] == 2 * expert + plan["trainable_params"], experts
+        assert plan["num_frames"] == 5
 
 
 def fake_settings(**changes) -> RunSettings:
@@ -257,9 +341,10 @@ def test_step_time_prices_the_counted_flops():
     assert plan.time.seconds_per_optimizer_step == pytest.approx(flops / 500 / 1)  # 2 micro-batches, accumulation 2
 
 
-def test_a_family_the_planner_cannot_size_is_a_usage_error(capsys):
-    assert cli_main(["plan", "--recipe", "flow-factory-z-image"]) == 2
-    assert "Tongyi-MAI/Z-Image" in capsys.readouterr().err
+def test_a_model_the_planner_ships_no_architecture_for_is_a_usage_error(capsys):
+    argv = ["plan", "--recipe", "flow-grpo-sd35", "--model_name_or_path", "stabilityai/stable-diffusion-3.5-large"]
+    assert cli_main(argv) == 2
+    assert "stabilityai/stable-diffusion-3.5-large" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])

@@ -1,6 +1,6 @@
 """Resource planning before a run: the real architecture built on the ``meta`` device, its memory per process
 under each sharding strategy, whether it fits, the cheapest change that makes it fit, and the time of a step
-(``trl-jagg plan``; docs/plan.md).
+(``trl-jagg plan``; docs/planning.md).
 
 - :mod:`.architecture`: the pipeline's components and configs (shipped JSON per Hub id, or a local folder).
 - :mod:`.inputs`: one backbone call's inputs per family.

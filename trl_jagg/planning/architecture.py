@@ -18,9 +18,13 @@ from typing import Any
 import torch
 
 ARCHITECTURES_DIR = Path(__file__).with_name("architectures")
-"""The shipped architectures: ``<name>.json`` with ``hub_id``, ``pipeline``, ``source`` and ``components`` (or
-``components_of``: the Hub id of a shipped architecture whose components it shares)."""
+"""The shipped architectures: ``<name>.json`` with ``hub_id``, ``pipeline``, ``source`` (where each number comes
+from), ``not_verified`` (what was not checked against the Hub repository's own files) and ``components``, or
+``components_of``: the Hub id of a shipped architecture whose components it shares, ``components`` then replacing
+or adding some of them."""
 
+BACKBONES = ("transformer", "transformer_2")
+"""The denoisers: one, or Wan2.2 A14B's two experts (high noise, then low noise)."""
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 """The components that encode prompts (frozen; on the GPU unless ``offload_frozen_modules``)."""
 
@@ -73,11 +77,18 @@ class Architecture:
     pipeline: str
     source: str
     components: Mapping[str, Component]
+    not_verified: str | None = None
+    """What of the shipped numbers was not checked against the Hub repository's own config files."""
 
     @property
     def backbone(self) -> Component:
-        """The denoiser the run trains (``transformer``)."""
+        """The denoiser the run trains (``transformer``; Wan2.2 A14B: its high-noise expert)."""
         return self.components["transformer"]
+
+    @property
+    def backbones(self) -> dict[str, Component]:
+        """Every denoiser by component name: ``transformer`` and, for Wan2.2 A14B, ``transformer_2``."""
+        return {name: self.components[name] for name in BACKBONES if name in self.components}
 
     @property
     def frozen(self) -> list[Component]:
@@ -105,7 +116,13 @@ def _from_record(model: str, record: Mapping[str, Any]) -> Architecture:
         )
         for name, entry in record["components"].items()
     }
-    return Architecture(model=model, pipeline=record["pipeline"], source=record["source"], components=components)
+    return Architecture(
+        model=model,
+        pipeline=record["pipeline"],
+        source=record["source"],
+        components=components,
+        not_verified=record.get("not_verified"),
+    )
 
 
 def _is_module_class(library: str | None, class_name: str | None) -> bool:
@@ -153,7 +170,14 @@ def load_architecture(model: str) -> Architecture:
             "local folder in the diffusers layout instead (model_index.json and each component's config.json; "
             "no weights needed)."
         )
-    record = json.loads(shipped[model].read_text())
-    if "components_of" in record:  # an architecture that shares another's components (an editing variant)
-        record = {**record, "components": json.loads(shipped[record["components_of"]].read_text())["components"]}
-    return _from_record(model, record)
+    return _from_record(model, _shipped_record(model))
+
+
+def _shipped_record(hub_id: str) -> dict[str, Any]:
+    """The shipped record of ``hub_id`` with the components it shares with another (``components_of``) merged in:
+    the other's, then its own, which replace or add some (Wan2.1 14B: the 1.3B model's text encoder and VAE)."""
+    record = json.loads(shipped_architectures()[hub_id].read_text())
+    if "components_of" in record:
+        shared = _shipped_record(record["components_of"])["components"]
+        record = {**record, "components": {**shared, **record.get("components", {})}}
+    return record

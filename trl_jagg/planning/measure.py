@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from trl_jagg.planning.inputs import BLOCK_LISTS
+from trl_jagg.trainer.backbone import repeated_blocks
 
 
 def _root(tensor: torch.Tensor) -> torch.Tensor:
@@ -62,11 +62,16 @@ def fused_attention() -> Iterator[None]:
 
 
 def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The backbone's transformer blocks in module order (joint blocks, then single-stream ones)."""
-    blocks: list[torch.nn.Module] = []
-    for name in BLOCK_LISTS:
-        blocks.extend(getattr(model, name, None) or ())
-    return blocks
+    """The backbone's transformer blocks in module order: the blocks the trainer's activation checkpointing
+    chooses every k-th of (:func:`~trl_jagg.trainer.backbone.repeated_blocks`; Flux: joint, then single-stream
+    blocks; Z-Image: its refiner layers, then the main ones)."""
+    return repeated_blocks(model)
+
+
+def _call(model: torch.nn.Module, inputs: Mapping[str, Any]) -> torch.Tensor:
+    """The backbone's prediction as one tensor (Z-Image returns one tensor per sample: stacked)."""
+    output = model(**inputs, return_dict=False)[0]
+    return torch.stack(output) if isinstance(output, (list, tuple)) else output
 
 
 @dataclass(frozen=True)
@@ -153,7 +158,7 @@ def measure_activations(model: torch.nn.Module, inputs: Mapping[str, Any]) -> Ac
         handles.append(block.register_forward_hook(leaving))
     try:
         with fused_attention(), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            output = model(**inputs, return_dict=False)[0]
+            output = _call(model, inputs)
     finally:
         for handle in handles:
             handle.remove()
@@ -210,7 +215,7 @@ def count_flops(model: torch.nn.Module, inputs: Mapping[str, Any]) -> CallFlops:
         handles.append(block.register_forward_hook(leaving(index)))
     try:
         with counter:
-            output = model(**inputs, return_dict=False)[0]
+            output = _call(model, inputs)
         forward = counter.get_total_flops()
     finally:
         for handle in handles:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from trl_jagg.planning.architecture import Architecture
+from trl_jagg.planning.architecture import Architecture, Component
 from trl_jagg.planning.inputs import backbone_inputs
 from trl_jagg.planning.measure import (
     ActivationProfile,
@@ -78,11 +78,15 @@ class BackboneMeasurement:
         return self.activations.checkpointed_bytes(checkpoint_every)
 
 
-def _floating(inputs: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
-    return {
-        key: value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
-        for key, value in inputs.items()
-    }
+def _floating(value: Any, dtype: torch.dtype) -> Any:
+    """``value`` with its floating-point tensors (in dicts and lists: Z-Image's per-sample inputs) in ``dtype``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, dict):
+        return {key: _floating(item, dtype) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_floating(item, dtype) for item in value]
+    return value
 
 
 def _element_size(dtype: torch.dtype) -> int:
@@ -98,23 +102,50 @@ def frozen_sizes(architecture: Architecture, weights_dtype: torch.dtype) -> dict
     }
 
 
-def measure_backbone(architecture: Architecture, settings: RunSettings) -> BackboneMeasurement:
-    """Build the backbone on ``meta`` in the compute dtype (with the LoRA adapter, as the trainer adds it), run one
-    update call of ``settings.rows`` rows: its saved activations, then its forward and backward FLOPs."""
-    component = architecture.backbone
+def trained_backbones(architecture: Architecture, settings: RunSettings) -> list[str]:
+    """The backbone components the run trains: the one transformer, or Wan2.2 A14B's experts of ``train_experts``."""
+    names = list(architecture.backbones)
+    return names if len(names) == 1 else [name for name in names if name in settings.trained_experts]
+
+
+def _built_backbone(component: Component, settings: RunSettings, *, trained: bool) -> torch.nn.Module:
+    """A backbone on ``meta`` in the compute dtype, as the trainer prepares it: LoRA added, all of it trainable,
+    or (an expert the run does not train) frozen."""
     model = component.build_on_meta(settings.compute_dtype)
-    if settings.lora is not None:
+    if not trained or settings.lora is not None:
+        model.requires_grad_(False)
+    if trained and settings.lora is not None:
         from peft import LoraConfig
 
-        model.requires_grad_(False)
         model.add_adapter(LoraConfig(**settings.lora))
+    return model
+
+
+def measure_backbone(architecture: Architecture, settings: RunSettings) -> BackboneMeasurement:
+    """Build the backbone on ``meta`` in the compute dtype (with the LoRA adapter, as the trainer adds it), run one
+    update call of ``settings.rows`` rows: its saved activations, then its forward and backward FLOPs.
+
+    Wan2.2 A14B's two experts are both held (trained or frozen, as ``train_experts`` says); each call runs one of
+    them, so the call is measured on the first trained one."""
+    trained_names = trained_backbones(architecture, settings)
+    models = {
+        name: _built_backbone(component, settings, trained=name in trained_names)
+        for name, component in architecture.backbones.items()
+    }
     weight_size = _element_size(settings.weights_dtype)
     # peft keeps adapters in float32 over a bf16/fp16 base; full fine-tuning trains the weights' dtype.
     trainable_size = 4 if settings.lora is not None else weight_size
-    params = list(model.parameters())
+    params = [p for model in models.values() for p in model.parameters()]
     trainable = sum(p.numel() for p in params if p.requires_grad)
     frozen = sum(p.numel() for p in params if not p.requires_grad)
-    largest_block = max((sum(p.numel() for p in block.parameters()) for block in transformer_blocks(model)), default=0)
+    largest_block = max(
+        (
+            sum(p.numel() for p in block.parameters())
+            for model in models.values()
+            for block in transformer_blocks(model)
+        ),
+        default=0,
+    )
     sizes = ModelSizes(
         backbone_params=trainable + frozen,
         backbone_bytes=trainable * trainable_size + frozen * weight_size,
@@ -128,7 +159,9 @@ def measure_backbone(architecture: Architecture, settings: RunSettings) -> Backb
         "height": settings.height,
         "width": settings.width,
         "references": settings.references,
+        "num_frames": settings.num_frames,
     }
+    component, model = architecture.backbones[trained_names[0]], models[trained_names[0]]
     with torch.device("meta"):
         inputs = backbone_inputs(component.class_name, component.config, **shape, text_tokens=settings.text_tokens)
     inputs = _floating(inputs, settings.compute_dtype)
@@ -203,7 +236,8 @@ def cached_measure(architecture: Architecture) -> Measure:
     def measure(settings: RunSettings) -> BackboneMeasurement:
         key = json.dumps(
             [settings.lora, settings.rows, settings.height, settings.width, settings.text_tokens,
-             str(settings.compute_dtype), str(settings.weights_dtype), settings.references],
+             str(settings.compute_dtype), str(settings.weights_dtype), settings.references, settings.num_frames,
+             list(settings.trained_experts)],
             sort_keys=True,
         )  # fmt: skip
         if key not in cache:
@@ -287,16 +321,17 @@ def make_plan(
         peak = peak_of(candidate)
         if peak <= gpus.usable_bytes:
             return dataclasses.replace(plan, fix=flags, fix_peak_bytes=peak)
-    combined, applied, peak = settings, [], plan.peak(settings.strategy)
+    # Keyed by each change's first flag: a later checkpointing interval replaces an earlier one's flags.
+    combined, applied, peak = settings, {}, plan.peak(settings.strategy)
     for flags, candidate in changes:
         trial = _apply(combined, settings, candidate)
         trial_peak = peak_of(trial)
         if trial_peak >= peak:
             continue  # no help on top of the changes kept (another copy bounds the peak)
         combined, peak = trial, trial_peak
-        applied.append(flags)
+        applied[flags.split()[0]] = flags
         if peak <= gpus.usable_bytes:
-            return dataclasses.replace(plan, fix=" ".join(applied), fix_peak_bytes=peak)
+            return dataclasses.replace(plan, fix=" ".join(applied.values()), fix_peak_bytes=peak)
     return plan
 
 

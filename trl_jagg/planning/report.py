@@ -27,12 +27,14 @@ def format_plan(plan: ResourcePlan, *, title: str) -> str:
         "off" if settings.checkpoint_every is None
         else "every block" if settings.checkpoint_every == 1 else f"every {settings.checkpoint_every}th block"
     )  # fmt: skip
+    frames = f" x {settings.num_frames} frames" if settings.num_frames is not None else ""
+    samples = "video(s)" if settings.num_frames is not None else "image(s)"
     lines = [
         f"{title}: {settings.model}",
         f"  backbone {sizes.backbone_params / 1e9:.2f}B parameters, {trained}: {sizes.trainable_params / 1e9:.3f}B "
         f"trained; weights {_dtype(settings.weights_dtype)}, compute {_dtype(settings.compute_dtype)}",
-        f"  {settings.height} x {settings.width} px, {settings.text_tokens} text tokens, micro-batch "
-        f"{settings.micro_batch} image(s) x {settings.branches} branch(es); activation checkpointing {checkpointing}",
+        f"  {settings.height} x {settings.width} px{frames}, {settings.text_tokens} text tokens, micro-batch "
+        f"{settings.micro_batch} {samples} x {settings.branches} branch(es); activation checkpointing {checkpointing}",
         f"  on {gpus.num_processes} processes x {gpus.memory_gb:g} GB ({_gb(gpus.usable_bytes)} GB usable: "
         f"{gpus.margin:.0%} kept free)",
         "",
@@ -79,6 +81,7 @@ def plan_as_dict(plan: ResourcePlan) -> dict[str, Any]:
         "num_processes": plan.gpus.num_processes,
         "gpu_memory_gb": plan.gpus.memory_gb,
         "usable_bytes": plan.gpus.usable_bytes,
+        "num_frames": plan.settings.num_frames,
         "backbone_params": plan.sizes.backbone_params,
         "trainable_params": plan.sizes.trainable_params,
         "tables": {name: {row.component: row.bytes for row in rows} for name, rows in plan.tables.items()},

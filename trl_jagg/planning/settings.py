@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from trl_jagg.models.wan import DEFAULT_NUM_FRAMES
+from trl_jagg.models.wan_experts import TRAIN_EXPERTS
 from trl_jagg.planning.memory import STRATEGIES, RunCopies
 
 if TYPE_CHECKING:
@@ -53,6 +55,10 @@ class RunSettings:
     num_iterations: int = 1
     references: int = 0
     """Source images in each sample's sequence (1 for an editing model, the same size as the output)."""
+    num_frames: int | None = None
+    """Pixel frames of each video (a video model's samples; ``None`` for images)."""
+    trained_experts: tuple[str, ...] = ("transformer",)
+    """The backbone components trained (Wan2.2 A14B's ``train_experts``: one expert or both; the others frozen)."""
 
     @property
     def rows(self) -> int:
@@ -92,13 +98,15 @@ def settings_from_config(
     guidance_is_cfg: bool,
     default_lora_targets: tuple[str, ...],
     edits_images: bool = False,
+    makes_videos: bool = False,
     mixed_precision: str | None = None,
     strategy: str | None = None,
 ) -> RunSettings:
     """The :class:`RunSettings` of the run ``trl-jagg train`` would launch with these arguments.
 
-    ``guidance_is_cfg``, ``default_lora_targets`` and ``edits_images`` are the model family's (its adapter's class
-    attributes; an editing model's samples carry one source image the size of the output);
+    ``guidance_is_cfg``, ``default_lora_targets``, ``edits_images`` and ``makes_videos`` are the model family's (its
+    adapter's class attributes; an editing model's samples carry one source image the size of the output, a video
+    model's are ``num_frames`` frames, the pipeline's 81 when unset);
     ``mixed_precision`` (``"bf16"``/``"fp16"``) stands for the flag a GPU run sets when the parsed config has none
     (a preset's :attr:`~trl_jagg.recipes.Recipe.mixed_precision`); ``strategy`` overrides the sharding the config
     implies (``--accelerate_config`` or ``fully_shard_backbone``).
@@ -145,4 +153,6 @@ def settings_from_config(
         gradient_accumulation_steps=training_args.gradient_accumulation_steps,
         num_iterations=training_args.num_iterations,
         references=1 if edits_images else 0,
+        num_frames=(training_args.num_frames or DEFAULT_NUM_FRAMES) if makes_videos else None,
+        trained_experts=TRAIN_EXPERTS[training_args.train_experts],
     )

@@ -86,7 +86,7 @@ def run_plan(
         settings = settings_from_config(
             script_args, training_args, guidance_is_cfg=adapter.guidance_is_cfg,
             default_lora_targets=tuple(adapter.lora_target_modules), edits_images=adapter.edits_images,
-            mixed_precision=mixed_precision,
+            makes_videos=adapter.makes_videos, mixed_precision=mixed_precision,
             strategy=plan_args.strategy,
         )  # fmt: skip
         gpus = GPUs(
