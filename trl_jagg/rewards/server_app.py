@@ -123,13 +123,6 @@ class Batch:
     def pixels(self) -> int:
         return sum(image.width * image.height for image in self.images + (self.sources or []))
 
-    def drop_images(self) -> None:
-        """Let go of the images (decoded or not): an idle worker thread keeps a reference to its last call's
-        result, so the lists are emptied rather than the batch forgotten."""
-        self.images.clear()
-        if self.sources is not None:
-            self.sources.clear()
-
 
 def parse_request(body: bytes | bytearray, limits: Limits) -> Batch:
     """The batch a request ``body`` holds, its fields checked and its images' headers read (no pixel decoded).
@@ -180,8 +173,7 @@ def parse_request(body: bytes | bytearray, limits: Limits) -> Batch:
 
 
 def score_batch(name: str, reward: Callable[..., Any], batch: Batch) -> tuple[int, dict[str, Any]]:
-    """Decode ``batch``'s images and score them with ``reward``: the HTTP status and JSON answer. Never raises;
-    the images are dropped (:meth:`Batch.drop_images`) before it returns."""
+    """Decode ``batch``'s images and score them with ``reward``: the HTTP status and JSON answer. Never raises."""
     try:
         images = [load_image(image) for image in batch.images]
         metadata = batch.metadata
@@ -198,8 +190,6 @@ def score_batch(name: str, reward: Callable[..., Any], batch: Batch) -> tuple[in
         return 500, {
             "error": f"Reward {name!r} failed or returned invalid (non-finite, wrong count) scores; see the server log."
         }
-    finally:
-        batch.drop_images()
 
 
 class PixelBudget:
@@ -294,12 +284,6 @@ def build_app(rewards: Mapping[str, Callable[..., Any]], limits: Limits) -> Star
     workers = anyio.CapacityLimiter(limits.max_connections)
     paths = f"use GET /health or POST /score/<{'|'.join(sorted(rewards))}>"
 
-    async def in_worker(func: Callable[..., Any], *args: Any) -> Any:
-        # The arguments travel in a box the call empties: an idle worker thread keeps its last call's arguments.
-        box = [args]
-        del args
-        return await anyio.to_thread.run_sync(lambda: func(*box.pop()), limiter=workers)
-
     async def health(request: Request) -> JSONResponse:
         return JSONResponse({"rewards": sorted(rewards)})
 
@@ -307,10 +291,10 @@ def build_app(rewards: Mapping[str, Callable[..., Any]], limits: Limits) -> Star
         name = request.path_params["name"]
         if name not in rewards:
             return error(404, f"Unknown reward path; served: /score/<{'|'.join(sorted(rewards))}>.")
-        deadline = request.scope["state"].get(ARRIVED, time.monotonic()) + limits.request_timeout
+        deadline = request.scope.get("state", {}).get(ARRIVED, time.monotonic()) + limits.request_timeout
         try:
             body = await read_body(request, limits, deadline - time.monotonic())
-            batch = await in_worker(parse_request, body, limits)
+            batch = await anyio.to_thread.run_sync(parse_request, body, limits, limiter=workers)
         except ClientError as refused:
             return error(refused.status, str(refused))
         except TimeoutError:
@@ -322,9 +306,10 @@ def build_app(rewards: Mapping[str, Callable[..., Any]], limits: Limits) -> Star
         if not await budget.acquire(pixels, deadline - time.monotonic()):
             return error(503, "The server is busy decoding other requests; retry later.")
         try:
-            status, answer = await in_worker(score_batch, name, rewards[name], batch)
+            status, answer = await anyio.to_thread.run_sync(score_batch, name, rewards[name], batch, limiter=workers)
         finally:
-            budget.release(pixels)  # score_batch dropped the decoded pixels first
+            del batch  # the decoded pixels go before their share of the budget is given back
+            budget.release(pixels)
         return JSONResponse(answer, status_code=status)
 
     async def unknown(request: Request, exc: HTTPException) -> JSONResponse:  # Starlette's 404 and 405
