@@ -64,7 +64,7 @@ def fingerprint(dtype: type) -> str | None:
     field's name, type, default and metadata (help); ``None`` when its type hints do not resolve."""
     try:
         hints = typing.get_type_hints(dtype)
-    except Exception:  # noqa: BLE001 - whatever fails here, the full parser answers (and reports it)
+    except (NameError, TypeError, AttributeError, SyntaxError):  # the full parser answers (and reports it)
         return None
     parent = library_parent(dtype)
     described: list[Any] = [

@@ -161,11 +161,12 @@ class ExampleParser:
         """Config values that depend on the example's own flags (none here)."""
         return {}
 
-    # The machinery.
-
     def own_defaults(self, args: ScriptArguments) -> dict[str, Any]:
-        """Defaults the example sets besides the preset and :attr:`values` (none here)."""
+        """Defaults the example sets besides the preset and :attr:`values` (none here; :class:`Example`'s model,
+        rewards and prompts)."""
         return {}
+
+    # The machinery.
 
     def defaults(self, args: ScriptArguments) -> dict[str, Any]:
         """Every default the example sets, the own flags' and the config's: the preset < :data:`EXAMPLE_VALUES`
