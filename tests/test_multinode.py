@@ -19,13 +19,14 @@ import socket
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from trl_jagg.trainer.peer_watch import SILENCE_WINDOW
+from trl_jagg.trainer.peer_watch import FAILED, FINISHED, SILENCE_WINDOW, PeerWatch, lost_message
 from trl_jagg.utils.distributed import check_world_size
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -84,6 +85,97 @@ def _wait_for(path: Path, nodes: list[subprocess.Popen], timeout: float) -> str:
     return path.read_text()
 
 
+# ---------------------------------------------------------------- the heartbeat, in one process
+@pytest.fixture
+def store_server():
+    """A rendezvous store as torchrun's agent hosts it, and a factory of its clients."""
+    port = _free_port()
+    server = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+
+    def client():
+        return torch.distributed.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=2))
+
+    return server, client
+
+
+def test_the_silent_and_the_failed_are_told_from_the_live_and_the_finished(store_server):
+    """4 processes on 2 nodes: rank 1 beats on, rank 2 died after a few beats (its counter stops, no sign-off),
+    rank 3 signed off after an error of its own before rank 0's error, rank 0 watches."""
+    _, client = store_server
+    watches = [PeerWatch(client(), rank, 4, 2, "job") for rank in (0, 1)]
+    dead = client()
+    for _ in range(3):
+        dead.add("job/beat/2", 1)
+    dead.add("job/done/3", FAILED)
+    try:
+        assert watches[0].peers_down(window=1.0) == ([2], [3])
+        assert [watches[0].node(r) for r in (1, 2, 3)] == [0, 1, 1]
+        watches[1].stop(FINISHED)  # it finished first: it stopped beating, but is not lost
+        assert watches[0].peers_down(window=1.0) == ([2], [3])
+    finally:
+        for watch in watches:
+            watch.stop(FINISHED)
+
+
+def test_a_neighbour_silent_for_the_timeout_is_reported_from_the_heartbeat_thread(store_server):
+    """Each process watches the next rank's counter. Ranks 0, 1 and 3 beat; rank 2 beat twice and froze: rank 1
+    reports it once its silence passes the timeout, the others report nothing (a report ends its process, so rank 1
+    beats no more: rank 0 would report it a timeout later). A process that signed off (it finished) is not reported,
+    however long it stays still."""
+    _, client = store_server
+    reports = {rank: [] for rank in range(4)}
+    frozen = client()
+    frozen.add("job/beat/2", 2)
+    watches = [PeerWatch(client(), rank, 4, 2, "job", 1.0, reports[rank].append) for rank in (0, 1, 3)]
+    deadline = time.monotonic() + 30
+    while not reports[1] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert reports == {0: [], 1: [[2]], 2: [], 3: []}
+    for watch in watches:
+        watch.stop(FINISHED)
+    frozen.add("done/beat/2", 2)
+    frozen.add("done/done/2", FINISHED)
+    watch = PeerWatch(client(), 1, 4, 2, "done", 1.0, reports[1].append)
+    time.sleep(2.0)
+    watch.stop(FINISHED)
+    assert reports[1] == [[2]]
+
+
+def test_a_lost_store_names_the_node_that_hosted_it(monkeypatch):
+    port = _free_port()
+    server = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    client = torch.distributed.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=2))
+    watch = PeerWatch(client, 3, 4, 2, "job")
+    try:
+        del server  # the store's host (node 0: torchrun's agent there) is gone
+        monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+        assert watch.peers_down(window=0.5) == ([0, 1], [])
+        monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE")  # without torchrun, rank 0 hosts it
+        assert watch.peers_down(window=0.5) == ([0], [])
+    finally:
+        watch.stop(FINISHED)
+
+
+def test_the_message_names_the_last_complete_checkpoint(store_server, tmp_path):
+    _, client = store_server
+    watch = PeerWatch(client(), 0, 4, 2, "job")
+    watch.stop(FINISHED)
+    for name in ("checkpoint-2", "checkpoint-10", "tmp-checkpoint-12"):  # the staging folder of a save cut short
+        (tmp_path / name).mkdir()
+    cause = "this process got RuntimeError: Connection closed\nby peer"
+    message = lost_message(watch, [2], [3], 11, str(tmp_path), True, cause)
+    assert "\n" not in message
+    assert "lost rank 2 (node 1)" in message and "rank 3 (node 1) stopped with an error" in message
+    assert "during optimizer step 12" in message
+    assert f"last complete checkpoint: {tmp_path / 'checkpoint-10'};" in message
+    assert f"--resume_from_checkpoint {tmp_path / 'checkpoint-10'}" in message
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert "no checkpoint was saved" in lost_message(watch, [2], [], 0, str(empty), True, cause)
+    assert "on node 0" in lost_message(watch, [2], [], 0, str(empty), False, cause)  # node 0 saves, maybe elsewhere
+
+
+# ---------------------------------------------------------------- two nodes
 @pytest.mark.slow  # two 2-node launches: ~40 s on 2 shared cores
 @pytest.mark.parametrize(
     ("backend", "launcher", "victim"), [("ddp", "accelerate", 1), ("fsdp2", "torchrun", 0)], ids=["ddp", "fsdp2"]

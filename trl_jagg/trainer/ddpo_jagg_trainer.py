@@ -369,7 +369,7 @@ class DDPOJaggTrainer(_BaseTrainer):
             plain = not (self.is_deepspeed_enabled or self.is_fsdp_enabled)  # resumes from optimizer.pt
             self.weights.check(resume_from_checkpoint, transformer, self.args, ema=self.ema, optimizer_files=plain)
         try:  # a process lost on another node raises PeerLost, naming it (trainer/peer_watch.py)
-            with peers_watched(self.args.output_dir, self.args.should_save, lambda: self.state.global_step):
+            with peers_watched(self.args, lambda: self.state.global_step):
                 output = super().train(resume_from_checkpoint=resume_from_checkpoint or None, **kwargs)
         finally:
             self.interrupts.restore()  # also when training raised: Ctrl-C must work again after train()
