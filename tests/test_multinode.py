@@ -21,13 +21,16 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from trl_jagg.trainer.peer_watch import FAILED, FINISHED, SILENCE_WINDOW, PeerWatch, lost_message
+from trl_jagg.trainer import peer_watch
+from trl_jagg.trainer.peer_watch import FAILED, FINISHED, SILENCE_WINDOW, PeerWatch, lost_message, peers_watched
 from trl_jagg.utils.distributed import check_world_size
+from trl_jagg.utils.errors import PeerLost
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "distributed_scripts" / "multinode_run.py"
@@ -154,6 +157,27 @@ def test_a_lost_store_names_the_node_that_hosted_it(monkeypatch):
         assert watch.peers_down(window=0.5) == ([0], [])
     finally:
         watch.stop(FINISHED)
+
+
+def test_an_error_in_train_becomes_peer_lost_only_when_a_peer_is_lost(store_server, tmp_path, monkeypatch):
+    """Rank 0 of 2 raises inside ``peers_watched``: unchanged while rank 1 beats, ``PeerLost`` naming rank 1 (from
+    the original error) once it stopped beating."""
+    _, client = store_server
+    monkeypatch.setattr(peer_watch, "SILENCE_WINDOW", 0.5)
+    args = SimpleNamespace(output_dir=str(tmp_path), should_save=True, ddp_timeout=1800)
+    for prefix in ("alive", "dead"):
+        peer = PeerWatch(client(), 1, 2, 1, prefix)
+        if prefix == "dead":
+            peer._stopped.set()  # killed: no more beats, no sign-off
+            peer._thread.join()
+        monkeypatch.setattr(PeerWatch, "start", classmethod(lambda cls, *a, p=prefix: cls(client(), 0, 2, 1, p, *a)))
+        expected = ValueError if prefix == "alive" else PeerLost
+        with pytest.raises(expected) as raised, peers_watched(args, lambda: 2):
+            raise ValueError("Connection closed by peer")
+        peer.stop(FINISHED)
+    assert raised.value.ranks == [1] and raised.value.nodes == [1]
+    assert isinstance(raised.value.__cause__, ValueError)
+    assert "lost rank 1 (node 1)" in str(raised.value) and "during optimizer step 3" in str(raised.value)
 
 
 def test_the_message_names_the_last_complete_checkpoint(store_server, tmp_path):

@@ -175,16 +175,16 @@ class PeerWatch:
         host = range(self.local_world_size if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else 1)
         return [r for r in host if r != self.rank]
 
-    def peers_down(self, window: float = SILENCE_WINDOW) -> tuple[list[int], list[int]]:
-        """``(lost, failed)``: the other processes that neither beat during ``window`` seconds nor signed off, and
-        those that had already signed off after an error of their own; :meth:`store_host_ranks` when the store
-        cannot be reached."""
+    def peers_down(self, window: float | None = None) -> tuple[list[int], list[int]]:
+        """``(lost, failed)``: the other processes that neither beat during ``window`` seconds (default:
+        :data:`SILENCE_WINDOW`) nor signed off, and those that had already signed off after an error of their own;
+        :meth:`store_host_ranks` when the store cannot be reached."""
         others = [r for r in range(self.world_size) if r != self.rank]
         try:
             if self.store_error is not None:
                 raise self.store_error
             first = {r: self._marks_of(r) for r in others}
-            time.sleep(window)
+            time.sleep(SILENCE_WINDOW if window is None else window)
             last = {r: self._marks_of(r) for r in others}
         except Exception:
             return self.store_host_ranks(), []
