@@ -7,9 +7,10 @@ diffusers layout (``model_index.json`` and each component's ``config.json``) is 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -27,6 +28,21 @@ BACKBONES = ("transformer", "transformer_2")
 """The denoisers: one, or Wan2.2 A14B's two experts (high noise, then low noise)."""
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 """The components that encode prompts (frozen; on the GPU unless ``offload_frozen_modules``)."""
+
+
+@contextlib.contextmanager
+def skipped_initialisation() -> Iterator[None]:
+    """``torch.nn.init``'s initialisers as no-ops while modules are built on ``meta`` (and LoRA adapters added): a
+    meta tensor has no values to fill, and dispatching each fill costs milliseconds, seconds for a large backbone."""
+    names = [name for name in dir(torch.nn.init) if name.endswith("_") and not name.startswith("_")]
+    originals = {name: getattr(torch.nn.init, name) for name in names}
+    for name in names:
+        setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, function in originals.items():
+            setattr(torch.nn.init, name, function)
 
 
 @dataclass(frozen=True)
@@ -51,7 +67,7 @@ class Component:
             torch.set_default_dtype(previous)
 
     def _build_on_meta(self) -> torch.nn.Module:
-        with torch.device("meta"):
+        with torch.device("meta"), skipped_initialisation():
             if self.library == "diffusers":
                 import diffusers
 

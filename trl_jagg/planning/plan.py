@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from trl_jagg.planning.architecture import Architecture, Component
+from trl_jagg.planning.architecture import Architecture, Component, skipped_initialisation
 from trl_jagg.planning.inputs import backbone_inputs
 from trl_jagg.planning.measure import (
     ActivationProfile,
@@ -117,7 +117,8 @@ def _built_backbone(component: Component, settings: RunSettings, *, trained: boo
     if trained and settings.lora is not None:
         from peft import LoraConfig
 
-        model.add_adapter(LoraConfig(**settings.lora))
+        with skipped_initialisation():
+            model.add_adapter(LoraConfig(**settings.lora))
     return model
 
 
