@@ -122,7 +122,7 @@ class PeerWatch:
         return rank // self.local_world_size
 
     def _beat(self) -> None:
-        """Beat; watch the next rank's counter (one read per beat, whatever the number of processes) and the store."""
+        """Beat; watch the next rank's counter (two reads a beat, whatever the number of processes) and the store."""
         watched = (self.rank + 1) % self.world_size
         seen: tuple[int, int] | None = None
         heard = store_heard = time.monotonic()
