@@ -76,6 +76,11 @@ def test_variant_configs_are_valid_demo_configs_and_the_mix_window_moves_at_mixg
         variant_overrides("mix", 100)
     assert configs["exact_low_kl"].beta == 1e-3 and configs["exact"].beta == 0.15  # DGPO's KL against the demo's
     assert not configs["exact_low_kl"].use_jagg and configs["exact_low_kl"].sde_window_size == 4
+    for name in ("dgpo_fast", "dgpo_jagg_fast"):  # the dgpo-sd35 rollout: DPM-Solver++ 2, 10 of 14 steps -> 6 of 9
+        fast = configs[name]
+        assert fast.objective == "dgpo" and fast.use_jagg == (name == "dgpo_jagg_fast")
+        assert (fast.num_inference_steps, fast.ode_solver_order, fast.eval_num_inference_steps) == (6, 2, 9)
+        assert fast.dgpo_trunc_steps == 4 and fast.dgpo_num_train_timesteps == 4  # 4 of the first 5 timesteps
     assert QUALITY_TASKS == {"color": "prompt_color", "detail": "high_frequency", "stripes": "horizontal_detail"}
 
 
