@@ -227,7 +227,8 @@ _WAN21 = Recipe(
         # train_batch_size 8, num_batches_per_epoch 2, GA = 2 // 2 = 1 (L43-49): two optimizer steps per rollout.
         **{"per_device_train_batch_size": 8, "steps_per_generation": 2, "gradient_accumulation_steps": 1},
         "train_timesteps": "all_but_last",  # timestep_fraction 0.99: int(20 * 0.99) = 19 of 20 (L51)
-        **{"beta": 0.004, "epsilon": 1e-3, "adv_clip_max": 5.0, **_FLOW_GRPO_ADVANTAGES_AND_KL},  # L53, L55; base.py:97
+        # L53, L55; base.py:97
+        **{"beta": 0.004, "epsilon": 1e-3, "adv_clip_max": 5.0, **_FLOW_GRPO_ADVANTAGES_AND_KL},
         "scale_rewards": "group",  # global_std = False (L62)
         "drop_zero_advantages": True,  # train_wan2_1.py masks zero-advantage samples, as train_sd3.py
         "max_sequence_length": 512,  # compute_text_embeddings(..., max_sequence_length=512)
