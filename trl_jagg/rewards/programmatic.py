@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -21,6 +21,27 @@ _LUMA_WEIGHTS = np.array([0.299, 0.587, 0.114])
 def _pixels(image: Image.Image) -> np.ndarray:
     """``(H, W, 3)`` float64 array with channels in [0, 1]."""
     return np.asarray(to_rgb(image), dtype=np.float64) / 255.0
+
+
+def _luma(image: Image.Image, reward: str = "", min_size: int = 1) -> np.ndarray:
+    """``(H, W)`` BT.601 luma in [0, 1]; an image under ``min_size`` pixels a side is a ``ValueError`` naming
+    ``reward``."""
+    luma = _pixels(image) @ _LUMA_WEIGHTS
+    height, width = luma.shape
+    if height < min_size or width < min_size:
+        raise ValueError(f"{reward} needs images of at least {min_size} x {min_size} pixels, got {width} x {height}.")
+    return luma
+
+
+def _per_image_reward(name: str, score: Callable[[Image.Image], float]) -> RewardFunc:
+    """A reward named ``name`` that scores each image with ``score`` and ignores the prompt."""
+
+    def reward(prompts: Sequence[str], images: Sequence[Image.Image], **kwargs: Any) -> list[float]:
+        check_pairs(prompts, images)
+        return [score(image) for image in images]
+
+    reward.__name__ = reward.__qualname__ = name
+    return reward
 
 
 def named_color(prompt: str) -> str | None:
@@ -64,12 +85,7 @@ def prompt_color() -> RewardFunc:
 @register_reward("brightness")
 def brightness() -> RewardFunc:
     """Mean luminance of the image in [0, 1] (BT.601 luma); the prompt is ignored. A sanity-check reward."""
-
-    def brightness(prompts: Sequence[str], images: Sequence[Image.Image], **kwargs: Any) -> list[float]:
-        check_pairs(prompts, images)
-        return [float((_pixels(image) @ _LUMA_WEIGHTS).mean()) for image in images]
-
-    return brightness
+    return _per_image_reward("brightness", lambda image: float(_luma(image).mean()))
 
 
 def high_frequency_energy(image: Image.Image) -> float:
@@ -78,10 +94,8 @@ def high_frequency_energy(image: Image.Image) -> float:
     The part of the image a 3 x 3 box blur removes: 0 for a flat image, 4/9 for a one-pixel checkerboard of black
     and white. Border pixels, which lack a full neighbourhood, are left out.
     """
-    luma = _pixels(image) @ _LUMA_WEIGHTS
+    luma = _luma(image, "high_frequency", min_size=3)
     height, width = luma.shape
-    if height < 3 or width < 3:
-        raise ValueError(f"high_frequency needs images of at least 3 x 3 pixels, got {width} x {height}.")
     box = sum(luma[i : height - 2 + i, j : width - 2 + j] for i in range(3) for j in range(3)) / 9.0
     return float(np.abs(luma[1:-1, 1:-1] - box).mean())
 
@@ -94,12 +108,7 @@ def high_frequency() -> RewardFunc:
     denoising steps, so this is the demo's second task (``trl-jagg bench quality --task detail``): a rollout whose
     trained steps are only the first, high-noise ones must reach it through the shared weights.
     """
-
-    def high_frequency(prompts: Sequence[str], images: Sequence[Image.Image], **kwargs: Any) -> list[float]:
-        check_pairs(prompts, images)
-        return [high_frequency_energy(image) for image in images]
-
-    return high_frequency
+    return _per_image_reward("high_frequency", high_frequency_energy)
 
 
 def horizontal_detail_energy(image: Image.Image) -> float:
@@ -108,10 +117,7 @@ def horizontal_detail_energy(image: Image.Image) -> float:
     Horizontal edges and stripes score (1 for one-pixel rows alternating black and white), vertical ones count
     against (-1 for such columns); a flat image or an isotropic texture scores about 0.
     """
-    luma = _pixels(image) @ _LUMA_WEIGHTS
-    height, width = luma.shape
-    if height < 2 or width < 2:
-        raise ValueError(f"horizontal_detail needs images of at least 2 x 2 pixels, got {width} x {height}.")
+    luma = _luma(image, "horizontal_detail", min_size=2)
     return float(np.abs(np.diff(luma, axis=0)).mean() - np.abs(np.diff(luma, axis=1)).mean())
 
 
@@ -121,12 +127,7 @@ def horizontal_detail() -> RewardFunc:
     prompt is ignored.
 
     The third task of ``trl-jagg bench quality`` (``--task stripes``): unlike ``high_frequency`` it is far from its
-    ceiling on the demo's model (about +0.005 before training, against 1 for the ideal image), so no objective
+    ceiling on the demo's model (about +0.001 before training, against 1 for the ideal image), so no objective
     saturates it within the race's 100 steps.
     """
-
-    def horizontal_detail(prompts: Sequence[str], images: Sequence[Image.Image], **kwargs: Any) -> list[float]:
-        check_pairs(prompts, images)
-        return [horizontal_detail_energy(image) for image in images]
-
-    return horizontal_detail
+    return _per_image_reward("horizontal_detail", horizontal_detail_energy)
