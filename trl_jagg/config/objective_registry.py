@@ -129,7 +129,10 @@ register_objective(
     )
 )
 
-GRPO_ONLY_REFUSED = {
+FORWARD_PROCESS_REFUSED = {
+    "sde_window_size": "its rollouts are deterministic ODE: set it to 0.",
+    "drop_zero_advantages": "it trains a zero-advantage sample too: set it to False.",
+    "ratio_normalization": "it has no sampler-step ratio: set it to False.",
     "sampler": "its rollouts are a deterministic ODE, with no SDE sampler: leave it at its default.",
     "noise_level": "its rollouts are a deterministic ODE, with no SDE noise: leave it at its default.",
     "train_timesteps": "it draws its own trained timesteps (its *_num_train_timesteps or train_timestep_fraction "
@@ -142,8 +145,9 @@ GRPO_ONLY_REFUSED = {
     "jagg_cache_tolerance": "the velocity cache serves GRPO trajectories only: leave it at its default.",
     "jagg_probe_steps": "jagg_frac='auto' (the probe) is GRPO's: leave it at its default.",
 }
-"""GRPO's settings that no forward-process objective reads (its rollout is an ODE, its update trains forward-noised
-clean samples): a value other than the default is refused, instead of being ignored in silence."""
+"""The GRPO settings a forward-process objective (DiffusionNFT, AWM, DGPO) never reads (its rollout is an ODE, its
+update trains forward-noised clean samples): a value other than the default is refused, not ignored in silence.
+``sde_window_size`` first: with a window, the message names it rather than the ``train_timesteps`` it needs."""
 
 register_objective(
     ObjectiveSpec(
@@ -156,10 +160,8 @@ register_objective(
         fields=("nft_beta", "nft_decay_type"),
         also_reads=("train_timestep_fraction",),
         refused={
-            "sde_window_size": "NFT rollouts are deterministic ODE: set it to 0.",
+            **FORWARD_PROCESS_REFUSED,
             "drop_zero_advantages": "NFT trains a zero-advantage sample too (optimality 1/2): set it to False.",
-            "ratio_normalization": "NFT has no PPO ratio: set it to False.",
-            **GRPO_ONLY_REFUSED,
             "epsilon": "it has no ratio to clip (its loss is bounded by its optimality weights): leave it at its "
             "default.",
             "epsilon_high": "it has no ratio to clip: leave it at its default.",
@@ -180,14 +182,6 @@ register_objective(
         tags=("diffusion-nft",),
     )
 )
-
-FORWARD_PROCESS_REFUSED = {
-    "sde_window_size": "its rollouts are deterministic ODE: set it to 0.",
-    "drop_zero_advantages": "it trains a zero-advantage sample too: set it to False.",
-    "ratio_normalization": "it has no sampler-step ratio: set it to False.",
-    **GRPO_ONLY_REFUSED,
-}
-"""The GRPO-only settings a forward-process objective (AWM, DGPO) cannot serve."""
 
 register_objective(
     ObjectiveSpec(
