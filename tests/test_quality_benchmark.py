@@ -18,16 +18,13 @@ from trl_jagg.benchmarks.quality import (
     TrainingCPUClock,
     TrainingWork,
     evaluation_steps,
-    markdown_table,
     milestones,
     plot_quality,
     run_order,
     run_record,
-    summarize,
-    time_to_reward,
-    time_to_reward_table,
     variant_overrides,
 )
+from trl_jagg.benchmarks.race import markdown_table, paired_race, summarize, time_to_reward, time_to_reward_table
 from trl_jagg.core.sde_window import compressed_path, sde_window
 from trl_jagg.demo.run import DEMO_NUM_INFERENCE_STEPS, demo_config
 
@@ -295,3 +292,26 @@ def test_bench_quality_detail_task_reports_the_time_to_exacts_reward(tmp_path):
         assert entry["cpu_s"] == [run["cpu_s"][reached[0] - 1] if reached else None]
     with pytest.raises(ValueError, match="task"):
         main([*argv, "texture"])
+
+
+def test_paired_race_takes_each_seed_against_its_own_reference_run_and_a_target_over_its_last_evaluations():
+    def run(variant, seed, rewards, cpu):  # evaluations at steps 10, 20, 30; CPU seconds at those steps
+        return {"variant": variant, "seed": seed, "step": [10, 20, 30], "cpu_s": cpu,
+                "eval": {str(s): {"reward": r} for s, r in zip((10, 20, 30), rewards)}}  # fmt: skip
+
+    runs = [
+        run("exact", 0, [0.1, 0.2, 0.3], [10.0, 20.0, 30.0]),
+        run("exact", 1, [0.0, 0.2, 0.4], [12.0, 24.0, 36.0]),
+        run("fast", 0, [0.25, 0.3, 0.5], [2.0, 4.0, 6.0]),
+        run("fast", 1, [0.1, 0.1, 0.1], [3.0, 6.0, 9.0]),  # never reaches the target
+    ]
+    table = paired_race(runs, last_evaluations=2)
+    # The target: the reference's last two evaluations over both seeds, (0.2 + 0.3 + 0.2 + 0.4) / 4.
+    assert table["target_eval_reward"] == pytest.approx(0.275) and table["target_steps"] == [20, 30]
+    fast = table["variants"]["fast"]
+    # Seed 0 reaches 0.275 at step 20 (4 CPU s), against its own exact run's 30 s to the end; seed 1 never does.
+    assert fast["cpu_s"] == [4.0, None] and fast["ratio"] == [pytest.approx(7.5), None]
+    assert fast["min"] is None and fast["max"] == pytest.approx(7.5) and fast["median"] is None
+    assert fast["final_mean"] == pytest.approx(0.3)
+    exact = table["variants"]["exact"]  # seed 0 at step 30 (30 s of 30), seed 1 at step 30 (36 s of 36)
+    assert exact["ratio"] == [pytest.approx(1.0), pytest.approx(1.0)] and exact["min"] == pytest.approx(1.0)
