@@ -49,8 +49,7 @@ lint: $(VENV)/.installed
 docs: $(VENV)/.installed
 	$(PY) docs/generate_config_reference.py
 	$(PY) docs/make_jagg_figure.py
-	$(PY) -m trl_jagg.scripts.train_snapshot
-	$(PY) -m trl_jagg.scripts.example_snapshot
+	$(PY) -m trl_jagg.scripts.snapshots
 
 bench: $(VENV)/.installed
 	HF_HUB_OFFLINE=1 $(VENV)/bin/trl-jagg bench --output_dir runs/bench

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from trl_jagg.scripts import cli, train, train_snapshot
+from trl_jagg.scripts import cli, snapshots, train, train_snapshot
 
 HEAVY = ("trl", "transformers", "diffusers", "peft")
 
@@ -45,9 +45,9 @@ def probe(argvs: list[list[str]], tmp_path) -> list[dict]:
 def test_the_snapshot_is_current():
     """The file answers only while it matches the parser; a stale one makes ``train`` slow, not wrong."""
     assert train_snapshot.load_snapshot() is not None, (
-        "trl_jagg/scripts/train_parser.json is stale: run `python -m trl_jagg.scripts.train_snapshot`"
+        "trl_jagg/scripts/train_parser.json is stale: run `python -m trl_jagg.scripts.snapshots`"
     )
-    saved, built = train_snapshot.load_snapshot(), train_snapshot.build_snapshot()
+    saved, built = train_snapshot.load_snapshot(), snapshots.build_train_snapshot()
     assert saved["options"] == built["options"] and saved["help"] == built["help"]
 
 

@@ -384,13 +384,13 @@ def test_the_snapshot_prints_the_full_parsers_help(name, monkeypatch):
 
 def test_the_example_snapshot_is_current(tmp_path):
     """The file answers only while it matches the parser and the examples' own flags; a stale one makes the examples
-    slow, not wrong: rebuild it with `python -m trl_jagg.scripts.example_snapshot`."""
-    from trl_jagg.scripts import example_snapshot, train_snapshot
+    slow, not wrong: rebuild it with `python -m trl_jagg.scripts.snapshots`."""
+    from trl_jagg.scripts import example_snapshot, snapshots, train_snapshot
     from trl_jagg.scripts.examples import ScriptArguments
 
     saved = train_snapshot.load_snapshot(example_snapshot.SNAPSHOT_PATH)
     assert saved is not None, "trl_jagg/scripts/example_parser.json is stale"
-    built = example_snapshot.build_snapshot()
+    built = snapshots.build_example_snapshot()
     assert saved["config"] == built["config"] and saved["arguments"] == built["arguments"]
     stale = tmp_path / "example_parser.json"
     stale.write_text(json.dumps({**saved, "key": "0" * 64}))

@@ -227,3 +227,97 @@ def test_modules_stay_small_and_tools_stay_out_of_the_root():
     assert {name: n for name, n in lengths.items() if n > 700} == {}
     root = {p.stem for p in PACKAGE.glob("*.py")}
     assert not root & {"tiny_models", "benchmark", "trainer_benchmark", "demo"}
+
+
+def _module_of(name: str, modules: set[str]) -> str | None:
+    """The package module an imported name lives in: ``trl_jagg.a.b.f`` is ``trl_jagg.a.b`` when that is a module
+    (else ``trl_jagg.a``, a package's ``__init__``); ``None`` outside the package."""
+    while name not in modules:
+        if "." not in name:
+            return None
+        name = name.rsplit(".", 1)[0]
+    return name
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Each package module and the package modules it imports, from :func:`_imports` (so also the imports inside
+    functions, where a circle hides from the interpreter until the function runs)."""
+    paths = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    modules = set(paths)
+    return {
+        module: {m for m in (_module_of(n, modules) for n in _imports(path)) if m not in (None, module)}
+        for module, path in paths.items()
+    }
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles of ``graph``: its strongly connected components of more than one module (Tarjan's
+    algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, edges = work[-1]
+            child = next(edges, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    circles.append(sorted(component))
+    return circles
+
+
+def test_no_import_circle_in_the_package():
+    """No module reaches itself through the package's imports, those inside functions included: a circle is two
+    modules that cannot be understood (or moved) one without the other."""
+    assert _circles(_import_graph()) == []
+
+
+def test_the_circle_finder_finds_circles():
+    # The test above must be able to fail: a three-module circle beside a chain and a self-contained module.
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"d"}}
+    assert _circles(graph) == [["a", "b", "c"]]
+
+
+def test_no_function_of_the_config_is_above_ruffs_default_complexity():
+    """Each field group owns its check (issue 40): no check grows back into one branchy function. Ruff's C901 at its
+    default threshold (10), the rule ``make lint`` also applies to ``trl_jagg/config``."""
+    import subprocess
+
+    ruff = Path(sys.executable).with_name("ruff")  # the [dev] extra's, which `make test` installs
+
+    proc = subprocess.run(
+        [str(ruff), "check", "--isolated", "--select", "C901", "--output-format", "concise", str(PACKAGE / "config")],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
