@@ -106,7 +106,7 @@ def test_bench_command_runs(tmp_path):
     ("kwargs", "name"),
     [({"group_sizes": (0,)}, "group_sizes"), ({"repeats": 0}, "repeats"), ({"num_generations": 3}, "num_generations")],
 )
-def test_bad_input_raises(tmp_path, kwargs, name):
+def test_engine_benchmark_refuses_bad_input_naming_the_field(tmp_path, kwargs, name):
     with pytest.raises(ValueError, match=name):
         run_engine_benchmark(tmp_path, **{**TINY, **kwargs})
 

@@ -321,3 +321,16 @@ def test_no_function_of_the_config_is_above_ruffs_default_complexity():
         text=True,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_every_test_name_is_used_once():
+    """A test name in two files reads as one test in a report (`-k`, `--durations`) and hid twice-written family
+    tests before the common matrix (issue 40)."""
+    import collections
+
+    names = collections.Counter(
+        match
+        for path in (PACKAGE.parent / "tests").rglob("test_*.py")
+        for match in re.findall(r"^def (test_\w+)", path.read_text(), flags=re.MULTILINE)
+    )
+    assert {name: n for name, n in names.items() if n > 1} == {}

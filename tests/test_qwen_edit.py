@@ -241,7 +241,7 @@ def test_edit_plus_evaluates_rows_of_different_image_counts(tiny_qwenimage_edit_
         assert np.abs(np.asarray(ours, np.int16) - np.asarray(theirs, np.int16)).max() <= 1  # uint8 rounding only
 
 
-def test_w2_jagg_gradient_equals_exact(request, variant, tmp_path):
+def test_edit_w2_jagg_gradient_equals_exact(request, variant, tmp_path):
     assert_w2_jagg_equals_exact(make_trainer(edit_path(request, variant), variant, tmp_path, num_inference_steps=5))
 
 

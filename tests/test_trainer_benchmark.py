@@ -81,7 +81,7 @@ def test_peak_memory_sees_a_large_allocation():
 
 @pytest.mark.parametrize(("kwargs", "name"), [({"group_sizes": (0,)}, "group_sizes"), ({"repeats": 0}, "repeats"),
                                               ({"resolution": 40}, "resolution"), ({"batch": 3}, "batch")])  # fmt: skip
-def test_bad_input_raises(tmp_path, kwargs, name):
+def test_trainer_benchmark_refuses_bad_input_naming_the_field(tmp_path, kwargs, name):
     with pytest.raises(ValueError, match=name):
         run_trainer_benchmark(str(tmp_path), **kwargs)
 

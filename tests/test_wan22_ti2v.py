@@ -65,7 +65,7 @@ def test_rollout_at_noise_level_0_is_the_pipeline_loop_with_per_token_timesteps(
     assert torch.equal(per_token, torch.tensor([[1000.0] * 8, [500.0] * 8]))
 
 
-def test_w2_jagg_gradient_equals_exact(tiny_wan22_ti2v_path, tmp_path):
+def test_ti2v_w2_jagg_gradient_equals_exact(tiny_wan22_ti2v_path, tmp_path):
     """5 steps, 4 trained: for W = 2 the joint backward equals the sum of the per-step gradients."""
     assert_w2_jagg_equals_exact(ti2v_trainer(tiny_wan22_ti2v_path, tmp_path, num_inference_steps=5))
 
